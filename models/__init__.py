@@ -1,0 +1,1 @@
+"""Reference models used by pscompile's tests, benchmarks and CLI (no pscompile imports here)."""

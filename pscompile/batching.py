@@ -1,0 +1,53 @@
+"""Calling a model on a batch and turning its output into a scalar loss (shared by all modes)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def signature(batch: Any) -> tuple:
+    """Shapes and dtypes of the batch's tensors: iterations with equal signatures share a plan."""
+    leaves, spec = tree_flatten(batch)
+    return (str(spec),) + tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """tuple/list -> model(*batch); dict -> model(**batch); anything else -> model(batch)."""
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(batch)
+
+
+def extract_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """A scalar loss from the model output: ``loss_fn(output, batch)``, the output itself, or its
+    ``loss`` entry / attribute."""
+    if loss_fn is not None:
+        loss = loss_fn(output, batch)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    else:
+        raise ValueError(
+            f"the model returned {type(output).__name__}, not a scalar loss; return the loss, an object "
+            "or dict with a 'loss' entry, or pass loss_fn=lambda output, batch: ... to compile()")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
+                         "in the model or in loss_fn")
+    return loss.reshape(())

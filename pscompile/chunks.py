@@ -1,0 +1,196 @@
+"""ChunkStore: the four chunk lists of a model and where each chunk lives right now.
+
+- param chunks (compute dtype): every chunk has a home buffer on the HOST tier; the DEVICE tier
+  holds a cached copy while the chunk is resident. ``dirty`` marks a device copy that is newer
+  than the host copy (gradients were written into it, or the optimizer updated it there); evicting
+  a clean chunk costs no copy. After a parameter's last backward use its gradient overwrites it in
+  place (PatrickStar's grad-reuses-param-chunk trick).
+- optimizer-state chunks (fp32 master, exp_avg, exp_avg_sq): each chunk's three buffers live on
+  one tier for the whole run (device-aware placement), where that chunk's update runs.
+
+Every copy between tiers goes through ``Link`` and is counted.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .layout import ChunkLayout
+from .tiers import Link, SlotPool, Tier
+
+_HOST = torch.device("cpu")
+
+
+class ChunkStore:
+    def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
+                 os_on_device: frozenset[int] = frozenset()):
+        self.layout = layout
+        self.device = device
+        self.dtype = dtype
+        self.link = link
+        cs = layout.chunk_size
+        pin = device.type == "cuda"
+        self.dev_param_pool = SlotPool(Tier.DEVICE, device, dtype, cs)
+        self.host_param_pool = SlotPool(Tier.HOST, _HOST, dtype, cs, pin=pin)
+        self.dev_os_pool = SlotPool(Tier.DEVICE, device, torch.float32, cs)
+        self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, cs, pin=pin)
+        n = layout.num_chunks
+        self.host_param = [self.host_param_pool.acquire(zero=True) for _ in range(n)]
+        self.dev_param: list[torch.Tensor | None] = [None] * n
+        self.dirty = [False] * n
+        self.os_tier = [Tier.DEVICE if c in os_on_device else Tier.HOST for c in range(n)]
+        self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        for c in range(n):
+            pool = self.dev_os_pool if self.os_tier[c] is Tier.DEVICE else self.host_os_pool
+            self.master.append(pool.acquire(zero=True))
+            self.exp_avg.append(pool.acquire(zero=True))
+            self.exp_avg_sq.append(pool.acquire(zero=True))
+        self._slot_chunk: dict[int, int] = {}   # device buffer storage ptr -> chunk id
+
+    def place_optimizer_states(self, on_device) -> None:
+        """Device-aware placement: the optimizer states of the chunks in ``on_device`` live on the
+        device, the rest on the host. Moves happen here only (placement time, not in a step)."""
+        on_device = set(on_device)
+        for c in range(self.layout.num_chunks):
+            want = Tier.DEVICE if c in on_device else Tier.HOST
+            if self.os_tier[c] is want:
+                continue
+            src_pool, dst_pool = ((self.host_os_pool, self.dev_os_pool) if want is Tier.DEVICE
+                                  else (self.dev_os_pool, self.host_os_pool))
+            for lst in (self.master, self.exp_avg, self.exp_avg_sq):
+                buf = dst_pool.acquire()
+                buf.copy_(lst[c])
+                src_pool.release(lst[c])
+                lst[c] = buf
+            self.os_tier[c] = want
+
+    # ---- filling -------------------------------------------------------------------------
+    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Copy full-precision parameter values into master chunks and compute-dtype chunks."""
+        for e in self.layout.entries:
+            flat = params[e.fqn].detach().reshape(-1)
+            for p in e.pieces:
+                src = flat[p.tensor_offset:p.tensor_offset + p.numel]
+                self.master[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(src)
+        for c in range(self.layout.num_chunks):
+            self.drop(c)
+            self.host_param[c].copy_(self.master[c])
+
+    # ---- residency -----------------------------------------------------------------------
+    def resident(self, c: int) -> bool:
+        return self.dev_param[c] is not None
+
+    def resident_chunks(self) -> list[int]:
+        return [c for c, b in enumerate(self.dev_param) if b is not None]
+
+    def fetch(self, c: int) -> torch.Tensor:
+        """Copy chunk ``c`` host -> device (it must not be resident)."""
+        assert self.dev_param[c] is None, f"chunk {c} is already on the device"
+        buf = self.dev_param_pool.acquire()
+        self.link.copy(buf, self.host_param[c], "h2d")
+        self.link.traffic.num_fetches += 1
+        self.dev_param[c] = buf
+        self.dirty[c] = False
+        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
+        return buf
+
+    def evict(self, c: int) -> None:
+        """Give up the device copy of ``c``, copying it home first only if it is dirty."""
+        buf = self.dev_param[c]
+        assert buf is not None, f"chunk {c} is not on the device"
+        if self.dirty[c]:
+            self.link.copy(self.host_param[c], buf, "d2h")
+        self.link.traffic.num_evictions += 1
+        self.drop(c)
+
+    def drop(self, c: int) -> None:
+        """Forget the device copy without copying (the host copy is, or is made, the truth)."""
+        buf = self.dev_param[c]
+        if buf is not None:
+            del self._slot_chunk[buf.untyped_storage().data_ptr()]
+            self.dev_param_pool.release(buf)
+            self.dev_param[c] = None
+            self.dirty[c] = False
+
+    def chunk_of_storage(self, storage_ptr: int) -> int | None:
+        """Chunk id whose device buffer has this storage pointer (None if not a device chunk)."""
+        return self._slot_chunk.get(storage_ptr)
+
+    def is_model_storage(self, storage_ptr: int) -> bool:
+        return any(pool.owns(storage_ptr) for pool in
+                   (self.dev_param_pool, self.host_param_pool, self.dev_os_pool, self.host_os_pool))
+
+    @property
+    def param_chunk_bytes(self) -> int:
+        return self.dev_param_pool.slot_bytes
+
+    @property
+    def os_chunk_bytes(self) -> int:
+        return 3 * self.dev_os_pool.slot_bytes
+
+    def device_model_bytes(self) -> int:
+        return self.dev_param_pool.bytes_in_use + self.dev_os_pool.bytes_in_use
+
+    def host_model_bytes(self) -> int:
+        return self.host_param_pool.bytes_in_use + self.host_os_pool.bytes_in_use
+
+    # ---- reading and writing parameters ----------------------------------------------------
+    def current(self, c: int) -> torch.Tensor:
+        """The authoritative copy of param chunk ``c`` (device copy if resident)."""
+        buf = self.dev_param[c]
+        return buf if buf is not None else self.host_param[c]
+
+    def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
+        """Write ``src`` (flat, compute dtype, on the device) into chunk ``c`` where it lives."""
+        buf = self.dev_param[c]
+        if buf is not None:
+            buf[offset:offset + src.numel()].copy_(src)
+            self.dirty[c] = True
+        else:
+            self.link.copy(self.host_param[c][offset:offset + src.numel()], src, "d2h")
+
+    def bring_to_os_tier(self, c: int) -> torch.Tensor:
+        """Make the param chunk available where its optimizer states live; return that buffer."""
+        if self.os_tier[c] is Tier.DEVICE:
+            return self.dev_param[c] if self.resident(c) else self.fetch(c)
+        if self.resident(c):
+            self.evict(c)
+        return self.host_param[c]
+
+    def mark_updated(self, c: int) -> None:
+        """The optimizer wrote new params into the copy ``bring_to_os_tier`` returned."""
+        if self.os_tier[c] is Tier.DEVICE:
+            self.dirty[c] = True
+
+    def restore_from_master(self, c: int) -> None:
+        """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""
+        if self.os_tier[c] is Tier.DEVICE and self.resident(c):
+            self.dev_param[c].copy_(self.master[c])
+            self.dirty[c] = True
+            return
+        self.drop(c)
+        if self.os_tier[c] is Tier.DEVICE:
+            self.link.copy(self.host_param[c], self.master[c], "d2h")
+        else:
+            self.host_param[c].copy_(self.master[c])
+
+    def gather(self, which: str, fqn: str) -> torch.Tensor:
+        """A CPU fp32 (or compute dtype for ``which='param'``) copy of one tensor from a chunk list."""
+        e = self.layout.entry(fqn)
+        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        out = torch.empty(e.numel, dtype=self.dtype if which == "param" else torch.float32)
+        for p in e.pieces:
+            src = self.current(p.chunk) if which == "param" else lists[which][p.chunk]
+            out[p.tensor_offset:p.tensor_offset + p.numel].copy_(src[p.chunk_offset:p.chunk_offset + p.numel])
+        return out.view(e.shape)
+
+    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
+        """Write one tensor into an optimizer-state chunk list (used by load_state_dict)."""
+        e = self.layout.entry(fqn)
+        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        flat = value.detach().reshape(-1)
+        for p in e.pieces:
+            lists[which][p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(
+                flat[p.tensor_offset:p.tensor_offset + p.numel])

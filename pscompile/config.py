@@ -1,0 +1,117 @@
+"""User-facing configuration: ``Config`` (memory, device, mode) and ``AdamW`` (the optimizer).
+
+Both are frozen dataclasses that validate in ``__post_init__`` and raise ``ValueError`` naming
+the field and the values that would work. Sizes accept bytes (int) or strings ("512MiB").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .units import parse_rate, parse_size
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MODES = ("compiled", "hooks")
+_BACKENDS = ("inductor", "eager")
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Config:
+    """How pscompile places and moves model data. See DESIGN.md, "Public API"."""
+
+    device: str | None = None          # compute device: "cuda", "cuda:1", "cpu"; None = cuda if available
+    device_memory: int | str | None = None  # budget for everything on the compute device; None = see DESIGN
+    host_memory: int | str | None = None    # budget for chunks in host RAM; None = 80% of available RAM
+    disk_dir: str | None = None        # folder for the disk tier (not used by the foundation runtime yet)
+    chunk_size: int | str = "auto"     # elements per chunk, or "auto" (least padding waste)
+    dtype: torch.dtype = torch.bfloat16  # compute dtype; master weights and Adam states are fp32
+    mode: str = "compiled"             # "compiled" (FX + passes + torch.compile) | "hooks" (runtime hooks)
+    backend: str = "inductor"          # compiled mode only: "inductor" | "eager"
+    link_bandwidth: int | str | None = None  # CPU only: emulate a slow device<->host link, e.g. "50MB/s"
+    initial_loss_scale: float = 2.0**16      # float16 only: starting dynamic loss scale
+    loss_scale_growth_interval: int = 2000   # float16 only: steps without overflow before doubling
+
+    def __post_init__(self):
+        set_ = object.__setattr__.__get__(self)
+        device = self.device if self.device is not None else default_device()
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available on this machine; use device='cpu'")
+        set_("device", str(dev))
+        if self.device_memory is not None:
+            set_("device_memory", parse_size(self.device_memory, "device_memory"))
+            if self.device_memory == 0:
+                raise ValueError("device_memory=0 leaves no room for anything; give a budget like '256MiB' or None")
+        if self.host_memory is not None:
+            set_("host_memory", parse_size(self.host_memory, "host_memory"))
+        if self.chunk_size != "auto":
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+                raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive number of elements or 'auto'")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
+        if self.mode not in _MODES:
+            raise ValueError(f"mode={self.mode!r} is not a mode; use one of {_MODES}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not a backend; use one of {_BACKENDS}")
+        if self.link_bandwidth is not None:
+            if dev.type != "cpu":
+                raise ValueError("link_bandwidth emulates a slow link on the CPU only; leave it None on CUDA")
+            set_("link_bandwidth", parse_rate(self.link_bandwidth, "link_bandwidth"))
+        if not self.initial_loss_scale > 0:
+            raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
+        if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):
+            raise ValueError(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a positive int")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """AdamW hyper-parameters with exactly ``torch.optim.AdamW`` semantics (decoupled weight
+    decay applied to every parameter, bias correction), run chunk by chunk on fp32 master weights."""
+
+    lr: float = 1e-3                    # learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # exp_avg / exp_avg_sq decay rates
+    eps: float = 1e-8                   # denominator term
+    weight_decay: float = 0.01          # decoupled weight decay (torch.optim.AdamW default)
+    max_grad_norm: float | None = None  # clip the global gradient 2-norm to this value; None = no clipping
+
+    def __post_init__(self):
+        if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
+            raise ValueError(f"lr={self.lr!r} must be a number >= 0, e.g. 3e-4")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise ValueError(f"betas={self.betas!r} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
+            raise ValueError(f"eps={self.eps!r} must be a number >= 0, e.g. 1e-8")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be a number >= 0, e.g. 0.1")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number or None")

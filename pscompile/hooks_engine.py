@@ -1,0 +1,603 @@
+"""Hooks mode: PatrickStar's runtime design on pscompile's chunks, tiers and optimizer.
+
+Module pre-/post-forward hooks access and release the parameters a module owns; backward
+accesses a chunk when an autograd node unpacks a saved parameter view (a saved-tensor hook keeps
+a reference to the chunk instead of the memory, so the chunk may move between forward and
+backward), and a post-accumulate-grad hook writes each gradient into its parameter's own chunk
+space. Tensor states (FREE / COMPUTE / HOLD / HOLD_AFTER_FWD / HOLD_AFTER_BWD) decide which
+chunks may move.
+
+A trace pass (forward + backward, no update, dropout RNG and buffers restored) keeps only the
+chunks in COMPUTE on the device, records every moment's chunk needs and the non-model memory
+until the next moment, and so gives the smallest budget the model can run in. Every step after
+it replays those moments and evicts the resident chunk used farthest in the future.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .access_plan import AccessPlan, Moment
+from .batching import LossFn, call_model, extract_loss, signature, to_device
+from .chunks import ChunkStore
+from .config import AdamW, Config, available_host_bytes
+from .layout import ChunkLayout, build_layout, search_chunk_size
+from .optimizer import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
+from .order import direct_params, first_use_order
+from .states import ChunkPlacement, TensorState, chunk_placement
+from .stats import StepStats
+from .tiers import Link, Tier
+from .tracker import NonModelTracker
+from .units import format_bytes
+
+# Bytes of device temporaries one optimizer chunk update needs, per element: the fp32 upcast of
+# the gradient plus the fp32 temporary of the norm.
+_OPT_TEMP_BYTES_PER_ELEMENT = 8
+
+
+@dataclass(frozen=True)
+class _ChunkRef:
+    """A saved-for-backward view of a parameter, kept as a reference into its chunk."""
+
+    chunk: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Pass:
+    """Mutable state of one forward+backward pass (trace or run)."""
+
+    tracing: bool
+    tracker: NonModelTracker
+    plan: AccessPlan | None = None
+    moment: int = 0
+    recorded: list[Moment] = field(default_factory=list)
+    pins: Counter = field(default_factory=Counter)
+    bwd_node: Any = None
+    bwd_chunks: list[int] = field(default_factory=list)
+    grad_written: set[str] = field(default_factory=set)
+
+
+class BudgetError(ValueError):
+    """The device budget cannot hold what one moment of the iteration needs."""
+
+
+class HooksEngine:
+    def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
+                 loss_fn: LossFn | None = None):
+        self.config = config
+        self.hp = optimizer
+        self.model = model
+        self.loss_fn = loss_fn
+        self.device = config.torch_device
+        self.dtype = config.dtype
+        self.budget: int | None = config.device_memory
+        if self.budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            self.budget = int(free * 0.9)
+        batch = to_device(batch, self.device)
+
+        # -- parameters, names, first-use order, layout -------------------------------------
+        params_in_order, self.order_source = first_use_order(model, self._run_model, batch)
+        names: dict[int, list[str]] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(fqn)
+        self.params: dict[str, nn.Parameter] = {}
+        self._fqn_of: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for p in params_in_order:
+            canonical, *others = names[id(p)]
+            self.params[canonical] = p
+            self._fqn_of[id(p)] = canonical
+            aliases.update({o: canonical for o in others})
+        if not self.params:
+            raise ValueError("the model has no parameters; pscompile manages parameters in chunks")
+        for fqn, p in self.params.items():
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"parameter {fqn} has dtype {p.dtype}; only floating-point parameters are supported")
+        self.layout = self._make_layout(aliases)
+        self._module_params = {name: [self._fqn_of[id(p)] for _, p in own]
+                               for name, own in direct_params(model).items()}
+
+        # -- chunk store, optimizer, host budget --------------------------------------------
+        self.link = Link(config.link_bandwidth)
+        self.store = ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
+        host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
+        host_need = self.layout.num_chunks * (self.store.param_chunk_bytes + self.store.os_chunk_bytes)
+        if host_need > host_budget:
+            raise ValueError(
+                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks: they need "
+                f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param); give "
+                f"host_memory >= {host_need} (the disk tier is not available yet)")
+        with torch.no_grad():
+            self.store.load_params({f: p.detach() for f, p in self.params.items()})
+        self.adam = ChunkAdamW(optimizer)
+        self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
+                       if self.dtype == torch.float16 else None)
+        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        for fqn, p in self.params.items():
+            p.requires_grad_(True)
+            p.data = self._dummy.expand(p.shape)
+        self._move_buffers()
+        self.states = {fqn: TensorState.HOLD for fqn in self.params}
+
+        # -- hooks, trace pass, optimizer-state placement -----------------------------------
+        self._pass: _Pass | None = None
+        self._handles = self._install_hooks()
+        self._traces: dict[tuple, AccessPlan] = {}   # batch signature -> forward/backward moments
+        self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
+        self.stats: StepStats | None = None
+        self._plan_for(batch)
+
+    # ================================================================ setup helpers
+    def _make_layout(self, aliases: dict[str, str]) -> ChunkLayout:
+        numels = [p.numel() for p in self.params.values()]
+        cs = self.config.chunk_size
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        if cs == "auto":
+            cap = None if self.budget is None else max(1024, self.budget // (elsize * 8))
+            choice = search_chunk_size(numels, max_chunk_size=cap)
+            cs = choice.chunk_size
+        return build_layout(((f, tuple(p.shape)) for f, p in self.params.items()), cs, aliases)
+
+    def _move_buffers(self) -> None:
+        for mod in self.model.modules():
+            for name, buf in list(mod.named_buffers(recurse=False)):
+                if buf.device != self.device:
+                    persistent = name not in mod._non_persistent_buffers_set
+                    mod.register_buffer(name, buf.to(self.device), persistent=persistent)
+
+    def _install_hooks(self) -> list:
+        handles = []
+        for name, mod in self.model.named_modules(remove_duplicate=False):
+            if name not in self._module_params:
+                continue
+            fqns = self._module_params[name]
+            handles.append(mod.register_forward_pre_hook(
+                lambda m, args, n=name, f=fqns: self._pre_forward(n, f)))
+            handles.append(mod.register_forward_hook(
+                lambda m, args, out, n=name, f=fqns: self._post_forward(n, f)))
+        for p in self.params.values():
+            handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        return handles
+
+    def close(self) -> None:
+        """Remove the hooks from the model (the engine cannot step afterwards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ================================================================ moments
+    def _chunks_of(self, fqns) -> tuple[int, ...]:
+        out: list[int] = []
+        for f in fqns:
+            for c in self.layout.entry(f).chunks:
+                if c not in out:
+                    out.append(c)
+        return tuple(out)
+
+    def _moment(self, kind: str, label: str, need: tuple[int, ...]) -> None:
+        """A decision point: make room under the budget and fetch ``need``."""
+        ps = self._pass
+        if ps is None:
+            return
+        i = ps.moment
+        ps.moment += 1
+        store = self.store
+        with ps.tracker.paused():
+            if ps.tracing:
+                if ps.recorded:
+                    self._close_window(ps)
+                for c in store.resident_chunks():      # keep only what is computing or needed
+                    if ps.pins[c] == 0 and c not in need:
+                        store.evict(c)
+                for c in need:
+                    if not store.resident(c):
+                        store.fetch(c)
+                pinned = {c for c, n in ps.pins.items() if n > 0} | set(need)
+                ps.recorded.append(Moment(kind, label, need, 0, len(pinned) * store.param_chunk_bytes))
+            else:
+                plan = ps.plan
+                if i >= len(plan.moments) or (plan.moments[i].kind, plan.moments[i].label) != (kind, label):
+                    expected = plan.describe(i) if i < len(plan.moments) else "the end of the iteration"
+                    raise RuntimeError(
+                        f"hooks mode: this iteration left the traced access order at moment {i}: expected "
+                        f"{expected}, got ({kind} {label}); data-dependent control flow changes which "
+                        "parameters are used; give such batches a different shape or use a fixed path")
+                self._make_room(plan, i, need)
+                for c in need:
+                    if not store.resident(c):
+                        store.fetch(c)
+        ps.tracker.start_window()
+        ps.tracker.sample_now()
+
+    def _make_room(self, plan: AccessPlan, i: int, need: tuple[int, ...]) -> None:
+        if self.budget is None:
+            return
+        store = self.store
+        capacity = self.budget - plan.moments[i].nonmodel_peak
+        incoming = sum(store.param_chunk_bytes for c in need if not store.resident(c))
+        while store.device_model_bytes() + incoming > capacity:
+            victims = [c for c in store.resident_chunks()
+                       if c not in need and self._evictable(c)]
+            if not victims:
+                raise BudgetError(
+                    f"device_memory={format_bytes(self.budget)} cannot hold {plan.describe(i)}: "
+                    f"{format_bytes(store.device_model_bytes() + incoming)} of chunks are pinned and "
+                    f"{format_bytes(plan.moments[i].nonmodel_peak)} of non-model data is expected")
+            store.evict(plan.farthest(victims, i))
+
+    def _evictable(self, c: int) -> bool:
+        if self._pass.pins[c] > 0:
+            return False
+        states = [self.states[e.fqn] for e, _ in self.layout.chunk_members(c)]
+        return chunk_placement(states) is not ChunkPlacement.COMPUTE_DEVICE
+
+    @staticmethod
+    def _close_window(ps: _Pass) -> None:
+        last = ps.recorded[-1]
+        ps.recorded[-1] = Moment(last.kind, last.label, last.need, ps.tracker.window_peak, last.pinned_bytes)
+
+    # ================================================================ forward hooks
+    def _materialize(self, fqn: str) -> torch.Tensor:
+        e = self.layout.entry(fqn)
+        if not e.spans:
+            p = e.pieces[0]
+            return self.store.dev_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].view(e.shape)
+        return torch.cat([self.store.dev_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
+                          for p in e.pieces]).view(e.shape)
+
+    def _pre_forward(self, name: str, fqns: list[str]) -> None:
+        ps = self._pass
+        if ps is None:
+            return
+        need = self._chunks_of(fqns)
+        self._moment("fwd", name, need)
+        for c in need:
+            ps.pins[c] += 1
+        for f in fqns:
+            self.states[f] = TensorState.COMPUTE
+            self.params[f].data = self._materialize(f)
+
+    def _post_forward(self, name: str, fqns: list[str]) -> None:
+        ps = self._pass
+        if ps is None:
+            return
+        for f in fqns:
+            self.params[f].data = self._dummy.expand(self.params[f].shape)
+            self.states[f] = TensorState.HOLD_AFTER_FWD
+        for c in self._chunks_of(fqns):
+            ps.pins[c] -= 1
+        self._moment("fwd_release", name, ())
+
+    # ================================================================ backward hooks
+    def _pack(self, t: torch.Tensor):
+        ps = self._pass
+        if ps is None or t.device != self.device:
+            return t
+        c = self.store.chunk_of_storage(t.untyped_storage().data_ptr())
+        if c is None:
+            return t
+        return _ChunkRef(c, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, ref):
+        if not isinstance(ref, _ChunkRef):
+            return ref
+        ps = self._pass
+        node = torch._C._current_autograd_node()
+        if node is not ps.bwd_node:
+            self._end_bwd_node()
+            ps.bwd_node = node
+        if ref.chunk not in ps.bwd_chunks:
+            self._moment("bwd", f"{type(node).__name__}:{ref.chunk}", (ref.chunk,))
+            ps.bwd_chunks.append(ref.chunk)
+            ps.pins[ref.chunk] += 1
+        e = self.layout.entry_at(ref.chunk, ref.offset)
+        if e is not None:
+            self.states[e.fqn] = TensorState.COMPUTE
+        buf = self.store.dev_param[ref.chunk]
+        return buf.as_strided(ref.shape, ref.stride, ref.offset)
+
+    def _end_bwd_node(self) -> None:
+        ps = self._pass
+        for c in ps.bwd_chunks:
+            ps.pins[c] -= 1
+            for e, _ in self.layout.chunk_members(c):
+                if self.states[e.fqn] is TensorState.COMPUTE:
+                    self.states[e.fqn] = TensorState.HOLD
+        ps.bwd_chunks = []
+        ps.bwd_node = None
+
+    def _grad_hook(self, param: nn.Parameter) -> None:
+        ps = self._pass
+        if ps is None:
+            return
+        fqn = self._fqn_of[id(param)]
+        grad = param.grad
+        param.grad = None
+        if grad is not None and not ps.tracing:
+            flat = grad.reshape(-1)
+            with ps.tracker.paused():
+                for p in self.layout.entry(fqn).pieces:
+                    self.store.write_piece(p.chunk, p.chunk_offset, flat[p.tensor_offset:p.tensor_offset + p.numel])
+            ps.grad_written.add(fqn)
+        del grad
+        self.states[fqn] = TensorState.HOLD_AFTER_BWD
+        self._moment("grad", fqn, ())
+
+    # ================================================================ passes
+    def _run_model(self, model: nn.Module, batch: Any) -> Any:
+        return call_model(model, batch)
+
+    def _new_tracker(self, batch: Any, *, tracing: bool) -> NonModelTracker:
+        tracker = NonModelTracker(self.device, self.store.is_model_storage, self.store.device_model_bytes,
+                                  exact_windows=tracing)
+        for t in torch.utils._pytree.tree_leaves(batch):
+            if isinstance(t, torch.Tensor):
+                tracker.add_tensor(t)
+        for b in self.model.buffers():
+            tracker.add_tensor(b)
+        tracker.reset_peaks()
+        return tracker
+
+    @contextmanager
+    def _pass_scope(self, ps: _Pass):
+        self._pass = ps
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+                stack.enter_context(ps.tracker)
+                yield ps
+        finally:
+            self._pass = None
+            for f, p in self.params.items():
+                p.data = self._dummy.expand(p.shape)
+                p.grad = None
+                self.states[f] = TensorState.HOLD
+
+    def _forward_backward(self, ps: _Pass, batch: Any, scale: float) -> tuple[float, float, float]:
+        """Run forward and backward inside a pass; returns (loss, forward_s, backward_s)."""
+        t0 = time.perf_counter()
+        loss = extract_loss(self._run_model(self.model, batch), batch, self.loss_fn)
+        loss_value = float(loss.detach().float())
+        for f in self.params:
+            self.states[f] = TensorState.HOLD
+        t1 = time.perf_counter()
+        (loss * scale if scale != 1.0 else loss).backward()
+        del loss
+        self._end_bwd_node()
+        self._moment("bwd_end", "", ())
+        if ps.tracing:
+            self._close_window(ps)
+        return loss_value, t1 - t0, time.perf_counter() - t1
+
+    def _plan_for(self, batch: Any) -> AccessPlan:
+        sig = signature(batch)
+        if sig not in self._plans:
+            self._traces[sig] = self._trace(batch)
+            try:
+                self._place_optimizer_states()
+                self._check_budget(self._plans[sig])
+            except BaseException:
+                del self._traces[sig]
+                self._place_optimizer_states()
+                raise
+        return self._plans[sig]
+
+    def _trace(self, batch: Any) -> AccessPlan:
+        """Forward + backward keeping only COMPUTE chunks on the device; nothing is updated."""
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        ps = _Pass(tracing=True, tracker=self._new_tracker(batch, tracing=True))
+        try:
+            with self._pass_scope(ps):
+                self._forward_backward(ps, batch, 1.0)
+        finally:
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), buffers):
+                    b.copy_(saved)
+            for c in self.store.resident_chunks():
+                self.store.drop(c)       # trace pass never writes: host copies are current
+            self.link.reset()
+        return AccessPlan(tuple(ps.recorded))
+
+    def _place_optimizer_states(self) -> None:
+        """Device-aware placement: optimizer-state chunks that fit in the device margin (budget
+        minus the peak non-model data of every traced batch shape minus all param chunks) live on
+        the device and update there; the rest update on the host. Rebuilds the plans."""
+        n = self.layout.num_chunks
+        if self.budget is None:
+            on_device = range(n)
+        else:
+            temp = _OPT_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
+            peak = max([t.peak_nonmodel for t in self._traces.values()] + [temp])
+            margin = self.budget - peak - n * self.store.param_chunk_bytes
+            on_device = range(max(0, min(n, margin // self.store.os_chunk_bytes)))
+        self.store.place_optimizer_states(on_device)
+        self.link.reset()
+        opt = self._optimizer_moments()
+        self._plans = {sig: AccessPlan(t.moments + opt) for sig, t in self._traces.items()}
+
+    def _optimizer_moments(self) -> tuple[Moment, ...]:
+        temp = _OPT_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
+        out = []
+        for c in range(self.layout.num_chunks):
+            if self.store.os_tier[c] is Tier.DEVICE:
+                out.append(Moment("opt", f"chunk {c}", (c,), temp, self.store.param_chunk_bytes))
+            else:
+                out.append(Moment("opt", f"chunk {c}", (), 0, 0))
+        return tuple(out)
+
+    def _check_budget(self, plan: AccessPlan) -> None:
+        if self.budget is None:
+            return
+        need, i = plan.min_device_bytes()
+        os_bytes = self.store.dev_os_pool.bytes_in_use
+        if need + os_bytes > self.budget:
+            m = plan.moments[i]
+            os_note = f" + {format_bytes(os_bytes)} of optimizer states kept on the device" if os_bytes else ""
+            raise BudgetError(
+                f"device_memory={format_bytes(self.budget)} is below the minimum {format_bytes(need + os_bytes)} "
+                f"({need + os_bytes} bytes) this model needs at {plan.describe(i)}: "
+                f"{format_bytes(m.pinned_bytes)} of parameter chunks in use + {format_bytes(m.nonmodel_peak)} "
+                f"of non-model data{os_note}; give device_memory >= {need + os_bytes}, a smaller batch or a "
+                f"smaller chunk_size (now {self.layout.chunk_size:,} elements)")
+
+    @property
+    def min_device_memory(self) -> int:
+        """The smallest ``device_memory`` the traced iterations fit in: the largest sum, over
+        moments, of the parameter chunks pinned by one moment and that moment's non-model data
+        (optimizer states on the host)."""
+        return max(p.min_device_bytes()[0] for p in self._traces.values())
+
+    # ================================================================ the step
+    def step(self, batch: Any) -> float:
+        """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss."""
+        if not self._handles:
+            raise RuntimeError("this engine was closed")
+        t_start = time.perf_counter()
+        batch = to_device(batch, self.device)
+        plan = self._plan_for(batch)
+        self.link.reset()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
+        try:
+            with self._pass_scope(ps):
+                loss, fwd_s, bwd_s = self._forward_backward(ps, batch, scale)
+        except BaseException:
+            self._undo_gradients(ps)
+            raise
+        t_opt = time.perf_counter()
+        with ps.tracker:
+            skipped = self._optimizer_step(ps, plan, scale)
+        t_end = time.perf_counter()
+        traffic = self.link.reset()
+        tr = ps.tracker
+        self.stats = StepStats(
+            loss=loss, h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
+            disk_read_bytes=0, disk_write_bytes=0,
+            peak_device_bytes=tr.peak_total, peak_device_model_bytes=tr.peak_model,
+            peak_nonmodel_bytes=tr.peak_nonmodel, num_fetches=traffic.num_fetches,
+            num_evictions=traffic.num_evictions, allgather_bytes=0, reduce_scatter_bytes=0,
+            skipped=skipped, loss_scale=scale, time_s=t_end - t_start, forward_s=fwd_s,
+            backward_s=bwd_s, optimizer_s=t_end - t_opt, transfer_s=traffic.transfer_s)
+        return loss
+
+    def _undo_gradients(self, ps: _Pass) -> None:
+        """After a failed pass: gradients already written over parameters are undone."""
+        touched = {c for f in ps.grad_written for c in self.layout.entry(f).chunks}
+        for c in sorted(touched):
+            self.store.restore_from_master(c)
+        self.link.reset()
+
+    def _frozen_ranges(self, c: int, written: set[str]) -> list[tuple[int, int]]:
+        return [(p.chunk_offset, p.numel) for e, p in self.layout.chunk_members(c) if e.fqn not in written]
+
+    def _optimizer_step(self, ps: _Pass, plan: AccessPlan, scale: float) -> bool:
+        """Unscale, check overflow, clip, update chunk by chunk. Returns True if skipped."""
+        store, n = self.store, self.layout.num_chunks
+        written = ps.grad_written
+        sq = 0.0
+        for c in range(n):
+            buf = store.current(c)
+            frozen = self._frozen_ranges(c, written)
+            with ExitStack() as stack:
+                if not store.resident(c):
+                    stack.enter_context(ps.tracker.paused())    # host-side work is not device memory
+                for o, k in frozen:                              # no gradient: count as zero
+                    buf[o:o + k].zero_()
+                if frozen and store.resident(c):
+                    store.dirty[c] = True
+                sq += grad_sq_sum(buf)
+        inv_scale = 1.0 / scale
+        total_norm = (sq ** 0.5) * inv_scale
+        found_inf = not (sq < float("inf"))     # also catches NaN
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            if self.scaler is None:
+                self._undo_all()
+                raise FloatingPointError(
+                    f"the gradients contain inf/NaN in {self.dtype} without loss scaling (loss scaling is "
+                    "used with float16 only); the update was not applied")
+            self._undo_all()
+            return True
+        factor = inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
+            else inv_scale
+        self.adam.begin_step()
+        assert ps.moment == len(plan.moments) - n, "optimizer moments out of step with the plan"
+        self._pass = ps
+        try:
+            for c in range(n):
+                self._moment("opt", f"chunk {c}", plan.moments[ps.moment].need)
+                with ExitStack() as stack:
+                    if store.os_tier[c] is not Tier.DEVICE:
+                        stack.enter_context(ps.tracker.paused())    # the update runs on the host
+                    buf = store.bring_to_os_tier(c)
+                    self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
+                                           grad_factor=factor, frozen=self._frozen_ranges(c, written))
+                    store.mark_updated(c)
+        finally:
+            self._pass = None
+        return False
+
+    def _undo_all(self) -> None:
+        for c in range(self.layout.num_chunks):
+            self.store.restore_from_master(c)
+
+    # ================================================================ state
+    def state_dict(self) -> dict:
+        """fp32 master weights, Adam states (per parameter fqn), step, loss scale."""
+        return {
+            "master": {f: self.store.gather("master", f) for f in self.params},
+            "exp_avg": {f: self.store.gather("exp_avg", f) for f in self.params},
+            "exp_avg_sq": {f: self.store.gather("exp_avg_sq", f) for f in self.params},
+            "step": self.adam.step_count,
+            "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
+            "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            missing = set(self.params) - set(sd[key])
+            if missing:
+                raise ValueError(f"state_dict[{key!r}] lacks parameters {sorted(missing)[:3]}")
+            for f in self.params:
+                if tuple(sd[key][f].shape) != tuple(self.params[f].shape):
+                    raise ValueError(f"state_dict[{key!r}][{f!r}] has shape {tuple(sd[key][f].shape)}, "
+                                     f"the model has {tuple(self.params[f].shape)}")
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            for f in self.params:
+                self.store.scatter(key, f, sd[key][f])
+        self._undo_all()       # param chunks = master cast to the compute dtype
+        self.link.reset()
+        self.adam.load_state_dict({"step": sd["step"]})
+        if self.scaler is not None:
+            self.scaler.scale = float(sd["loss_scale"])
+            self.scaler.good_steps = int(sd.get("loss_scale_good_steps", 0))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict with fp32 master weights (tied names included), for export."""
+        out: dict[str, torch.Tensor] = {}
+        sd_keys = self.model.state_dict(keep_vars=True)
+        for key, value in sd_keys.items():
+            try:
+                entry = self.layout.entry(key)
+            except KeyError:
+                out[key] = value.detach().clone()
+                continue
+            out[key] = self.store.gather("master", entry.fqn)
+        return out

@@ -1,0 +1,194 @@
+"""ChunkLayout: where every parameter lives inside fixed-size chunks.
+
+Parameters are packed, in a given order (first use), into chunks of ``chunk_size`` elements.
+A tensor that fits in a chunk never straddles two chunks (the rest of the chunk is padding); a
+tensor larger than a chunk fills the current chunk and continues into the following ones
+(ANGEL-PTM's pages), so the chunk size is not bounded by the largest tensor. The same layout is
+used by the four chunk lists (compute-dtype params, fp32 master, exp_avg, exp_avg_sq), so a
+parameter has the same chunk id and offset in each of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one tensor that lies in one chunk."""
+
+    chunk: int          # chunk id
+    chunk_offset: int   # first element inside the chunk
+    tensor_offset: int  # first element inside the flattened tensor
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One parameter (tied parameters appear once) and its pieces."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    numel: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return tuple(p.chunk for p in self.pieces)
+
+    @property
+    def spans(self) -> bool:
+        return len(self.pieces) > 1
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Frozen description: parameter fqn -> (chunk id, offset, numel, shape)."""
+
+    chunk_size: int                       # elements per chunk
+    entries: tuple[TensorEntry, ...]      # in packing (first-use) order
+    num_chunks: int
+    aliases: tuple[tuple[str, str], ...] = ()  # (tied fqn, canonical fqn) pairs
+
+    @cached_property
+    def _by_fqn(self) -> dict[str, TensorEntry]:
+        table = {e.fqn: e for e in self.entries}
+        for alias, canonical in self.aliases:
+            table[alias] = table[canonical]
+        return table
+
+    @cached_property
+    def _by_chunk(self) -> tuple[tuple[tuple[TensorEntry, Piece], ...], ...]:
+        rows: list[list[tuple[TensorEntry, Piece]]] = [[] for _ in range(self.num_chunks)]
+        for e in self.entries:
+            for p in e.pieces:
+                rows[p.chunk].append((e, p))
+        return tuple(tuple(r) for r in rows)
+
+    def entry(self, fqn: str) -> TensorEntry:
+        try:
+            return self._by_fqn[fqn]
+        except KeyError:
+            raise KeyError(f"{fqn!r} is not a parameter in this layout") from None
+
+    def chunk_members(self, chunk: int) -> tuple[tuple[TensorEntry, Piece], ...]:
+        """(entry, piece) pairs stored in ``chunk``, in offset order."""
+        return self._by_chunk[chunk]
+
+    def entry_at(self, chunk: int, offset: int) -> TensorEntry | None:
+        """The tensor whose piece covers element ``offset`` of ``chunk`` (None = padding)."""
+        for e, p in self._by_chunk[chunk]:
+            if p.chunk_offset <= offset < p.chunk_offset + p.numel:
+                return e
+        return None
+
+    @property
+    def total_numel(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+    @property
+    def capacity_numel(self) -> int:
+        return self.num_chunks * self.chunk_size
+
+    @property
+    def utilisation(self) -> float:
+        """Fraction of chunk space holding parameters (the rest is padding)."""
+        return self.total_numel / self.capacity_numel if self.capacity_numel else 1.0
+
+    def describe(self) -> str:
+        return (f"{len(self.entries)} tensors, {self.total_numel:,} params in {self.num_chunks} chunks of "
+                f"{self.chunk_size:,} elements ({self.utilisation:.1%} utilised)")
+
+
+def _pack(numels: Sequence[int], chunk_size: int) -> tuple[list[tuple[Piece, ...]], int]:
+    pieces_per_tensor: list[tuple[Piece, ...]] = []
+    chunk, off = 0, 0
+    for numel in numels:
+        if numel <= chunk_size:
+            if off + numel > chunk_size:
+                chunk, off = chunk + 1, 0
+            pieces_per_tensor.append((Piece(chunk, off, 0, numel),))
+            off += numel
+        else:
+            if off == chunk_size:
+                chunk, off = chunk + 1, 0
+            pieces, done = [], 0
+            while done < numel:
+                take = min(numel - done, chunk_size - off)
+                pieces.append(Piece(chunk, off, done, take))
+                done += take
+                off += take
+                if off == chunk_size and done < numel:
+                    chunk, off = chunk + 1, 0
+            pieces_per_tensor.append(tuple(pieces))
+    return pieces_per_tensor, (chunk + 1 if numels else 0)
+
+
+def build_layout(tensors: Iterable[tuple[str, tuple[int, ...]]], chunk_size: int,
+                 aliases: Mapping[str, str] | None = None) -> ChunkLayout:
+    """Pack ``(fqn, shape)`` pairs in the given order into chunks of ``chunk_size`` elements.
+
+    ``aliases`` maps tied parameter names to the canonical name that is packed.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive number of elements")
+    tensors = list(tensors)
+    numels = []
+    for fqn, shape in tensors:
+        n = 1
+        for s in shape:
+            n *= int(s)
+        numels.append(n)
+    pieces, num_chunks = _pack(numels, chunk_size)
+    entries = tuple(TensorEntry(fqn, tuple(int(s) for s in shape), n, p)
+                    for (fqn, shape), n, p in zip(tensors, numels, pieces))
+    return ChunkLayout(chunk_size, entries, num_chunks, tuple(sorted((aliases or {}).items())))
+
+
+def padding_waste(numels: Sequence[int], chunk_size: int) -> int:
+    """Elements of padding when ``numels`` are packed into chunks of ``chunk_size``."""
+    _, num_chunks = _pack(numels, chunk_size)
+    return num_chunks * chunk_size - sum(numels)
+
+
+@dataclass(frozen=True)
+class ChunkSizeChoice:
+    chunk_size: int
+    num_chunks: int
+    utilisation: float
+    candidates: int
+
+
+def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = None,
+                      min_chunks: int = 4, step: int = 1024, max_candidates: int = 512) -> ChunkSizeChoice:
+    """Find the chunk size with the least padding waste (PatrickStar's chunk-size search).
+
+    Candidates run from half the upper bound to the upper bound in ``step`` elements. The upper
+    bound is the largest tensor (so no tensor has to span chunks), lowered so there are at least
+    ``min_chunks`` chunks (eviction needs a choice) and to ``max_chunk_size`` (what the device
+    budget allows); a lower bound below the largest tensor makes that tensor span chunks.
+    Ties go to the larger chunk (fewer, larger transfers). At most ``max_candidates`` sizes are
+    tried (the step grows in multiples of ``step`` for very large models).
+    """
+    total = sum(numels)
+    if total == 0:
+        raise ValueError("the model has no parameters to place in chunks")
+    hi = max(numels)
+    hi = min(hi, -(-total // min_chunks))
+    if max_chunk_size is not None:
+        hi = min(hi, max_chunk_size)
+    hi = max(step, -(-hi // step) * step)
+    lo = max(step, (hi // 2) // step * step)
+    step = max(step, -(-(hi - lo) // (max_candidates * step)) * step)
+    best: tuple[int, int] | None = None  # (waste, -size)
+    count = 0
+    for size in range(lo, hi + 1, step):
+        count += 1
+        key = (padding_waste(numels, size), -size)
+        if best is None or key < best:
+            best = key
+    size = -best[1]
+    _, n = _pack(numels, size)
+    return ChunkSizeChoice(size, n, total / (n * size), count)

@@ -1,0 +1,35 @@
+"""StepStats: what one training step did, measured (not planned)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float                    # the step's loss (unscaled)
+    h2d_bytes: int                 # host -> device bytes copied
+    d2h_bytes: int                 # device -> host bytes copied
+    disk_read_bytes: int           # disk -> host bytes (disk tier)
+    disk_write_bytes: int          # host -> disk bytes (disk tier)
+    peak_device_bytes: int         # peak of model + non-model bytes on the compute device
+    peak_device_model_bytes: int   # peak of chunk bytes on the compute device
+    peak_nonmodel_bytes: int       # peak of non-model bytes (activations, temporaries) on the device
+    num_fetches: int               # chunk moves host -> device
+    num_evictions: int             # chunk moves device -> host (including drops of clean copies)
+    allgather_bytes: int           # ZeRO all-gather bytes received (0 on one rank)
+    reduce_scatter_bytes: int      # ZeRO reduce-scatter bytes sent (0 on one rank)
+    skipped: bool                  # the update was skipped (fp16 overflow)
+    loss_scale: float              # loss scale used (1.0 without scaling)
+    time_s: float                  # wall time of the whole step
+    forward_s: float               # forward time (including its transfers)
+    backward_s: float              # backward time (including its transfers)
+    optimizer_s: float             # gradient reduction + clipping + update time
+    transfer_s: float              # time spent inside chunk copies (all phases)
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.h2d_bytes + self.d2h_bytes + self.disk_read_bytes + self.disk_write_bytes
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,110 @@
+"""Memory tiers, chunk-sized slot pools, and counted moves between tiers.
+
+A ``SlotPool`` hands out chunk-sized buffers on one tier. A buffer is allocated the first time the
+pool needs one more and is reused after that (no fragmentation); the pool never frees. On CUDA
+the host pool pins its buffers. A ``Link`` copies between two buffers, counts the bytes and the
+time, and can emulate a slow device<->host link on the CPU (``link_bandwidth``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+class SlotPool:
+    """Chunk-sized buffers of one dtype on one tier."""
+
+    def __init__(self, tier: Tier, device: torch.device, dtype: torch.dtype, chunk_size: int,
+                 *, pin: bool = False):
+        self.tier = tier
+        self.device = device
+        self.dtype = dtype
+        self.chunk_size = chunk_size
+        self.pin = pin
+        self._free: list[torch.Tensor] = []
+        self.allocated = 0     # buffers created so far
+        self.in_use = 0        # buffers handed out now
+        self.peak_in_use = 0
+        self._ptrs: set[int] = set()
+        self.slot_bytes = chunk_size * torch.empty((), dtype=dtype).element_size()
+
+    def acquire(self, zero: bool = False) -> torch.Tensor:
+        if self._free:
+            buf = self._free.pop()
+        else:
+            buf = torch.empty(self.chunk_size, dtype=self.dtype, device=self.device)
+            if self.pin:
+                buf = buf.pin_memory()
+            self.allocated += 1
+            self._ptrs.add(buf.untyped_storage().data_ptr())
+        if zero:
+            buf.zero_()
+        self.in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        assert buf.untyped_storage().data_ptr() in self._ptrs, "buffer does not belong to this pool"
+        self._free.append(buf)
+        self.in_use -= 1
+
+    def owns(self, storage_ptr: int) -> bool:
+        return storage_ptr in self._ptrs
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.in_use * self.slot_bytes
+
+
+@dataclass
+class Traffic:
+    """Counters of moves, reset at the start of every step."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    num_fetches: int = 0
+    num_evictions: int = 0
+    transfer_s: float = 0.0
+
+
+class Link:
+    """Counted copies between the DEVICE and HOST tiers.
+
+    ``bandwidth`` (bytes/s, CPU only) emulates a slow link: a copy takes at least
+    ``nbytes / bandwidth`` seconds (it sleeps for the rest), so transfers cost wall time the way they
+    would over PCIe. ``None`` copies at full memory speed.
+    """
+
+    def __init__(self, bandwidth: float | None = None):
+        self.bandwidth = bandwidth
+        self.traffic = Traffic()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=False)
+        nbytes = src.numel() * src.element_size()
+        if self.bandwidth is not None:
+            remaining = nbytes / self.bandwidth - (time.perf_counter() - start)
+            if remaining > 0:
+                time.sleep(remaining)
+        if direction == "h2d":
+            self.traffic.h2d_bytes += nbytes
+        elif direction == "d2h":
+            self.traffic.d2h_bytes += nbytes
+        else:
+            raise AssertionError(f"unknown direction {direction}")
+        self.traffic.transfer_s += time.perf_counter() - start
+
+    def reset(self) -> Traffic:
+        done, self.traffic = self.traffic, Traffic()
+        return done

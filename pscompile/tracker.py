@@ -1,0 +1,131 @@
+"""Non-model memory measurement: live storages on the compute device, per operator.
+
+``NonModelTracker`` is a TorchDispatchMode. After every operator it adds the storages the operator
+created (identified by a serial number; raw addresses are reused
+after a free and would corrupt the curve), and samples the live non-model bytes *while the
+operator runs* (its inputs are still alive, its outputs exist); storages that died are
+forgotten whenever the count could set a new peak (the samples that matter are exact). Chunk buffers are model data and
+are skipped. On CUDA the sample is the caching allocator's ``memory_allocated`` minus the chunk
+bytes instead. Scratch memory inside a kernel is invisible to both.
+
+The owner reads ``window_peak`` (largest sample since the last ``start_window``; exact only with
+``exact_windows=True``, which sweeps after every operator) at its own decision points
+("moments"), and ``model_bytes()`` is added to each sample to keep the true device peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+_expired = torch.UntypedStorage._expired   # the C check behind StorageWeakRef.expired()
+
+
+class NonModelTracker(TorchDispatchMode):
+    def __init__(self, device: torch.device, is_model_storage: Callable[[int], bool],
+                 model_bytes: Callable[[], int], *, exact_windows: bool = False):
+        super().__init__()
+        self.exact_windows = exact_windows   # sweep after every operator: exact window_peak
+        self.device = device
+        self.is_model_storage = is_model_storage
+        self.model_bytes = model_bytes
+        self._serials = itertools.count()
+        self._live: dict[int, tuple[int, StorageWeakRef, int]] = {}  # cdata -> (serial, ref, nbytes)
+        self.live_bytes = 0
+        self.window_peak = 0          # largest non-model sample since start_window()
+        self.peak_nonmodel = 0        # largest non-model sample since reset_peaks()
+        self.peak_total = 0           # largest (non-model + model) sample since reset_peaks()
+        self.peak_model = 0
+        self.num_ops = 0
+        self._paused = 0
+        self._cuda = device.type == "cuda"
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def add_tensor(self, t: torch.Tensor) -> None:
+        """Count a tensor created outside the mode (e.g. the batch) as non-model data."""
+        self._add(t)
+        self._sample()
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device != self.device or t.is_meta:
+            return
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        if nbytes == 0 or self.is_model_storage(st.data_ptr()):
+            return
+        key = st._cdata
+        old = self._live.get(key)
+        if old is not None and not _expired(old[1].cdata):
+            return  # a view of a storage already counted
+        if old is not None:
+            self.live_bytes -= old[2]
+        self._live[key] = (next(self._serials), StorageWeakRef(st), nbytes)
+        self.live_bytes += nbytes
+
+    def _sweep(self) -> None:
+        dead = [k for k, (_, ref, _) in self._live.items() if _expired(ref.cdata)]
+        for k in dead:
+            self.live_bytes -= self._live.pop(k)[2]
+
+    def _sample(self) -> None:
+        model = self.model_bytes()
+        if self._cuda:
+            nonmodel = torch.cuda.memory_allocated(self.device) - model
+        else:
+            nonmodel = self.live_bytes
+            # live_bytes may still count storages that died since the last sweep, so it is an upper
+            # bound; sweep (exact) only when that bound could set a new peak.
+            if self.exact_windows or nonmodel > self.peak_nonmodel or nonmodel + model > self.peak_total:
+                self._sweep()
+                nonmodel = self.live_bytes
+        self.window_peak = max(self.window_peak, nonmodel)
+        self.peak_nonmodel = max(self.peak_nonmodel, nonmodel)
+        self.peak_model = max(self.peak_model, model)
+        self.peak_total = max(self.peak_total, nonmodel + model)
+
+    def current(self) -> int:
+        """Live non-model bytes now."""
+        self._sweep()
+        if self._cuda:
+            return torch.cuda.memory_allocated(self.device) - self.model_bytes()
+        return self.live_bytes
+
+    def start_window(self) -> None:
+        self.window_peak = self.current()
+
+    def sample_now(self) -> None:
+        """Record a sample outside any operator (after a move changed the model bytes)."""
+        self._sweep()
+        self._sample()
+
+    def reset_peaks(self) -> None:
+        self._sweep()
+        self.peak_nonmodel = self.peak_total = self.peak_model = 0
+        self._sample()
+
+    @contextmanager
+    def paused(self):
+        """Operators run inside are not sampled (the owner's own chunk copies)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
+        self.num_ops += 1
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self._sample()
+        return out

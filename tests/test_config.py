@@ -1,0 +1,54 @@
+"""Config and AdamW validate their fields and name them in the error."""
+
+import pytest
+import torch
+
+import pscompile
+from pscompile.units import format_bytes, parse_rate, parse_size
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(device="tpu"), "device"),
+    (dict(device="cuda:0"), "device") if not torch.cuda.is_available() else (dict(mode="x"), "mode"),
+    (dict(device_memory="lots"), "device_memory"),
+    (dict(device_memory=-5), "device_memory"),
+    (dict(device_memory=0), "device_memory"),
+    (dict(host_memory="1XB"), "host_memory"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(chunk_size="big"), "chunk_size"),
+    (dict(dtype=torch.int8), "dtype"),
+    (dict(mode="jit"), "mode"),
+    (dict(backend="tvm"), "backend"),
+    (dict(device="cpu", link_bandwidth="fast"), "link_bandwidth"),
+    (dict(initial_loss_scale=0), "initial_loss_scale"),
+])
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        pscompile.Config(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(lr=-1), "lr"), (dict(betas=(0.9,)), "betas"), (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(eps=-1), "eps"), (dict(weight_decay=-0.1), "weight_decay"), (dict(max_grad_norm=0), "max_grad_norm"),
+])
+def test_adamw_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        pscompile.AdamW(**kwargs)
+
+
+def test_sizes_are_normalised_and_frozen():
+    c = pscompile.Config(device="cpu", device_memory="96MiB", host_memory="2GB", link_bandwidth="50MB/s")
+    assert c.device_memory == 96 * 2**20 and c.host_memory == 2 * 10**9 and c.link_bandwidth == 50e6
+    with pytest.raises(Exception):
+        c.device_memory = 5
+    assert parse_size(1024, "x") == 1024 and parse_size("1.5KiB", "x") == 1536
+    assert parse_rate("1GB/s", "x") == 1e9
+    assert format_bytes(1536) == "1.5 KiB" and format_bytes(12) == "12 B"
+
+
+def test_compile_rejects_wrong_argument_types():
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="optimizer"):
+        pscompile.compile(m, (torch.randn(1, 2),), optimizer=torch.optim.SGD(m.parameters(), lr=1))
+    with pytest.raises(ValueError, match="nn.Module"):
+        pscompile.compile(lambda x: x, (torch.randn(1, 2),))
