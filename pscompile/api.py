@@ -28,6 +28,10 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
         raise ValueError(f"optimizer must be pscompile.AdamW(...), got {type(optimizer).__name__}")
     if not isinstance(config, Config):
         raise ValueError(f"config must be pscompile.Config(...), got {type(config).__name__}")
+    if config.disk_dir is not None:
+        raise NotImplementedError(
+            f"disk_dir={config.disk_dir!r}: the disk tier is not implemented yet; leave disk_dir=None "
+            "(chunks live on the device and in host memory)")
     if config.mode == "compiled":
         raise NotImplementedError(
             "mode='compiled' (FX capture + memory-planning passes) is not implemented yet; "

@@ -68,15 +68,20 @@ class ChunkStore:
 
     # ---- filling -------------------------------------------------------------------------
     def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Copy full-precision parameter values into master chunks and compute-dtype chunks."""
-        for e in self.layout.entries:
-            flat = params[e.fqn].detach().reshape(-1)
+        """Copy parameter values (any float dtype) into the fp32 master chunks and the
+        compute-dtype chunks (the cast of the master)."""
+        touched = set()
+        for fqn, value in params.items():
+            e = self.layout.entry(fqn)
+            flat = value.detach().reshape(-1)
             for p in e.pieces:
                 src = flat[p.tensor_offset:p.tensor_offset + p.numel]
                 self.master[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(src)
-        for c in range(self.layout.num_chunks):
+                self.host_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(
+                    self.master[p.chunk][p.chunk_offset:p.chunk_offset + p.numel])
+                touched.add(p.chunk)
+        for c in touched:
             self.drop(c)
-            self.host_param[c].copy_(self.master[c])
 
     # ---- residency -----------------------------------------------------------------------
     def resident(self, c: int) -> bool:

@@ -29,6 +29,7 @@ from .batching import LossFn, call_model, extract_loss, signature, to_device
 from .chunks import ChunkStore
 from .config import AdamW, Config, available_host_bytes
 from .layout import ChunkLayout, build_layout, search_chunk_size
+from .materialize import materialize_meta
 from .optimizer import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
 from .order import direct_params, first_use_order
 from .states import ChunkPlacement, TensorState, chunk_placement
@@ -85,6 +86,7 @@ class HooksEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             self.budget = int(free * 0.9)
         batch = to_device(batch, self.device)
+        self.materialized = materialize_meta(model)
 
         # -- parameters, names, first-use order, layout -------------------------------------
         params_in_order, self.order_source = first_use_order(model, self._run_model, batch)
@@ -109,24 +111,25 @@ class HooksEngine:
                                for name, own in direct_params(model).items()}
 
         # -- chunk store, optimizer, host budget --------------------------------------------
-        self.link = Link(config.link_bandwidth)
-        self.store = ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
+        elsize = torch.empty((), dtype=self.dtype).element_size()
         host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        host_need = self.layout.num_chunks * (self.store.param_chunk_bytes + self.store.os_chunk_bytes)
+        host_need = self.layout.num_chunks * self.layout.chunk_size * (elsize + 12)
         if host_need > host_budget:
             raise ValueError(
                 f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks: they need "
                 f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param); give "
                 f"host_memory >= {host_need} (the disk tier is not available yet)")
+        self.link = Link(config.link_bandwidth)
+        self.store = ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
+        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
+        # Released parameters point at one NaN element broadcast to their shape: any use outside
+        # the hooks' access/release gives NaN instead of stale values.
+        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            self.store.load_params({f: p.detach() for f, p in self.params.items()})
+            self._load_into_chunks()
         self.adam = ChunkAdamW(optimizer)
         self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
                        if self.dtype == torch.float16 else None)
-        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
-        for fqn, p in self.params.items():
-            p.requires_grad_(True)
-            p.data = self._dummy.expand(p.shape)
         self._move_buffers()
         self.states = {fqn: TensorState.HOLD for fqn in self.params}
 
@@ -136,7 +139,11 @@ class HooksEngine:
         self._traces: dict[tuple, AccessPlan] = {}   # batch signature -> forward/backward moments
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
         self.stats: StepStats | None = None
-        self._plan_for(batch)
+        try:
+            self._plan_for(batch)
+        except BaseException:
+            self.close()          # a failed compile hands the model its weights back
+            raise
 
     # ================================================================ setup helpers
     def _make_layout(self, aliases: dict[str, str]) -> ChunkLayout:
@@ -148,6 +155,22 @@ class HooksEngine:
             choice = search_chunk_size(numels, max_chunk_size=cap)
             cs = choice.chunk_size
         return build_layout(((f, tuple(p.shape)) for f, p in self.params.items()), cs, aliases)
+
+    def _load_into_chunks(self) -> None:
+        """Copy every parameter's value into the chunks (fp32 master and compute-dtype copy) and
+        free the model's own copy, one module at a time."""
+        loaded: set[str] = set()
+        for mod in self.model.modules():
+            values = {}
+            for _, p in mod.named_parameters(recurse=False):
+                fqn = self._fqn_of[id(p)]
+                if fqn not in loaded:
+                    values[fqn] = p.detach()
+                    loaded.add(fqn)
+            if values:
+                self.store.load_params(values)
+                for fqn in values:
+                    self.params[fqn].data = self._dummy.expand(self.params[fqn].shape)
 
     def _move_buffers(self) -> None:
         for mod in self.model.modules():
@@ -167,14 +190,19 @@ class HooksEngine:
             handles.append(mod.register_forward_hook(
                 lambda m, args, out, n=name, f=fqns: self._post_forward(n, f)))
         for p in self.params.values():
-            handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+            if p.requires_grad:       # frozen parameters get no gradient and no update
+                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
         return handles
 
     def close(self) -> None:
-        """Remove the hooks from the model (the engine cannot step afterwards)."""
+        """Remove the hooks and give the model its parameters back, holding the fp32 master
+        weights in each parameter's original dtype. The engine cannot step afterwards."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        with torch.no_grad():
+            for fqn, p in self.params.items():
+                p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
 
     # ================================================================ moments
     def _chunks_of(self, fqns) -> tuple[int, ...]:
@@ -455,6 +483,18 @@ class HooksEngine:
                 f"{format_bytes(m.pinned_bytes)} of parameter chunks in use + {format_bytes(m.nonmodel_peak)} "
                 f"of non-model data{os_note}; give device_memory >= {need + os_bytes}, a smaller batch or a "
                 f"smaller chunk_size (now {self.layout.chunk_size:,} elements)")
+
+    def describe(self) -> str:
+        """A few lines on how the model was laid out and placed."""
+        n = self.layout.num_chunks
+        on_dev = sum(t is Tier.DEVICE for t in self.store.os_tier)
+        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
+        return "\n".join([
+            f"hooks mode on {self.device}, compute dtype {str(self.dtype).replace('torch.', '')}, "
+            f"device_memory {budget} (minimum {format_bytes(self.min_device_memory)})",
+            f"layout: {self.layout.describe()}; order: {self.order_source}",
+            f"optimizer states: {on_dev}/{n} chunks on the device, {n - on_dev} on the host",
+        ])
 
     @property
     def min_device_memory(self) -> int:

@@ -22,7 +22,12 @@ class Tier(enum.Enum):
 
 
 class SlotPool:
-    """Chunk-sized buffers of one dtype on one tier."""
+    """Chunk-sized buffers of one dtype on one tier.
+
+    On CUDA the device pool hands released buffers back to the caching allocator (which keeps
+    chunk-sized blocks for reuse), so ``torch.cuda.memory_allocated`` counts exactly the chunks in
+    use; everywhere else released buffers wait in a free list.
+    """
 
     def __init__(self, tier: Tier, device: torch.device, dtype: torch.dtype, chunk_size: int,
                  *, pin: bool = False):
@@ -31,6 +36,7 @@ class SlotPool:
         self.dtype = dtype
         self.chunk_size = chunk_size
         self.pin = pin
+        self.keep_free = device.type != "cuda"
         self._free: list[torch.Tensor] = []
         self.allocated = 0     # buffers created so far
         self.in_use = 0        # buffers handed out now
@@ -54,9 +60,13 @@ class SlotPool:
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
-        assert buf.untyped_storage().data_ptr() in self._ptrs, "buffer does not belong to this pool"
-        self._free.append(buf)
+        ptr = buf.untyped_storage().data_ptr()
+        assert ptr in self._ptrs, "buffer does not belong to this pool"
         self.in_use -= 1
+        if self.keep_free:
+            self._free.append(buf)
+        else:
+            self._ptrs.discard(ptr)
 
     def owns(self, storage_ptr: int) -> bool:
         return storage_ptr in self._ptrs

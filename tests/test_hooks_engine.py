@@ -237,3 +237,82 @@ def test_next_use_is_cyclic_and_farthest_wins():
     assert plan.next_use(1, 4) == 1 + 6
     assert plan.next_use(5, 0) == float("inf")
     assert plan.farthest([0, 1, 2], 3) == 2      # 0 -> 6, 1 -> 4, 2 -> 8
+
+
+def test_meta_device_model_is_materialized_with_ties_kept():
+    from pscompile.models.gpt import GPT, gpt_config
+    with torch.device("meta"):
+        model = GPT(gpt_config("gpt-tiny"))
+    batches = gpt_batches(4, batch=2)
+    engine = pscompile.compile(model, batches[0], optimizer=pscompile.AdamW(lr=1e-2),
+                               config=pscompile.Config(**CFG))
+    assert engine.materialized == len(list(model.parameters()))
+    assert model.lm_head.weight is model.wte.weight
+    losses = [engine.step(batches[0]) for _ in range(4)]
+    assert all(l == l for l in losses) and losses[-1] < losses[0]
+    sd = engine.full_state_dict()
+    assert torch.equal(sd["lm_head.weight"], sd["wte.weight"])
+
+
+def test_meta_module_without_reset_parameters_is_refused():
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, device="meta"))
+
+        def forward(self, x):
+            return (x * self.w).sum()
+
+    with pytest.raises(ValueError, match="reset_parameters"):
+        pscompile.compile(Bare(), (torch.randn(4),), config=pscompile.Config(**CFG))
+
+
+def test_emulated_link_costs_bytes_over_bandwidth():
+    b = gpt_batches(1)[0]
+    bandwidth = 20e6
+    engine = pscompile.compile(make_model("gpt"), b, config=pscompile.Config(
+        device_memory=6 * 2**20, link_bandwidth=bandwidth, **CFG))
+    engine.step(b)
+    s = engine.stats
+    assert s.bytes_moved > 0
+    expected = s.bytes_moved / bandwidth
+    assert expected * 0.8 <= s.transfer_s <= expected * 1.2 + 0.05, (s.transfer_s, expected)
+    assert s.time_s >= s.transfer_s
+
+
+def test_disk_tier_is_refused_until_it_exists():
+    with pytest.raises(NotImplementedError, match="disk_dir"):
+        pscompile.compile(make_model("gpt"), gpt_batches(1)[0],
+                          config=pscompile.Config(disk_dir="/tmp/x", **CFG))
+
+
+def test_failed_compile_gives_the_model_back():
+    b = gpt_batches(1)[0]
+    model = make_model("gpt")
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BudgetError):
+        pscompile.compile(model, b, config=pscompile.Config(device_memory="1MiB", **CFG))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        expected = float(model(*b))
+    engine = pscompile.compile(model, b, config=pscompile.Config(device_memory="8MiB", **CFG))
+    assert engine.step(b) == pytest.approx(expected, rel=1e-6)
+    engine.close()                      # and close() hands back the trained weights
+    assert not torch.equal(model.h[0].mlp.c_fc.weight, before["h.0.mlp.c_fc.weight"])
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step(b)
+
+
+def test_frozen_parameters_stay_frozen():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    model = WithUnused()
+    model.fc.bias.requires_grad_(False)
+    b0 = model.fc.bias.detach().clone()
+    engine = pscompile.compile(model, (x, y), optimizer=pscompile.AdamW(lr=1e-2, weight_decay=0.5),
+                               config=pscompile.Config(**dict(CFG, chunk_size=512)))
+    for _ in range(2):
+        engine.step((x, y))
+    assert torch.equal(engine.state_dict()["master"]["fc.bias"], b0)
+    assert not model.fc.bias.requires_grad
