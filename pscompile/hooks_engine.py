@@ -551,7 +551,10 @@ class HooksEngine:
         store, n = self.store, self.layout.num_chunks
         written = ps.grad_written
         sq = 0.0
+        has_grad = [any(e.fqn in written for e, _ in self.layout.chunk_members(c)) for c in range(n)]
         for c in range(n):
+            if not has_grad[c]:
+                continue
             buf = store.current(c)
             frozen = self._frozen_ranges(c, written)
             with ExitStack() as stack:
@@ -569,11 +572,11 @@ class HooksEngine:
             self.scaler.update(found_inf)
         if found_inf:
             if self.scaler is None:
-                self._undo_all()
+                self._undo_all(has_grad)
                 raise FloatingPointError(
                     f"the gradients contain inf/NaN in {self.dtype} without loss scaling (loss scaling is "
                     "used with float16 only); the update was not applied")
-            self._undo_all()
+            self._undo_all(has_grad)
             return True
         factor = inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
             else inv_scale
@@ -583,6 +586,8 @@ class HooksEngine:
         try:
             for c in range(n):
                 self._moment("opt", f"chunk {c}", plan.moments[ps.moment].need)
+                if not has_grad[c]:
+                    continue                                        # nothing to update here
                 with ExitStack() as stack:
                     if store.os_tier[c] is not Tier.DEVICE:
                         stack.enter_context(ps.tracker.paused())    # the update runs on the host
@@ -594,9 +599,10 @@ class HooksEngine:
             self._pass = None
         return False
 
-    def _undo_all(self) -> None:
+    def _undo_all(self, only=None) -> None:
         for c in range(self.layout.num_chunks):
-            self.store.restore_from_master(c)
+            if only is None or only[c]:
+                self.store.restore_from_master(c)
 
     # ================================================================ state
     def state_dict(self) -> dict:
