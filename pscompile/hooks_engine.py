@@ -16,6 +16,7 @@ it replays those moments and evicts the resident chunk used farthest in the futu
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,27 @@ class _ChunkRef:
     stride: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _SpanRef:
+    """A saved view of a parameter that spans several chunks (gathered for its forward)."""
+
+    fqn: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _weak(method):
+    """A hook that calls ``method`` while its object lives: hooks stored on the model's tensors
+    and modules must not keep the engine (and all its chunks) alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
 @dataclass
 class _Pass:
     """Mutable state of one forward+backward pass (trace or run)."""
@@ -66,6 +88,8 @@ class _Pass:
     bwd_node: Any = None
     bwd_chunks: list[int] = field(default_factory=list)
     grad_written: set[str] = field(default_factory=set)
+    span_bufs: dict[int, str] = field(default_factory=dict)      # gathered buffer ptr -> fqn (forward)
+    bwd_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # re-gathered for this backward node
 
 
 class BudgetError(ValueError):
@@ -181,18 +205,23 @@ class HooksEngine:
 
     def _install_hooks(self) -> list:
         handles = []
+        pre, post, grad = _weak(self._pre_forward), _weak(self._post_forward), _weak(self._grad_hook)
         for name, mod in self.model.named_modules(remove_duplicate=False):
             if name not in self._module_params:
                 continue
             fqns = self._module_params[name]
-            handles.append(mod.register_forward_pre_hook(
-                lambda m, args, n=name, f=fqns: self._pre_forward(n, f)))
-            handles.append(mod.register_forward_hook(
-                lambda m, args, out, n=name, f=fqns: self._post_forward(n, f)))
+            handles.append(mod.register_forward_pre_hook(lambda m, args, n=name, f=fqns: pre(n, f)))
+            handles.append(mod.register_forward_hook(lambda m, args, out, n=name, f=fqns: post(n, f)))
         for p in self.params.values():
             if p.requires_grad:       # frozen parameters get no gradient and no update
-                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                handles.append(p.register_post_accumulate_grad_hook(grad))
         return handles
+
+    def __enter__(self) -> "HooksEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Remove the hooks and give the model its parameters back, holding the fp32 master
@@ -294,13 +323,18 @@ class HooksEngine:
             ps.pins[c] += 1
         for f in fqns:
             self.states[f] = TensorState.COMPUTE
-            self.params[f].data = self._materialize(f)
+            value = self._materialize(f)
+            if self.layout.entry(f).spans:
+                ps.span_bufs[value.untyped_storage().data_ptr()] = f
+            self.params[f].data = value
 
     def _post_forward(self, name: str, fqns: list[str]) -> None:
         ps = self._pass
         if ps is None:
             return
         for f in fqns:
+            if self.layout.entry(f).spans:
+                ps.span_bufs.pop(self.params[f].untyped_storage().data_ptr(), None)
             self.params[f].data = self._dummy.expand(self.params[f].shape)
             self.states[f] = TensorState.HOLD_AFTER_FWD
         for c in self._chunks_of(fqns):
@@ -312,19 +346,25 @@ class HooksEngine:
         ps = self._pass
         if ps is None or t.device != self.device:
             return t
-        c = self.store.chunk_of_storage(t.untyped_storage().data_ptr())
-        if c is None:
-            return t
-        return _ChunkRef(c, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        ptr = t.untyped_storage().data_ptr()
+        c = self.store.chunk_of_storage(ptr)
+        if c is not None:
+            return _ChunkRef(c, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        fqn = ps.span_bufs.get(ptr)
+        if fqn is not None:     # keep no gathered copy alive until backward: gather again there
+            return _SpanRef(fqn, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        return t
 
     def _unpack(self, ref):
-        if not isinstance(ref, _ChunkRef):
+        if not isinstance(ref, (_ChunkRef, _SpanRef)):
             return ref
         ps = self._pass
         node = torch._C._current_autograd_node()
         if node is not ps.bwd_node:
             self._end_bwd_node()
             ps.bwd_node = node
+        if isinstance(ref, _SpanRef):
+            return self._unpack_span(ps, node, ref)
         if ref.chunk not in ps.bwd_chunks:
             self._moment("bwd", f"{type(node).__name__}:{ref.chunk}", (ref.chunk,))
             ps.bwd_chunks.append(ref.chunk)
@@ -335,8 +375,22 @@ class HooksEngine:
         buf = self.store.dev_param[ref.chunk]
         return buf.as_strided(ref.shape, ref.stride, ref.offset)
 
+    def _unpack_span(self, ps: _Pass, node, ref: _SpanRef) -> torch.Tensor:
+        buf = ps.bwd_spans.get(ref.fqn)
+        if buf is None:
+            need = tuple(c for c in self.layout.entry(ref.fqn).chunks if c not in ps.bwd_chunks)
+            if need:
+                self._moment("bwd", f"{type(node).__name__}:{ref.fqn}", need)
+                ps.bwd_chunks.extend(need)
+                for c in need:
+                    ps.pins[c] += 1
+            self.states[ref.fqn] = TensorState.COMPUTE
+            buf = ps.bwd_spans[ref.fqn] = self._materialize(ref.fqn).reshape(-1)
+        return buf.as_strided(ref.shape, ref.stride, ref.offset)
+
     def _end_bwd_node(self) -> None:
         ps = self._pass
+        ps.bwd_spans.clear()
         for c in ps.bwd_chunks:
             ps.pins[c] -= 1
             for e, _ in self.layout.chunk_members(c):

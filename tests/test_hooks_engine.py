@@ -316,3 +316,25 @@ def test_frozen_parameters_stay_frozen():
         engine.step((x, y))
     assert torch.equal(engine.state_dict()["master"]["fc.bias"], b0)
     assert not model.fc.bias.requires_grad
+
+
+def test_spanning_weights_keep_no_gathered_copy_until_backward():
+    """A weight larger than a chunk is gathered for its forward, re-gathered in backward: the
+    peak non-model memory equals the run where it fits in one chunk."""
+    b = gpt_batches(1)[0]
+    peaks = {}
+    for cs in (16384, 2048):
+        engine = pscompile.compile(make_model("gpt"), b, config=pscompile.Config(**dict(CFG, chunk_size=cs)))
+        engine.step(b)
+        peaks[engine.layout.entry("wte.weight").spans] = engine.stats.peak_nonmodel_bytes
+    assert peaks[True] == peaks[False]
+
+
+def test_dropped_engine_is_freed():
+    import gc
+    import weakref
+    engine = pscompile.compile(make_model("gpt"), gpt_batches(1)[0], config=pscompile.Config(**CFG))
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None, "hooks on the model keep the engine (and its chunks) alive"

@@ -1,0 +1,60 @@
+"""Smoke test of bench/foundation.py: the --quick run finishes, writes complete JSON, and hooks mode
+reproduces plain PyTorch's losses. No timing assertions (the machine is shared)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "foundation.py"
+
+
+def test_foundation_quick(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--markdown", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {"meta", "hooks_vs_plain", "largest_under_budget", "adamw_throughput"} <= set(res)
+    assert res["meta"]["dtype"] == "float32"
+
+    s1 = res["hooks_vs_plain"]
+    assert len(s1["sizes"]) == 3
+    for size in s1["sizes"]:
+        plain = size["plain"]
+        assert plain["peak_device_bytes"] > plain["persistent_bytes"] > 0
+        assert len(plain["step_times_s"]) == s1["timed_steps"]
+        for name in ("hooks_unlimited", "hooks_tight"):
+            h = size[name]
+            assert {"median_step_s", "time_ratio_vs_plain", "peak_device_bytes", "peak_ratio_vs_plain",
+                    "bytes_moved_per_step", "num_fetches_per_step", "num_evictions_per_step",
+                    "max_abs_loss_diff_vs_plain"} <= set(h)
+            assert h["max_abs_loss_diff_vs_plain"] < 1e-4
+            assert len(h["losses"]) == len(plain["losses"]) == s1["warmup_steps"] + s1["timed_steps"]
+        assert size["hooks_unlimited"]["num_evictions_per_step"] == 0
+        tight = size["hooks_tight"]
+        assert tight["budget_bytes"] < plain["peak_device_bytes"]
+        assert tight["within_budget"] is True
+        assert tight["num_evictions_per_step"] > 0
+
+    s2 = res["largest_under_budget"]
+    assert s2["budget_bytes"] > 0 and s2["rungs"]
+    assert {"plain", "hooks", "ratio_hooks_over_plain"} <= set(s2["largest"])
+    for rung in s2["rungs"]:
+        if "skipped" in rung:
+            continue
+        assert rung["plain"]["source"] in ("measured", "computed")
+        h = rung["hooks"]
+        if h.get("ok"):
+            assert h["peak_device_bytes"] <= s2["budget_bytes"]
+
+    s3 = res["adamw_throughput"]
+    assert s3["copy_bandwidth"]["bytes_per_s"] > 0
+    methods = [r["method"] for r in s3["rows"]]
+    assert any(m.startswith("pscompile ChunkAdamW") for m in methods)
+    assert any("foreach=True" in m for m in methods) and any("per-tensor" in m for m in methods)
+    for r in s3["rows"]:
+        if "error" not in r:
+            assert r["params_per_s"] > 0 and 0 < r["fraction_of_copy_bandwidth"]
+
+    assert "| " in proc.stdout     # --markdown printed GitHub tables
