@@ -34,6 +34,5 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
             "(chunks live on the device and in host memory)")
     if config.mode == "compiled":
         raise NotImplementedError(
-            "mode='compiled' (FX capture + memory-planning passes) is not implemented yet; "
-            "use pscompile.Config(mode='hooks', ...)")
+            "mode='compiled' (FX capture + memory-planning passes) is not implemented yet; use mode='hooks'")
     return HooksEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)

@@ -15,6 +15,7 @@ it replays those moments and evicts the resident chunk used farthest in the futu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections import Counter
@@ -537,6 +538,15 @@ class HooksEngine:
                 f"{format_bytes(m.pinned_bytes)} of parameter chunks in use + {format_bytes(m.nonmodel_peak)} "
                 f"of non-model data{os_note}; give device_memory >= {need + os_bytes}, a smaller batch or a "
                 f"smaller chunk_size (now {self.layout.chunk_size:,} elements)")
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next update; assign to it to follow a schedule."""
+        return self.adam.hp.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.adam.hp = dataclasses.replace(self.adam.hp, lr=value)   # validates like AdamW(lr=...)
 
     def describe(self) -> str:
         """A few lines on how the model was laid out and placed."""

@@ -338,3 +338,20 @@ def test_dropped_engine_is_freed():
     del engine
     gc.collect()
     assert ref() is None, "hooks on the model keep the engine (and its chunks) alive"
+
+
+def test_learning_rate_can_follow_a_schedule():
+    batches = gpt_batches(3)
+    hp = pscompile.AdamW(lr=1e-3)
+    ref = ReferenceTrainer(make_model("gpt"), optimizer=hp, dtype=torch.float32)
+    engine = pscompile.compile(make_model("gpt"), batches[0], optimizer=hp, config=pscompile.Config(**CFG))
+    for i, b in enumerate(batches):
+        lr = 1e-3 * (i + 1)
+        engine.lr = lr
+        for group in ref.opt.param_groups:
+            group["lr"] = lr
+        assert engine.step(b) == pytest.approx(ref.step(b), rel=1e-6)
+    assert engine.lr == 3e-3
+    assert max_weight_diff(engine, ref) < 1e-5
+    with pytest.raises(ValueError, match="lr"):
+        engine.lr = -1.0

@@ -1,0 +1,140 @@
+"""The byte-level corpus (pscompile.data) and ``python -m pscompile train`` (fast: ~20 s)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pscompile.cli import TrainSettings, build_parser, main, run_train
+from pscompile.data import Corpus, fallback_text
+
+TINY_RUN = ["--model", "gpt-tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--no-progress"]
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "pscompile", "train", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+# ------------------------------------------------------------------ corpus
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.from_stdlib(max_bytes=256 * 1024)
+
+
+def test_corpus_builds_from_stdlib_with_a_90_10_split(corpus):
+    n = len(corpus.train) + len(corpus.val)
+    assert corpus.source == "stdlib" and n == 256 * 1024
+    assert len(corpus.train) == int(n * 0.9)
+    for split in (corpus.train, corpus.val):
+        assert split.dtype == torch.int64 and split.dim() == 1
+        assert 0 <= int(split.min()) and int(split.max()) < Corpus.vocab_size == 256
+    assert b"def " in bytes(corpus.train[:50_000].tolist())
+
+
+def test_corpus_is_deterministic(corpus):
+    again = Corpus.from_stdlib(max_bytes=256 * 1024)
+    assert torch.equal(corpus.train, again.train) and torch.equal(corpus.val, again.val)
+    a = corpus.batch("train", 4, 16, torch.Generator().manual_seed(7))
+    b = again.batch("train", 4, 16, torch.Generator().manual_seed(7))
+    c = corpus.batch("train", 4, 16, torch.Generator().manual_seed(8))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_batches_have_shapes_dtypes_and_shifted_targets(corpus, split):
+    idx, targets = corpus.batch(split, 3, 32, torch.Generator().manual_seed(0))
+    assert idx.shape == targets.shape == (3, 32)
+    assert idx.dtype == targets.dtype == torch.int64
+    assert torch.equal(idx[:, 1:], targets[:, :-1])
+    data = corpus.split(split)
+    for row_idx, row_tgt in zip(idx, targets):   # each row is a real window of the split
+        windows = data.unfold(0, 33, 1)
+        hit = (windows == torch.cat([row_idx, row_tgt[-1:]])).all(dim=1)
+        assert hit.any()
+
+
+def test_targets_are_the_next_byte():
+    c = Corpus.from_bytes(bytes(range(256)) * 8, val_fraction=0.25)
+    idx, targets = c.batch("train", 5, 20, torch.Generator().manual_seed(1))
+    assert torch.equal(targets, (idx + 1) % 256)
+
+
+def test_falls_back_when_no_stdlib_sources(monkeypatch, tmp_path):
+    import pscompile.data as data
+    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "missing")})
+    c = Corpus.from_stdlib()
+    assert c.source == "fallback" and len(c.train) + len(c.val) == len(fallback_text())
+
+
+def test_fallback_text_and_errors():
+    c = Corpus.from_bytes(fallback_text(), source="fallback")
+    assert len(c.train) > 10_000 and b"Beautiful is better than ugly" in bytes(c.train[:200].tolist())
+    with pytest.raises(ValueError, match="split='test'"):
+        c.batch("test", 1, 8)
+    with pytest.raises(ValueError, match="seq_len"):
+        c.batch("val", 1, len(c.val))
+    with pytest.raises(ValueError, match="val_fraction"):
+        Corpus.from_bytes(b"x" * 100, val_fraction=1.5)
+
+
+# ------------------------------------------------------------------ CLI
+def test_parser_has_train_with_documented_defaults():
+    args = build_parser().parse_args(["train"])
+    assert (args.mode, args.dtype, args.device, args.chunk_size) == ("hooks", "float32", "cpu", "auto")
+    assert build_parser().parse_args(["train", "--chunk-size", "4096", "--device-memory", "none"]).chunk_size == 4096
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--dtype", "int8"])
+
+
+@pytest.mark.parametrize("flags, field", [(["--steps", "0"], "--steps"), (["--lr", "-1"], "--lr"),
+                                           (["--d-model", "64", "--n-head", "3"], "--n-head"),
+                                           (["--json", "/no-such-folder/out.json"], "--json")])
+def test_bad_flags_exit_2_naming_the_flag(flags, field, capsys):
+    assert main(["train", "--model", "gpt-tiny", *flags]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_train_runs_prints_summary_and_writes_json(tmp_path):
+    out = tmp_path / "out.json"
+    r = _cli(*TINY_RUN, "--device-memory", "4MiB", "--json", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for row in ("model", "chunks", "device budget", "loss first / last", "tokens/s", "peak device",
+                "peak model / non-model", "moved per step", "fetches / evictions per step"):
+        assert f"| {row} " in r.stdout
+    assert "<= 4.0 MiB OK" in r.stdout
+    s = json.loads(out.read_text())
+    expected = {"model", "chunk_size", "num_chunks", "utilisation", "budget_bytes", "steps", "loss_first",
+                "loss_last", "losses", "tokens_per_s", "mean_step_s", "peak_device_bytes",
+                "peak_device_model_bytes", "peak_nonmodel_bytes", "within_budget", "h2d_bytes_per_step",
+                "d2h_bytes_per_step", "fetches_per_step", "evictions_per_step", "settings"}
+    assert expected <= s.keys()
+    assert s["steps"] == 3 and len(s["losses"]) == 3 and s["budget_bytes"] == 4 * 2**20
+    assert s["peak_device_bytes"] <= s["budget_bytes"] and s["within_budget"]
+    assert s["model"]["preset"] == "gpt-tiny" and s["model"]["vocab_size"] == 256
+
+
+def test_default_budget_evicts_chunks_every_step():
+    """The default run's model, batch and budget (only 2 steps): chunks must move every step."""
+    s = run_train(TrainSettings(steps=2, progress=False, log_every=0))
+    assert s["budget_bytes"] == 44 * 2**20 and s["within_budget"]
+    assert s["evictions_per_step"] > 0 and s["fetches_per_step"] > 0
+    model_data = s["num_chunks"] * s["chunk_size"] * 16    # fp32 param + master + exp_avg + exp_avg_sq
+    assert s["peak_device_model_bytes"] < model_data                # not everything fits
+
+
+def test_too_small_budget_exits_2_with_one_line_message(tmp_path):
+    r = _cli(*TINY_RUN, "--device-memory", "64KiB", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "device_memory" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_preset_lists_valid_names(tmp_path):
+    r = _cli("--model", "gpt-nope", cwd=tmp_path)
+    assert r.returncode != 0
+    assert "gpt-nope" in r.stderr and "gpt-tiny" in r.stderr and "gpt-mini" in r.stderr
+    assert "Traceback" not in r.stderr
