@@ -1,0 +1,186 @@
+"""plan_residency: which parameter chunk sits in which device slot at every node of the graph.
+
+A pure analysis over an *access table*: for each node, the chunks it reads, and the gradients
+stored after it. It walks the nodes once, keeping the chunks each node reads on the device and,
+when the next node's capacity ``device_memory - max(N[i], N[i+1]) - resident optimizer states``
+is exceeded, evicting the resident chunk whose next use is farthest away (Belady's OPT; optimal
+for equal-size chunks when the future is known). Among equally far chunks a clean one goes first:
+its host copy is still valid, so evicting it costs no copy. Slots are assigned statically, so the
+scheduled graph can name the buffer every read comes from.
+
+The iteration starts with the chunks whose optimizer states live on the device resident in slots
+0..k-1 (they stay there across iterations: the update runs on the device) and ends with them
+resident again; every other chunk ends on the host (written back if it holds gradients), where
+its update runs. The actions this produces, in order::
+
+    before node i:  store_grad  (gradients of node i-1)   -> into the chunk's slot, or its host copy
+                    writeback   (dirty victim)            slot -> host, chunk bytes
+                    drop        (victim)                  the slot becomes free
+                    fetch       (a chunk node i reads)    host -> slot, chunk bytes
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class GradStore:
+    chunk: int
+    fqn: str
+    offset: int      # element offset of the parameter inside the chunk
+    nbytes: int      # bytes of the gradient
+
+
+@dataclass(frozen=True)
+class Action:
+    before: int                # index of the node this action precedes (== num_nodes: the end)
+    kind: str                  # "store_grad" | "writeback" | "drop" | "fetch"
+    chunk: int
+    slot: int | None           # None: a store_grad into the host copy
+    nbytes: int                # bytes copied between tiers
+    grad: GradStore | None = None
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    actions: tuple[Action, ...]
+    num_nodes: int
+    num_slots: int
+    initial: tuple[tuple[int, int], ...]      # (chunk, slot) resident when the iteration starts
+    slot_bytes: int
+    peak_device_bytes: int                    # planned: resident chunks + optimizer states + N[i]
+    peak_node: int
+    h2d_bytes: int
+    d2h_bytes: int
+    num_fetches: int
+    num_evictions: int
+
+    def summary(self, budget: int | None) -> str:
+        from pscompile.units import format_bytes
+        b = "unlimited" if budget is None else format_bytes(budget)
+        return (f"plan_residency: {self.num_slots} slots, {self.num_fetches} fetches, "
+                f"{self.num_evictions} evictions, {format_bytes(self.h2d_bytes + self.d2h_bytes)} moved, "
+                f"peak {format_bytes(self.peak_device_bytes)} <= {b}")
+
+
+class ResidencyError(ValueError):
+    """The budget cannot hold what one node needs."""
+
+    def __init__(self, message: str, node: int, minimum: int):
+        super().__init__(message)
+        self.node = node
+        self.minimum = minimum
+
+
+@dataclass
+class _State:
+    resident: dict[int, int] = field(default_factory=dict)   # chunk -> slot
+    dirty: set[int] = field(default_factory=set)
+    free: list[int] = field(default_factory=list)
+    num_slots: int = 0
+
+    def take_slot(self) -> int:
+        if self.free:
+            return self.free.pop(0)
+        self.num_slots += 1
+        return self.num_slots - 1
+
+
+def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
+                   stores: Mapping[int, Sequence[GradStore]], num_chunks: int, slot_bytes: int,
+                   budget: int | None, os_device_chunks: frozenset[int] = frozenset(),
+                   os_device_bytes: int = 0, describe_node=lambda i: f"node {i}") -> ResidencyPlan:
+    """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
+    after node ``i``. Raises ``ResidencyError`` naming the node when the budget is too small."""
+    T = len(reads)
+    assert len(nonmodel) == T
+    uses: dict[int, list[int]] = {}
+    for i, need in enumerate(reads):
+        for c in need:
+            uses.setdefault(c, []).append(i)
+
+    def next_use(c: int, i: int) -> float:
+        u = uses.get(c, [])
+        k = bisect.bisect_left(u, i)
+        if k < len(u):
+            return u[k]
+        return T if c in os_device_chunks else float("inf")
+
+    def capacity(i: int) -> float:
+        if budget is None:
+            return float("inf")
+        n = max(nonmodel[i], nonmodel[i + 1] if i + 1 < T else 0)
+        return budget - n - os_device_bytes
+
+    st = _State()
+    actions: list[Action] = []
+    initial = []
+    for c in sorted(os_device_chunks):
+        st.resident[c] = st.take_slot()
+        initial.append((c, st.resident[c]))
+    h2d = d2h = fetches = evictions = 0
+    peak, peak_node = 0, 0
+
+    def evict(c: int, before: int) -> None:
+        nonlocal d2h, evictions
+        slot = st.resident.pop(c)
+        if c in st.dirty:
+            actions.append(Action(before, "writeback", c, slot, slot_bytes))
+            d2h += slot_bytes
+            st.dirty.discard(c)
+        actions.append(Action(before, "drop", c, slot, 0))
+        evictions += 1
+        bisect.insort(st.free, slot)
+
+    def fetch(c: int, before: int) -> None:
+        nonlocal h2d, fetches
+        slot = st.take_slot()
+        st.resident[c] = slot
+        actions.append(Action(before, "fetch", c, slot, slot_bytes))
+        h2d += slot_bytes
+        fetches += 1
+
+    for i in range(T + 1):
+        for g in stores.get(i - 1, ()):               # gradients of node i-1 go into their chunk
+            if g.chunk in st.resident:
+                actions.append(Action(i, "store_grad", g.chunk, st.resident[g.chunk], 0, g))
+                st.dirty.add(g.chunk)
+            else:
+                actions.append(Action(i, "store_grad", g.chunk, None, g.nbytes, g))
+                d2h += g.nbytes
+        if i == T:
+            break
+        need = list(dict.fromkeys(reads[i]))
+        limit = capacity(i)
+        if len(need) * slot_bytes > limit:
+            minimum = len(need) * slot_bytes + max(nonmodel[i], nonmodel[i + 1] if i + 1 < T else 0) + os_device_bytes
+            raise ResidencyError(
+                f"device_memory={budget} bytes is below the minimum {minimum} bytes needed at {describe_node(i)}: "
+                f"{len(need)} chunk(s) of {slot_bytes} bytes read there + {max(nonmodel[i], nonmodel[i + 1] if i + 1 < T else 0)} "
+                f"bytes of non-model data + {os_device_bytes} bytes of optimizer states on the device", i, minimum)
+        missing = [c for c in need if c not in st.resident]
+        while (len(st.resident) + len(missing)) * slot_bytes > limit:
+            victims = [c for c in st.resident if c not in need and c not in os_device_chunks]
+            if not victims:
+                raise ResidencyError(
+                    f"device_memory={budget} bytes cannot hold the chunks pinned at {describe_node(i)} "
+                    "(optimizer states kept on the device leave too little room)", i, -1)
+            victim = max(victims, key=lambda c: (next_use(c, i), c not in st.dirty, c))
+            evict(victim, i)
+        for c in missing:
+            fetch(c, i)
+        used = len(st.resident) * slot_bytes + os_device_bytes + nonmodel[i]
+        if used > peak:
+            peak, peak_node = used, i
+    # the end: chunks updated on the host go home; device-updated ones must be resident
+    for c in sorted(st.resident):
+        if c not in os_device_chunks:
+            evict(c, T)
+    for c in sorted(os_device_chunks):
+        if c not in st.resident:
+            fetch(c, T)
+    return ResidencyPlan(tuple(actions), T, st.num_slots, tuple(initial), slot_bytes, peak, peak_node,
+                         h2d, d2h, fetches, evictions)

@@ -1,0 +1,46 @@
+"""pscompile's metadata on FX nodes, and the conventions of the captured and scheduled graphs.
+
+All pscompile metadata lives in ``node.meta["pscompile"]`` (a dict) and is read and written only
+through the accessors below; nothing is set as an attribute on nodes, parameters or modules.
+
+**Captured (joint) graph** — ``capture.capture_joint`` returns a ``CapturedGraph`` whose
+``gm.graph`` has flat placeholders in this order: the parameters (``param_fqns``, canonical names,
+tied parameters once), the buffers (``buffer_fqns``), then the batch's tensor leaves. It returns
+one flat tuple ``(loss, *grads)`` with one gradient per *trainable* parameter in ``param_fqns``
+order (``grad_fqns``). Every node has ``meta["val"]`` (a FakeTensor or a tuple of them).
+
+Keys written by the analysis passes:
+
+- ``phase``: "fwd" (computes the loss) or "bwd" (everything after);
+- ``param``: on a parameter placeholder and on every view of one, the fqn it aliases;
+- ``reads``: on a compute node, the fqns of the parameters whose memory it reads (through views);
+- ``last_use``: on a parameter placeholder, the index of the last node that reads it (view-aware);
+- ``nonmodel``: on every node, non-model bytes live while it runs (static estimate or measured).
+
+**Scheduled graph** (after ``insert_memory_ops``): parameter placeholders are gone; the graph
+takes the device slot buffers ``slot_0 .. slot_{S-1}`` and the host chunk buffers ``host_0 ..
+host_{C-1}`` as placeholders, every parameter read is a view of the slot that holds its chunk at
+that moment, and memory nodes (``torch.ops.pscompile.*``) move data between them. Their
+``mem`` metadata is a ``MemOp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx
+
+_KEY = "pscompile"
+
+
+def meta(node: fx.Node) -> dict[str, Any]:
+    """The pscompile metadata dict of ``node`` (created on first use)."""
+    return node.meta.setdefault(_KEY, {})
+
+
+def get(node: fx.Node, key: str, default: Any = None) -> Any:
+    return node.meta.get(_KEY, {}).get(key, default)
+
+
+def put(node: fx.Node, key: str, value: Any) -> None:
+    meta(node)[key] = value

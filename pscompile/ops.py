@@ -1,0 +1,89 @@
+"""Memory operations as ``torch.library`` custom ops (namespace ``pscompile::``).
+
+They take the buffers they read and write, declare what they mutate, have fake implementations,
+and are registered with ``torch.fx.has_side_effect`` (they return nothing), so a scheduled graph
+is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
+
+    fetch(slot!, host)                 slot <- host            one chunk, host -> device
+    writeback(host!, slot)             host <- slot            a dirty chunk goes home before its slot is reused
+    drop(slot)                         (nothing moves)         the slot's chunk is no longer on the device
+    store_grad(dest!, grad, offset)    dest[offset:] <- grad   a gradient overwrites its parameter's chunk space
+
+Each memory node carries a ``MemOp`` in its pscompile metadata (``mem``): which chunk, which slot,
+the tiers, and the bytes it moves. The executor counts what actually moves against these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("pscompile::fetch", mutates_args=("slot",))
+def fetch(slot: Tensor, host: Tensor) -> None:
+    slot.copy_(host)
+
+
+@fetch.register_fake
+def _(slot, host):
+    return None
+
+
+@torch.library.custom_op("pscompile::writeback", mutates_args=("host",))
+def writeback(host: Tensor, slot: Tensor) -> None:
+    host.copy_(slot)
+
+
+@writeback.register_fake
+def _(host, slot):
+    return None
+
+
+@torch.library.custom_op("pscompile::drop", mutates_args=())
+def drop(slot: Tensor) -> None:
+    return None
+
+
+@drop.register_fake
+def _(slot):
+    return None
+
+
+@torch.library.custom_op("pscompile::store_grad", mutates_args=("dest",))
+def store_grad(dest: Tensor, grad: Tensor, offset: int) -> None:
+    dest[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+
+
+@store_grad.register_fake
+def _(dest, grad, offset):
+    return None
+
+
+MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
+              torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default)
+for _op in MEMORY_OPS:
+    torch.fx.has_side_effect(_op)
+
+
+@dataclass(frozen=True)
+class MemOp:
+    """What one memory node does, for printing, verification and accounting."""
+
+    kind: str            # "fetch" | "writeback" | "drop" | "store_grad"
+    chunk: int
+    slot: int | None     # device slot index (None: store_grad into a chunk on the host)
+    src: str             # tier read: "host" | "device" | "-"
+    dst: str             # tier written
+    nbytes: int          # bytes copied between tiers (0 for drop and device-side store_grad)
+    fqn: str | None = None  # store_grad: the parameter
+
+    def describe(self) -> str:
+        where = f"slot {self.slot}" if self.slot is not None else "host"
+        extra = f" {self.fqn}" if self.fqn else ""
+        return f"{self.kind} chunk {self.chunk} ({self.src}->{self.dst}, {where}, {self.nbytes} B){extra}"
+
+
+def is_memory_node(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in MEMORY_OPS

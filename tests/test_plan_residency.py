@@ -1,0 +1,144 @@
+"""plan_residency on small tables of uses, all fed to one invariant checker (tinygrad style)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pscompile.passes.plan_residency import GradStore, ResidencyError, plan_residency
+
+SLOT = 100
+
+
+def check(plan, reads, nonmodel, budget, os_device_chunks=frozenset(), os_bytes=0):
+    """Replay the actions: every read is resident, slots never double-booked, capacity holds at
+    every node, counts add up, the end state is what the optimizer expects."""
+    resident = dict(plan.initial)
+    dirty = set()
+    by_node = {}
+    for a in plan.actions:
+        by_node.setdefault(a.before, []).append(a)
+    h2d = d2h = 0
+    T = len(reads)
+    for i in range(T + 1):
+        for a in by_node.get(i, []):
+            if a.kind == "fetch":
+                assert a.chunk not in resident and a.slot not in resident.values()
+                resident[a.chunk] = a.slot
+                h2d += a.nbytes
+            elif a.kind == "writeback":
+                assert resident[a.chunk] == a.slot and a.chunk in dirty
+                dirty.discard(a.chunk)
+                d2h += a.nbytes
+            elif a.kind == "drop":
+                assert resident.pop(a.chunk) == a.slot
+                assert a.chunk not in dirty, "dropped a chunk with unsaved gradients"
+            elif a.kind == "store_grad":
+                if a.slot is None:
+                    assert a.chunk not in resident
+                    d2h += a.nbytes
+                else:
+                    assert resident[a.chunk] == a.slot
+                    dirty.add(a.chunk)
+        if i == T:
+            break
+        for c in reads[i]:
+            assert c in resident, f"node {i} reads chunk {c} which is not on the device"
+        if budget is not None:
+            nxt = nonmodel[i + 1] if i + 1 < T else 0
+            assert len(resident) * SLOT + os_bytes + max(nonmodel[i], nxt) <= budget
+    assert set(resident) == set(os_device_chunks)
+    assert not (dirty - set(os_device_chunks))
+    assert (h2d, d2h) == (plan.h2d_bytes, plan.d2h_bytes)
+    return plan
+
+
+CASES = [
+    # (reads per node, nonmodel per node, budget)
+    ([[0], [1], [2], [0], [1], [2]], [0] * 6, 300),
+    ([[0], [1], [2], [0], [1], [2]], [0] * 6, 200),
+    ([[0], [1], [2], [3], [2], [1], [0]], [50] * 7, 250),
+    ([[0, 1], [2], [1, 2], [0], [3], [0, 3]], [10, 20, 30, 40, 50, 60], 260),
+    ([[0], [1], [0], [2], [0], [3], [0]], [0] * 7, 200),
+    ([[c] for c in (0, 1, 2, 3, 4, 0, 1, 2, 3, 4)], [90] * 10, 290),
+]
+
+
+@pytest.mark.parametrize("reads,nonmodel,budget", CASES)
+def test_plans_satisfy_invariants(reads, nonmodel, budget):
+    plan = plan_residency(reads, nonmodel, stores={}, num_chunks=5, slot_bytes=SLOT, budget=budget)
+    check(plan, reads, nonmodel, budget)
+    assert plan.peak_device_bytes <= budget
+
+
+def _brute_force_min_fetches(reads, k):
+    """Fewest fetches with at most k resident chunks (exhaustive over eviction choices)."""
+    best = [float("inf")]
+
+    def go(i, resident, fetches):
+        if fetches >= best[0]:
+            return
+        if i == len(reads):
+            best[0] = fetches
+            return
+        need = set(reads[i])
+        missing = need - resident
+        if not missing:
+            return go(i + 1, resident, fetches)
+        spare = k - len(resident)
+        if spare >= len(missing):
+            return go(i + 1, resident | missing, fetches + len(missing))
+        drop_n = len(missing) - spare
+        for victims in itertools.combinations(sorted(resident - need), drop_n):
+            go(i + 1, (resident - set(victims)) | missing, fetches + len(missing))
+
+    go(0, frozenset(), 0)
+    return best[0]
+
+
+@pytest.mark.parametrize("seq", [
+    [0, 1, 2, 0, 3, 1, 0, 2, 3, 1],
+    [0, 1, 2, 3, 0, 1, 4, 0, 1, 2, 3, 4],
+    [3, 2, 1, 0, 1, 2, 3, 0, 2, 1],
+])
+def test_belady_is_optimal_for_single_reads(seq):
+    reads = [[c] for c in seq]
+    plan = plan_residency(reads, [0] * len(reads), stores={}, num_chunks=5, slot_bytes=SLOT, budget=2 * SLOT)
+    check(plan, reads, [0] * len(reads), 2 * SLOT)
+    assert plan.num_fetches == _brute_force_min_fetches(reads, 2)
+
+
+def test_clean_chunks_are_evicted_for_free_and_gradients_go_home():
+    reads = [[0], [1], [2], [2], [1], [0]]
+    stores = {3: [GradStore(2, "c", 0, 40)], 4: [GradStore(1, "b", 0, 40)], 5: [GradStore(0, "a", 0, 40)]}
+    plan = plan_residency(reads, [0] * 6, stores=stores, num_chunks=3, slot_bytes=SLOT, budget=2 * SLOT)
+    check(plan, reads, [0] * 6, 2 * SLOT)
+    kinds = [a.kind for a in plan.actions]
+    assert "writeback" in kinds
+    # forward evictions are of clean chunks: no writeback before the first gradient exists
+    first_store = kinds.index("store_grad")
+    assert "writeback" not in kinds[:first_store]
+
+
+def test_device_optimizer_chunks_stay_resident():
+    reads = [[0], [1], [0], [1]]
+    plan = plan_residency(reads, [0] * 4, stores={2: [GradStore(0, "a", 0, 8)]}, num_chunks=2, slot_bytes=SLOT,
+                          budget=1000, os_device_chunks=frozenset({0, 1}), os_device_bytes=600)
+    check(plan, reads, [0] * 4, 1000, frozenset({0, 1}), 600)
+    assert plan.num_fetches == 0 and plan.h2d_bytes == 0
+
+
+def test_too_small_budget_names_the_node():
+    reads = [[0], [0, 1, 2], [1]]
+    with pytest.raises(ResidencyError, match="op-1") as info:
+        plan_residency(reads, [0, 50, 0], stores={}, num_chunks=3, slot_bytes=SLOT, budget=300,
+                       describe_node=lambda i: f"op-{i}")
+    assert info.value.node == 1 and info.value.minimum == 350
+
+
+def test_unlimited_budget_fetches_each_chunk_once():
+    reads = [[0], [1], [0], [1], [2]]
+    plan = plan_residency(reads, [0] * 5, stores={}, num_chunks=3, slot_bytes=SLOT, budget=None)
+    check(plan, reads, [0] * 5, None)
+    assert plan.num_fetches == 3
