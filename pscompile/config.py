@@ -7,7 +7,7 @@ the field and the values that would work. Sizes accept bytes (int) or strings ("
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -15,7 +15,6 @@ it replays those moments and evicts the resident chunk used farthest in the futu
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from collections import Counter
@@ -27,16 +26,13 @@ import torch
 from torch import nn
 
 from .access_plan import AccessPlan, Moment
-from .batching import LossFn, call_model, extract_loss, signature, to_device
-from .chunks import ChunkStore
-from .config import AdamW, Config, available_host_bytes
-from .layout import ChunkLayout, build_layout, search_chunk_size
-from .materialize import materialize_meta
-from .optimizer import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
-from .order import direct_params, first_use_order
+from .batching import LossFn, extract_loss, signature, to_device
+from .config import AdamW, Config
+from .engine_base import ChunkEngine
+from .order import direct_params
 from .states import ChunkPlacement, TensorState, chunk_placement
 from .stats import StepStats
-from .tiers import Link, Tier
+from .tiers import Tier
 from .tracker import NonModelTracker
 from .units import format_bytes
 
@@ -97,65 +93,13 @@ class BudgetError(ValueError):
     """The device budget cannot hold what one moment of the iteration needs."""
 
 
-class HooksEngine:
+class HooksEngine(ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
-        self.config = config
-        self.hp = optimizer
-        self.model = model
-        self.loss_fn = loss_fn
-        self.device = config.torch_device
-        self.dtype = config.dtype
-        self.budget: int | None = config.device_memory
-        if self.budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            self.budget = int(free * 0.9)
+        super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         batch = to_device(batch, self.device)
-        self.materialized = materialize_meta(model)
-
-        # -- parameters, names, first-use order, layout -------------------------------------
-        params_in_order, self.order_source = first_use_order(model, self._run_model, batch)
-        names: dict[int, list[str]] = {}
-        for fqn, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(fqn)
-        self.params: dict[str, nn.Parameter] = {}
-        self._fqn_of: dict[int, str] = {}
-        aliases: dict[str, str] = {}
-        for p in params_in_order:
-            canonical, *others = names[id(p)]
-            self.params[canonical] = p
-            self._fqn_of[id(p)] = canonical
-            aliases.update({o: canonical for o in others})
-        if not self.params:
-            raise ValueError("the model has no parameters; pscompile manages parameters in chunks")
-        for fqn, p in self.params.items():
-            if not p.dtype.is_floating_point:
-                raise ValueError(f"parameter {fqn} has dtype {p.dtype}; only floating-point parameters are supported")
-        self.layout = self._make_layout(aliases)
         self._module_params = {name: [self._fqn_of[id(p)] for _, p in own]
                                for name, own in direct_params(model).items()}
-
-        # -- chunk store, optimizer, host budget --------------------------------------------
-        elsize = torch.empty((), dtype=self.dtype).element_size()
-        host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        host_need = self.layout.num_chunks * self.layout.chunk_size * (elsize + 12)
-        if host_need > host_budget:
-            raise ValueError(
-                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks: they need "
-                f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param); give "
-                f"host_memory >= {host_need} (the disk tier is not available yet)")
-        self.link = Link(config.link_bandwidth)
-        self.store = ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
-        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
-        # Released parameters point at one NaN element broadcast to their shape: any use outside
-        # the hooks' access/release gives NaN instead of stale values.
-        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            self._load_into_chunks()
-        self.adam = ChunkAdamW(optimizer)
-        self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
-                       if self.dtype == torch.float16 else None)
-        self._move_buffers()
         self.states = {fqn: TensorState.HOLD for fqn in self.params}
 
         # -- hooks, trace pass, optimizer-state placement -----------------------------------
@@ -171,39 +115,6 @@ class HooksEngine:
             raise
 
     # ================================================================ setup helpers
-    def _make_layout(self, aliases: dict[str, str]) -> ChunkLayout:
-        numels = [p.numel() for p in self.params.values()]
-        cs = self.config.chunk_size
-        elsize = torch.empty((), dtype=self.dtype).element_size()
-        if cs == "auto":
-            cap = None if self.budget is None else max(1024, self.budget // (elsize * 8))
-            choice = search_chunk_size(numels, max_chunk_size=cap)
-            cs = choice.chunk_size
-        return build_layout(((f, tuple(p.shape)) for f, p in self.params.items()), cs, aliases)
-
-    def _load_into_chunks(self) -> None:
-        """Copy every parameter's value into the chunks (fp32 master and compute-dtype copy) and
-        free the model's own copy, one module at a time."""
-        loaded: set[str] = set()
-        for mod in self.model.modules():
-            values = {}
-            for _, p in mod.named_parameters(recurse=False):
-                fqn = self._fqn_of[id(p)]
-                if fqn not in loaded:
-                    values[fqn] = p.detach()
-                    loaded.add(fqn)
-            if values:
-                self.store.load_params(values)
-                for fqn in values:
-                    self.params[fqn].data = self._dummy.expand(self.params[fqn].shape)
-
-    def _move_buffers(self) -> None:
-        for mod in self.model.modules():
-            for name, buf in list(mod.named_buffers(recurse=False)):
-                if buf.device != self.device:
-                    persistent = name not in mod._non_persistent_buffers_set
-                    mod.register_buffer(name, buf.to(self.device), persistent=persistent)
-
     def _install_hooks(self) -> list:
         handles = []
         pre, post, grad = _weak(self._pre_forward), _weak(self._post_forward), _weak(self._grad_hook)
@@ -223,16 +134,6 @@ class HooksEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def close(self) -> None:
-        """Remove the hooks and give the model its parameters back, holding the fp32 master
-        weights in each parameter's original dtype. The engine cannot step afterwards."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        with torch.no_grad():
-            for fqn, p in self.params.items():
-                p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
 
     # ================================================================ moments
     def _chunks_of(self, fqns) -> tuple[int, ...]:
@@ -418,9 +319,6 @@ class HooksEngine:
         self._moment("grad", fqn, ())
 
     # ================================================================ passes
-    def _run_model(self, model: nn.Module, batch: Any) -> Any:
-        return call_model(model, batch)
-
     def _new_tracker(self, batch: Any, *, tracing: bool) -> NonModelTracker:
         tracker = NonModelTracker(self.device, self.store.is_model_storage, self.store.device_model_bytes,
                                   exact_windows=tracing)
@@ -539,15 +437,6 @@ class HooksEngine:
                 f"of non-model data{os_note}; give device_memory >= {need + os_bytes}, a smaller batch or a "
                 f"smaller chunk_size (now {self.layout.chunk_size:,} elements)")
 
-    @property
-    def lr(self) -> float:
-        """The learning rate of the next update; assign to it to follow a schedule."""
-        return self.adam.hp.lr
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        self.adam.hp = dataclasses.replace(self.adam.hp, lr=value)   # validates like AdamW(lr=...)
-
     def describe(self) -> str:
         """A few lines on how the model was laid out and placed."""
         n = self.layout.num_chunks
@@ -585,8 +474,18 @@ class HooksEngine:
             self._undo_gradients(ps)
             raise
         t_opt = time.perf_counter()
-        with ps.tracker:
-            skipped = self._optimizer_step(ps, plan, scale)
+        first_opt = len(plan.moments) - self.layout.num_chunks
+        assert ps.moment == first_opt, "optimizer moments out of step with the plan"
+
+        def make_room(c: int) -> None:
+            self._moment("opt", f"chunk {c}", plan.moments[first_opt + c].need)
+
+        self._pass = ps
+        try:
+            with ps.tracker:
+                skipped = self._optimizer_step(ps.grad_written, scale, ps.tracker, make_room)
+        finally:
+            self._pass = None
         t_end = time.perf_counter()
         traffic = self.link.reset()
         tr = ps.tracker
@@ -607,107 +506,3 @@ class HooksEngine:
             self.store.restore_from_master(c)
         self.link.reset()
 
-    def _frozen_ranges(self, c: int, written: set[str]) -> list[tuple[int, int]]:
-        return [(p.chunk_offset, p.numel) for e, p in self.layout.chunk_members(c) if e.fqn not in written]
-
-    def _optimizer_step(self, ps: _Pass, plan: AccessPlan, scale: float) -> bool:
-        """Unscale, check overflow, clip, update chunk by chunk. Returns True if skipped."""
-        store, n = self.store, self.layout.num_chunks
-        written = ps.grad_written
-        sq = 0.0
-        has_grad = [any(e.fqn in written for e, _ in self.layout.chunk_members(c)) for c in range(n)]
-        for c in range(n):
-            if not has_grad[c]:
-                continue
-            buf = store.current(c)
-            frozen = self._frozen_ranges(c, written)
-            with ExitStack() as stack:
-                if not store.resident(c):
-                    stack.enter_context(ps.tracker.paused())    # host-side work is not device memory
-                for o, k in frozen:                              # no gradient: count as zero
-                    buf[o:o + k].zero_()
-                if frozen and store.resident(c):
-                    store.dirty[c] = True
-                sq += grad_sq_sum(buf)
-        inv_scale = 1.0 / scale
-        total_norm = (sq ** 0.5) * inv_scale
-        found_inf = not (sq < float("inf"))     # also catches NaN
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if found_inf:
-            if self.scaler is None:
-                self._undo_all(has_grad)
-                raise FloatingPointError(
-                    f"the gradients contain inf/NaN in {self.dtype} without loss scaling (loss scaling is "
-                    "used with float16 only); the update was not applied")
-            self._undo_all(has_grad)
-            return True
-        factor = inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
-            else inv_scale
-        self.adam.begin_step()
-        assert ps.moment == len(plan.moments) - n, "optimizer moments out of step with the plan"
-        self._pass = ps
-        try:
-            for c in range(n):
-                self._moment("opt", f"chunk {c}", plan.moments[ps.moment].need)
-                if not has_grad[c]:
-                    continue                                        # nothing to update here
-                with ExitStack() as stack:
-                    if store.os_tier[c] is not Tier.DEVICE:
-                        stack.enter_context(ps.tracker.paused())    # the update runs on the host
-                    buf = store.bring_to_os_tier(c)
-                    self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                           grad_factor=factor, frozen=self._frozen_ranges(c, written))
-                    store.mark_updated(c)
-        finally:
-            self._pass = None
-        return False
-
-    def _undo_all(self, only=None) -> None:
-        for c in range(self.layout.num_chunks):
-            if only is None or only[c]:
-                self.store.restore_from_master(c)
-
-    # ================================================================ state
-    def state_dict(self) -> dict:
-        """fp32 master weights, Adam states (per parameter fqn), step, loss scale."""
-        return {
-            "master": {f: self.store.gather("master", f) for f in self.params},
-            "exp_avg": {f: self.store.gather("exp_avg", f) for f in self.params},
-            "exp_avg_sq": {f: self.store.gather("exp_avg_sq", f) for f in self.params},
-            "step": self.adam.step_count,
-            "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
-            "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0,
-        }
-
-    def load_state_dict(self, sd: dict) -> None:
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            missing = set(self.params) - set(sd[key])
-            if missing:
-                raise ValueError(f"state_dict[{key!r}] lacks parameters {sorted(missing)[:3]}")
-            for f in self.params:
-                if tuple(sd[key][f].shape) != tuple(self.params[f].shape):
-                    raise ValueError(f"state_dict[{key!r}][{f!r}] has shape {tuple(sd[key][f].shape)}, "
-                                     f"the model has {tuple(self.params[f].shape)}")
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            for f in self.params:
-                self.store.scatter(key, f, sd[key][f])
-        self._undo_all()       # param chunks = master cast to the compute dtype
-        self.link.reset()
-        self.adam.load_state_dict({"step": sd["step"]})
-        if self.scaler is not None:
-            self.scaler.scale = float(sd["loss_scale"])
-            self.scaler.good_steps = int(sd.get("loss_scale_good_steps", 0))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict with fp32 master weights (tied names included), for export."""
-        out: dict[str, torch.Tensor] = {}
-        sd_keys = self.model.state_dict(keep_vars=True)
-        for key, value in sd_keys.items():
-            try:
-                entry = self.layout.entry(key)
-            except KeyError:
-                out[key] = value.detach().clone()
-                continue
-            out[key] = self.store.gather("master", entry.fqn)
-        return out

@@ -1,0 +1,144 @@
+"""insert_memory_ops: rewrite the captured graph so every memory decision is an explicit node.
+
+Parameter placeholders disappear. The graph takes the device slots and the host chunks as
+placeholders instead; each node that reads a parameter reads a fresh view of the slot that holds
+the parameter's chunk at that moment (view chains are rebuilt right before the reader, so no view
+of a slot outlives the residency it came from), and the plan's actions become nodes::
+
+    fetch       = pscompile.fetch(slot_1, host_4)                  # chunk 4 -> slot 1, 2.0 MiB
+    t_7         = aten.t(aten.view(aten.slice(slot_1, 0, 512, 16896), [128, 128]))
+    mm_3        = aten.mm(view_9, t_7)
+    store_grad  = pscompile.store_grad(slot_1, mm_9, 512)          # grad of h.0.attn.c_attn.weight
+    writeback   = pscompile.writeback(host_4, slot_1)              # dirty chunk 4 goes home
+    drop        = pscompile.drop(slot_1)
+
+The gradients leave the output (each is consumed by its store_grad); the graph returns the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from pscompile import graph_meta as gmeta
+from pscompile.layout import ChunkLayout
+from pscompile.ops import MemOp
+
+from .plan_residency import ResidencyPlan
+
+aten = torch.ops.aten
+
+
+def _view_chain(node: fx.Node) -> list[fx.Node]:
+    """Nodes from the parameter placeholder (exclusive) to ``node`` (inclusive), following the
+    first argument of each view."""
+    chain = []
+    while node.op != "placeholder":
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayout, *,
+                      param_fqns: tuple[str, ...], grad_fqns: tuple[str, ...],
+                      compute_dtype: torch.dtype) -> fx.GraphModule:
+    """Return a new GraphModule: ``(slot_0.., host_0.., buffers.., batch..) -> (loss,)``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    old_nodes = list(gm.graph.nodes)
+    placeholders = [n for n in old_nodes if n.op == "placeholder"]
+    param_ph = {n: fqn for n, fqn in zip(placeholders, param_fqns)}
+    cs = layout.chunk_size
+
+    slots = []
+    for k in range(plan.num_slots):
+        s = graph.placeholder(f"slot_{k}")
+        s.meta["val"] = torch.empty(cs, dtype=compute_dtype, device="meta")
+        gmeta.put(s, "slot", k)
+        slots.append(s)
+    hosts = []
+    for c in range(layout.num_chunks):
+        h = graph.placeholder(f"host_{c}")
+        h.meta["val"] = torch.empty(cs, dtype=compute_dtype, device="meta")
+        gmeta.put(h, "host_chunk", c)
+        hosts.append(h)
+    for n in placeholders:
+        if n not in param_ph:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+
+    resident: dict[int, int] = dict(plan.initial)      # chunk -> slot, replayed while emitting
+    actions = {}
+    for a in plan.actions:
+        actions.setdefault(a.before, []).append(a)
+    output_node = next(n for n in old_nodes if n.op == "output")
+    loss_node, *grad_nodes = output_node.args[0]
+    grad_node_of = dict(zip(grad_fqns, grad_nodes))
+
+    def emit(a) -> None:
+        if a.kind == "fetch":
+            node = graph.call_function(torch.ops.pscompile.fetch.default, (slots[a.slot], hosts[a.chunk]))
+            resident[a.chunk] = a.slot
+            mem = MemOp("fetch", a.chunk, a.slot, "host", "device", a.nbytes)
+        elif a.kind == "writeback":
+            node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
+            mem = MemOp("writeback", a.chunk, a.slot, "device", "host", a.nbytes)
+        elif a.kind == "drop":
+            node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
+            del resident[a.chunk]
+            mem = MemOp("drop", a.chunk, a.slot, "device", "-", 0)
+        else:
+            g = a.grad
+            grad = env[grad_node_of[g.fqn]]
+            dest = slots[a.slot] if a.slot is not None else hosts[a.chunk]
+            node = graph.call_function(torch.ops.pscompile.store_grad.default, (dest, grad, g.offset))
+            mem = MemOp("store_grad", a.chunk, a.slot, "device", "device" if a.slot is not None else "host",
+                        a.nbytes, g.fqn)
+        node.meta["val"] = None
+        gmeta.put(node, "mem", mem)
+
+    def param_root(fqn: str) -> fx.Node:
+        e = layout.entry(fqn)
+        assert not e.spans, f"{fqn} spans chunks; insert_memory_ops needs chunk_size >= its numel"
+        p = e.pieces[0]
+        slot = slots[resident[p.chunk]]
+        flat = graph.call_function(aten.slice.Tensor, (slot, 0, p.chunk_offset, p.chunk_offset + p.numel))
+        flat.meta["val"] = torch.empty(p.numel, dtype=compute_dtype, device="meta")
+        view = graph.call_function(aten.view.default, (flat, list(e.shape)))
+        view.meta["val"] = torch.empty(e.shape, dtype=compute_dtype, device="meta")
+        gmeta.put(view, "param", fqn)
+        return view
+
+    def rebuild(arg: fx.Node, cache: dict) -> fx.Node:
+        """A fresh copy of the view chain behind ``arg``, rooted at the current slot."""
+        if arg in cache:
+            return cache[arg]
+        chain = _view_chain(arg)
+        root_ph = chain[0].args[0] if chain else arg
+        cur = param_root(param_ph[root_ph])
+        local = {root_ph: cur}
+        for v in chain:
+            cur = graph.node_copy(v, lambda a: local.get(a, env.get(a)))
+            local[v] = cur
+        cache[arg] = cur
+        return cur
+
+    for i, n in enumerate(old_nodes):
+        for a in actions.get(i, ()):
+            emit(a)
+        if n.op == "placeholder" or gmeta.get(n, "param") is not None:
+            continue              # parameters and their views are re-created at each reader
+        if n.op == "output":
+            break
+        cache: dict = {}
+
+        def arg_map(a):
+            if gmeta.get(a, "param") is not None:
+                return rebuild(a, cache)
+            return env[a]
+        env[n] = graph.node_copy(n, arg_map)
+    for a in actions.get(len(old_nodes), ()):        # end of the iteration
+        emit(a)
+    graph.output((env[loss_node],))
+    graph.lint()
+    out = fx.GraphModule(gm, graph)
+    return out

@@ -1,0 +1,120 @@
+"""verify_schedule: check a scheduled graph's memory invariants by replaying it symbolically.
+
+- a fetch fills a free slot; a drop empties an occupied one; a writeback and a device-side
+  store_grad touch the slot that holds their chunk;
+- every parameter read is a view of the slot holding that parameter's chunk, at the parameter's
+  offset in the layout (so nothing is used after it was dropped, and nothing before it arrived);
+- no chunk with unsaved gradients is dropped;
+- planned device bytes (resident slots + device optimizer states + non-model bytes of the node)
+  never exceed the budget;
+- the iteration ends with exactly the chunks whose optimizer states live on the device resident.
+
+Raises ``ScheduleError`` (a ValueError) naming the first node that breaks an invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from pscompile import graph_meta as gmeta
+from pscompile.layout import ChunkLayout
+from pscompile.ops import is_memory_node
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    num_memory_nodes: int
+    peak_device_bytes: int
+    peak_node: str
+
+    def summary(self, budget: int | None) -> str:
+        from pscompile.units import format_bytes
+        b = "unlimited" if budget is None else format_bytes(budget)
+        return (f"verify_schedule: {self.num_memory_nodes} memory nodes ok, planned peak "
+                f"{format_bytes(self.peak_device_bytes)} <= {b} (at {self.peak_node})")
+
+
+def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int, budget: int | None,
+                    initial: dict[int, int], os_device_chunks: frozenset[int] = frozenset(),
+                    os_device_bytes: int = 0) -> VerifyReport:
+    slot_of_ph = {n: gmeta.get(n, "slot") for n in gm.graph.nodes
+                  if n.op == "placeholder" and gmeta.get(n, "slot") is not None}
+    host_of_ph = {n: gmeta.get(n, "host_chunk") for n in gm.graph.nodes
+                  if n.op == "placeholder" and gmeta.get(n, "host_chunk") is not None}
+    holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
+    dirty: set[int] = set()
+    nonmodel = 0
+    peak, peak_node, count = 0, "start", 0
+
+    def fail(node: fx.Node, why: str):
+        raise ScheduleError(f"verify_schedule: node {node.name} ({node.format_node()[:120]}): {why}")
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if is_memory_node(node):
+            count += 1
+            mem = gmeta.get(node, "mem")
+            if mem is None:
+                fail(node, "memory node without its MemOp metadata")
+            if mem.kind == "fetch":
+                slot = slot_of_ph.get(node.args[0])
+                if slot in holds:
+                    fail(node, f"fetch of chunk {mem.chunk} into slot {slot}, which still holds chunk {holds[slot]}")
+                if host_of_ph.get(node.args[1]) != mem.chunk:
+                    fail(node, f"fetch of chunk {mem.chunk} reads another host chunk")
+                holds[slot] = mem.chunk
+            elif mem.kind == "drop":
+                slot = slot_of_ph.get(node.args[0])
+                if holds.get(slot) != mem.chunk:
+                    fail(node, f"drop of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
+                if mem.chunk in dirty:
+                    fail(node, f"drop of chunk {mem.chunk} loses gradients: no writeback before it")
+                del holds[slot]
+            elif mem.kind == "writeback":
+                slot = slot_of_ph.get(node.args[1])
+                if holds.get(slot) != mem.chunk or host_of_ph.get(node.args[0]) != mem.chunk:
+                    fail(node, f"writeback of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
+                dirty.discard(mem.chunk)
+            elif mem.kind == "store_grad":
+                dest = node.args[0]
+                if dest in slot_of_ph:
+                    if holds.get(slot_of_ph[dest]) != mem.chunk:
+                        fail(node, f"gradient of {mem.fqn} stored into slot {slot_of_ph[dest]}, which holds "
+                                   f"{holds.get(slot_of_ph[dest])}, not chunk {mem.chunk}")
+                    dirty.add(mem.chunk)
+                elif host_of_ph.get(dest) != mem.chunk:
+                    fail(node, f"gradient of {mem.fqn} stored into the wrong host chunk")
+                entry = layout.entry(mem.fqn)
+                if node.args[2] != entry.pieces[0].chunk_offset:
+                    fail(node, f"gradient of {mem.fqn} stored at offset {node.args[2]}, layout says "
+                               f"{entry.pieces[0].chunk_offset}")
+            continue
+        fqn = gmeta.get(node, "param")
+        if fqn is not None and node.target is torch.ops.aten.view.default \
+                and node.args[0].target is torch.ops.aten.slice.Tensor:
+            sl = node.args[0]
+            slot = slot_of_ph.get(sl.args[0])
+            p = layout.entry(fqn).pieces[0]
+            if slot is None or holds.get(slot) != p.chunk:
+                fail(node, f"reads {fqn} from slot {slot}, which holds {holds.get(slot)}, not its chunk {p.chunk}")
+            if tuple(sl.args[2:4]) != (p.chunk_offset, p.chunk_offset + p.numel):
+                fail(node, f"reads {fqn} at elements {tuple(sl.args[2:4])}, layout says "
+                           f"{(p.chunk_offset, p.chunk_offset + p.numel)}")
+        nonmodel = gmeta.get(node, "nonmodel", nonmodel)
+        used = len(holds) * slot_bytes + os_device_bytes + nonmodel
+        if used > peak:
+            peak, peak_node = used, node.name
+        if budget is not None and used > budget:
+            fail(node, f"planned device bytes {used} exceed device_memory={budget}")
+    if set(holds.values()) != set(os_device_chunks):
+        raise ScheduleError(f"verify_schedule: the iteration ends with chunks {sorted(holds.values())} on the "
+                            f"device; expected {sorted(os_device_chunks)} (those updated on the device)")
+    return VerifyReport(count, peak, peak_node)
