@@ -12,7 +12,7 @@ from .hooks_engine import HooksEngine
 
 
 def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
-            config: Config | None = None, loss_fn: LossFn | None = None) -> HooksEngine:
+            config: Config | None = None, loss_fn: LossFn | None = None):
     """Prepare ``model`` for training under ``config``'s memory budget.
 
     ``batch`` is an example batch (tuple -> ``model(*batch)``, dict -> ``model(**batch)``); the
@@ -33,6 +33,6 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
             f"disk_dir={config.disk_dir!r}: the disk tier is not implemented yet; leave disk_dir=None "
             "(chunks live on the device and in host memory)")
     if config.mode == "compiled":
-        raise NotImplementedError(
-            "mode='compiled' (FX capture + memory-planning passes) is not implemented yet; use mode='hooks'")
+        from .compiled_engine import CompiledEngine
+        return CompiledEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
     return HooksEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)

@@ -48,6 +48,7 @@ class ChunkStore:
             self.exp_avg.append(pool.acquire(zero=True))
             self.exp_avg_sq.append(pool.acquire(zero=True))
         self._slot_chunk: dict[int, int] = {}   # device buffer storage ptr -> chunk id
+        self._attached: set[int] = set()        # chunks whose device buffer belongs to the caller
 
     def place_optimizer_states(self, on_device) -> None:
         """Device-aware placement: the optimizer states of the chunks in ``on_device`` live on the
@@ -114,10 +115,31 @@ class ChunkStore:
         """Forget the device copy without copying (the host copy is, or is made, the truth)."""
         buf = self.dev_param[c]
         if buf is not None:
+            if c in self._attached:
+                self.detach(c)
+                return
             del self._slot_chunk[buf.untyped_storage().data_ptr()]
             self.dev_param_pool.release(buf)
             self.dev_param[c] = None
             self.dirty[c] = False
+
+    def attach(self, c: int, buf: torch.Tensor) -> None:
+        """Make ``buf`` (a device buffer the caller owns, e.g. a compiled schedule's slot) the
+        device copy of chunk ``c``; the caller has filled it."""
+        assert self.dev_param[c] is None, f"chunk {c} is already on the device"
+        self.dev_param[c] = buf
+        self.dirty[c] = False
+        self._attached.add(c)
+        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
+
+    def detach(self, c: int) -> None:
+        """Forget an attached device copy (its buffer stays with its owner)."""
+        buf = self.dev_param[c]
+        assert c in self._attached and buf is not None
+        del self._slot_chunk[buf.untyped_storage().data_ptr()]
+        self._attached.discard(c)
+        self.dev_param[c] = None
+        self.dirty[c] = False
 
     def chunk_of_storage(self, storage_ptr: int) -> int | None:
         """Chunk id whose device buffer has this storage pointer (None if not a device chunk)."""
@@ -136,7 +158,8 @@ class ChunkStore:
         return 3 * self.dev_os_pool.slot_bytes
 
     def device_model_bytes(self) -> int:
-        return self.dev_param_pool.bytes_in_use + self.dev_os_pool.bytes_in_use
+        attached = len(self._attached) * self.dev_param_pool.slot_bytes
+        return self.dev_param_pool.bytes_in_use + attached + self.dev_os_pool.bytes_in_use
 
     def host_model_bytes(self) -> int:
         return self.host_param_pool.bytes_in_use + self.host_os_pool.bytes_in_use

@@ -88,6 +88,7 @@ class ChunkEngine:
                        if self.dtype == torch.float16 else None)
         self._move_buffers()
         self.stats = None
+        self.closed = False
 
 
     def _run_model(self, model: nn.Module, batch: Any) -> Any:
@@ -99,10 +100,8 @@ class ChunkEngine:
         elsize = torch.empty((), dtype=self.dtype).element_size()
         if cs == "auto":
             cap = None if self.budget is None else max(1024, self.budget // (elsize * 8))
-            if not self.splits_large_tensors:
-                cap = max(cap or 0, max(numels)) if cap is not None else None
             choice = search_chunk_size(numels, max_chunk_size=cap,
-                                       min_chunks=4 if self.splits_large_tensors else 1)
+                                       keep_tensors_whole=not self.splits_large_tensors)
             cs = choice.chunk_size
         if not self.splits_large_tensors and cs < max(numels):
             big = max(self.params, key=lambda f: self.params[f].numel())
@@ -135,14 +134,26 @@ class ChunkEngine:
                     mod.register_buffer(name, buf.to(self.device), persistent=persistent)
 
     def close(self) -> None:
-        """Remove the hooks and give the model its parameters back, holding the fp32 master
-        weights in each parameter's original dtype. The engine cannot step afterwards."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Detach from the model (hooks removed) and give it its parameters back, holding the fp32
+        master weights in each parameter's original dtype. The engine cannot step afterwards."""
+        self._detach_from_model()
+        self.closed = True
         with torch.no_grad():
             for fqn, p in self.params.items():
                 p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
+
+    def _detach_from_model(self) -> None:
+        """Mode-specific: remove whatever the mode attached to the model."""
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine was closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def lr(self) -> float:

@@ -129,11 +129,10 @@ class HooksEngine(ChunkEngine):
                 handles.append(p.register_post_accumulate_grad_hook(grad))
         return handles
 
-    def __enter__(self) -> "HooksEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _detach_from_model(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     # ================================================================ moments
     def _chunks_of(self, fqns) -> tuple[int, ...]:
@@ -459,8 +458,7 @@ class HooksEngine(ChunkEngine):
     # ================================================================ the step
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss."""
-        if not self._handles:
-            raise RuntimeError("this engine was closed")
+        self._check_open()
         t_start = time.perf_counter()
         batch = to_device(batch, self.device)
         plan = self._plan_for(batch)

@@ -162,7 +162,8 @@ class ChunkSizeChoice:
 
 
 def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = None,
-                      min_chunks: int = 4, step: int = 1024, max_candidates: int = 512) -> ChunkSizeChoice:
+                      min_chunks: int = 4, step: int = 1024, max_candidates: int = 512,
+                      keep_tensors_whole: bool = False) -> ChunkSizeChoice:
     """Find the chunk size with the least padding waste (PatrickStar's chunk-size search).
 
     Candidates run from half the upper bound to the upper bound in ``step`` elements. The upper
@@ -170,7 +171,9 @@ def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = Non
     ``min_chunks`` chunks (eviction needs a choice) and to ``max_chunk_size`` (what the device
     budget allows); a lower bound below the largest tensor makes that tensor span chunks.
     Ties go to the larger chunk (fewer, larger transfers). At most ``max_candidates`` sizes are
-    tried (the step grows in multiples of ``step`` for very large models).
+    tried (the step grows in multiples of ``step`` for very large models). With
+    ``keep_tensors_whole`` no tensor may span chunks: candidates run from the largest tensor to
+    1.5 times it.
     """
     total = sum(numels)
     if total == 0:
@@ -181,6 +184,9 @@ def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = Non
         hi = min(hi, max_chunk_size)
     hi = max(step, -(-hi // step) * step)
     lo = max(step, (hi // 2) // step * step)
+    if keep_tensors_whole:
+        lo = -(-max(numels) // step) * step
+        hi = lo + (lo // 2) // step * step
     step = max(step, -(-(hi - lo) // (max_candidates * step)) * step)
     best: tuple[int, int] | None = None  # (waste, -size)
     count = 0

@@ -1,0 +1,258 @@
+"""Capture one training iteration (forward + loss + backward) as a single flat FX graph.
+
+Route (measured on torch 2.13 to give exactly eager's loss and gradients, tied weights merged,
+dropout RNG inside the graph)::
+
+    make_fx(grad_and_value(lambda params: loss(functional_call(model, params + buffers, batch))),
+            tracing_mode="fake")
+
+The inputs are fake tensors made from shapes and dtypes only, so nothing is read from (or
+allocated for) the real parameters: an engine may have swapped ``param.data`` for chunk memory,
+and the model may live on the meta device. The captured ``GraphModule`` takes flat positional
+placeholders and returns a flat tuple::
+
+    forward(self, p_wte_weight, p_wpe_weight, ..., b_<buffer>..., in_0, in_1)
+        ...
+        return (loss, grad_p_wte_weight, grad_p_wpe_weight, ...)   # one grad per trainable param
+
+See ``pscompile.graph_meta`` for the conventions the passes rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from .batching import LossFn, extract_loss
+
+log = logging.getLogger("pscompile")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """How a batch maps onto the graph's batch placeholders.
+
+    ``tree`` is the batch's pytree structure; ``leaves`` describes every leaf in flattening order:
+    ``("tensor", shape, dtype)`` for a tensor (a placeholder, in order) or ``("const", value)`` for
+    anything else (baked into the graph as a constant, so later batches must repeat it).
+    """
+    tree: TreeSpec
+    leaves: tuple[tuple, ...]
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(1 for leaf in self.leaves if leaf[0] == "tensor")
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    gm: fx.GraphModule                # flat placeholders: params, buffers, batch tensor leaves; output: (loss, *grads)
+    param_fqns: tuple[str, ...]       # canonical fqns, in placeholder order (tied parameters once)
+    grad_fqns: tuple[str, ...]        # trainable params in param order; their grads are outputs 1..len
+    buffer_fqns: tuple[str, ...]      # buffers, placeholders right after the params
+    batch_spec: BatchSpec             # the batch's structure: which leaves are tensor placeholders
+    capture_s: float                  # seconds taken by the capture
+    param_dtype: torch.dtype | None = None   # dtype the parameters were captured in (None: their own)
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_fqns)
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def flatten_batch(self, batch: Any) -> list[torch.Tensor]:
+        """The batch's tensor leaves, in placeholder order; raises ``ValueError`` if the batch does
+        not have the captured structure (then capture again for this batch)."""
+        leaves, tree = tree_flatten(batch)
+        if tree != self.batch_spec.tree:
+            raise ValueError(f"the batch has structure {tree}, but the graph was captured for "
+                             f"{self.batch_spec.tree}; capture again for this batch structure")
+        out: list[torch.Tensor] = []
+        for i, (leaf, want) in enumerate(zip(leaves, self.batch_spec.leaves)):
+            if want[0] == "tensor":
+                if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != want[1] or leaf.dtype != want[2]:
+                    got = (f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, torch.Tensor)
+                           else type(leaf).__name__)
+                    raise ValueError(f"batch leaf {i} is {got}, but the graph was captured for "
+                                     f"{want[1]} {want[2]}; capture again for this batch signature")
+                out.append(leaf)
+            elif isinstance(leaf, torch.Tensor) or leaf != want[1]:
+                raise ValueError(f"batch leaf {i} is {leaf!r}, but the graph was captured with the "
+                                 f"constant {want[1]!r}; capture again for this batch")
+        return out
+
+
+def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Parameter],
+                  loss_fn: LossFn | None = None, param_dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> CapturedGraph:
+    """Trace ``loss = loss_fn(model(batch))`` and the gradients of all trainable parameters.
+
+    ``params`` maps each parameter's canonical fqn to the parameter, in first-use order; that
+    order is the placeholder order. Tied parameters appear once (any of their names). Frozen
+    parameters (``requires_grad=False``) are inputs without a gradient output. ``param_dtype``
+    captures floating-point parameters in that dtype (the compute dtype) instead of their own.
+    ``device`` is where the graph computes (default: the batch's device, else the CPU).
+    """
+    t0 = time.perf_counter()
+    names_of: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(fqn)
+    for fqn, p in params.items():
+        if fqn not in names_of.get(id(p), ()):
+            raise ValueError(f"params[{fqn!r}] is not the model's parameter of that name; pass "
+                             "params as {fqn: parameter} from model.named_parameters()")
+    given = {id(p) for p in params.values()}
+    missing = [names[0] for pid, names in names_of.items() if pid not in given]
+    if missing:
+        raise ValueError(f"params lacks the model parameters {missing}; pass every parameter once "
+                         "(tied parameters under one name)")
+    if len(given) != len(params):
+        raise ValueError("params holds the same (tied) parameter under two names; pass it once")
+
+    param_fqns = tuple(params)
+    grad_fqns = tuple(f for f, p in params.items() if p.requires_grad)
+    aliases = {fqn: names_of[id(p)] for fqn, p in params.items()}
+    buffers = dict(model.named_buffers())
+    buffer_fqns = tuple(buffers)
+
+    path_leaves, tree = tree_flatten_with_path(batch)
+    spec_leaves: list[tuple] = []
+    batch_names: list[str] = []
+    for path, leaf in path_leaves:
+        if isinstance(leaf, torch.Tensor):
+            spec_leaves.append(("tensor", tuple(leaf.shape), leaf.dtype))
+            batch_names.append("in_" + _ident(keystr(path)))
+        else:
+            spec_leaves.append(("const", leaf))
+    batch_spec = BatchSpec(tree, tuple(spec_leaves))
+    if device is None:
+        device = next((leaf.device for _, leaf in path_leaves if isinstance(leaf, torch.Tensor)),
+                      torch.device("cpu"))
+    device = torch.device(device)
+
+    def dtype_of(p: torch.Tensor) -> torch.dtype:
+        return param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        fake_params = [torch.empty(p.shape, dtype=dtype_of(p), device=device) for p in params.values()]
+        fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
+        fake_batch = [torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+                      for _, leaf in path_leaves if isinstance(leaf, torch.Tensor)]
+    n_p, n_b = len(param_fqns), len(buffer_fqns)
+
+    def joint(*flat):
+        p_vals = dict(zip(param_fqns, flat[:n_p]))
+        b_vals = dict(zip(buffer_fqns, flat[n_p:n_p + n_b]))
+        tensors = iter(flat[n_p + n_b:])
+        b = tree_unflatten([next(tensors) if s[0] == "tensor" else s[1] for s in spec_leaves], tree)
+        frozen = {f: v for f, v in p_vals.items() if f not in grad_fqns}
+
+        def loss_of(trainable: dict[str, torch.Tensor]) -> torch.Tensor:
+            state = {alias: t for fqn, t in {**trainable, **frozen}.items() for alias in aliases[fqn]}
+            state.update(b_vals)
+            output = torch.func.functional_call(model, state, _args(b), _kwargs(b), tie_weights=True,
+                                                strict=True)
+            try:
+                return extract_loss(output, b, loss_fn)
+            except ValueError as e:
+                raise _LossError(e) from e
+
+        grads, loss = torch.func.grad_and_value(loss_of)({f: p_vals[f] for f in grad_fqns})
+        return (loss, *(grads[f] for f in grad_fqns))
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            traced = make_fx(joint, tracing_mode="fake")(*fake_params, *fake_buffers, *fake_batch)
+    except _LossError as e:
+        raise e.error from None   # extract_loss's own message already says what would work
+    except Exception as e:  # noqa: BLE001 - any tracing failure means: this model needs hooks mode
+        raise _capture_error(model, e) from e
+
+    gm = _flatten(traced, [f"p_{_ident(f)}" for f in param_fqns] + [f"b_{_ident(f)}" for f in buffer_fqns]
+                  + batch_names)
+    captured = CapturedGraph(gm, param_fqns, grad_fqns, buffer_fqns, batch_spec,
+                             time.perf_counter() - t0, param_dtype)
+    log.info("capture_joint: %d nodes, %d params (%d trainable), %d buffers, %d batch tensors, %.2f s",
+             len(gm.graph.nodes), n_p, len(grad_fqns), n_b, len(fake_batch), captured.capture_s)
+    return captured
+
+
+class _LossError(Exception):
+    """Carries extract_loss's ValueError out of the trace unchanged."""
+    def __init__(self, error: ValueError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _args(batch: Any) -> tuple:
+    """Positional arguments exactly as ``batching.call_model`` passes them (tuple/list -> *batch,
+    dict -> **batch, anything else -> one argument)."""
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch)
+    return () if isinstance(batch, dict) else (batch,)
+
+
+def _kwargs(batch: Any) -> dict:
+    return dict(batch) if isinstance(batch, dict) else {}
+
+
+
+def _ident(name: str) -> str:
+    """A readable Python identifier from an fqn or a pytree key path."""
+    s = re.sub(r"\W+", "_", name).strip("_")
+    return s or "x"
+
+
+def _flatten(traced: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """A copy of ``traced`` with plain flat placeholders named ``names`` and a flat tuple output."""
+    old = traced.graph
+    placeholders = [n for n in old.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(names), (len(placeholders), len(names))
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    for node, name in zip(placeholders, names):
+        new = graph.placeholder(name)
+        new.meta = dict(node.meta)
+        val_map[node] = new
+    outputs = graph.graph_copy(old, val_map)
+    outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+    new_out = graph.output(outputs)
+    new_out.meta = dict(old.output_node().meta)
+    graph._codegen = fx.graph.CodeGen()
+    graph.lint()
+    gm = fx.GraphModule(traced, graph)
+    gm.recompile()
+    return gm
+
+
+def _capture_error(model: nn.Module, e: Exception) -> ValueError:
+    """A ValueError naming the op and the innermost module where tracing failed."""
+    where = ""
+    modules = {id(m): name for name, m in model.named_modules()}
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        owner = frame.f_locals.get("self")
+        if (isinstance(owner, nn.Module) and id(owner) in modules
+                and not frame.f_code.co_filename.startswith(_TORCH_DIR)):   # the model's own code
+            name = modules[id(owner)] or "<root>"
+            where = (f" in module {name} ({type(owner).__name__}, "
+                     f"{os.path.basename(frame.f_code.co_filename)}:{lineno})")
+    text = str(e).strip().splitlines()
+    first = text[0] if text else type(e).__name__
+    return ValueError(
+        f"cannot capture the model as one graph{where}: {type(e).__name__}: {first[:300]}. "
+        "Data-dependent control flow or .item()/.tolist() cannot be traced; train this model with "
+        "Config(mode=\"hooks\"), or make that code shape-only")

@@ -1,0 +1,326 @@
+"""Compiled mode: the whole iteration as one FX graph, every memory decision a node in it.
+
+Pipeline (each step a pass in ``passes/``, see DESIGN.md)::
+
+    capture_joint       forward + loss + backward as one graph (params, buffers, batch: placeholders)
+    annotate_params     which node reads which parameter (through views); last uses; phases
+    estimate_nonmodel   non-model bytes per node from FakeTensor metadata (measured in the warm-up step)
+    plan_residency      Belady residency of every chunk at every node, static slot assignment
+    insert_memory_ops   explicit fetch / writeback / drop / store_grad nodes; params become slot views
+    verify_schedule     invariants replayed symbolically; raises naming the node
+
+The scheduled graph runs in an executor that performs each memory node exactly as planned (and
+checks that the bytes it moves are the planned bytes); compute nodes run eagerly
+(``backend="eager"``). The optimizer runs after the graph, chunk by chunk, where each chunk's
+optimizer states live (shared with hooks mode). The first step measures the non-model memory of
+every node and, if it differs from the static estimate, the schedule is planned again with it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .batching import LossFn, signature, to_device
+from .capture import CapturedGraph, capture_joint
+from .config import AdamW, Config
+from .engine_base import ChunkEngine
+from .graph_meta import get, put
+from .ops import is_memory_node
+from .passes.annotate_params import annotate_params
+from .passes.estimate_nonmodel import estimate_nonmodel
+from .passes.insert_memory_ops import insert_memory_ops
+from .passes.plan_residency import GradStore, ResidencyError, ResidencyPlan, plan_residency
+from .passes.verify_schedule import verify_schedule
+from .stats import StepStats
+from .tiers import Tier
+from .tracker import NonModelTracker
+from .units import format_bytes
+
+_OPT_TEMP_BYTES_PER_ELEMENT = 8
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    name: str
+    seconds: float
+    summary: str
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One batch signature's schedule: the plan, the rewritten graph, and how they were made."""
+
+    captured: CapturedGraph
+    plan: ResidencyPlan
+    gm: fx.GraphModule
+    nonmodel: tuple[int, ...]          # per node of the captured graph (measured after warm-up)
+    measured: bool
+    passes: tuple[PassTiming, ...]
+
+
+class _Runner(fx.Interpreter):
+    """Runs a scheduled graph: memory nodes through the engine, compute nodes eagerly."""
+
+    def __init__(self, engine: "CompiledEngine", gm: fx.GraphModule, tracker: NonModelTracker):
+        super().__init__(gm, garbage_collect_values=True)
+        self.engine = engine
+        self.tracker = tracker
+        self.samples: dict[int, int] = {}      # captured-graph node index -> peak non-model bytes
+        self.first_bwd_time: float | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        if is_memory_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            with self.tracker.paused():
+                self.engine._run_memory_node(get(n, "mem"), args)
+            self.tracker.sample_now()
+            return None
+        if self.first_bwd_time is None and get(n, "phase") == "bwd":
+            self.first_bwd_time = time.perf_counter()
+        self.tracker.start_window()
+        out = super().run_node(n)
+        src = get(n, "src_index")
+        if src is not None:
+            self.samples[src] = max(self.samples.get(src, 0), self.tracker.window_peak)
+        return out
+
+
+class CompiledEngine(ChunkEngine):
+    splits_large_tensors = False
+
+    def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
+                 loss_fn: LossFn | None = None):
+        if config.backend != "eager":
+            raise NotImplementedError(
+                f"backend={config.backend!r}: lowering compute regions with Inductor is not implemented yet; "
+                "use backend='eager' (the scheduled graph runs uncompiled)")
+        super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
+        self._schedules: dict[tuple, Scheduled] = {}
+        self._slots: list[torch.Tensor] = []
+        self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
+        self._os_placed = False
+        try:
+            self._schedule_for(to_device(batch, self.device))
+        except BaseException:
+            self.close()
+            raise
+
+    # ================================================================ planning
+    def _schedule_for(self, batch: Any) -> Scheduled:
+        sig = signature(batch)
+        sched = self._schedules.get(sig)
+        if sched is None:
+            t0 = time.perf_counter()
+            captured = capture_joint(self.model, batch, params=self.params, loss_fn=self.loss_fn,
+                                     param_dtype=self.dtype)
+            t1 = time.perf_counter()
+            uses = annotate_params(captured)
+            t2 = time.perf_counter()
+            curve = estimate_nonmodel(captured, uses)
+            t3 = time.perf_counter()
+            timings = (PassTiming("capture_joint", t1 - t0, f"capture_joint: {len(captured.gm.graph.nodes)} nodes"),
+                       PassTiming("annotate_params", t2 - t1, uses.summary),
+                       PassTiming("estimate_nonmodel", t3 - t2, curve.summary))
+            if not self._os_placed:
+                self._place_optimizer_states(max(curve.bytes))
+            sched = self._plan(captured, uses, tuple(curve.bytes), measured=False, timings=timings)
+            self._schedules[sig] = sched
+        return sched
+
+    def _place_optimizer_states(self, peak_nonmodel: int) -> None:
+        n = self.layout.num_chunks
+        if self.budget is None:
+            on_device = range(n)
+        else:
+            temp = _OPT_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
+            margin = self.budget - max(peak_nonmodel, temp) - n * self.store.param_chunk_bytes
+            on_device = range(max(0, min(n, margin // self.store.os_chunk_bytes)))
+        self.store.place_optimizer_states(on_device)
+        self.link.reset()
+        self._os_placed = True
+
+    def _plan(self, captured: CapturedGraph, uses, nonmodel: tuple[int, ...], *, measured: bool,
+              timings: tuple[PassTiming, ...]) -> Scheduled:
+        nodes = list(captured.gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        reads = []
+        for n in nodes:
+            chunks = []
+            for fqn in get(n, "reads", ()):
+                for c in self.layout.entry(fqn).chunks:
+                    if c not in chunks:
+                        chunks.append(c)
+            reads.append(chunks)
+        output = nodes[-1]
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        stores: dict[int, list[GradStore]] = {}
+        for fqn, grad_node in zip(captured.grad_fqns, output.args[0][1:]):
+            e = self.layout.entry(fqn)
+            at = max(index[grad_node], uses[fqn].last_use if uses[fqn].last_use is not None else 0)
+            stores.setdefault(at, []).append(GradStore(e.pieces[0].chunk, fqn, e.pieces[0].chunk_offset,
+                                                       e.numel * elsize))
+        os_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
+        os_bytes = self.store.dev_os_pool.bytes_in_use
+        t0 = time.perf_counter()
+        try:
+            plan = plan_residency(reads, nonmodel, stores=stores, num_chunks=self.layout.num_chunks,
+                                  slot_bytes=self.store.param_chunk_bytes, budget=self.budget,
+                                  os_device_chunks=os_dev, os_device_bytes=os_bytes,
+                                  describe_node=lambda i: _describe(nodes[i]))
+        except ResidencyError as e:
+            from .hooks_engine import BudgetError
+            raise BudgetError(f"{e} (device_memory={format_bytes(self.budget)}; give device_memory >= "
+                              f"{e.minimum}, a smaller batch or mode='hooks')") from e
+        t1 = time.perf_counter()
+        for i, n in enumerate(nodes):
+            put(n, "src_index", i)
+            put(n, "nonmodel", nonmodel[i])
+        gm = insert_memory_ops(captured.gm, plan, self.layout, param_fqns=captured.param_fqns,
+                               grad_fqns=captured.grad_fqns, compute_dtype=self.dtype)
+        t2 = time.perf_counter()
+        report = verify_schedule(gm, self.layout, slot_bytes=self.store.param_chunk_bytes, budget=self.budget,
+                                 initial=dict(plan.initial), os_device_chunks=os_dev, os_device_bytes=os_bytes)
+        t3 = time.perf_counter()
+        timings = timings + (PassTiming("plan_residency", t1 - t0, plan.summary(self.budget)),
+                             PassTiming("insert_memory_ops", t2 - t1,
+                                        f"insert_memory_ops: {report.num_memory_nodes} memory nodes"),
+                             PassTiming("verify_schedule", t3 - t2, report.summary(self.budget)))
+        self._ensure_slots(plan)
+        return Scheduled(captured, plan, gm, nonmodel, measured, timings)
+
+    def _ensure_slots(self, plan: ResidencyPlan) -> None:
+        cs = self.layout.chunk_size
+        while len(self._slots) < plan.num_slots:
+            self._slots.append(torch.empty(cs, dtype=self.dtype, device=self.device))
+        self._slot_ptrs = {s.untyped_storage().data_ptr() for s in self._slots}
+        for c, k in plan.initial:                  # device-updated chunks live in fixed slots
+            if self._slot_chunk.get(k) != c:
+                self._slots[k].copy_(self.store.host_param[c])
+                self.store.attach(c, self._slots[k])
+                self._slot_chunk[k] = c
+        self.link.reset()
+
+    # ================================================================ running
+    def _run_memory_node(self, mem, args) -> None:
+        store, link = self.store, self.link
+        before = link.traffic.h2d_bytes + link.traffic.d2h_bytes
+        if mem.kind == "fetch":
+            slot, host = args
+            link.copy(slot, host, "h2d")
+            link.traffic.num_fetches += 1
+            store.attach(mem.chunk, slot)
+            self._slot_chunk[mem.slot] = mem.chunk
+        elif mem.kind == "writeback":
+            host, slot = args
+            link.copy(host, slot, "d2h")
+            store.dirty[mem.chunk] = False
+        elif mem.kind == "drop":
+            store.detach(mem.chunk)
+            link.traffic.num_evictions += 1
+            del self._slot_chunk[mem.slot]
+        else:
+            dest, grad, offset = args
+            flat = grad.reshape(-1)
+            if mem.slot is not None:
+                dest[offset:offset + flat.numel()].copy_(flat)
+                store.dirty[mem.chunk] = True
+            else:
+                link.copy(dest[offset:offset + flat.numel()], flat, "d2h")
+            self._written.add(mem.fqn)
+        moved = link.traffic.h2d_bytes + link.traffic.d2h_bytes - before
+        if moved != mem.nbytes:
+            raise RuntimeError(f"executor: {mem.describe()} moved {moved} bytes, the plan says {mem.nbytes}")
+
+    def _model_bytes(self) -> int:
+        return len(self._slot_chunk) * self.store.param_chunk_bytes + self.store.dev_os_pool.bytes_in_use
+
+    def _is_model_storage(self, ptr: int) -> bool:
+        return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
+
+    def step(self, batch: Any) -> float:
+        """Run the scheduled graph, then the chunk-wise optimizer; returns the loss."""
+        self._check_open()
+        t_start = time.perf_counter()
+        batch = to_device(batch, self.device)
+        sched = self._schedule_for(batch)
+        self.link.reset()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes, exact_windows=True)
+        inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param,
+                  *[self._buffer(f) for f in sched.captured.buffer_fqns], *sched.captured.flatten_batch(batch)]
+        for t in inputs[sched.plan.num_slots + self.layout.num_chunks:]:
+            tracker.add_tensor(t)
+        tracker.reset_peaks()
+        self._written: set[str] = set()
+        runner = _Runner(self, sched.gm, tracker)
+        try:
+            with tracker:
+                (loss,) = runner.run(*inputs)
+        except BaseException:
+            self._recover()
+            raise
+        t_graph = time.perf_counter()
+        loss_value = float(loss.detach().float())
+        if scale != 1.0:
+            raise NotImplementedError("float16 loss scaling is not wired into compiled mode yet; use bfloat16")
+        with tracker:
+            skipped = self._optimizer_step(self._written, scale, tracker)
+        t_end = time.perf_counter()
+        traffic = self.link.reset()
+        if not sched.measured:
+            self._remeasure(batch, sched, runner.samples)
+        t_bwd = runner.first_bwd_time or t_graph
+        self.stats = StepStats(
+            loss=loss_value, h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
+            disk_read_bytes=0, disk_write_bytes=0, peak_device_bytes=tracker.peak_total,
+            peak_device_model_bytes=tracker.peak_model, peak_nonmodel_bytes=tracker.peak_nonmodel,
+            num_fetches=traffic.num_fetches, num_evictions=traffic.num_evictions, allgather_bytes=0,
+            reduce_scatter_bytes=0, skipped=skipped, loss_scale=scale, time_s=t_end - t_start,
+            forward_s=t_bwd - t_start, backward_s=t_graph - t_bwd, optimizer_s=t_end - t_graph,
+            transfer_s=traffic.transfer_s)
+        self.last_plan = sched.plan
+        return loss_value
+
+    def _remeasure(self, batch: Any, sched: Scheduled, samples: dict[int, int]) -> None:
+        """Replace the static non-model estimate by the measured one and plan again."""
+        nodes = list(sched.captured.gm.graph.nodes)
+        measured = tuple(samples.get(i, 0) for i in range(len(nodes)))
+        uses = annotate_params(sched.captured)
+        self._schedules[signature(batch)] = self._plan(sched.captured, uses, measured, measured=True,
+                                                       timings=sched.passes[:3])
+
+    def _recover(self) -> None:
+        """After a failed graph run: undo stored gradients, put slots back to the plan's start."""
+        touched = {c for f in self._written for c in self.layout.entry(f).chunks}
+        for k, c in list(self._slot_chunk.items()):
+            if self.store.os_tier[c] is not Tier.DEVICE:
+                self.store.detach(c)
+                del self._slot_chunk[k]
+        for c in sorted(touched):
+            self.store.restore_from_master(c)
+        self.link.reset()
+
+    def _buffer(self, fqn: str) -> torch.Tensor:
+        return self.model.get_buffer(fqn)
+
+    @property
+    def min_device_memory(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def schedule(self) -> Scheduled:
+        """The schedule of the most recent batch shape."""
+        return next(reversed(self._schedules.values()))
+
+
+def _describe(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    where = ""
+    if stack:
+        where = ", " + list(stack.values())[-1][0]
+    return f"node {node.name} ({node.target}{where})"

@@ -1,0 +1,110 @@
+"""Compiled mode (eager backend) vs plain PyTorch and vs hooks mode, step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pscompile
+from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
+from pscompile.reference import ReferenceTrainer
+from conftest import make_batches, make_model, max_weight_diff
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def compiled_config(dtype, device_memory, **kw):
+    return pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=dtype,
+                            device_memory=device_memory, **kw)
+
+
+def min_budget(kind, dtype):
+    """The compiled plan's own minimum: the smallest budget compile accepts, found by bisection
+    on whole KiB."""
+    b = make_batches(kind, 1)[0]
+    lo, hi = 1 << 20, 64 << 20
+    while hi - lo > 64 << 10:
+        mid = (lo + hi) // 2
+        try:
+            pscompile.compile(make_model(kind), b, config=compiled_config(dtype, mid)).close()
+            hi = mid
+        except ValueError:
+            lo = mid
+    return hi
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("budget", ["unlimited", "tight"])
+def test_compiled_parity(kind, dtype, budget):
+    device_memory = None if budget == "unlimited" else min_budget(kind, dtype) + (128 << 10)
+    hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    batches = make_batches(kind, 8)
+    ref = ReferenceTrainer(make_model(kind), optimizer=hp, dtype=dtype)
+    engine = pscompile.compile(make_model(kind), batches[0], optimizer=hp, config=compiled_config(dtype, device_memory))
+    for i, b in enumerate(batches):
+        torch.manual_seed(i)
+        a = ref.step(b)
+        torch.manual_seed(i)
+        c = engine.step(b)
+        assert abs(a - c) <= TOL[dtype] * abs(a), f"step {i}: plain {a} vs compiled {c}"
+        s, plan = engine.stats, engine.last_plan
+        assert (s.h2d_bytes, s.d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes), "moved != planned"
+        if device_memory is not None:
+            assert s.peak_device_bytes <= device_memory
+            assert s.num_evictions > 0
+    assert max_weight_diff(engine, ref) <= (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+def test_compiled_moves_no_more_than_hooks_under_the_same_budget():
+    kind, dtype = "gpt", torch.float32
+    budget = min_budget(kind, dtype) + (256 << 10)
+    batches = make_batches(kind, 3)
+    compiled = pscompile.compile(make_model(kind), batches[0], config=compiled_config(dtype, budget))
+    hooks = pscompile.compile(make_model(kind), batches[0], config=pscompile.Config(   # same chunks
+        mode="hooks", device="cpu", dtype=dtype, device_memory=budget, chunk_size=compiled.layout.chunk_size))
+    for b in batches:
+        hooks.step(b)
+        compiled.step(b)
+    assert compiled.stats.bytes_moved <= hooks.stats.bytes_moved, (compiled.stats, hooks.stats)
+    assert compiled.stats.peak_device_bytes <= budget and hooks.stats.peak_device_bytes <= budget
+
+
+def test_verify_catches_a_deleted_fetch():
+    kind, dtype = "gpt", torch.float32
+    budget = min_budget(kind, dtype) + (128 << 10)
+    engine = pscompile.compile(make_model(kind), make_batches(kind, 1)[0], config=compiled_config(dtype, budget))
+    sched = engine.schedule
+    gm = sched.gm
+    fetches = [n for n in gm.graph.nodes if n.target is torch.ops.pscompile.fetch.default]
+    assert fetches
+    victim = fetches[len(fetches) // 2]
+    gm.graph.erase_node(victim)
+    os_dev = frozenset(c for c, k in sched.plan.initial)
+    with pytest.raises(ScheduleError, match=r"reads .* from slot|fetch|holds"):
+        verify_schedule(gm, engine.layout, slot_bytes=engine.store.param_chunk_bytes, budget=budget,
+                        initial=dict(sched.plan.initial), os_device_chunks=os_dev,
+                        os_device_bytes=engine.store.dev_os_pool.bytes_in_use)
+
+
+def test_compiled_budget_error_names_a_node():
+    with pytest.raises(ValueError, match=r"below the minimum .* at node"):
+        pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0],
+                          config=compiled_config(torch.float32, "1MiB"))
+
+
+def test_scheduled_graph_runs_as_plain_fx():
+    """The scheduled graph is an ordinary GraphModule: called directly on slot and host buffers
+    it computes the same loss as the executor."""
+    kind, dtype = "gpt", torch.float32
+    budget = min_budget(kind, dtype) + (128 << 10)
+    b = make_batches(kind, 1)[0]
+    engine = pscompile.compile(make_model(kind), b, config=compiled_config(dtype, budget))
+    sched = engine.schedule
+    slots = [torch.empty_like(s) for s in engine._slots[:sched.plan.num_slots]]
+    for c, k in sched.plan.initial:
+        slots[k].copy_(engine.store.host_param[c])
+    hosts = [h.clone() for h in engine.store.host_param]
+    (loss,) = sched.gm(*slots, *hosts, *sched.captured.flatten_batch(b))
+    assert float(loss) == pytest.approx(engine.step(b), rel=1e-6)
+    print(sched.gm.code[:200])
