@@ -70,6 +70,7 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     actions = {}
     for a in plan.actions:
         actions.setdefault(a.before, []).append(a)
+    waited = {(a.chunk, a.slot) for a in plan.actions if a.kind == "wait"}
     output_node = next(n for n in old_nodes if n.op == "output")
     loss_node, *grad_nodes = output_node.args[0]
     grad_node_of = dict(zip(grad_fqns, grad_nodes))
@@ -78,7 +79,11 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
         if a.kind == "fetch":
             node = graph.call_function(torch.ops.pscompile.fetch.default, (slots[a.slot], hosts[a.chunk]))
             resident[a.chunk] = a.slot
-            mem = MemOp("fetch", a.chunk, a.slot, "host", "device", a.nbytes)
+            mem = MemOp("fetch", a.chunk, a.slot, "host", "device", a.nbytes,
+                        asynchronous=(a.chunk, a.slot) in waited)
+        elif a.kind == "wait":
+            node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
+            mem = MemOp("wait", a.chunk, a.slot, "-", "-", 0)
         elif a.kind == "writeback":
             node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
             mem = MemOp("writeback", a.chunk, a.slot, "device", "host", a.nbytes)

@@ -1,6 +1,7 @@
 """verify_schedule: check a scheduled graph's memory invariants by replaying it symbolically.
 
-- a fetch fills a free slot; a drop empties an occupied one; a writeback and a device-side
+- a fetch fills a free slot; a drop empties an occupied one; an asynchronous fetch (prefetch) is
+  waited for before anything reads its slot; a writeback and a device-side
   store_grad touch the slot that holds their chunk;
 - every parameter read is a view of the slot holding that parameter's chunk, at the parameter's
   offset in the layout (so nothing is used after it was dropped, and nothing before it arrived);
@@ -50,6 +51,7 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                   if n.op == "placeholder" and gmeta.get(n, "host_chunk") is not None}
     holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
     dirty: set[int] = set()
+    pending: set[int] = set()       # slots whose asynchronous fetch has not been waited for
     nonmodel = 0
     peak, peak_node, count = 0, "start", 0
 
@@ -71,6 +73,13 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 if host_of_ph.get(node.args[1]) != mem.chunk:
                     fail(node, f"fetch of chunk {mem.chunk} reads another host chunk")
                 holds[slot] = mem.chunk
+                if mem.asynchronous:
+                    pending.add(slot)
+            elif mem.kind == "wait":
+                slot = slot_of_ph.get(node.args[0])
+                if slot not in pending or holds.get(slot) != mem.chunk:
+                    fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
+                pending.discard(slot)
             elif mem.kind == "drop":
                 slot = slot_of_ph.get(node.args[0])
                 if holds.get(slot) != mem.chunk:
@@ -105,6 +114,8 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             p = layout.entry(fqn).pieces[0]
             if slot is None or holds.get(slot) != p.chunk:
                 fail(node, f"reads {fqn} from slot {slot}, which holds {holds.get(slot)}, not its chunk {p.chunk}")
+            if slot in pending:
+                fail(node, f"reads {fqn} from slot {slot} before the wait for its asynchronous fetch")
             if tuple(sl.args[2:4]) != (p.chunk_offset, p.chunk_offset + p.numel):
                 fail(node, f"reads {fqn} at elements {tuple(sl.args[2:4])}, layout says "
                            f"{(p.chunk_offset, p.chunk_offset + p.numel)}")
@@ -114,6 +125,8 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             peak, peak_node = used, node.name
         if budget is not None and used > budget:
             fail(node, f"planned device bytes {used} exceed device_memory={budget}")
+    if pending:
+        raise ScheduleError(f"verify_schedule: asynchronous fetches into slots {sorted(pending)} are never waited for")
     if set(holds.values()) != set(os_device_chunks):
         raise ScheduleError(f"verify_schedule: the iteration ends with chunks {sorted(holds.values())} on the "
                             f"device; expected {sorted(os_device_chunks)} (those updated on the device)")

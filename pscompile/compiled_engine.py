@@ -35,9 +35,10 @@ from .passes.annotate_params import annotate_params
 from .passes.estimate_nonmodel import estimate_nonmodel
 from .passes.insert_memory_ops import insert_memory_ops
 from .passes.plan_residency import GradStore, ResidencyError, ResidencyPlan, plan_residency
+from .passes.prefetch_fetches import prefetch_fetches
 from .passes.verify_schedule import verify_schedule
 from .stats import StepStats
-from .tiers import Tier
+from .tiers import Tier, TransferQueue
 from .tracker import NonModelTracker
 from .units import format_bytes
 
@@ -104,6 +105,8 @@ class CompiledEngine(ChunkEngine):
         self._slots: list[torch.Tensor] = []
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._os_placed = False
+        self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
+        self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
         try:
             self._schedule_for(to_device(batch, self.device))
         except BaseException:
@@ -177,6 +180,8 @@ class CompiledEngine(ChunkEngine):
             raise BudgetError(f"{e} (device_memory={format_bytes(self.budget)}; give device_memory >= "
                               f"{e.minimum}, a smaller batch or mode='hooks')") from e
         t1 = time.perf_counter()
+        plan, prefetch = prefetch_fetches(plan, nonmodel, budget=self.budget, os_device_bytes=os_bytes)
+        t1b = time.perf_counter()
         for i, n in enumerate(nodes):
             put(n, "src_index", i)
             put(n, "nonmodel", nonmodel[i])
@@ -187,7 +192,8 @@ class CompiledEngine(ChunkEngine):
                                  initial=dict(plan.initial), os_device_chunks=os_dev, os_device_bytes=os_bytes)
         t3 = time.perf_counter()
         timings = timings + (PassTiming("plan_residency", t1 - t0, plan.summary(self.budget)),
-                             PassTiming("insert_memory_ops", t2 - t1,
+                             PassTiming("prefetch_fetches", t1b - t1, prefetch.summary),
+                             PassTiming("insert_memory_ops", t2 - t1b,
                                         f"insert_memory_ops: {report.num_memory_nodes} memory nodes"),
                              PassTiming("verify_schedule", t3 - t2, report.summary(self.budget)))
         self._ensure_slots(plan)
@@ -207,21 +213,29 @@ class CompiledEngine(ChunkEngine):
 
     # ================================================================ running
     def _run_memory_node(self, mem, args) -> None:
-        store, link = self.store, self.link
-        before = link.traffic.h2d_bytes + link.traffic.d2h_bytes
+        """Perform one memory node. Copies go to the transfer queue (in order); only a fetch with
+        a ``wait`` returns before its copy is done: everything else is waited for at once, except
+        writebacks and host-side gradient stores, which nothing reads before the queue drains."""
+        store, q = self.store, self._queue
         if mem.kind == "fetch":
             slot, host = args
-            link.copy(slot, host, "h2d")
-            link.traffic.num_fetches += 1
+            fut = q.submit(slot, host, "h2d")
+            self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
             self._slot_chunk[mem.slot] = mem.chunk
+            if mem.asynchronous:
+                self._in_flight[mem.slot] = fut
+            else:
+                fut.result()
+        elif mem.kind == "wait":
+            self._in_flight.pop(mem.slot).result()
         elif mem.kind == "writeback":
             host, slot = args
-            link.copy(host, slot, "d2h")
+            q.submit(host, slot, "d2h")
             store.dirty[mem.chunk] = False
         elif mem.kind == "drop":
             store.detach(mem.chunk)
-            link.traffic.num_evictions += 1
+            self.link.traffic.num_evictions += 1
             del self._slot_chunk[mem.slot]
         else:
             dest, grad, offset = args
@@ -230,11 +244,8 @@ class CompiledEngine(ChunkEngine):
                 dest[offset:offset + flat.numel()].copy_(flat)
                 store.dirty[mem.chunk] = True
             else:
-                link.copy(dest[offset:offset + flat.numel()], flat, "d2h")
+                q.submit(dest[offset:offset + flat.numel()], flat, "d2h")
             self._written.add(mem.fqn)
-        moved = link.traffic.h2d_bytes + link.traffic.d2h_bytes - before
-        if moved != mem.nbytes:
-            raise RuntimeError(f"executor: {mem.describe()} moved {moved} bytes, the plan says {mem.nbytes}")
 
     def _model_bytes(self) -> int:
         return len(self._slot_chunk) * self.store.param_chunk_bytes + self.store.dev_os_pool.bytes_in_use
@@ -261,9 +272,16 @@ class CompiledEngine(ChunkEngine):
         try:
             with tracker:
                 (loss,) = runner.run(*inputs)
+            self._queue.flush()
         except BaseException:
+            self._queue.flush()
+            self._in_flight.clear()
             self._recover()
             raise
+        moved = (self.link.traffic.h2d_bytes, self.link.traffic.d2h_bytes)
+        if moved != (sched.plan.h2d_bytes, sched.plan.d2h_bytes):
+            raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes, the schedule planned "
+                               f"{(sched.plan.h2d_bytes, sched.plan.d2h_bytes)}")
         t_graph = time.perf_counter()
         loss_value = float(loss.detach().float())
         if scale != 1.0:

@@ -8,6 +8,10 @@ is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
     writeback(host!, slot)             host <- slot            a dirty chunk goes home before its slot is reused
     drop(slot)                         (nothing moves)         the slot's chunk is no longer on the device
     store_grad(dest!, grad, offset)    dest[offset:] <- grad   a gradient overwrites its parameter's chunk space
+    wait(slot)                         (nothing moves)         an asynchronous fetch into slot has landed
+
+Run eagerly, every op completes at once (``wait`` does nothing); the executor runs a fetch that
+has a ``wait`` asynchronously (prefetch) and blocks at the ``wait``.
 
 Each memory node carries a ``MemOp`` in its pscompile metadata (``mem``): which chunk, which slot,
 the tiers, and the bytes it moves. The executor counts what actually moves against these numbers.
@@ -61,8 +65,19 @@ def _(dest, grad, offset):
     return None
 
 
+@torch.library.custom_op("pscompile::wait", mutates_args=())
+def wait(slot: Tensor) -> None:
+    return None
+
+
+@wait.register_fake
+def _(slot):
+    return None
+
+
 MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
-              torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default)
+              torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default,
+              torch.ops.pscompile.wait.default)
 for _op in MEMORY_OPS:
     torch.fx.has_side_effect(_op)
 
@@ -78,10 +93,11 @@ class MemOp:
     dst: str             # tier written
     nbytes: int          # bytes copied between tiers (0 for drop and device-side store_grad)
     fqn: str | None = None  # store_grad: the parameter
+    asynchronous: bool = False  # fetch: started early (prefetch); a wait node marks where it must have landed
 
     def describe(self) -> str:
         where = f"slot {self.slot}" if self.slot is not None else "host"
-        extra = f" {self.fqn}" if self.fqn else ""
+        extra = f" {self.fqn}" if self.fqn else (" async" if self.asynchronous else "")
         return f"{self.kind} chunk {self.chunk} ({self.src}->{self.dst}, {where}, {self.nbytes} B){extra}"
 
 

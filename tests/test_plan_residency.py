@@ -142,3 +142,31 @@ def test_unlimited_budget_fetches_each_chunk_once():
     plan = plan_residency(reads, [0] * 5, stores={}, num_chunks=3, slot_bytes=SLOT, budget=None)
     check(plan, reads, [0] * 5, None)
     assert plan.num_fetches == 3
+
+
+def test_prefetch_moves_fetches_earlier_within_capacity():
+    from pscompile.passes.prefetch_fetches import prefetch_fetches
+    reads = [[0], [], [], [1], [], [], [2], [], [0]]
+    nonmodel = [0] * len(reads)
+    plan = plan_residency(reads, nonmodel, stores={}, num_chunks=3, slot_bytes=SLOT, budget=2 * SLOT)
+    early, report = prefetch_fetches(plan, nonmodel, budget=2 * SLOT)
+    assert report.moved >= 1
+    # same invariants, with waits: replay counting a prefetched chunk as resident from its fetch
+    check(dataclasses_replace_without_waits(early), reads, nonmodel, 2 * SLOT)
+    fetch_1 = next(a for a in early.actions if a.kind == "fetch" and a.chunk == 1)
+    assert fetch_1.before < 3
+    assert any(a.kind == "wait" and a.chunk == 1 and a.before == 3 for a in early.actions)
+
+
+def test_prefetch_respects_a_full_device():
+    from pscompile.passes.prefetch_fetches import prefetch_fetches
+    reads = [[0], [0], [0], [1]]
+    nonmodel = [0] * 4
+    plan = plan_residency(reads, nonmodel, stores={}, num_chunks=2, slot_bytes=SLOT, budget=SLOT)
+    early, report = prefetch_fetches(plan, nonmodel, budget=SLOT)
+    assert report.moved == 0                          # chunk 0 holds the only slot until node 3
+
+
+def dataclasses_replace_without_waits(plan):
+    import dataclasses
+    return dataclasses.replace(plan, actions=tuple(a for a in plan.actions if a.kind != "wait"))
