@@ -100,6 +100,9 @@ class CompiledEngine(ChunkEngine):
             raise NotImplementedError(
                 f"backend={config.backend!r}: lowering compute regions with Inductor is not implemented yet; "
                 "use backend='eager' (the scheduled graph runs uncompiled)")
+        if config.dtype == torch.float16:
+            raise NotImplementedError("dtype=torch.float16 (dynamic loss scaling) is not wired into compiled mode "
+                                      "yet; use dtype=torch.bfloat16 or mode='hooks'")
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         self._schedules: dict[tuple, Scheduled] = {}
         self._slots: list[torch.Tensor] = []
@@ -284,8 +287,6 @@ class CompiledEngine(ChunkEngine):
                                f"{(sched.plan.h2d_bytes, sched.plan.d2h_bytes)}")
         t_graph = time.perf_counter()
         loss_value = float(loss.detach().float())
-        if scale != 1.0:
-            raise NotImplementedError("float16 loss scaling is not wired into compiled mode yet; use bfloat16")
         with tracker:
             skipped = self._optimizer_step(self._written, scale, tracker)
         t_end = time.perf_counter()
@@ -328,7 +329,18 @@ class CompiledEngine(ChunkEngine):
 
     @property
     def min_device_memory(self) -> int:
-        raise NotImplementedError
+        """The smallest budget the current schedules fit in: at every node, the chunks it reads
+        plus the larger of its and the next node's non-model bytes (optimizer states on the host)."""
+        best = 0
+        slot = self.store.param_chunk_bytes
+        for sched in self._schedules.values():
+            nodes = list(sched.captured.gm.graph.nodes)
+            n = sched.nonmodel
+            for i, node in enumerate(nodes):
+                chunks = {c for f in get(node, "reads", ()) for c in self.layout.entry(f).chunks}
+                need = len(chunks) * slot + max(n[i], n[i + 1] if i + 1 < len(n) else 0)
+                best = max(best, need)
+        return best
 
     @property
     def schedule(self) -> Scheduled:

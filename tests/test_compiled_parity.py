@@ -19,18 +19,11 @@ def compiled_config(dtype, device_memory, **kw):
 
 
 def min_budget(kind, dtype):
-    """The compiled plan's own minimum: the smallest budget compile accepts, found by bisection
-    on whole KiB."""
+    """The compiled plan's own minimum, from an unlimited engine after its measuring step."""
     b = make_batches(kind, 1)[0]
-    lo, hi = 1 << 20, 64 << 20
-    while hi - lo > 64 << 10:
-        mid = (lo + hi) // 2
-        try:
-            pscompile.compile(make_model(kind), b, config=compiled_config(dtype, mid)).close()
-            hi = mid
-        except ValueError:
-            lo = mid
-    return hi
+    engine = pscompile.compile(make_model(kind), b, config=compiled_config(dtype, None))
+    engine.step(b)
+    return engine.min_device_memory
 
 
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
@@ -108,3 +101,19 @@ def test_scheduled_graph_runs_as_plain_fx():
     (loss,) = sched.gm(*slots, *hosts, *sched.captured.flatten_batch(b))
     assert float(loss) == pytest.approx(engine.step(b), rel=1e-6)
     print(sched.gm.code[:200])
+
+
+def test_min_device_memory_is_exactly_enough():
+    b = make_batches("gpt", 2)
+    minimum = min_budget("gpt", torch.float32)
+    engine = pscompile.compile(make_model("gpt"), b[0], config=compiled_config(torch.float32, minimum))
+    for x in b:
+        engine.step(x)
+        assert engine.stats.peak_device_bytes <= minimum
+    with pytest.raises(ValueError, match="below the minimum"):
+        pscompile.compile(make_model("gpt"), b[0], config=compiled_config(torch.float32, minimum - 4096))
+
+
+def test_float16_is_refused_in_compiled_mode_for_now():
+    with pytest.raises(NotImplementedError, match="float16"):
+        pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], config=compiled_config(torch.float16, None))
