@@ -18,7 +18,9 @@ cost nothing and a storage counts once, with its full ``nbytes``::
 - Gradient outputs (outputs 1..) stay live until the output node. ``outputs_bytes[i]`` is the part
   of ``N[i]`` that is live gradient outputs; ``without_outputs`` is the curve when each gradient
   dies right after its producing node and its last non-output use (the executor stores every
-  gradient into its chunk as soon as it is computed). The loss is kept live in both curves.
+  gradient into its chunk as soon as it is computed), or later where ``grads_stored_at`` says so
+  (e.g. not before the parameter's own last use, when the gradient takes the parameter's chunk
+  space). The loss is kept live in both curves.
 
 Scratch memory inside an op is invisible here (and to the runtime tracker).
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -70,8 +73,18 @@ class _Storage:
     grad_output: bool = False
 
 
-def estimate_nonmodel(captured: CapturedGraph, uses: ParamUses) -> NonModelCurve:
-    """The static non-model memory curve of ``captured`` (see the module docstring)."""
+def estimate_nonmodel(captured: CapturedGraph, uses: ParamUses, *,
+                      grads_stored_at: Mapping[str, int] | None = None) -> NonModelCurve:
+    """The static non-model memory curve of ``captured`` (see the module docstring).
+
+    ``grads_stored_at`` (fqn -> node index) says when the executor stores each gradient into its
+    chunk, for ``without_outputs``: a gradient dies after ``max(its last non-output use, that
+    index)``. Default: right after its last non-output use."""
+    stored_at = grads_stored_at or {}
+    unknown = set(stored_at) - set(captured.grad_fqns)
+    if unknown:
+        raise ValueError(f"grads_stored_at names {sorted(unknown)}, which have no gradient output; "
+                         f"use fqns from captured.grad_fqns")
     graph = captured.gm.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -96,10 +109,13 @@ def estimate_nonmodel(captured: CapturedGraph, uses: ParamUses) -> NonModelCurve
             s.last = max(s.last, last)
             s.last_nonoutput = max(s.last_nonoutput, last_nonoutput)
     outputs = graph.output_node().args[0]
-    for out in outputs[1:]:
-        for st in tensor_storages(out.meta.get("val")) if out is not None else ():
+    assert len(outputs) == 1 + len(captured.grad_fqns)
+    for fqn, out in zip(captured.grad_fqns, outputs[1:]):
+        for st in tensor_storages(out.meta.get("val")):
             if st in storages:
-                storages[st].grad_output = True
+                s = storages[st]
+                s.grad_output = True
+                s.last_nonoutput = max(s.last_nonoutput, min(stored_at.get(fqn, 0), end))
 
     diff = [0] * (len(nodes) + 1)       # difference arrays: +nbytes at created, -nbytes after last
     diff_out = [0] * (len(nodes) + 1)

@@ -37,7 +37,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 from .batching import LossFn, extract_loss
 
 log = logging.getLogger("pscompile")
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_MODULE_PY = nn.modules.module.__file__
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ class CapturedGraph:
     @property
     def num_params(self) -> int:
         return len(self.param_fqns)
+
+    @property
+    def summary(self) -> str:
+        return (f"capture_joint: {len(self.gm.graph.nodes)} nodes, {len(self.param_fqns)} params "
+                f"({len(self.grad_fqns)} trainable), {len(self.buffer_fqns)} buffers, "
+                f"{self.batch_spec.num_tensors} batch tensors, {self.capture_s:.2f} s")
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -134,7 +140,7 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     for path, leaf in path_leaves:
         if isinstance(leaf, torch.Tensor):
             spec_leaves.append(("tensor", tuple(leaf.shape), leaf.dtype))
-            batch_names.append("in_" + _ident(keystr(path)))
+            batch_names.append("in_" + (_ident(keystr(path)) if path else "0"))
         else:
             spec_leaves.append(("const", leaf))
     batch_spec = BatchSpec(tree, tuple(spec_leaves))
@@ -146,7 +152,7 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     def dtype_of(p: torch.Tensor) -> torch.dtype:
         return param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
 
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)   # plain tensor attributes become constants
     with mode:
         fake_params = [torch.empty(p.shape, dtype=dtype_of(p), device=device) for p in params.values()]
         fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
@@ -159,9 +165,12 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         b_vals = dict(zip(buffer_fqns, flat[n_p:n_p + n_b]))
         tensors = iter(flat[n_p + n_b:])
         b = tree_unflatten([next(tensors) if s[0] == "tensor" else s[1] for s in spec_leaves], tree)
-        frozen = {f: v for f, v in p_vals.items() if f not in grad_fqns}
+        frozen_vals = {f: v for f, v in p_vals.items() if f not in grad_fqns}
 
-        def loss_of(trainable: dict[str, torch.Tensor]) -> torch.Tensor:
+        def loss_of(trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
+                    b_vals: dict[str, torch.Tensor]) -> torch.Tensor:
+            # frozen params and buffers are arguments too (not captured), so that the model may
+            # update buffers in place (BatchNorm running statistics)
             state = {alias: t for fqn, t in {**trainable, **frozen}.items() for alias in aliases[fqn]}
             state.update(b_vals)
             output = torch.func.functional_call(model, state, _args(b), _kwargs(b), tie_weights=True,
@@ -171,7 +180,8 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
             except ValueError as e:
                 raise _LossError(e) from e
 
-        grads, loss = torch.func.grad_and_value(loss_of)({f: p_vals[f] for f in grad_fqns})
+        trainable = {f: p_vals[f] for f in grad_fqns}
+        grads, loss = torch.func.grad_and_value(loss_of)(trainable, frozen_vals, b_vals)
         return (loss, *(grads[f] for f in grad_fqns))
 
     try:
@@ -186,8 +196,7 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
                   + batch_names)
     captured = CapturedGraph(gm, param_fqns, grad_fqns, buffer_fqns, batch_spec,
                              time.perf_counter() - t0, param_dtype)
-    log.info("capture_joint: %d nodes, %d params (%d trainable), %d buffers, %d batch tensors, %.2f s",
-             len(gm.graph.nodes), n_p, len(grad_fqns), n_b, len(fake_batch), captured.capture_s)
+    log.info(captured.summary)
     return captured
 
 
@@ -246,13 +255,13 @@ def _capture_error(model: nn.Module, e: Exception) -> ValueError:
     for frame, lineno in traceback.walk_tb(e.__traceback__):
         owner = frame.f_locals.get("self")
         if (isinstance(owner, nn.Module) and id(owner) in modules
-                and not frame.f_code.co_filename.startswith(_TORCH_DIR)):   # the model's own code
+                and frame.f_code.co_filename != _MODULE_PY):        # not Module.__call__ itself
             name = modules[id(owner)] or "<root>"
             where = (f" in module {name} ({type(owner).__name__}, "
                      f"{os.path.basename(frame.f_code.co_filename)}:{lineno})")
     text = str(e).strip().splitlines()
     first = text[0] if text else type(e).__name__
     return ValueError(
-        f"cannot capture the model as one graph{where}: {type(e).__name__}: {first[:300]}. "
-        "Data-dependent control flow or .item()/.tolist() cannot be traced; train this model with "
-        "Config(mode=\"hooks\"), or make that code shape-only")
+        f"cannot capture the model as one graph{where}: {type(e).__name__}: {first[:300]} "
+        "(data-dependent control flow, .item()/.tolist() and similar cannot be traced); train this "
+        "model with Config(mode=\"hooks\"), or change that code so that it depends on shapes only")

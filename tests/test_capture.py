@@ -26,6 +26,10 @@ def canonical_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())          # remove_duplicate: tied weights once, first name
 
 
+def capture(model: nn.Module, batch, **kw) -> CapturedGraph:
+    return capture_joint(model, batch, params=canonical_params(model), **kw)
+
+
 def run_captured(c: CapturedGraph, model: nn.Module, batch, *, dtype=None) -> tuple[torch.Tensor, ...]:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -282,3 +286,33 @@ def test_flatten_batch_checks_the_signature():
         c.flatten_batch((batch["input_ids"], batch["labels"]))
     with pytest.raises(ValueError, match="capture again"):
         c.flatten_batch({"input_ids": batch["input_ids"][:1], "labels": batch["labels"][:1]})
+
+
+def test_buffers_updated_in_place_and_tensor_constants():
+    """BatchNorm updates its running statistics in the graph (buffers are inputs that it mutates,
+    as eager does); a plain tensor attribute becomes a graph constant."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+            self.scale = torch.arange(4.0)                     # not a buffer: a constant
+
+        def forward(self, x):
+            return (self.bn(self.lin(x)) * self.scale).square().mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(6, 4)
+    c = capture(model, (x,))
+    assert c.buffer_fqns == ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked")
+    assert any(n.op == "get_attr" for n in c.gm.graph.nodes)
+    buffers = {f: b.clone() for f, b in model.named_buffers()}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        out = c.gm(*[params[f].detach() for f in c.param_fqns], *buffers.values(), x)
+    loss, grads = eager(model, (x,))                          # updates model's own buffers
+    assert (out[0] - loss).abs().item() <= 1e-6 and max_grad_diff(c, out, grads) <= 1e-6
+    for f, b in model.named_buffers():
+        assert torch.equal(buffers[f], b), f
+    assert int(buffers["bn.num_batches_tracked"]) == 1
