@@ -1,5 +1,6 @@
-"""Compiler passes over the captured training graph (one pass per file).
+"""Compiler passes over the captured training graph, one pass per file (see DESIGN.md):
 
-The compiled mode (joint-graph capture and memory-planning passes) lands with the compiler
-issue; this package exists so the layout matches DESIGN.md from the start.
+annotate_params -> estimate_nonmodel -> plan_residency -> prefetch_fetches -> insert_memory_ops
+-> verify_schedule. Analyses are pure and return frozen dataclasses; transforms return a new
+GraphModule. Metadata goes through ``pscompile.graph_meta``.
 """

@@ -127,14 +127,15 @@ class CompiledEngine(ChunkEngine):
             t1 = time.perf_counter()
             uses = annotate_params(captured)
             t2 = time.perf_counter()
-            curve = estimate_nonmodel(captured, uses)
+            curve = estimate_nonmodel(captured, uses, grads_stored_at=self._grad_store_points(captured, uses))
             t3 = time.perf_counter()
-            timings = (PassTiming("capture_joint", t1 - t0, f"capture_joint: {len(captured.gm.graph.nodes)} nodes"),
+            timings = (PassTiming("capture_joint", t1 - t0, captured.summary),
                        PassTiming("annotate_params", t2 - t1, uses.summary),
                        PassTiming("estimate_nonmodel", t3 - t2, curve.summary))
+            nonmodel = tuple(curve.without_outputs)    # each gradient dies at its store_grad
             if not self._os_placed:
-                self._place_optimizer_states(max(curve.bytes))
-            sched = self._plan(captured, uses, tuple(curve.bytes), measured=False, timings=timings)
+                self._place_optimizer_states(max(nonmodel))
+            sched = self._plan(captured, uses, nonmodel, measured=False, timings=timings)
             self._schedules[sig] = sched
         return sched
 
@@ -150,10 +151,21 @@ class CompiledEngine(ChunkEngine):
         self.link.reset()
         self._os_placed = True
 
+    @staticmethod
+    def _grad_store_points(captured: CapturedGraph, uses) -> dict[str, int]:
+        """The node after which each gradient overwrites its parameter's chunk space: once the
+        gradient exists and the parameter's last (view-aware) read is done."""
+        nodes = list(captured.gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        out = {}
+        for fqn, grad_node in zip(captured.grad_fqns, nodes[-1].args[0][1:]):
+            last = uses[fqn].last_use
+            out[fqn] = max(index[grad_node], last if last is not None else 0)
+        return out
+
     def _plan(self, captured: CapturedGraph, uses, nonmodel: tuple[int, ...], *, measured: bool,
               timings: tuple[PassTiming, ...]) -> Scheduled:
         nodes = list(captured.gm.graph.nodes)
-        index = {n: i for i, n in enumerate(nodes)}
         reads = []
         for n in nodes:
             chunks = []
@@ -162,12 +174,10 @@ class CompiledEngine(ChunkEngine):
                     if c not in chunks:
                         chunks.append(c)
             reads.append(chunks)
-        output = nodes[-1]
         elsize = torch.empty((), dtype=self.dtype).element_size()
         stores: dict[int, list[GradStore]] = {}
-        for fqn, grad_node in zip(captured.grad_fqns, output.args[0][1:]):
+        for fqn, at in self._grad_store_points(captured, uses).items():
             e = self.layout.entry(fqn)
-            at = max(index[grad_node], uses[fqn].last_use if uses[fqn].last_use is not None else 0)
             stores.setdefault(at, []).append(GradStore(e.pieces[0].chunk, fqn, e.pieces[0].chunk_offset,
                                                        e.numel * elsize))
         os_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
@@ -242,12 +252,12 @@ class CompiledEngine(ChunkEngine):
             del self._slot_chunk[mem.slot]
         else:
             dest, grad, offset = args
-            flat = grad.reshape(-1)
+            target = dest[offset:offset + grad.numel()].view(grad.shape)   # strided grads: no temporary
             if mem.slot is not None:
-                dest[offset:offset + flat.numel()].copy_(flat)
+                target.copy_(grad)
                 store.dirty[mem.chunk] = True
             else:
-                q.submit(dest[offset:offset + flat.numel()], flat, "d2h")
+                q.submit(target, grad, "d2h")
             self._written.add(mem.fqn)
 
     def _model_bytes(self) -> int:

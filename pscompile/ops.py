@@ -57,7 +57,7 @@ def _(slot):
 
 @torch.library.custom_op("pscompile::store_grad", mutates_args=("dest",))
 def store_grad(dest: Tensor, grad: Tensor, offset: int) -> None:
-    dest[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+    dest[offset:offset + grad.numel()].view(grad.shape).copy_(grad)   # strided grads: no temporary
 
 
 @store_grad.register_fake

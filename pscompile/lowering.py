@@ -1,0 +1,629 @@
+"""lower_regions: run a scheduled graph with its compute regions compiled by Inductor.
+
+The scheduled graph (``insert_memory_ops``) interleaves compute nodes with memory nodes
+(``torch.ops.pscompile.*``). Inductor may not be trusted with the memory nodes (see
+"What Inductor does to memory ops" below), so the graph is cut at every memory node into maximal
+*compute regions*; each region becomes a small GraphModule compiled once, and the executor runs
+the steps in graph order::
+
+    region 0    arange, embedding(view(slice(slot_0))), ...          compiled (or eager)
+    mem         pscompile.fetch(slot_1, host_1)                       -> run_memory(node, args)
+    region 1    native_layer_norm(add, [64], p_0, p_1), getitems, ...  compiled
+    mem         pscompile.store_grad(slot_1, t_7, 512)                 t_7 is an output of region 1
+    ...
+
+Rules of the split (torch 2.13 facts, ``/work/shared/notes/torch-2.13-facts.md``):
+
+- a multi-output op and its ``getitem`` nodes stay in one region (a ``getitem`` that the schedule
+  placed after a memory node moves back into its op's region: it only unpacks a tuple);
+- only real tensors cross region boundaries. A *view of a slot/host buffer* never does: when a
+  region needs a buffer view made in an earlier region, the view chain is re-created inside the
+  consuming region, so no region keeps a parameter alive past a memory node;
+- *parameters are region inputs*. ``insert_memory_ops`` reads a parameter as
+  ``view(slice(slot_k, 0, a, b), shape)`` right before each reader. With ``lift_params=True``
+  (default) that ``slice``/``view`` pair is evaluated by the executor (a free view, made right
+  before the region and released right after it) and the region receives the parameter tensor
+  itself; every further view (``t``, ``transpose``, ``expand``...) stays inside the region. The
+  chunk offset ``a`` and the slot ``k`` are then not baked into the region, so the same layer at
+  another place of another chunk gives the *same* region and is compiled once. With
+  ``lift_params=False`` the slices stay inside the regions (offsets become constants of the
+  region, and layers only share code when their parameters sit at the same chunk offsets);
+- a region returns what later steps need: values read by later regions, by memory nodes (a
+  gradient consumed by ``store_grad`` is returned and handed to ``run_memory``) and the graph's
+  outputs. Values are released after their last use, and inputs are passed with the *boxed*
+  calling convention (the list is cleared) so a region input dies inside the region at its last
+  use, as under ``fx.Interpreter(garbage_collect_values=True)``.
+
+``RegionCache`` maps a structural hash of a region (ops, argument structure with nodes replaced by
+positions, constants, and shape/stride/dtype/device/alignment of every input) to the compiled
+callable; identical transformer layers compile once, and a cache shared between LoweredGraphs
+keeps the compiled regions when the schedule is re-planned after the warm-up step.
+
+Compilation uses ``torch._inductor.standalone_compile(gm, example_inputs,
+dynamic_shapes="from_example_inputs")``: measured here, a region that hits Inductor's FX graph
+cache costs ~30-50 ms, against ~100-250 ms for ``compile_fx`` (which bypasses the FX graph cache
+without a ShapeEnv) and ~100-150 ms for ``torch.compile`` (a Dynamo re-trace per region, plus guard
+checks on every call). Inductor runs with ``fallback_random=True``: random ops (the ``bernoulli``
+of dropout) call ATen's kernels in graph order, so a compiled region draws the same numbers as
+eager from the same seed. Regions made only of views / ``getitem`` run eagerly.
+
+What Inductor does to memory ops (``lower_whole``, experimental)
+-----------------------------------------------------------------
+``lower_whole(gm)`` compiles the whole scheduled graph with the memory ops inside (they are
+``torch.library`` custom ops with fake impls; ``drop``/``wait`` are kept by ``has_side_effect``).
+``WholeGraph.compare(inputs)`` runs it next to the eager graph and records, through a
+TorchDispatchMode, the memory ops that the compiled code calls. Observed on the tiny GPT
+(2 layers, d=64, tight budget, 441 nodes, 64 memory nodes) with torch 2.13 CPU:
+
+    see WHOLE_GRAPH_OBSERVATIONS below (filled in from ``WholeGraph.compare``)
+
+so the default lowering keeps every memory op in the executor.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import graph_meta as gmeta
+from .ops import is_memory_node
+
+__all__ = ["LoweringReport", "LoweredGraph", "RegionCache", "lower_regions", "region_key",
+           "WholeGraph", "WholeGraphReport", "lower_whole"]
+
+aten = torch.ops.aten
+
+# Options given to Inductor for every region. fallback_random: random ops call ATen in graph order
+# (bit-identical dropout masks to eager for the same seed).
+INDUCTOR_PATCHES: dict[str, Any] = {"fallback_random": True}
+
+_ALIGN_BYTES = 16          # Inductor's input alignment assumption (GPU); part of the region key
+
+
+# ====================================================================== reports
+@dataclass(frozen=True)
+class LoweringReport:
+    regions: int            # compute regions (steps between memory nodes)
+    compiled: int           # regions run through the backend (the rest are views only: eager)
+    distinct: int           # distinct compiled regions (by structural hash) in this graph
+    compiled_now: int       # distinct regions compiled for this graph (cache misses)
+    cache_hits: int         # compiled regions served by the RegionCache
+    compile_s: float        # seconds spent compiling (this graph's misses)
+    memory_nodes: int
+    lifted_views: int       # parameter views (slice/view of a slot) made by the executor
+    rebuilt_views: int      # buffer views re-created in a later region (should be 0)
+    moved_getitems: int     # getitems moved back into their op's region
+    backend: str
+
+    def summary(self) -> str:
+        return (f"lower_regions: {self.regions} regions, {self.compiled} compiled, {self.distinct} distinct "
+                f"({self.compiled_now} compiled now, {self.cache_hits} cache hits), {self.memory_nodes} memory "
+                f"nodes, backend {self.backend}, compiled in {self.compile_s:.1f} s")
+
+
+# ====================================================================== cache
+@dataclass
+class _CacheEntry:
+    fn: Callable[[list], Sequence[Any]]   # boxed: takes a list of inputs, clears it
+    compile_s: float
+    num_nodes: int
+    uses: int = 0
+
+
+class RegionCache:
+    """Compiled regions keyed by ``region_key``; share one between LoweredGraphs (and engines'
+    re-planned schedules) so a region is compiled once per process."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], _CacheEntry] = {}
+        self.hits = 0
+        self.misses = 0
+        self.compile_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._entries
+
+    def get_or_compile(self, key: tuple[str, str], build: Callable[[], Callable]) -> tuple[_CacheEntry, bool]:
+        e = self._entries.get(key)
+        if e is not None:
+            self.hits += 1
+            e.uses += 1
+            return e, True
+        t0 = time.perf_counter()
+        fn = build()
+        dt = time.perf_counter() - t0
+        e = _CacheEntry(fn, dt, 0, 1)
+        self._entries[key] = e
+        self.misses += 1
+        self.compile_s += dt
+        return e, False
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+# ====================================================================== node classes
+def _is_view_op(n: fx.Node) -> bool:
+    t = n.target
+    return n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.is_view
+
+
+def _buffer_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
+    """Slot and host buffers: placeholders tagged by insert_memory_ops or read by memory nodes."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and (gmeta.get(n, "slot") is not None or gmeta.get(n, "host_chunk") is not None):
+            out.add(n)
+        elif is_memory_node(n):
+            for a in n.all_input_nodes:
+                if a.op == "placeholder":
+                    out.add(a)
+    return out
+
+
+def _buffer_aliases(gm: fx.GraphModule, buffers: set[fx.Node]) -> set[fx.Node]:
+    """Nodes whose value is a view of a slot/host buffer (views of views included)."""
+    alias = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or is_memory_node(n) or not n.args:
+            continue
+        src = n.args[0]
+        if isinstance(src, fx.Node) and (src in buffers or src in alias) and (
+                _is_view_op(n) or n.target is operator.getitem):
+            alias.add(n)
+    return alias
+
+
+def _lifted(gm: fx.GraphModule, buffers: set[fx.Node]) -> set[fx.Node]:
+    """Parameter roots: ``slice(buffer, ...)`` and ``view(that slice, shape)`` (contiguous
+    parameter tensors that the executor makes and hands to regions as inputs)."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        src = n.args[0]
+        if n.target is aten.slice.Tensor and src in buffers:
+            out.add(n)
+        elif n.target is aten.view.default and src in out and src.target is aten.slice.Tensor:
+            out.add(n)
+    return out
+
+
+# ====================================================================== structural hash
+def _meta_of(n: fx.Node, metas: dict[fx.Node, Any]) -> Any:
+    if n in metas:
+        return metas[n]
+    return n.meta.get("val")
+
+
+@dataclass(frozen=True)
+class _TMeta:
+    """What a compiled region assumes about one input (the region key hashes it)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    aligned: bool            # storage offset * itemsize is a multiple of 16 bytes
+
+    @staticmethod
+    def of(v: Any, device: torch.device) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        dev = device if v.device.type == "meta" else v.device     # slot/host metas are on "meta"
+        return _TMeta(tuple(v.shape), tuple(v.stride()), v.dtype, dev,
+                      (v.storage_offset() * v.element_size()) % _ALIGN_BYTES == 0)
+
+    def sig(self) -> tuple:
+        return ("T", self.shape, self.stride, str(self.dtype), str(self.device), self.aligned)
+
+    def example(self) -> torch.Tensor:
+        """A real tensor with this shape, stride, dtype, device and alignment class."""
+        span = 0 if any(d == 0 for d in self.shape) else \
+            1 + sum((d - 1) * st for d, st in zip(self.shape, self.stride))
+        off = 0 if self.aligned else 1
+        base = torch.zeros(off + max(span, 1), dtype=self.dtype, device=self.device)
+        return base.as_strided(self.shape, self.stride, off)
+
+
+def _sig(v: Any) -> tuple:
+    if isinstance(v, _TMeta):
+        return v.sig()
+    return ("C", type(v).__name__, repr(v))
+
+
+def _graph_device(nodes: Iterable[fx.Node]) -> torch.device:
+    """The device the graph computes on: the first non-meta tensor value's device (cpu if none)."""
+    for n in nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.device.type != "meta":
+            return v.device
+    return torch.device("cpu")
+
+
+def _const(a: Any) -> Any:
+    """A hashable, repr-stable form of a node argument constant."""
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_const(x) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple(sorted((str(k), _const(v)) for k, v in a.items())))
+    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return (type(a).__name__, str(a))
+    if isinstance(a, float):
+        return ("f", a.hex())
+    if isinstance(a, (int, bool, str)) or a is None:
+        return (type(a).__name__, a)
+    return (type(a).__name__, repr(a))
+
+
+def region_key(graph: fx.Graph, input_metas: Sequence[Any]) -> str:
+    """Structural hash of a region graph: op and target of every node, its arguments with nodes
+    replaced by their positions, constants, the output structure, and the shape/stride/dtype/
+    device/alignment of each input. Node names and where the region came from do not count."""
+    index: dict[fx.Node, int] = {}
+    parts: list[Any] = []
+    ph = 0
+    for i, n in enumerate(graph.nodes):
+        index[n] = i
+        if n.op == "placeholder":
+            parts.append(("ph", _sig(input_metas[ph])))
+            ph += 1
+            continue
+
+        def enc(a):
+            if isinstance(a, fx.Node):
+                return ("n", index[a])
+            if isinstance(a, (list, tuple)):
+                return (type(a).__name__, tuple(enc(x) for x in a))
+            if isinstance(a, dict):
+                return ("dict", tuple(sorted((str(k), enc(v)) for k, v in a.items())))
+            return _const(a)
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", None) or str(n.target)
+        if isinstance(n.target, torch._ops.OpOverload):
+            target = str(n.target)
+        parts.append((n.op, target, enc(n.args), enc(dict(n.kwargs))))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+# ====================================================================== regions
+@dataclass
+class _Region:
+    index: int
+    nodes: list[fx.Node] = field(default_factory=list)
+    inputs: list[fx.Node] = field(default_factory=list)
+    outputs: list[fx.Node] = field(default_factory=list)
+    graph: fx.Graph | None = None
+    input_metas: list[Any] = field(default_factory=list)
+    key: str = ""
+    compute: bool = False
+    fn: Callable[[list], Sequence[Any]] | None = None
+
+
+@dataclass
+class _Step:
+    kind: str                         # "region" | "mem" | "eval"
+    region: _Region | None = None
+    node: fx.Node | None = None
+    free: tuple[fx.Node, ...] = ()        # values released after this step
+    dead: tuple[fx.Node, ...] = ()        # region outputs nobody reads
+
+
+def _boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:
+    """The boxed function under a standalone_compile artifact (so region inputs can be released
+    inside the region); falls back to an unboxed call."""
+    inner = getattr(getattr(fn, "_compiled_fn", fn), "__wrapped__", None)
+    if inner is not None and inner.__closure__ is not None:
+        cells = dict(zip(inner.__code__.co_freevars, inner.__closure__))
+        if "compiled_fn" in cells and "params_buffers_flat" in cells:
+            try:
+                boxed, extra = cells["compiled_fn"].cell_contents, cells["params_buffers_flat"].cell_contents
+            except ValueError:
+                boxed, extra = None, None
+            if boxed is not None and not extra and getattr(boxed, "_boxed_call", False):
+                return boxed
+
+    def call(args: list) -> Sequence[Any]:
+        a = list(args)
+        args.clear()
+        return fn(*a)
+    return call
+
+
+def _compile_inductor(graph: fx.Graph, metas: Sequence[Any]) -> Callable[[list], Sequence[Any]]:
+    gm = fx.GraphModule({}, copy.deepcopy(graph))
+    examples = [m.example() if isinstance(m, _TMeta) else m for m in metas]
+    art = torch._inductor.standalone_compile(gm, examples, dynamic_shapes="from_example_inputs",
+                                             options={"config_patches": dict(INDUCTOR_PATCHES)})
+    return _boxed_inner(art)
+
+
+def _eager_fn(graph: fx.Graph) -> Callable[[list], Sequence[Any]]:
+    g = copy.deepcopy(graph)
+    try:
+        from torch.fx.graph import _BoxedCodeGen
+        g.set_codegen(_BoxedCodeGen())
+        gm = fx.GraphModule({}, g)
+        return gm.forward
+    except ImportError:                           # pragma: no cover - older torch
+        gm = fx.GraphModule({}, g)
+
+        def call(args: list):
+            a = list(args)
+            args.clear()
+            return gm(*a)
+        return call
+
+
+class LoweredGraph:
+    """A scheduled graph split at its memory nodes, compute regions compiled once each.
+
+    ``run(inputs, run_memory)`` has the semantics of ``gm(*inputs)``: it returns gm's outputs and
+    calls ``run_memory(node, args)`` for every memory node, in graph order, with the node's
+    evaluated arguments (instead of running the op itself).
+    """
+
+    def __init__(self, gm: fx.GraphModule, *, backend: str = "inductor", cache: RegionCache | None = None,
+                 lift_params: bool = True, check_inputs: bool = False, device: torch.device | str | None = None):
+        if backend not in ("inductor", "eager"):
+            raise ValueError(f"backend={backend!r}: expected 'inductor' or 'eager'")
+        self.gm = gm
+        self.backend = backend
+        self.cache = cache if cache is not None else RegionCache()
+        self.check_inputs = check_inputs
+        graph = gm.graph
+        nodes = list(graph.nodes)
+        self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in reversed(nodes) if n.op == "output")
+        buffers = _buffer_placeholders(gm)
+        self._aliases = _buffer_aliases(gm, buffers)
+        lifted = _lifted(gm, buffers) if lift_params else set()
+        self._lifted = lifted
+
+        # ---- assign nodes to steps, in graph order
+        steps: list[_Step] = []
+        regions: list[_Region] = []
+        region_of: dict[fx.Node, _Region] = {}
+        cur: _Region | None = None
+        moved = 0
+        mem_count = 0
+        for n in nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            if n in lifted:
+                continue                                     # made by the executor when needed
+            if is_memory_node(n):
+                cur = None
+                steps.append(_Step("mem", node=n))
+                mem_count += 1
+                continue
+            if n.op != "call_function":
+                raise ValueError(f"lower_regions: node {n.name} ({n.op}) is not supported; "
+                                 "the scheduled graph should only call functions")
+            if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in region_of \
+                    and region_of[n.args[0]] is not cur:
+                r = region_of[n.args[0]]                     # keep a tuple op with its getitems
+                r.nodes.append(n)
+                region_of[n] = r
+                moved += 1
+                continue
+            if cur is None:
+                cur = _Region(len(regions))
+                regions.append(cur)
+                steps.append(_Step("region", region=cur))
+            cur.nodes.append(n)
+            region_of[n] = cur
+
+        # ---- build region graphs
+        rebuilt = 0
+        for r in regions:
+            g = fx.Graph()
+            local: dict[fx.Node, fx.Node] = {}
+            members = set(r.nodes)
+
+            def get(a: fx.Node, g=g, local=local, r=r, members=members) -> fx.Node:
+                nonlocal rebuilt
+                if a in local:
+                    return local[a]
+                if a in self._aliases and a not in lifted and a not in members:
+                    # a buffer view from another region: re-create its chain here
+                    rebuilt += 1
+                    v = g.node_copy(a, get)
+                    local[a] = v
+                    return v
+                p = g.placeholder(f"in_{len(r.inputs)}")
+                p.meta["val"] = a.meta.get("val")
+                r.inputs.append(a)
+                local[a] = p
+                return p
+
+            for n in r.nodes:
+                local[n] = g.node_copy(n, get)
+            outs = []
+            for n in r.nodes:
+                if n in self._aliases:
+                    continue                  # views of buffers are re-made where they are read
+                if isinstance(n.meta.get("val"), (tuple, list)) and not isinstance(n.meta.get("val"), torch.Size):
+                    continue                  # tuples never cross: their getitems are here
+                if any(region_of.get(u) is not r for u in n.users):
+                    outs.append(n)
+            r.outputs = outs
+            g.output(tuple(local[o] for o in outs))
+            g.lint()
+            r.graph = g
+            r.compute = any(not (_is_view_op(x) or x.target is operator.getitem) for x in r.nodes)
+
+        # ---- buffer views read by a memory node or the output: evaluated by the executor
+        evals = {n for n in nodes if n in self._aliases and n not in lifted
+                 and any(u.op == "output" or is_memory_node(u) for u in n.users)}
+        eager_nodes = lifted | evals | self._aliases
+
+        # ---- input metadata (exact strides / storage offsets of lifted parameter views)
+        self.device = device if device is not None else _graph_device(nodes)
+        meta_env: dict[fx.Node, Any] = {}
+
+        def meta_value(a: fx.Node) -> Any:
+            if a not in meta_env:
+                if a in lifted:
+                    args = fx.node.map_arg(a.args, meta_value)
+                    kwargs = fx.node.map_arg(a.kwargs, meta_value)
+                    meta_env[a] = a.target(*args, **kwargs)
+                else:
+                    v = a.meta.get("val")
+                    meta_env[a] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") \
+                        if a.op == "placeholder" and isinstance(v, torch.Tensor) else v
+            return meta_env[a]
+
+        for r in regions:
+            r.input_metas = [_TMeta.of(meta_value(a), self.device) for a in r.inputs]
+            r.key = region_key(r.graph, r.input_metas)
+
+        # ---- compile (or wrap) each region, through the cache
+        t0 = time.perf_counter()
+        hits = compiled_now = 0
+        distinct: set[str] = set()
+        for r in regions:
+            if self.backend == "eager" or not r.compute:
+                r.fn = _eager_fn(r.graph)
+                continue
+            distinct.add(r.key)
+            entry, hit = self.cache.get_or_compile(
+                (self.backend, r.key), lambda r=r: _compile_inductor(r.graph, r.input_metas))
+            if hit:
+                hits += 1
+            else:
+                compiled_now += 1
+            r.fn = entry.fn
+        compile_s = time.perf_counter() - t0
+
+        # ---- executor program: eager views right before their first reader, frees after last use
+        program: list[_Step] = []
+        produced: set[fx.Node] = set(self.placeholders)
+
+        def ensure(reads: Iterable[fx.Node]) -> None:
+            for a in reads:
+                if a in produced or a not in eager_nodes:
+                    continue
+                for x in _chain(a, eager_nodes):
+                    if x not in produced:
+                        program.append(_Step("eval", node=x))
+                        produced.add(x)
+
+        for s in steps:
+            ensure(s.region.inputs if s.kind == "region" else s.node.all_input_nodes)
+            program.append(s)
+            if s.kind == "region":
+                produced.update(s.region.outputs)
+        ensure(self.output_node.all_input_nodes)
+
+        last: dict[fx.Node, int] = {}
+        for i, s in enumerate(program):
+            for a in (s.region.inputs if s.kind == "region" else s.node.all_input_nodes):
+                last[a] = i
+        keep = set(self.output_node.all_input_nodes)
+        frees: dict[int, list[fx.Node]] = {}
+        for a, i in last.items():
+            if a not in keep:
+                frees.setdefault(i, []).append(a)
+        for i, s in enumerate(program):
+            s.free = tuple(frees.get(i, ()))
+            if s.kind == "region":      # outputs nobody reads (none expected): dropped at once
+                s.dead = tuple(o for o in s.region.outputs if o not in last and o not in keep)
+        self._program = program
+        self.regions = regions
+        self.report = LoweringReport(
+            regions=len(regions), compiled=sum(1 for r in regions if r.compute and backend != "eager"),
+            distinct=len(distinct), compiled_now=compiled_now, cache_hits=hits, compile_s=compile_s,
+            memory_nodes=mem_count, lifted_views=sum(1 for n in lifted if not any(u in lifted for u in n.users)),
+            rebuilt_views=rebuilt, moved_getitems=moved, backend=backend)
+
+    # ------------------------------------------------------------------ running
+    def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], None]) -> tuple:
+        if len(inputs) != len(self.placeholders):
+            raise ValueError(f"LoweredGraph.run: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
+        env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
+        check = self.check_inputs
+        for s in self._program:
+            kind = s.kind
+            if kind == "region":
+                r = s.region
+                args = [env[a] for a in r.inputs]
+                if check:
+                    _check_args(r, args)
+                for a in s.free:                    # the region holds the only reference now
+                    del env[a]
+                outs = r.fn(args)
+                for o, v in zip(r.outputs, outs):
+                    env[o] = v
+                for o in s.dead:
+                    del env[o]
+                continue
+            n = s.node
+            args = fx.node.map_arg(n.args, env.__getitem__)
+            if kind == "mem":
+                run_memory(n, args)
+            else:
+                kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+                env[n] = n.target(*args, **kwargs)
+            for a in s.free:
+                del env[a]
+        out = fx.node.map_arg(self.output_node.args[0], env.__getitem__)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    def describe(self) -> str:
+        """One line per step: region sizes and keys, memory nodes."""
+        lines = []
+        for s in self._program:
+            if s.kind == "region":
+                r = s.region
+                how = "eager" if (self.backend == "eager" or not r.compute) else self.backend
+                lines.append(f"region {r.index:3d} {len(r.nodes):4d} nodes  in {len(r.inputs):2d} out "
+                             f"{len(r.outputs):2d}  {how:8s} {r.key[:10]}")
+            elif s.kind == "mem":
+                mem = gmeta.get(s.node, "mem")
+                lines.append(f"  mem  {mem.describe() if mem is not None else s.node.format_node()}")
+            else:
+                lines.append(f"  eval {s.node.format_node()}")
+        return "\n".join(lines)
+
+
+def _chain(a: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
+    """``a`` and the nodes it is computed from inside ``allowed``, in evaluation order."""
+    out: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(x: fx.Node) -> None:
+        if x in seen or x not in allowed:
+            return
+        seen.add(x)
+        for y in x.all_input_nodes:
+            visit(y)
+        out.append(x)
+    visit(a)
+    return out
+
+
+def _check_args(r: _Region, args: list) -> None:
+    for a, m, v in zip(r.inputs, r.input_metas, args):
+        if isinstance(m, _TMeta):
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m.shape or v.stride() != m.stride \
+                    or v.dtype != m.dtype:
+                got = (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+                raise RuntimeError(f"lower_regions: region {r.index} input {a.name} is {got}, compiled for "
+                                   f"{(m.shape, m.stride, m.dtype)}")
+
+
+def lower_regions(gm: fx.GraphModule, *, backend: str = "inductor", cache: RegionCache | None = None,
+                  lift_params: bool = True) -> LoweredGraph:
+    """Split ``gm`` at its memory nodes and compile each distinct compute region once."""
+    return LoweredGraph(gm, backend=backend, cache=cache, lift_params=lift_params)

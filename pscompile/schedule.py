@@ -1,0 +1,557 @@
+"""Schedule: the scheduled graph of compiled mode, for people to read.
+
+``print(engine.schedule)`` shows the graph as Python-like code under a provenance header (Thunder's
+traces are the model): which passes ran and what each reported, the budget, the planned traffic,
+and a trailing comment on every memory node::
+
+    # pscompile schedule (compiled mode)
+    # model:  GPT(n_layer=2, n_head=2, d_model=64, vocab_size=256, seq_len=64, ...)
+    # layout: 28 tensors, 120,576 params in 8 chunks of 17,408 elements (86.6% utilised); float32
+    # budget: device_memory 3.0 MiB; planned peak 2.99 MiB at mm_1 (model 544.0 KiB + non-model 2.5 MiB)
+    ...
+    def iteration(slot_0..slot_7, host_0..host_7, in_0, in_1):
+        fetch_default = pscompile.fetch(slot_0, host_0)   # fetch chunk 0 -> slot 0 (host->device), 68.0 KiB
+        slice_tensor = aten.slice(slot_0, 0, 0, 16384)
+        view_default = aten.view(slice_tensor, [256, 64])  # param wte.weight (chunk 0 in slot 0)
+        embedding = aten.embedding(view_default, in_0)
+
+``table()`` is the same graph as one row per node (idx, name, op, chunk, tier, bytes, live device
+bytes, source), ``timeline()`` the device bytes at every node split into model and non-model data,
+and ``save(folder)`` writes all of them (plus a PNG of the timeline when matplotlib imports).
+
+How device bytes are counted at a node: resident slots x ``slot_bytes`` + the optimizer states kept
+on the device + the non-model bytes live there. Residency is replayed from the plan's initial slots
+and the memory nodes (a fetch occupies its slot from the moment it starts, a drop frees it). The
+non-model bytes of a node of the captured graph are its entry in ``Scheduled.nonmodel`` (static
+estimate or measured). Nodes that ``insert_memory_ops`` added -- memory nodes and the views of a
+slot rebuilt right before each reader -- run *between* two captured nodes, where only what both of
+them hold is live, so they get the smaller of their neighbours' values (the first and last nodes
+take the one neighbour they have). This is the moment the plan's capacity rule
+``device_memory - max(N[i], N[i+1])`` protects, so every value is within the budget, and the
+maximum over the graph is the plan's peak.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+from .graph_meta import get
+from .ops import MemOp, is_memory_node
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .compiled_engine import Scheduled
+    from .layout import ChunkLayout
+
+__all__ = ["Schedule", "NodeRow", "model_summary", "schedule_of"]
+
+_MAX_ARGS = 100          # characters of an argument list before it is cut with "..."
+_COMMENT_COLUMN = 60     # trailing comments start at this column when the code is shorter
+_NONE = "-"
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One node of the scheduled graph, with the accounting of ``table()`` and ``timeline()``."""
+
+    idx: int
+    name: str
+    op: str                    # "aten.mm", "pscompile.fetch", "getitem", "placeholder", "output"
+    kind: str                  # "memory" | "compute" | "param_view" | "input" | "output"
+    mem: MemOp | None          # memory nodes only
+    chunks: tuple[int, ...]    # chunks it moves (memory) or reads (parameter views and readers)
+    tier: str                  # "host->device", "device->host", "device" (reads a slot), ""
+    nbytes: int | None         # bytes moved between tiers (memory nodes), else None
+    resident_slots: int        # device slots holding a chunk while it runs
+    model_bytes: int           # resident_slots * slot_bytes + optimizer states on the device
+    nonmodel_bytes: int        # non-model bytes live while it runs (see the module docstring)
+    source: str                # module path (nn_module_stack / stack_trace / parameters read), or "-"
+    phase: str | None          # "fwd" | "bwd" | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_bytes + self.nonmodel_bytes
+
+
+def model_summary(model: torch.nn.Module) -> str:
+    """One line: the model's class and, when it has a dataclass ``config``, its fields."""
+    cfg = getattr(model, "config", None)
+    fields = getattr(cfg, "__dataclass_fields__", None)
+    if fields:
+        inner = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in fields)
+        return f"{type(model).__name__}({inner})"
+    return type(model).__name__
+
+
+def schedule_of(engine) -> "Schedule":
+    """``engine.schedule`` as a ``Schedule``, whether the engine already returns one or still
+    returns the internal ``Scheduled`` record."""
+    sched = engine.schedule
+    if isinstance(sched, Schedule):
+        return sched
+    return Schedule(sched, layout=engine.layout, budget=engine.budget, slot_bytes=engine.store.param_chunk_bytes,
+                    os_device_bytes=engine.store.dev_os_pool.bytes_in_use, dtype=engine.dtype,
+                    model=model_summary(engine.model))
+
+
+class Schedule:
+    """A readable view of one ``Scheduled`` (the plan, the rewritten graph, and the passes that
+    made them). It reads the schedule and never changes it."""
+
+    def __init__(self, scheduled: "Scheduled", *, layout: "ChunkLayout", budget: int | None, slot_bytes: int,
+                 os_device_bytes: int, dtype: torch.dtype, model: str | None = None):
+        self.scheduled = scheduled
+        self.layout = layout
+        self.budget = budget
+        self.slot_bytes = slot_bytes
+        self.os_device_bytes = os_device_bytes
+        self.dtype = dtype
+        self.model = model
+
+    # ----------------------------------------------------------- the Scheduled record, passed through
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.scheduled.gm
+
+    @property
+    def plan(self):
+        return self.scheduled.plan
+
+    @property
+    def captured(self):
+        return self.scheduled.captured
+
+    @property
+    def nonmodel(self) -> tuple[int, ...]:
+        return self.scheduled.nonmodel
+
+    @property
+    def measured(self) -> bool:
+        return self.scheduled.measured
+
+    @property
+    def passes(self):
+        return self.scheduled.passes
+
+    # ----------------------------------------------------------- accounting
+    @cached_property
+    def rows(self) -> tuple[NodeRow, ...]:
+        """One ``NodeRow`` per node of the scheduled graph, in graph order."""
+        nodes = list(self.gm.graph.nodes)
+        nonmodel = self._nonmodel_per_node(nodes)
+        holds: dict[int, int] = {slot: chunk for chunk, slot in self.plan.initial}   # slot -> chunk
+        rows = []
+        for i, n in enumerate(nodes):
+            mem = get(n, "mem") if is_memory_node(n) else None
+            if mem is not None and mem.slot is not None:
+                if mem.kind == "fetch":
+                    holds[mem.slot] = mem.chunk
+                elif mem.kind in ("drop", "evict", "release"):
+                    holds.pop(mem.slot, None)
+            model_bytes = len(holds) * self.slot_bytes + self.os_device_bytes
+            rows.append(NodeRow(
+                idx=i, name=n.name, op=_op_name(n), kind=_kind(n), mem=mem, chunks=self._chunks(n, mem),
+                tier=_tier(n, mem), nbytes=mem.nbytes if mem is not None else None, resident_slots=len(holds),
+                model_bytes=model_bytes, nonmodel_bytes=nonmodel[i], source=self._source(n, mem),
+                phase=get(n, "phase")))
+        return tuple(rows)
+
+    def _nonmodel_per_node(self, nodes: list[fx.Node]) -> list[int]:
+        own: list[int | None] = []
+        for n in nodes:
+            src = get(n, "src_index")
+            if src is None or is_memory_node(n) or get(n, "param") is not None or src >= len(self.nonmodel):
+                own.append(None)
+            else:
+                own.append(self.nonmodel[src])
+        prev: list[int | None] = []
+        last = None
+        for v in own:
+            last = v if v is not None else last
+            prev.append(last)
+        out = [0] * len(nodes)
+        nxt = None
+        for i in range(len(nodes) - 1, -1, -1):
+            if own[i] is not None:
+                out[i] = nxt = own[i]
+            else:
+                around = [v for v in (prev[i], nxt) if v is not None]
+                out[i] = min(around) if around else 0
+        return out
+
+    def _chunks(self, n: fx.Node, mem: MemOp | None) -> tuple[int, ...]:
+        if mem is not None:
+            return (mem.chunk,)
+        fqns = [get(n, "param")] if get(n, "param") is not None else list(get(n, "reads", ()))
+        out: list[int] = []
+        for fqn in fqns:
+            try:
+                chunks = self.layout.entry(fqn).chunks
+            except KeyError:
+                continue
+            out.extend(c for c in chunks if c not in out)
+        return tuple(out)
+
+    def _source(self, n: fx.Node, mem: MemOp | None) -> str:
+        stack = n.meta.get("nn_module_stack")
+        if stack:
+            path = list(stack.values())[-1]
+            return str(path[0] if isinstance(path, tuple) else path) or _NONE
+        trace = n.meta.get("stack_trace")
+        if trace:
+            return _short_trace(trace)
+        if mem is not None:
+            if mem.fqn:
+                return _module_of(mem.fqn)
+            try:
+                modules = list(dict.fromkeys(_module_of(e.fqn) for e, _ in self.layout.chunk_members(mem.chunk)))
+            except (IndexError, AttributeError):
+                return _NONE
+            return _few(modules)
+        fqns = [get(n, "param")] if get(n, "param") is not None else list(get(n, "reads", ()))
+        if fqns:
+            return _few(list(dict.fromkeys(_module_of(f) for f in fqns)))
+        return _NONE
+
+    @cached_property
+    def peak(self) -> NodeRow:
+        """The node with the most device bytes (the first of equals)."""
+        return max(self.rows, key=lambda r: r.total_bytes)
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.peak.total_bytes
+
+    def memory_rows(self) -> list[NodeRow]:
+        return [r for r in self.rows if r.mem is not None]
+
+    def timeline(self) -> list[dict]:
+        """Per node: model bytes on the device, non-model bytes, their total and the budget."""
+        return [{"idx": r.idx, "name": r.name, "op": r.op, "kind": r.kind,
+                 "mem": r.mem.kind if r.mem is not None else None,
+                 "chunk": r.mem.chunk if r.mem is not None else None,
+                 "phase": r.phase, "model_bytes": r.model_bytes, "nonmodel_bytes": r.nonmodel_bytes,
+                 "total_bytes": r.total_bytes, "budget": self.budget} for r in self.rows]
+
+    # ----------------------------------------------------------- text
+    def header(self) -> str:
+        """The provenance header (comment lines)."""
+        plan, rows = self.plan, self.rows
+        mem_rows = self.memory_rows()
+        counts: dict[str, int] = {}
+        for r in mem_rows:
+            counts[r.mem.kind] = counts.get(r.mem.kind, 0) + 1
+        dtype = str(self.dtype).replace("torch.", "")
+        peak = self.peak
+        budget = "unlimited" if self.budget is None else f"{format_bytes(self.budget)} ({self.budget:,} B)"
+        lines = ["pscompile schedule (compiled mode)"]
+        if self.model:
+            lines.append(f"model:  {self.model}")
+        lines.append(f"layout: {self.layout.describe()}; {dtype}; "
+                     f"{plan.num_slots} device slot(s) of {format_bytes(self.slot_bytes)}")
+        lines.append(f"budget: device_memory {budget}; planned peak {format_bytes(peak.total_bytes)} at "
+                     f"{peak.name} (model {format_bytes(peak.model_bytes)} + non-model "
+                     f"{format_bytes(peak.nonmodel_bytes)}); optimizer states on the device "
+                     f"{format_bytes(self.os_device_bytes)}")
+        if self.measured:
+            lines.append("non-model memory: measured in the warm-up step (the static estimate was replaced)")
+        else:
+            lines.append("non-model memory: static estimate from FakeTensor metadata "
+                         "(replaced by the measured curve after the first step)")
+        fetches = counts.get("fetch", 0)
+        prefetched = sum(1 for r in mem_rows if r.mem.kind == "fetch" and r.mem.asynchronous)
+        host_grads = sum(1 for r in mem_rows if r.mem.kind == "store_grad" and r.mem.slot is None)
+        lines.append(f"planned traffic per iteration: h2d {format_bytes(plan.h2d_bytes)} ({fetches} fetches"
+                     + (f", {prefetched} started early" if prefetched else "") + f"), d2h "
+                     f"{format_bytes(plan.d2h_bytes)} ({counts.get('writeback', 0)} writebacks, {host_grads} "
+                     f"gradient stores to the host), {counts.get('drop', 0)} evictions")
+        total_s = sum(p.seconds for p in self.passes)
+        lines.append(f"passes ({len(self.passes)}, {total_s:.3f} s):")
+        width = max((len(p.name) for p in self.passes), default=0)
+        for p in self.passes:
+            summary = p.summary[len(p.name) + 2:] if p.summary.startswith(p.name + ": ") else p.summary
+            lines.append(f"  {p.name:<{width}}  {p.seconds:7.3f} s  {summary}")
+        kinds = ", ".join(f"{v} {k}" for k, v in counts.items())
+        lines.append(f"graph: {len(rows)} nodes, {len(mem_rows)} memory nodes ({kinds or 'none'})")
+        return "\n".join("# " + line if line else "#" for line in lines)
+
+    def listing(self) -> str:
+        """The header, then the graph as readable code, one line per node."""
+        nodes = list(self.gm.graph.nodes)
+        rows = self.rows
+        placeholders = [n.name for n in nodes if n.op == "placeholder"]
+        out = [self.header(), f"def iteration({_signature(placeholders)}):",
+               f"    # slot_k: device slots of {format_bytes(self.slot_bytes)}; host_c: the host copy of chunk c"]
+        phase = None
+        for n, r in zip(nodes, rows):
+            if n.op == "placeholder":
+                continue
+            if r.kind == "compute" and r.phase is not None and r.phase != phase:
+                if phase is not None or r.phase != "fwd":
+                    out.append(f"    # ---- {'backward' if r.phase == 'bwd' else 'forward'} ----")
+                phase = r.phase
+            code = _code(n)
+            comment = self._comment(n, r)
+            if comment:
+                code = f"{code:<{_COMMENT_COLUMN - 4}}  # {comment}"
+            out.append("    " + code)
+        return "\n".join(out)
+
+    def _comment(self, n: fx.Node, r: NodeRow) -> str:
+        mem = r.mem
+        if mem is not None:
+            return _memory_comment(mem, self.layout, n)
+        fqn = get(n, "param")
+        if fqn is not None and r.kind == "param_view":
+            where = f"chunk {r.chunks[0]}" if r.chunks else "chunk ?"
+            slot = _slot_of(n)
+            return f"param {fqn} ({where}" + (f" in slot {slot})" if slot is not None else ")")
+        if n.op == "output":
+            return "loss"
+        return ""
+
+    def __str__(self) -> str:
+        return self.listing()
+
+    def __repr__(self) -> str:
+        return (f"<Schedule {len(self.rows)} nodes, {len(self.memory_rows())} memory nodes, "
+                f"peak {format_bytes(self.peak_device_bytes)}, budget "
+                f"{'unlimited' if self.budget is None else format_bytes(self.budget)}>")
+
+    def table(self, *, memory_only: bool = False) -> str:
+        """One row per node (or per memory node): idx, name, op, chunk, tier, bytes moved, live device
+        bytes (model + non-model), source."""
+        from tabulate import tabulate
+
+        rows = self.memory_rows() if memory_only else self.rows
+        body = [(r.idx, r.name, r.op, ",".join(map(str, r.chunks)) or "", r.tier,
+                 format_bytes(r.nbytes) if r.nbytes is not None else "", format_bytes(r.total_bytes), r.source)
+                for r in rows]
+        return tabulate(body, headers=("idx", "name", "op", "chunk", "tier", "bytes", "live device", "source"),
+                        tablefmt="simple", disable_numparse=True, colalign=("right",) + ("left",) * 7)
+
+    # ----------------------------------------------------------- files
+    def save(self, folder) -> list[Path]:
+        """Write ``schedule.txt`` (the listing), ``schedule_table.txt``, ``timeline.json`` and, when
+        matplotlib imports, ``timeline.png`` into ``folder`` (created if missing)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, text in (("schedule.txt", self.listing()), ("schedule_table.txt", self.table())):
+            path = folder / name
+            path.write_text(text + "\n")
+            written.append(path)
+        path = folder / "timeline.json"
+        peak = self.peak
+        path.write_text(json.dumps({
+            "model": self.model, "budget": self.budget, "slot_bytes": self.slot_bytes,
+            "os_device_bytes": self.os_device_bytes, "measured": self.measured,
+            "peak_device_bytes": peak.total_bytes, "peak_node": peak.name,
+            "h2d_bytes": self.plan.h2d_bytes, "d2h_bytes": self.plan.d2h_bytes,
+            "nodes": self.timeline()}, indent=1) + "\n")
+        written.append(path)
+        png = self.plot(folder / "timeline.png")
+        if png is not None:
+            written.append(png)
+        return written
+
+    def plot(self, path) -> Path | None:
+        """Draw the timeline into ``path`` (PNG, Agg, no display); None when matplotlib is missing."""
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            return None
+        mib = float(1 << 20)
+        rows = self.rows
+        x = [r.idx for r in rows]
+        model = [r.model_bytes / mib for r in rows]
+        total = [r.total_bytes / mib for r in rows]
+        fig = Figure(figsize=(13, 4.8), dpi=110)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        ax.fill_between(x, 0, model, step="post", color="tab:blue", alpha=0.75,
+                        label="model data (chunk slots + optimizer states)")
+        ax.fill_between(x, model, total, step="post", color="tab:orange", alpha=0.6, label="non-model data")
+        if self.budget is not None:
+            ax.axhline(self.budget / mib, color="tab:red", linestyle="--", linewidth=1.2,
+                       label=f"budget {format_bytes(self.budget)}")
+        marks = {"fetch": ("^", "tab:green", "fetch"), "drop": ("v", "tab:red", "evict (drop)"),
+                 "writeback": ("s", "tab:purple", "writeback"), "wait": ("|", "tab:gray", "wait")}
+        for kind, (marker, color, label) in marks.items():
+            pts = [(r.idx, r.total_bytes / mib) for r in rows if r.mem is not None and r.mem.kind == kind]
+            if pts:
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, s=18, color=color,
+                           zorder=3, label=f"{label} ({len(pts)})")
+        first_bwd = next((r.idx for r in rows if r.phase == "bwd"), None)
+        if first_bwd is not None:
+            ax.axvline(first_bwd, color="black", linewidth=0.8, alpha=0.5)
+            ax.text(first_bwd, 0, " backward", va="bottom", ha="left", fontsize=8, alpha=0.7)
+        peak = self.peak
+        ax.set_xlim(0, max(x) if x else 1)
+        ax.set_ylim(0, max(max(total, default=0), (self.budget or 0) / mib) * 1.08 or 1)
+        ax.set_xlabel("node of the scheduled graph")
+        ax.set_ylabel("device MiB")
+        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
+        ax.set_title(f"{self.model or 'model'}\ndevice budget {budget}, planned peak "
+                     f"{format_bytes(peak.total_bytes)} at {peak.name} "
+                     f"({'measured' if self.measured else 'static'} non-model curve)", fontsize=9)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path)
+        return path
+
+
+# ==================================================================== formatting helpers
+def _op_name(n: fx.Node) -> str:
+    if n.op in ("placeholder", "output"):
+        return n.op
+    if n.op == "get_attr":
+        return "get_attr"
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._opname}"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return f"{t._qualified_op_name.replace('::', '.')}"
+    if t is operator.getitem:
+        return "getitem"
+    return getattr(t, "__name__", str(t))
+
+
+def _kind(n: fx.Node) -> str:
+    if is_memory_node(n):
+        return "memory"
+    if n.op == "placeholder":
+        return "input"
+    if n.op == "output":
+        return "output"
+    if get(n, "param") is not None or (n.target is torch.ops.aten.slice.Tensor and _slot_of(n) is not None):
+        return "param_view"
+    return "compute"
+
+
+def _slot_of(n: fx.Node) -> int | None:
+    """The device slot a parameter view chain starts from, if any."""
+    seen = 0
+    while isinstance(n, fx.Node) and seen < 16:
+        if n.op == "placeholder":
+            return get(n, "slot")
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+        seen += 1
+    return None
+
+
+def _tier(n: fx.Node, mem: MemOp | None) -> str:
+    if mem is None:
+        return "device" if (get(n, "param") is not None or get(n, "reads")) else ""
+    if mem.kind == "drop":
+        return "device (evict)"
+    if mem.kind == "wait":
+        return "host->device (wait)"
+    return f"{mem.src}->{mem.dst}"
+
+
+def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
+    b = format_bytes(mem.nbytes)
+    if mem.kind == "fetch":
+        early = ", started early (async)" if mem.asynchronous else ""
+        return f"fetch chunk {mem.chunk} -> slot {mem.slot} ({mem.src}->{mem.dst}), {b}{early}"
+    if mem.kind == "wait":
+        return f"wait for chunk {mem.chunk} in slot {mem.slot} (host->device, prefetched), 0 B"
+    if mem.kind == "writeback":
+        return f"writeback chunk {mem.chunk} <- slot {mem.slot} ({mem.src}->{mem.dst}), {b}"
+    if mem.kind == "drop":
+        return f"evict chunk {mem.chunk} from slot {mem.slot} (device, slot freed), {b} moved"
+    if mem.kind == "store_grad":
+        grad = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], fx.Node) else None
+        val = grad.meta.get("val") if grad is not None else None
+        size = f"grad {format_bytes(val.numel() * val.element_size())}, " if isinstance(val, torch.Tensor) else ""
+        where = f"slot {mem.slot}" if mem.slot is not None else "its host copy"
+        return (f"store_grad {mem.fqn} -> chunk {mem.chunk} in {where} ({mem.src}->{mem.dst}), "
+                f"{size}{b} moved")
+    return mem.describe()
+
+
+def _signature(names: list[str]) -> str:
+    """Placeholders, with runs such as slot_0 .. slot_7 shortened to ``slot_0..slot_7``."""
+    out: list[str] = []
+    i = 0
+    while i < len(names):
+        prefix, _, num = names[i].rpartition("_")
+        if prefix in ("slot", "host") and num.isdigit():
+            j = i
+            while j + 1 < len(names) and names[j + 1] == f"{prefix}_{int(num) + (j + 1 - i)}":
+                j += 1
+            out.append(names[i] if j == i else f"{names[i]}..{names[j]}")
+            i = j + 1
+        else:
+            out.append(names[i])
+            i += 1
+    return ", ".join(out)
+
+
+def _fmt(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, list):
+        return "[" + ", ".join(_fmt(x) for x in a) + "]"
+    if isinstance(a, tuple):
+        return "(" + ", ".join(_fmt(x) for x in a) + ("," if len(a) == 1 else "") + ")"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k!r}: {_fmt(v)}" for k, v in a.items()) + "}"
+    if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(a)
+    if isinstance(a, torch.device):
+        return repr(str(a))
+    return repr(a)
+
+
+def _cut(text: str, limit: int = _MAX_ARGS) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _code(n: fx.Node) -> str:
+    if n.op == "output":
+        return f"return {_cut(_fmt(n.args[0]))}"
+    if n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2:
+        return f"{n.name} = {_fmt(n.args[0])}[{_fmt(n.args[1])}]"
+    args = [_fmt(a) for a in n.args] + [f"{k}={_fmt(v)}" for k, v in n.kwargs.items()]
+    if n.op == "call_method":
+        return f"{n.name} = {_fmt(n.args[0])}.{n.target}({_cut(', '.join(args[1:]))})"
+    if n.op == "get_attr":
+        return f"{n.name} = self.{n.target}"
+    return f"{n.name} = {_op_name(n)}({_cut(', '.join(args))})"
+
+
+def _module_of(fqn: str) -> str:
+    return fqn.rpartition(".")[0] or fqn
+
+
+def _few(items: list[str], keep: int = 2) -> str:
+    if not items:
+        return _NONE
+    return ", ".join(items[:keep]) + (f" +{len(items) - keep}" if len(items) > keep else "")
+
+
+def _short_trace(trace: str) -> str:
+    """``file.py:123 in fn`` of the innermost frame of an FX stack trace."""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return _NONE
+    last = lines[-1]       # File "/path/model.py", line 12, in forward
+    try:
+        path, line, fn = last.split(", ")[:3]
+        return f"{Path(path[6:-1]).name}:{line.split()[-1]} {fn}"
+    except ValueError:
+        return last[:60]
