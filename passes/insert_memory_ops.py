@@ -141,6 +141,7 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
                 return rebuild(a, cache)
             return env[a]
         env[n] = graph.node_copy(n, arg_map)
+        env[n].meta[gmeta.KEY] = dict(gmeta.meta(n))     # its own metadata, not shared with the capture
     for a in actions.get(len(old_nodes), ()):        # end of the iteration
         emit(a)
     graph.output((env[loss_node],))

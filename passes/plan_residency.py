@@ -2,8 +2,8 @@
 
 A pure analysis over an *access table*: for each node, the chunks it reads, and the gradients
 stored after it. It walks the nodes once, keeping the chunks each node reads on the device and,
-when the next node's capacity ``device_memory - max(N[i], N[i+1]) - resident optimizer states``
-is exceeded, evicting the resident chunk whose next use is farthest away (Belady's OPT; optimal
+when node i's capacity ``device_memory - max(N[i-1], N[i]) - resident optimizer states`` is
+exceeded (chunks for node i arrive while node i-1's data is live and stay while node i runs), evicting the resident chunk whose next use is farthest away (Belady's OPT; optimal
 for equal-size chunks when the future is known). Among equally far chunks a clean one goes first:
 its host copy is still valid, so evicting it costs no copy. Slots are assigned statically, so the
 scheduled graph can name the buffer every read comes from.
@@ -109,11 +109,14 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
             return u[k]
         return T if c in os_device_chunks else float("inf")
 
+    def window(i: int) -> int:
+        # chunks for node i arrive while node i-1's data is still live, and stay while node i runs
+        return max(nonmodel[i - 1] if i > 0 else 0, nonmodel[i])
+
     def capacity(i: int) -> float:
         if budget is None:
             return float("inf")
-        n = max(nonmodel[i], nonmodel[i + 1] if i + 1 < T else 0)
-        return budget - n - os_device_bytes
+        return budget - window(i) - os_device_bytes
 
     st = _State()
     actions: list[Action] = []
@@ -156,10 +159,10 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         need = list(dict.fromkeys(reads[i]))
         limit = capacity(i)
         if len(need) * slot_bytes > limit:
-            minimum = len(need) * slot_bytes + max(nonmodel[i], nonmodel[i + 1] if i + 1 < T else 0) + os_device_bytes
+            minimum = len(need) * slot_bytes + window(i) + os_device_bytes
             raise ResidencyError(
                 f"device_memory={budget} bytes is below the minimum {minimum} bytes needed at {describe_node(i)}: "
-                f"{len(need)} chunk(s) of {slot_bytes} bytes read there + {max(nonmodel[i], nonmodel[i + 1] if i + 1 < T else 0)} "
+                f"{len(need)} chunk(s) of {slot_bytes} bytes read there + {window(i)} "
                 f"bytes of non-model data + {os_device_bytes} bytes of optimizer states on the device", i, minimum)
         missing = [c for c in need if c not in st.resident]
         while (len(st.resident) + len(missing)) * slot_bytes > limit:
@@ -172,7 +175,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
             evict(victim, i)
         for c in missing:
             fetch(c, i)
-        used = len(st.resident) * slot_bytes + os_device_bytes + nonmodel[i]
+        used = len(st.resident) * slot_bytes + os_device_bytes + window(i)
         if used > peak:
             peak, peak_node = used, i
     # the end: chunks updated on the host go home; device-updated ones must be resident

@@ -9,7 +9,7 @@ of chunk ``c`` into slot ``k`` planned before node ``i`` may start before node `
 - no other action touches chunk ``c`` on ``[j, i)`` (its host copy is final: no gradient is stored
   there and no writeback of it is pending);
 - one more resident chunk fits under the capacity of every node in ``[j, i)``:
-  ``(resident + 1) * slot_bytes + os_device_bytes + max(N[m], N[m+1]) <= device_memory``;
+  ``(resident + 1) * slot_bytes + os_device_bytes + max(N[m-1], N[m]) <= device_memory``;
 - it moves back at most ``max_distance`` nodes (a bound on the lookahead, not on correctness).
 
 The fetch becomes asynchronous, and a ``wait`` action at its old place blocks the first reader
@@ -59,11 +59,13 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
     T = plan.num_nodes
     resident = _resident_counts(plan)
 
+    def window(m: int) -> int:
+        return max(nonmodel[m - 1] if m > 0 else 0, nonmodel[m])
+
     def capacity_chunks(m: int) -> float:
         if budget is None:
             return float("inf")
-        n = max(nonmodel[m], nonmodel[m + 1] if m + 1 < T else 0)
-        return (budget - n - os_device_bytes) / plan.slot_bytes
+        return (budget - window(m) - os_device_bytes) / plan.slot_bytes
 
     actions = list(plan.actions)
     last_slot_free: dict[int, int] = {}     # slot -> node index after which it is free
@@ -96,4 +98,6 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
     order = {id(x): k for k, x in enumerate(new_actions)}
     new_actions.sort(key=lambda x: (x.before, order[id(x)]))
     report = PrefetchReport(moved, total, sum(distances) / len(distances) if distances else 0.0)
-    return dataclasses.replace(plan, actions=tuple(new_actions)), report
+    peak, peak_node = max((resident[m] * plan.slot_bytes + os_device_bytes + window(m), m) for m in range(T)) \
+        if T else (0, 0)
+    return dataclasses.replace(plan, actions=tuple(new_actions), peak_device_bytes=peak, peak_node=peak_node), report

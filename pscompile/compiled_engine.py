@@ -37,6 +37,7 @@ from .passes.insert_memory_ops import insert_memory_ops
 from .passes.plan_residency import GradStore, ResidencyError, ResidencyPlan, plan_residency
 from .passes.prefetch_fetches import prefetch_fetches
 from .passes.verify_schedule import verify_schedule
+from .schedule import Schedule, model_summary
 from .stats import StepStats
 from .tiers import Tier, TransferQueue
 from .tracker import NonModelTracker
@@ -353,9 +354,12 @@ class CompiledEngine(ChunkEngine):
         return best
 
     @property
-    def schedule(self) -> Scheduled:
-        """The schedule of the most recent batch shape."""
-        return next(reversed(self._schedules.values()))
+    def schedule(self) -> Schedule:
+        """The schedule of the most recent batch shape: ``print`` it, ``.table()``, ``.save(folder)``."""
+        sched = next(reversed(self._schedules.values()))
+        return Schedule(sched, layout=self.layout, budget=self.budget, slot_bytes=self.store.param_chunk_bytes,
+                        os_device_bytes=self.store.dev_os_pool.bytes_in_use, dtype=self.dtype,
+                        model=model_summary(self.model))
 
 
 def _describe(node: fx.Node) -> str:

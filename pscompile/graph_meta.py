@@ -30,16 +30,16 @@ from typing import Any
 
 from torch import fx
 
-_KEY = "pscompile"
+KEY = "pscompile"
 
 
 def meta(node: fx.Node) -> dict[str, Any]:
     """The pscompile metadata dict of ``node`` (created on first use)."""
-    return node.meta.setdefault(_KEY, {})
+    return node.meta.setdefault(KEY, {})
 
 
 def get(node: fx.Node, key: str, default: Any = None) -> Any:
-    return node.meta.get(_KEY, {}).get(key, default)
+    return node.meta.get(KEY, {}).get(key, default)
 
 
 def put(node: fx.Node, key: str, value: Any) -> None:

@@ -200,6 +200,24 @@ def _lifted(gm: fx.GraphModule, buffers: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
+# Ops that Inductor hands to a library kernel anyway (nothing to fuse): a region made only of
+# these and views runs eagerly.
+_LIBRARY_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
+}
+
+
+def _fusible_ops(nodes: Iterable[fx.Node]) -> int:
+    """Nodes Inductor can generate code for (not views, getitems or library calls)."""
+    return sum(1 for x in nodes if not (_is_view_op(x) or x.target is operator.getitem
+                                        or x.target in _LIBRARY_OPS))
+
+
 # ====================================================================== structural hash
 def _meta_of(n: fx.Node, metas: dict[fx.Node, Any]) -> Any:
     if n in metas:
@@ -374,7 +392,8 @@ class LoweredGraph:
     """
 
     def __init__(self, gm: fx.GraphModule, *, backend: str = "inductor", cache: RegionCache | None = None,
-                 lift_params: bool = True, check_inputs: bool = False, device: torch.device | str | None = None):
+                 lift_params: bool = True, min_fusible: int = 2, check_inputs: bool = False,
+                 device: torch.device | str | None = None):
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend={backend!r}: expected 'inductor' or 'eager'")
         self.gm = gm
@@ -461,7 +480,7 @@ class LoweredGraph:
             g.output(tuple(local[o] for o in outs))
             g.lint()
             r.graph = g
-            r.compute = any(not (_is_view_op(x) or x.target is operator.getitem) for x in r.nodes)
+            r.compute = _fusible_ops(r.nodes) >= min_fusible
 
         # ---- buffer views read by a memory node or the output: evaluated by the executor
         evals = {n for n in nodes if n in self._aliases and n not in lifted
@@ -627,3 +646,152 @@ def lower_regions(gm: fx.GraphModule, *, backend: str = "inductor", cache: Regio
                   lift_params: bool = True) -> LoweredGraph:
     """Split ``gm`` at its memory nodes and compile each distinct compute region once."""
     return LoweredGraph(gm, backend=backend, cache=cache, lift_params=lift_params)
+
+
+# ====================================================================== whole graph (experimental)
+_MM_FAMILY = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def _is_library_call(func: Any) -> bool:
+    """Matmul / attention calls: library kernels both eager and Inductor make (position markers)."""
+    base = (getattr(func, "__name__", "") or "").split(".")[0]
+    return base in _MM_FAMILY or base.startswith("_scaled_dot_product")
+
+
+class _MemOpRecorder(TorchDispatchMode):
+    """Logs each memory-op call (with how many library calls came before it)."""
+
+    def __init__(self, inputs: Sequence[Any]):
+        super().__init__()
+        self.ptrs = {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor):
+                self.ptrs.setdefault((t.data_ptr(), t.numel()), i)
+        self.calls: list[tuple[str, tuple, int]] = []
+        self.library_calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from .ops import MEMORY_OPS
+        if func in MEMORY_OPS:
+            sig = []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    sig.append(("in", self.ptrs.get((a.data_ptr(), a.numel()), None)))
+                else:
+                    sig.append(("c", a))
+            self.calls.append((func.__name__.split(".")[0], tuple(sig), self.library_calls))
+        elif _is_library_call(func):
+            self.library_calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class WholeGraphReport:
+    memory_nodes: int            # memory nodes in the scheduled graph
+    executed: int                # memory-op calls made by the compiled code
+    matched: int                 # calls matched to a graph memory node
+    on_buffers: int              # calls that touched the real slot/host buffers (not an Inductor copy)
+    in_order: int                # matched calls forming the longest run in graph order (LIS)
+    same_position: int           # matched calls with as many matmul/attention calls before them as in eager
+    loss_rel_err: float
+    hosts_max_err: float         # host chunks after the run (what the optimizer reads): compiled vs eager
+    slots_max_err: float         # device slots after the run (free at the end: contents do not matter)
+    reorder_for_peak_memory: bool
+    compile_s: float
+
+    def summary(self) -> str:
+        return (f"lower_whole(reorder_for_peak_memory={self.reorder_for_peak_memory}): "
+                f"{self.executed}/{self.memory_nodes} memory ops executed, {self.on_buffers} on the real buffers, "
+                f"{self.in_order} in graph order, {self.same_position} at their eager position; loss rel err "
+                f"{self.loss_rel_err:.1e}, host chunks max err {self.hosts_max_err:.1e}, slots {self.slots_max_err:.1e}; compiled in {self.compile_s:.1f} s")
+
+
+class WholeGraph:
+    """The whole scheduled graph compiled by Inductor with the memory ops inside (experimental:
+    see the module docstring for what Inductor does to them). Memory ops run their own
+    implementations (plain copies), not the engine's accounting."""
+
+    def __init__(self, gm: fx.GraphModule, *, reorder_for_peak_memory: bool = True):
+        self.gm = gm
+        self.reorder_for_peak_memory = reorder_for_peak_memory
+        self._fn: Callable | None = None
+        self.compile_s = 0.0
+
+    def _compile(self, inputs: Sequence[Any]) -> Callable:
+        if self._fn is None:
+            from torch._inductor.compile_fx import compile_fx
+            gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+            patches = dict(INDUCTOR_PATCHES, reorder_for_peak_memory=self.reorder_for_peak_memory,
+                           force_disable_caches=True)       # caches miss has_side_effect changes
+            t0 = time.perf_counter()
+            examples = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+            self._fn = compile_fx(gm, examples, config_patches=patches)
+            self.compile_s = time.perf_counter() - t0
+        return self._fn
+
+    def run(self, inputs: Sequence[Any]) -> tuple:
+        fn = self._compile(inputs)
+        out = fn(*inputs)
+        return tuple(out)
+
+    def compare(self, inputs: Sequence[Any], *, seed: int = 0) -> WholeGraphReport:
+        """Run eagerly and compiled on copies of ``inputs``; match the memory ops."""
+        self._compile(inputs)
+        mem_nodes = [n for n in self.gm.graph.nodes if is_memory_node(n)]
+        eager_in = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        comp_in = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        torch.manual_seed(seed)
+        with _MemOpRecorder(eager_in) as rec_e:
+            (ref,) = self.gm(*eager_in)[:1]
+        torch.manual_seed(seed)
+        with _MemOpRecorder(comp_in) as rec_c:
+            (out,) = self.run(comp_in)[:1]
+        assert len(rec_e.calls) == len(mem_nodes), (len(rec_e.calls), len(mem_nodes))
+        # match compiled calls to graph memory nodes: k-th occurrence of a signature <-> k-th in eager
+        by_sig: dict[tuple, list[int]] = {}
+        loose: dict[tuple, list[int]] = {}
+        for i, (kind, sig, _) in enumerate(rec_e.calls):
+            by_sig.setdefault((kind, sig), []).append(i)
+            loose.setdefault((kind, tuple(s for s in sig if s[0] == "c")), []).append(i)
+        used: set[int] = set()
+        order: list[int] = []
+        same_pos = on_buf = 0
+        for kind, sig, libs in rec_c.calls:
+            if all(s[1] is not None for s in sig if s[0] == "in"):
+                on_buf += 1
+            cands = by_sig.get((kind, sig)) or loose.get((kind, tuple(s for s in sig if s[0] == "c")), [])
+            j = next((c for c in cands if c not in used), None)
+            if j is None:
+                continue
+            used.add(j)
+            order.append(j)
+            if rec_e.calls[j][2] == libs:
+                same_pos += 1
+        phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+        def err(key: str) -> float:
+            idx = [i for i, n in enumerate(phs) if gmeta.get(n, key) is not None]
+            return max([(eager_in[i].float() - comp_in[i].float()).abs().max().item() for i in idx] or [0.0])
+        rel = abs(float(ref) - float(out)) / max(abs(float(ref)), 1e-30)
+        return WholeGraphReport(memory_nodes=len(mem_nodes), executed=len(rec_c.calls), matched=len(order),
+                                on_buffers=on_buf, in_order=_lis(order), same_position=same_pos,
+                                loss_rel_err=rel, hosts_max_err=err("host_chunk"), slots_max_err=err("slot"),
+                                reorder_for_peak_memory=self.reorder_for_peak_memory, compile_s=self.compile_s)
+
+
+def _lis(seq: Sequence[int]) -> int:
+    """Length of the longest increasing subsequence."""
+    import bisect
+    tails: list[int] = []
+    for x in seq:
+        k = bisect.bisect_left(tails, x)
+        if k == len(tails):
+            tails.append(x)
+        else:
+            tails[k] = x
+    return len(tails)
+
+
+def lower_whole(gm: fx.GraphModule, *, reorder_for_peak_memory: bool = True) -> WholeGraph:
+    """Experimental: compile the whole scheduled graph, memory ops included (compiled on first run)."""
+    return WholeGraph(gm, reorder_for_peak_memory=reorder_for_peak_memory)

@@ -7,7 +7,7 @@ and a trailing comment on every memory node::
     # pscompile schedule (compiled mode)
     # model:  GPT(n_layer=2, n_head=2, d_model=64, vocab_size=256, seq_len=64, ...)
     # layout: 28 tensors, 120,576 params in 8 chunks of 17,408 elements (86.6% utilised); float32
-    # budget: device_memory 3.0 MiB; planned peak 2.99 MiB at mm_1 (model 544.0 KiB + non-model 2.5 MiB)
+    # budget: device_memory 3.0 MiB (3,145,728 B); planned peak 3.0 MiB at mm_1 (model 544.0 KiB + ...
     ...
     def iteration(slot_0..slot_7, host_0..host_7, in_0, in_1):
         fetch_default = pscompile.fetch(slot_0, host_0)   # fetch chunk 0 -> slot 0 (host->device), 68.0 KiB
@@ -23,12 +23,14 @@ How device bytes are counted at a node: resident slots x ``slot_bytes`` + the op
 on the device + the non-model bytes live there. Residency is replayed from the plan's initial slots
 and the memory nodes (a fetch occupies its slot from the moment it starts, a drop frees it). The
 non-model bytes of a node of the captured graph are its entry in ``Scheduled.nonmodel`` (static
-estimate or measured). Nodes that ``insert_memory_ops`` added -- memory nodes and the views of a
+estimate or measured; not the node's ``nonmodel`` metadata, which every schedule made from the
+same captured graph shares, so a later re-plan overwrites it). Nodes that ``insert_memory_ops`` added -- memory nodes and the views of a
 slot rebuilt right before each reader -- run *between* two captured nodes, where only what both of
 them hold is live, so they get the smaller of their neighbours' values (the first and last nodes
 take the one neighbour they have). This is the moment the plan's capacity rule
 ``device_memory - max(N[i], N[i+1])`` protects, so every value is within the budget, and the
-maximum over the graph is the plan's peak.
+maximum over the graph is the final plan's peak (``plan.peak_device_bytes`` is computed by
+plan_residency before prefetch_fetches starts fetches earlier, so it can be a little lower).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class NodeRow:
     model_bytes: int           # resident_slots * slot_bytes + optimizer states on the device
     nonmodel_bytes: int        # non-model bytes live while it runs (see the module docstring)
     source: str                # module path (nn_module_stack / stack_trace / parameters read), or "-"
-    phase: str | None          # "fwd" | "bwd" | None
+    phase: str | None          # "fwd" | "bwd" on compute nodes, else None
 
     @property
     def total_bytes(self) -> int:
@@ -157,11 +159,12 @@ class Schedule:
                 elif mem.kind in ("drop", "evict", "release"):
                     holds.pop(mem.slot, None)
             model_bytes = len(holds) * self.slot_bytes + self.os_device_bytes
+            kind = _kind(n)
             rows.append(NodeRow(
-                idx=i, name=n.name, op=_op_name(n), kind=_kind(n), mem=mem, chunks=self._chunks(n, mem),
+                idx=i, name=n.name, op=_op_name(n), kind=kind, mem=mem, chunks=self._chunks(n, mem),
                 tier=_tier(n, mem), nbytes=mem.nbytes if mem is not None else None, resident_slots=len(holds),
                 model_bytes=model_bytes, nonmodel_bytes=nonmodel[i], source=self._source(n, mem),
-                phase=get(n, "phase")))
+                phase=get(n, "phase") if kind == "compute" else None))   # rebuilt views keep their forward tag
         return tuple(rows)
 
     def _nonmodel_per_node(self, nodes: list[fx.Node]) -> list[int]:
@@ -257,10 +260,14 @@ class Schedule:
             lines.append(f"model:  {self.model}")
         lines.append(f"layout: {self.layout.describe()}; {dtype}; "
                      f"{plan.num_slots} device slot(s) of {format_bytes(self.slot_bytes)}")
+        share = "" if self.budget is None else f"{peak.total_bytes / self.budget:.1%} of the budget: "
         lines.append(f"budget: device_memory {budget}; planned peak {format_bytes(peak.total_bytes)} at "
-                     f"{peak.name} (model {format_bytes(peak.model_bytes)} + non-model "
+                     f"{peak.name} ({share}model {format_bytes(peak.model_bytes)} + non-model "
                      f"{format_bytes(peak.nonmodel_bytes)}); optimizer states on the device "
                      f"{format_bytes(self.os_device_bytes)}")
+        if plan.initial:
+            pairs = ", ".join(f"chunk {c} in slot {k}" for c, k in plan.initial)
+            lines.append(f"resident from the start (optimizer states on the device): {pairs}")
         if self.measured:
             lines.append("non-model memory: measured in the warm-up step (the static estimate was replaced)")
         else:
@@ -294,7 +301,7 @@ class Schedule:
         for n, r in zip(nodes, rows):
             if n.op == "placeholder":
                 continue
-            if r.kind == "compute" and r.phase is not None and r.phase != phase:
+            if r.phase is not None and r.phase != phase:
                 if phase is not None or r.phase != "fwd":
                     out.append(f"    # ---- {'backward' if r.phase == 'bwd' else 'forward'} ----")
                 phase = r.phase
@@ -326,17 +333,21 @@ class Schedule:
                 f"peak {format_bytes(self.peak_device_bytes)}, budget "
                 f"{'unlimited' if self.budget is None else format_bytes(self.budget)}>")
 
-    def table(self, *, memory_only: bool = False) -> str:
+    def table(self, *, memory_only: bool = False, limit: int | None = None) -> str:
         """One row per node (or per memory node): idx, name, op, chunk, tier, bytes moved, live device
-        bytes (model + non-model), source."""
+        bytes (model + non-model), source. ``limit`` keeps the first rows and says how many were left."""
         from tabulate import tabulate
 
-        rows = self.memory_rows() if memory_only else self.rows
-        body = [(r.idx, r.name, r.op, ",".join(map(str, r.chunks)) or "", r.tier,
-                 format_bytes(r.nbytes) if r.nbytes is not None else "", format_bytes(r.total_bytes), r.source)
-                for r in rows]
-        return tabulate(body, headers=("idx", "name", "op", "chunk", "tier", "bytes", "live device", "source"),
+        rows = self.memory_rows() if memory_only else list(self.rows)
+        shown = rows if limit is None else rows[:limit]
+        body = [(r.idx, _cut(r.name, 40), _cut(r.op, 40), _cut(",".join(map(str, r.chunks)), 24), r.tier,
+                 format_bytes(r.nbytes) if r.nbytes is not None else "", format_bytes(r.total_bytes),
+                 _cut(r.source, 48)) for r in shown]
+        text = tabulate(body, headers=("idx", "name", "op", "chunk", "tier", "bytes", "live device", "source"),
                         tablefmt="simple", disable_numparse=True, colalign=("right",) + ("left",) * 7)
+        if len(shown) < len(rows):
+            text += f"\n... {len(rows) - len(shown)} more row(s)"
+        return text
 
     # ----------------------------------------------------------- files
     def save(self, folder) -> list[Path]:
@@ -434,21 +445,22 @@ def _kind(n: fx.Node) -> str:
         return "input"
     if n.op == "output":
         return "output"
-    if get(n, "param") is not None or (n.target is torch.ops.aten.slice.Tensor and _slot_of(n) is not None):
+    if get(n, "param") is not None or (n.target is torch.ops.aten.slice.Tensor and isinstance(n.args[0], fx.Node)
+                                       and get(n.args[0], "slot") is not None):
         return "param_view"
     return "compute"
 
 
 def _slot_of(n: fx.Node) -> int | None:
-    """The device slot a parameter view chain starts from, if any."""
-    seen = 0
-    while isinstance(n, fx.Node) and seen < 16:
+    """The device slot a parameter view chain (slice of a slot, then views) starts from, if any."""
+    for _ in range(32):
         if n.op == "placeholder":
             return get(n, "slot")
+        if get(n, "param") is None and n.target is not torch.ops.aten.slice.Tensor:
+            return None
         if not n.args or not isinstance(n.args[0], fx.Node):
             return None
         n = n.args[0]
-        seen += 1
     return None
 
 
