@@ -18,9 +18,9 @@ def compiled_config(dtype, device_memory, **kw):
                             device_memory=device_memory, **kw)
 
 
-def min_budget(kind, dtype):
+def min_budget(kind, dtype, **batch_kw):
     """The compiled plan's own minimum, from an unlimited engine after its measuring step."""
-    b = make_batches(kind, 1)[0]
+    b = make_batches(kind, 1, **batch_kw)[0]
     engine = pscompile.compile(make_model(kind), b, config=compiled_config(dtype, None))
     engine.step(b)
     return engine.min_device_memory
@@ -117,3 +117,33 @@ def test_min_device_memory_is_exactly_enough():
 def test_float16_is_refused_in_compiled_mode_for_now():
     with pytest.raises(NotImplementedError, match="float16"):
         pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], config=compiled_config(torch.float16, None))
+
+
+def test_emulated_link_costs_bytes_over_bandwidth_and_prefetch_hides_some():
+    """With link_bandwidth, transfers take bytes / bandwidth on the copy thread (within 20%), and
+    because fetches start early the step is shorter than compute + transfers back to back."""
+    import statistics
+    torch.set_num_threads(1)
+    try:
+        batches = make_batches("gpt", 6, batch=8)
+        minimum = min_budget("gpt", torch.float32, batch=8)
+        budget = minimum + 6 * 17408 * 4
+        bandwidth = 10e6
+        steps = {}
+        for bw in (None, bandwidth):
+            engine = pscompile.compile(make_model("gpt"), batches[0], config=compiled_config(
+                torch.float32, budget, link_bandwidth=bw))
+            times, transfers, moved = [], [], []
+            for b in batches:
+                engine.step(b)
+                times.append(engine.stats.time_s)
+                transfers.append(engine.stats.transfer_s)
+                moved.append(engine.stats.bytes_moved)
+            steps[bw] = (statistics.median(times[2:]), statistics.median(transfers[2:]), moved[-1])
+        t_link, transfer, moved = steps[bandwidth]
+        expected = moved / bandwidth
+        assert 0.8 * expected <= transfer <= 1.2 * expected, (transfer, expected)
+        t_compute = steps[None][0]
+        assert t_link < t_compute + transfer, (t_link, t_compute, transfer)   # part of it overlapped
+    finally:
+        torch.set_num_threads(2)
