@@ -63,6 +63,7 @@ class TrainSettings:
     chunk_size: int | str = "auto"     # elements per chunk or "auto"
     dtype: str = "float32"             # compute dtype name (see _DTYPES)
     mode: str = "hooks"                # "hooks" | "compiled"
+    backend: str = "inductor"          # compiled mode: "inductor" | "eager"
     seed: int = 0                      # model init and batch sampling
     log_every: int = 50                # plain progress line every N steps (0 = never)
     json_path: str | None = None       # write the summary here as JSON
@@ -134,6 +135,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default float32: on CPUs without native bf16 matmuls "
                         "bfloat16 backward is 10-100x slower)")
     e.add_argument("--mode", choices=("hooks", "compiled"), default=d.mode, help=f"engine (default {d.mode})")
+    e.add_argument("--backend", choices=("inductor", "eager"), default=d.backend,
+                   help=f"compiled mode: compute regions through Inductor or eagerly (default {d.backend})")
     o = p.add_argument_group("output")
     o.add_argument("--log-every", metavar="N", type=int, default=d.log_every,
                    help=f"print a progress line every N steps when no bar is shown (default {d.log_every}; 0 = never)")
@@ -202,7 +205,7 @@ def run_train(s: TrainSettings) -> dict:
     engine = ps_compile(
         model, batch,
         optimizer=AdamW(lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0),
-        config=Config(mode=s.mode, device=s.device, device_memory=s.device_memory, host_memory=s.host_memory,
+        config=Config(mode=s.mode, backend=s.backend, device=s.device, device_memory=s.device_memory, host_memory=s.host_memory,
                       dtype=_DTYPES[s.dtype], chunk_size=s.chunk_size))
     t_compile = time.perf_counter()
     history: list[StepStats] = []
