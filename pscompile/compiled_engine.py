@@ -68,10 +68,12 @@ class Scheduled:
 class _Runner(fx.Interpreter):
     """Runs a scheduled graph: memory nodes through the engine, compute nodes eagerly."""
 
-    def __init__(self, engine: "CompiledEngine", gm: fx.GraphModule, tracker: NonModelTracker):
+    def __init__(self, engine: "CompiledEngine", gm: fx.GraphModule, tracker: NonModelTracker, *,
+                 measure: bool):
         super().__init__(gm, garbage_collect_values=True)
         self.engine = engine
         self.tracker = tracker
+        self.measure = measure                 # record each node's non-model bytes (warm-up step)
         self.samples: dict[int, int] = {}      # captured-graph node index -> peak non-model bytes
         self.first_bwd_time: float | None = None
 
@@ -84,6 +86,8 @@ class _Runner(fx.Interpreter):
             return None
         if self.first_bwd_time is None and get(n, "phase") == "bwd":
             self.first_bwd_time = time.perf_counter()
+        if not self.measure:
+            return super().run_node(n)
         self.tracker.start_window()
         out = super().run_node(n)
         src = get(n, "src_index")
@@ -275,14 +279,15 @@ class CompiledEngine(ChunkEngine):
         sched = self._schedule_for(batch)
         self.link.reset()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes, exact_windows=True)
+        tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
+                                  exact_windows=not sched.measured)
         inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param,
                   *[self._buffer(f) for f in sched.captured.buffer_fqns], *sched.captured.flatten_batch(batch)]
         for t in inputs[sched.plan.num_slots + self.layout.num_chunks:]:
             tracker.add_tensor(t)
         tracker.reset_peaks()
         self._written: set[str] = set()
-        runner = _Runner(self, sched.gm, tracker)
+        runner = _Runner(self, sched.gm, tracker, measure=not sched.measured)
         try:
             with tracker:
                 (loss,) = runner.run(*inputs)
