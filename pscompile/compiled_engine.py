@@ -30,6 +30,7 @@ from .capture import CapturedGraph, capture_joint
 from .config import AdamW, Config
 from .engine_base import ChunkEngine
 from .graph_meta import get, put
+from .lowering import LoweredGraph, RegionCache
 from .ops import is_memory_node
 from .passes.annotate_params import annotate_params
 from .passes.estimate_nonmodel import estimate_nonmodel
@@ -101,10 +102,6 @@ class CompiledEngine(ChunkEngine):
 
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
-        if config.backend != "eager":
-            raise NotImplementedError(
-                f"backend={config.backend!r}: lowering compute regions with Inductor is not implemented yet; "
-                "use backend='eager' (the scheduled graph runs uncompiled)")
         if config.dtype == torch.float16:
             raise NotImplementedError("dtype=torch.float16 (dynamic loss scaling) is not wired into compiled mode "
                                       "yet; use dtype=torch.bfloat16 or mode='hooks'")
@@ -115,6 +112,8 @@ class CompiledEngine(ChunkEngine):
         self._os_placed = False
         self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
+        self._region_cache = RegionCache()         # compiled regions, shared by every schedule
+        self._lowered: dict[int, LoweredGraph] = {}   # id(scheduled gm) -> its lowering
         try:
             self._schedule_for(to_device(batch, self.device))
         except BaseException:
@@ -287,10 +286,23 @@ class CompiledEngine(ChunkEngine):
             tracker.add_tensor(t)
         tracker.reset_peaks()
         self._written: set[str] = set()
-        runner = _Runner(self, sched.gm, tracker, measure=not sched.measured)
+        lowered = self._lowered_for(sched)       # None: the warm-up step (per-node memory) or backend eager
+        runner = _Runner(self, sched.gm, tracker, measure=not sched.measured) if lowered is None else None
+        first_bwd_time: list[float] = []
         try:
             with tracker:
-                (loss,) = runner.run(*inputs)
+                if runner is not None:
+                    (loss,) = runner.run(*inputs)
+                else:
+                    bwd_mem = self._bwd_memory_nodes(sched.gm)
+
+                    def run_memory(n: fx.Node, args: tuple) -> None:
+                        if not first_bwd_time and n in bwd_mem:
+                            first_bwd_time.append(time.perf_counter())
+                        with tracker.paused():
+                            self._run_memory_node(get(n, "mem"), args)
+                        tracker.sample_now()
+                    (loss,) = lowered.run(inputs, run_memory)
             self._queue.flush()
         except BaseException:
             self._queue.flush()
@@ -309,7 +321,7 @@ class CompiledEngine(ChunkEngine):
         traffic = self.link.reset()
         if not sched.measured:
             self._remeasure(batch, sched, runner.samples)
-        t_bwd = runner.first_bwd_time or t_graph
+        t_bwd = (runner.first_bwd_time if runner is not None else (first_bwd_time or [None])[0]) or t_graph
         self.stats = StepStats(
             loss=loss_value, h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
             disk_read_bytes=0, disk_write_bytes=0, peak_device_bytes=tracker.peak_total,
@@ -321,13 +333,36 @@ class CompiledEngine(ChunkEngine):
         self.last_plan = sched.plan
         return loss_value
 
+    def _lowered_for(self, sched: Scheduled) -> LoweredGraph | None:
+        """The Inductor lowering of a measured schedule (compiled once per schedule; regions are
+        shared through the engine's RegionCache, so re-planned schedules reuse them)."""
+        if self.config.backend != "inductor" or not sched.measured:
+            return None
+        lowered = self._lowered.get(id(sched.gm))
+        if lowered is None or lowered.gm is not sched.gm:
+            lowered = LoweredGraph(sched.gm, backend="inductor", cache=self._region_cache)
+            self._lowered[id(sched.gm)] = lowered
+        return lowered
+
+    @staticmethod
+    def _bwd_memory_nodes(gm: fx.GraphModule) -> frozenset:
+        """Memory nodes after the first backward node (the forward/backward time split)."""
+        out, bwd = set(), False
+        for n in gm.graph.nodes:
+            bwd = bwd or get(n, "phase") == "bwd"
+            if bwd and is_memory_node(n):
+                out.add(n)
+        return frozenset(out)
+
     def _remeasure(self, batch: Any, sched: Scheduled, samples: dict[int, int]) -> None:
         """Replace the static non-model estimate by the measured one and plan again."""
         nodes = list(sched.captured.gm.graph.nodes)
         measured = tuple(samples.get(i, 0) for i in range(len(nodes)))
         uses = annotate_params(sched.captured)
-        self._schedules[signature(batch)] = self._plan(sched.captured, uses, measured, measured=True,
-                                                       timings=sched.passes[:3])
+        self._lowered.pop(id(sched.gm), None)
+        self._schedules[signature(batch)] = new = self._plan(sched.captured, uses, measured, measured=True,
+                                                             timings=sched.passes[:3])
+        self._lowered_for(new)                   # compile the regions now, not inside the next step
 
     def _recover(self) -> None:
         """After a failed graph run: undo stored gradients, put slots back to the plan's start."""

@@ -40,28 +40,58 @@ callable; identical transformer layers compile once, and a cache shared between 
 keeps the compiled regions when the schedule is re-planned after the warm-up step.
 
 Compilation uses ``torch._inductor.standalone_compile(gm, example_inputs,
-dynamic_shapes="from_example_inputs")``: measured here, a region that hits Inductor's FX graph
-cache costs ~30-50 ms, against ~100-250 ms for ``compile_fx`` (which bypasses the FX graph cache
-without a ShapeEnv) and ~100-150 ms for ``torch.compile`` (a Dynamo re-trace per region, plus guard
-checks on every call). Inductor runs with ``fallback_random=True``: random ops (the ``bernoulli``
-of dropout) call ATen's kernels in graph order, so a compiled region draws the same numbers as
-eager from the same seed. Regions made only of views / ``getitem`` run eagerly.
+dynamic_shapes="from_example_inputs")``. Measured on this 2-core CPU (torch 2.13): a region that
+hits Inductor's on-disk FX graph cache costs 37-48 ms, against 100-260 ms for ``compile_fx`` (no
+ShapeEnv: it bypasses the FX graph cache and re-lowers) and ~100-150 ms for ``torch.compile`` (a
+Dynamo re-trace per region plus guard checks on every call). The compiled function is called with
+the boxed convention (the list of inputs is cleared), so inputs die inside the region. Inductor
+runs with ``fallback_random=True``: random ops (the ``bernoulli`` of dropout) call ATen's kernels,
+so a compiled region draws the same numbers as eager from the same seed (checked with dropout 0.1:
+loss and gradients equal within 1e-7). A region runs eagerly when it has fewer than
+``min_fusible`` (default 2) ops Inductor could generate code for, i.e. it is only views,
+``getitem``s and library calls (``mm``, ``addmm``, attention): nothing to fuse, so nothing to gain.
+
+Measured (tiny GPT d=64, B=4, T=64, fp32, tight budget; cold = empty Inductor cache, one process):
+
+    layers  nodes  memory nodes  regions  compiled  distinct  cold compile  warm disk cache
+    1         257            38       20         7         7        20.5 s            0.3 s
+    4         827           138       68        22        11        22.3 s            0.4 s
+    12       2332           395      221        46        14        24.0 s            1.0 s
+
+(unlimited budget: 6 / 18 / 50 compiled regions, 6 / 7 / 7 distinct.) Most of a cold compile is
+Inductor's one-time start; the layers add almost nothing. Under a tight budget the fetch / wait /
+drop nodes fall at places that differ between the first, middle and last layers, so a few more
+regions are distinct than with an unlimited budget.
 
 What Inductor does to memory ops (``lower_whole``, experimental)
 -----------------------------------------------------------------
 ``lower_whole(gm)`` compiles the whole scheduled graph with the memory ops inside (they are
 ``torch.library`` custom ops with fake impls; ``drop``/``wait`` are kept by ``has_side_effect``).
 ``WholeGraph.compare(inputs)`` runs it next to the eager graph and records, through a
-TorchDispatchMode, the memory ops that the compiled code calls. Observed on the tiny GPT
-(2 layers, d=64, tight budget, 441 nodes, 64 memory nodes) with torch 2.13 CPU:
+TorchDispatchMode, the memory ops that the compiled code calls (matched to graph nodes by kind and
+buffer arguments). Observed with torch 2.13 CPU on the tiny GPT (2 layers, d=64, fp32):
 
-    see WHOLE_GRAPH_OBSERVATIONS below (filled in from ``WholeGraph.compare``)
+- tight budget (455 nodes, 78 memory nodes: 14 fetch, 14 wait, 14 drop, 8 writeback, 28
+  store_grad): all 78 run, in graph order relative to each other, with
+  ``reorder_for_peak_memory`` on or off (identical results); only 40 keep their position relative
+  to the matmul/attention calls. Only 36 touch the real slot/host buffers: every store_grad but the
+  last, and the writebacks/drops after them, act on an Inductor *clone* of the slot (a whole chunk
+  of extra memory each) that is copied back into the graph input at the end. The loss is exact,
+  but **the gradients of layer 0 and the embeddings are wrong** (host chunks differ by up to
+  8.7e-3): the kernel that recomputes ``wte[idx] + wpe[pos]`` for the backward was emitted *after*
+  the in-place ``fetch(slot_1, host_6)`` that overwrote wpe's slot, so it read another chunk.
+- unlimited budget (no slot is reused; 28 store_grads): correct (max error 6e-8), all 28 in order,
+  none on the real buffers (all on clones), 1 of 28 at its eager position (moved by 1-2 matmuls
+  either way).
 
-so the default lowering keeps every memory op in the executor.
+So Inductor keeps the memory ops' relative order but not their position, applies them to copies
+(memory the plan does not count) and can read a buffer after a reinplaced mutation of it; the
+default lowering keeps every memory op in the executor.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import operator
@@ -74,7 +104,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import graph_meta as gmeta
-from .ops import is_memory_node
+from .ops import MEMORY_OPS, is_memory_node
 
 __all__ = ["LoweringReport", "LoweredGraph", "RegionCache", "lower_regions", "region_key",
            "WholeGraph", "WholeGraphReport", "lower_whole"]
@@ -92,7 +122,7 @@ _ALIGN_BYTES = 16          # Inductor's input alignment assumption (GPU); part o
 @dataclass(frozen=True)
 class LoweringReport:
     regions: int            # compute regions (steps between memory nodes)
-    compiled: int           # regions run through the backend (the rest are views only: eager)
+    compiled: int           # regions run through the backend (the rest: nothing to fuse, eager)
     distinct: int           # distinct compiled regions (by structural hash) in this graph
     compiled_now: int       # distinct regions compiled for this graph (cache misses)
     cache_hits: int         # compiled regions served by the RegionCache
@@ -102,6 +132,7 @@ class LoweringReport:
     rebuilt_views: int      # buffer views re-created in a later region (should be 0)
     moved_getitems: int     # getitems moved back into their op's region
     backend: str
+    unboxed: int = 0        # compiled regions called unboxed (inputs alive to the region's end; want 0)
 
     def summary(self) -> str:
         return (f"lower_regions: {self.regions} regions, {self.compiled} compiled, {self.distinct} distinct "
@@ -114,7 +145,6 @@ class LoweringReport:
 class _CacheEntry:
     fn: Callable[[list], Sequence[Any]]   # boxed: takes a list of inputs, clears it
     compile_s: float
-    num_nodes: int
     uses: int = 0
 
 
@@ -143,7 +173,7 @@ class RegionCache:
         t0 = time.perf_counter()
         fn = build()
         dt = time.perf_counter() - t0
-        e = _CacheEntry(fn, dt, 0, 1)
+        e = _CacheEntry(fn, dt, 1)
         self._entries[key] = e
         self.misses += 1
         self.compile_s += dt
@@ -219,12 +249,6 @@ def _fusible_ops(nodes: Iterable[fx.Node]) -> int:
 
 
 # ====================================================================== structural hash
-def _meta_of(n: fx.Node, metas: dict[fx.Node, Any]) -> Any:
-    if n in metas:
-        return metas[n]
-    return n.meta.get("val")
-
-
 @dataclass(frozen=True)
 class _TMeta:
     """What a compiled region assumes about one input (the region key hashes it)."""
@@ -256,6 +280,8 @@ class _TMeta:
 
 
 def _sig(v: Any) -> tuple:
+    if isinstance(v, torch.Tensor):
+        v = _TMeta.of(v, v.device)
     if isinstance(v, _TMeta):
         return v.sig()
     return ("C", type(v).__name__, repr(v))
@@ -288,28 +314,29 @@ def _const(a: Any) -> Any:
 def region_key(graph: fx.Graph, input_metas: Sequence[Any]) -> str:
     """Structural hash of a region graph: op and target of every node, its arguments with nodes
     replaced by their positions, constants, the output structure, and the shape/stride/dtype/
-    device/alignment of each input. Node names and where the region came from do not count."""
+    device/alignment of each input (``input_metas``: one per placeholder, a tensor or what the
+    region was compiled for). Node names and where the region came from do not count."""
     index: dict[fx.Node, int] = {}
+
+    def enc(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("n", index[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(enc(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple(sorted((str(k), enc(v)) for k, v in a.items())))
+        return _const(a)
+
     parts: list[Any] = []
-    ph = 0
+    metas = iter(input_metas)
     for i, n in enumerate(graph.nodes):
         index[n] = i
         if n.op == "placeholder":
-            parts.append(("ph", _sig(input_metas[ph])))
-            ph += 1
+            parts.append(("ph", _sig(next(metas))))
             continue
-
-        def enc(a):
-            if isinstance(a, fx.Node):
-                return ("n", index[a])
-            if isinstance(a, (list, tuple)):
-                return (type(a).__name__, tuple(enc(x) for x in a))
-            if isinstance(a, dict):
-                return ("dict", tuple(sorted((str(k), enc(v)) for k, v in a.items())))
-            return _const(a)
-        target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", None) or str(n.target)
-        if isinstance(n.target, torch._ops.OpOverload):
-            target = str(n.target)
+        t = n.target
+        target = t if isinstance(t, str) else str(t) if isinstance(t, torch._ops.OpOverload) else \
+            f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', repr(t))}"
         parts.append((n.op, target, enc(n.args), enc(dict(n.kwargs))))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -339,7 +366,8 @@ class _Step:
 
 def _boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:
     """The boxed function under a standalone_compile artifact (so region inputs can be released
-    inside the region); falls back to an unboxed call."""
+    inside the region), marked ``_pscompile_boxed``; falls back to an unboxed call (torch internals
+    changed: inputs then live until the region returns)."""
     inner = getattr(getattr(fn, "_compiled_fn", fn), "__wrapped__", None)
     if inner is not None and inner.__closure__ is not None:
         cells = dict(zip(inner.__code__.co_freevars, inner.__closure__))
@@ -349,7 +377,10 @@ def _boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:
             except ValueError:
                 boxed, extra = None, None
             if boxed is not None and not extra and getattr(boxed, "_boxed_call", False):
-                return boxed
+                def call_boxed(args: list) -> Sequence[Any]:
+                    return boxed(args)
+                call_boxed._pscompile_boxed = True
+                return call_boxed
 
     def call(args: list) -> Sequence[Any]:
         a = list(args)
@@ -388,7 +419,15 @@ class LoweredGraph:
 
     ``run(inputs, run_memory)`` has the semantics of ``gm(*inputs)``: it returns gm's outputs and
     calls ``run_memory(node, args)`` for every memory node, in graph order, with the node's
-    evaluated arguments (instead of running the op itself).
+    evaluated arguments (instead of running the op itself; ``lambda n, a: n.target(*a)`` runs it).
+
+    - ``backend``: "inductor" compiles regions; "eager" runs the same split uncompiled.
+    - ``cache``: a RegionCache to share (default: a new one).
+    - ``lift_params``: parameter views are region inputs (reuse across layers; see the module doc).
+    - ``min_fusible``: regions with fewer ops Inductor could generate code for run eagerly.
+    - ``check_inputs``: also check every region input's shape/stride/dtype at run time (debug;
+      the graph's own inputs are always checked).
+    - ``device``: where slot/host buffers live (default: the device of the graph's values).
     """
 
     def __init__(self, gm: fx.GraphModule, *, backend: str = "inductor", cache: RegionCache | None = None,
@@ -506,6 +545,11 @@ class LoweredGraph:
         for r in regions:
             r.input_metas = [_TMeta.of(meta_value(a), self.device) for a in r.inputs]
             r.key = region_key(r.graph, r.input_metas)
+        # what the graph's tensor inputs must look like (compiled regions specialise on it)
+        self._input_checks = tuple(
+            (i, n.name, tuple(v.shape), tuple(v.stride()), v.dtype)
+            for i, n in enumerate(self.placeholders)
+            if isinstance(v := n.meta.get("val"), torch.Tensor))
 
         # ---- compile (or wrap) each region, through the cache
         t0 = time.perf_counter()
@@ -564,17 +608,25 @@ class LoweredGraph:
             regions=len(regions), compiled=sum(1 for r in regions if r.compute and backend != "eager"),
             distinct=len(distinct), compiled_now=compiled_now, cache_hits=hits, compile_s=compile_s,
             memory_nodes=mem_count, lifted_views=sum(1 for n in lifted if not any(u in lifted for u in n.users)),
-            rebuilt_views=rebuilt, moved_getitems=moved, backend=backend)
+            rebuilt_views=rebuilt, moved_getitems=moved, backend=backend,
+            unboxed=sum(1 for r in regions if r.compute and backend != "eager"
+                        and not getattr(r.fn, "_pscompile_boxed", False)))
 
     # ------------------------------------------------------------------ running
     def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], None]) -> tuple:
         if len(inputs) != len(self.placeholders):
             raise ValueError(f"LoweredGraph.run: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
+        for i, name, shape, stride, dtype in self._input_checks:
+            t = inputs[i]
+            if t.shape != shape or t.stride() != stride or t.dtype != dtype:
+                raise ValueError(f"LoweredGraph.run: input {i} ({name}) is {tuple(t.shape)} {t.stride()} "
+                                 f"{t.dtype}, the graph was lowered for {shape} {stride} {dtype}")
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
         check = self.check_inputs
         for s in self._program:
-            kind = s.kind
-            if kind == "region":
+            # no local variable may keep a value alive past its last use: ``args`` is a list the
+            # region clears, and ``outs`` / ``args`` are dropped right after use
+            if s.kind == "region":
                 r = s.region
                 args = [env[a] for a in r.inputs]
                 if check:
@@ -582,18 +634,18 @@ class LoweredGraph:
                 for a in s.free:                    # the region holds the only reference now
                     del env[a]
                 outs = r.fn(args)
-                for o, v in zip(r.outputs, outs):
-                    env[o] = v
+                del args
+                env.update(zip(r.outputs, outs))     # (a loop variable would keep the last one alive)
+                del outs
                 for o in s.dead:
                     del env[o]
                 continue
             n = s.node
-            args = fx.node.map_arg(n.args, env.__getitem__)
-            if kind == "mem":
-                run_memory(n, args)
+            if s.kind == "mem":
+                run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
             else:
-                kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
-                env[n] = n.target(*args, **kwargs)
+                env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__),
+                                  **fx.node.map_arg(n.kwargs, env.__getitem__))
             for a in s.free:
                 del env[a]
         out = fx.node.map_arg(self.output_node.args[0], env.__getitem__)
@@ -643,9 +695,9 @@ def _check_args(r: _Region, args: list) -> None:
 
 
 def lower_regions(gm: fx.GraphModule, *, backend: str = "inductor", cache: RegionCache | None = None,
-                  lift_params: bool = True) -> LoweredGraph:
+                  lift_params: bool = True, min_fusible: int = 2) -> LoweredGraph:
     """Split ``gm`` at its memory nodes and compile each distinct compute region once."""
-    return LoweredGraph(gm, backend=backend, cache=cache, lift_params=lift_params)
+    return LoweredGraph(gm, backend=backend, cache=cache, lift_params=lift_params, min_fusible=min_fusible)
 
 
 # ====================================================================== whole graph (experimental)
@@ -671,7 +723,6 @@ class _MemOpRecorder(TorchDispatchMode):
         self.library_calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from .ops import MEMORY_OPS
         if func in MEMORY_OPS:
             sig = []
             for a in args:
@@ -703,7 +754,8 @@ class WholeGraphReport:
         return (f"lower_whole(reorder_for_peak_memory={self.reorder_for_peak_memory}): "
                 f"{self.executed}/{self.memory_nodes} memory ops executed, {self.on_buffers} on the real buffers, "
                 f"{self.in_order} in graph order, {self.same_position} at their eager position; loss rel err "
-                f"{self.loss_rel_err:.1e}, host chunks max err {self.hosts_max_err:.1e}, slots {self.slots_max_err:.1e}; compiled in {self.compile_s:.1f} s")
+                f"{self.loss_rel_err:.1e}, host chunks max err {self.hosts_max_err:.1e}, slots "
+                f"{self.slots_max_err:.1e}; compiled in {self.compile_s:.1f} s")
 
 
 class WholeGraph:
@@ -781,7 +833,6 @@ class WholeGraph:
 
 def _lis(seq: Sequence[int]) -> int:
     """Length of the longest increasing subsequence."""
-    import bisect
     tails: list[int] = []
     for x in seq:
         k = bisect.bisect_left(tails, x)

@@ -224,11 +224,6 @@ def test_new_batch_shape_gets_its_own_trace():
     assert engine.stats.peak_device_bytes <= 6 * 2**20
 
 
-def test_inductor_lowering_is_not_there_yet():
-    with pytest.raises(NotImplementedError, match="backend='eager'"):
-        pscompile.compile(make_model("gpt"), gpt_batches(1)[0], config=pscompile.Config(device="cpu"))
-
-
 def test_next_use_is_cyclic_and_farthest_wins():
     m = lambda *need: Moment("fwd", "x", need, 0, 0)  # noqa: E731
     plan = AccessPlan((m(0), m(1), m(2), m(0), m(1), m()))
