@@ -378,12 +378,38 @@ def inspect_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# ==================================================================== bench
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = "Other arguments go to bench/compare.py, e.g. --quick --inductor --markdown --out PATH."
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """Run ``bench/compare.py`` from the source checkout this package was installed from."""
+    import runpy
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "bench" / "compare.py"
+    if not script.exists():
+        raise ValueError(f"{script} not found: the benchmarks ship with the source checkout "
+                         "(pip install -e . from a clone), not with an installed wheel")
+    saved = sys.argv
+    sys.argv = [str(script), *args.bench_args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 # ==================================================================== dispatch
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "train": ("train a GPT preset on a byte-level stdlib corpus under a device budget",
               add_train_arguments, train_command),
     "inspect": ("compile a GPT preset (compiled mode) and print and save its memory schedule",
                 add_inspect_arguments, inspect_command),
+    "bench": ("compare plain PyTorch, torch.compile, hooks and compiled mode on GPT (bench/compare.py)",
+              add_bench_arguments, bench_command),
 }
 
 
@@ -400,7 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.run(args)
     except (ValueError, NotImplementedError) as e:

@@ -147,3 +147,24 @@ def test_emulated_link_costs_bytes_over_bandwidth_and_prefetch_hides_some():
         assert t_link < t_compute + transfer, (t_link, t_compute, transfer)   # part of it overlapped
     finally:
         torch.set_num_threads(2)
+
+
+def test_compiled_eager_matches_hooks_mode_to_1e_6():
+    batches = make_batches("gpt", 4)
+    budget = min_budget("gpt", torch.float32) + (128 << 10)
+    compiled = pscompile.compile(make_model("gpt"), batches[0], config=compiled_config(torch.float32, budget))
+    hooks = pscompile.compile(make_model("gpt"), batches[0], config=pscompile.Config(
+        mode="hooks", device="cpu", dtype=torch.float32, device_memory=budget, chunk_size=compiled.layout.chunk_size))
+    for b in batches:
+        a, c = hooks.step(b), compiled.step(b)
+        assert abs(a - c) <= 1e-6 * abs(a)
+
+
+def test_bench_command_runs_the_comparison(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "c.json"
+    r = subprocess.run([sys.executable, "-m", "pscompile", "bench", "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compiled eager" in r.stdout and "hooks" in r.stdout and out.exists()
