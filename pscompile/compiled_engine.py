@@ -302,7 +302,11 @@ class CompiledEngine(ChunkEngine):
                         with tracker.paused():
                             self._run_memory_node(get(n, "mem"), args)
                         tracker.sample_now()
-                    (loss,) = lowered.run(inputs, run_memory)
+                    def count(values) -> None:   # compiled code allocates outside Python dispatch
+                        for v in values:
+                            if isinstance(v, torch.Tensor):
+                                tracker.add_tensor(v)
+                    (loss,) = lowered.run(inputs, run_memory, count)
             self._queue.flush()
         except BaseException:
             self._queue.flush()

@@ -613,7 +613,10 @@ class LoweredGraph:
                         and not getattr(r.fn, "_pscompile_boxed", False)))
 
     # ------------------------------------------------------------------ running
-    def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], None]) -> tuple:
+    def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], None],
+            on_outputs: Callable[[Sequence[Any]], None] | None = None) -> tuple:
+        """Run the graph; ``on_outputs(values)`` sees each region's outputs as they appear (memory
+        accounting: storages allocated inside compiled code bypass Python dispatch)."""
         if len(inputs) != len(self.placeholders):
             raise ValueError(f"LoweredGraph.run: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
         for i, name, shape, stride, dtype in self._input_checks:
@@ -635,6 +638,8 @@ class LoweredGraph:
                     del env[a]
                 outs = r.fn(args)
                 del args
+                if on_outputs is not None:
+                    on_outputs(outs)
                 env.update(zip(r.outputs, outs))     # (a loop variable would keep the last one alive)
                 del outs
                 for o in s.dead:
