@@ -142,6 +142,11 @@ class ChunkEngine:
             for fqn, p in self.params.items():
                 p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
 
+    def evaluate(self, batch: Any) -> float:
+        """Forward-only loss (validation). Modes that support it override this."""
+        raise NotImplementedError(f"evaluate() is not implemented in mode={self.config.mode!r} yet; "
+                                  "use mode='hooks'")
+
     def _detach_from_model(self) -> None:
         """Mode-specific: remove whatever the mode attached to the model."""
 

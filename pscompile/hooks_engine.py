@@ -107,6 +107,7 @@ class HooksEngine(ChunkEngine):
         self._handles = self._install_hooks()
         self._traces: dict[tuple, AccessPlan] = {}   # batch signature -> forward/backward moments
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
+        self._eval_plans: dict[tuple, AccessPlan] = {}  # forward-only moments, per batch signature
         self.stats: StepStats | None = None
         try:
             self._plan_for(batch)
@@ -360,6 +361,35 @@ class HooksEngine(ChunkEngine):
             self._close_window(ps)
         return loss_value, t1 - t0, time.perf_counter() - t1
 
+    def _forward_only(self, ps: _Pass, batch: Any) -> float:
+        with torch.no_grad():
+            loss = extract_loss(self._run_model(self.model, batch), batch, self.loss_fn)
+            value = float(loss.float())
+        del loss
+        self._moment("eval_end", "", ())
+        if ps.tracing:
+            self._close_window(ps)
+        return value
+
+    def evaluate(self, batch: Any) -> float:
+        """The loss of ``batch`` from a forward pass only: no gradients, no update. Parameters are
+        fetched and released by the same machinery, under the same budget (its own trace per batch
+        shape). Like plain PyTorch, dropout follows the model's train()/eval() mode."""
+        self._check_open()
+        batch = to_device(batch, self.device)
+        key = ("eval",) + signature(batch)
+        plan = self._eval_plans.get(key)
+        if plan is None:
+            plan = self._trace(batch, train=False)
+            self._check_budget(plan)
+            self._eval_plans[key] = plan
+        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
+        with self._pass_scope(ps):
+            value = self._forward_only(ps, batch)
+        self.eval_peak_device_bytes = ps.tracker.peak_total
+        self.link.reset()
+        return value
+
     def _plan_for(self, batch: Any) -> AccessPlan:
         sig = signature(batch)
         if sig not in self._plans:
@@ -373,15 +403,19 @@ class HooksEngine(ChunkEngine):
                 raise
         return self._plans[sig]
 
-    def _trace(self, batch: Any) -> AccessPlan:
-        """Forward + backward keeping only COMPUTE chunks on the device; nothing is updated."""
+    def _trace(self, batch: Any, *, train: bool = True) -> AccessPlan:
+        """Forward (+ backward when ``train``) keeping only COMPUTE chunks on the device; nothing
+        is updated."""
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         buffers = [b.detach().clone() for b in self.model.buffers()]
         ps = _Pass(tracing=True, tracker=self._new_tracker(batch, tracing=True))
         try:
             with self._pass_scope(ps):
-                self._forward_backward(ps, batch, 1.0)
+                if train:
+                    self._forward_backward(ps, batch, 1.0)
+                else:
+                    self._forward_only(ps, batch)
         finally:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
@@ -390,7 +424,7 @@ class HooksEngine(ChunkEngine):
                 for b, saved in zip(self.model.buffers(), buffers):
                     b.copy_(saved)
             for c in self.store.resident_chunks():
-                self.store.drop(c)       # trace pass never writes: host copies are current
+                self.store.evict(c)      # dirty ones (updated on the device) go home first
             self.link.reset()
         return AccessPlan(tuple(ps.recorded))
 

@@ -350,3 +350,35 @@ def test_learning_rate_can_follow_a_schedule():
     assert max_weight_diff(engine, ref) < 1e-5
     with pytest.raises(ValueError, match="lr"):
         engine.lr = -1.0
+
+
+def test_evaluate_is_the_models_own_no_grad_loss_and_changes_nothing(tight_budget):
+    batches = gpt_batches(3)
+    budget = tight_budget("gpt", torch.float32)
+    hp = pscompile.AdamW(lr=1e-3)
+    ref = ReferenceTrainer(make_model("gpt"), optimizer=hp, dtype=torch.float32)
+    engine = pscompile.compile(make_model("gpt"), batches[0], optimizer=hp,
+                               config=pscompile.Config(**dict(CFG, device_memory=budget)))
+    for b in batches[:2]:
+        engine.step(b), ref.step(b)
+    before = engine.state_dict()
+    with torch.no_grad():
+        expected = float(ref.model(*batches[2]))
+    assert engine.evaluate(batches[2]) == pytest.approx(expected, rel=1e-6)
+    assert engine.eval_peak_device_bytes <= budget
+    after = engine.state_dict()
+    assert all(torch.equal(before["master"][f], after["master"][f]) for f in before["master"])
+    # training continues exactly as plain PyTorch after an evaluation
+    assert engine.step(batches[2]) == pytest.approx(ref.step(batches[2]), rel=1e-6)
+    assert max_weight_diff(engine, ref) < 1e-5
+
+
+def test_a_new_batch_shape_mid_training_keeps_device_updated_weights():
+    """Tracing a new shape evicts chunks updated on the device with a copy, not a drop."""
+    b1, b2 = gpt_batches(1, batch=2)[0], gpt_batches(1, batch=3)[0]
+    hp = pscompile.AdamW(lr=1e-2)
+    ref = ReferenceTrainer(make_model("gpt"), optimizer=hp, dtype=torch.float32)
+    engine = pscompile.compile(make_model("gpt"), b1, optimizer=hp, config=pscompile.Config(**CFG))
+    assert any(t is pscompile.Tier.DEVICE for t in engine.store.os_tier)
+    for b in (b1, b1, b2, b1):
+        assert engine.step(b) == pytest.approx(ref.step(b), rel=1e-6)
