@@ -348,7 +348,6 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
 def inspect_command(args: argparse.Namespace) -> int:
     """Compile a GPT preset in compiled mode (eager backend) on one random batch, print the
     schedule's header and its first memory nodes, and save the whole schedule into ``--out``."""
-    from .schedule import schedule_of
 
     s = TrainSettings(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
                       device_memory=args.device_memory, chunk_size=args.chunk_size, dtype=args.dtype,
@@ -364,7 +363,7 @@ def inspect_command(args: argparse.Namespace) -> int:
     try:
         if args.measure:
             engine.step(batch)
-        schedule = schedule_of(engine)
+        schedule = engine.schedule
         print(schedule.header())
         memory = schedule.memory_rows()
         print(f"\nmemory nodes ({min(len(memory), _INSPECT_ROWS)} of {len(memory)} shown; all in schedule_table.txt):")

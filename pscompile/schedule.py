@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from .compiled_engine import Scheduled
     from .layout import ChunkLayout
 
-__all__ = ["Schedule", "NodeRow", "model_summary", "schedule_of"]
+__all__ = ["Schedule", "NodeRow", "model_summary"]
 
 _MAX_ARGS = 100          # characters of an argument list before it is cut with "..."
 _COMMENT_COLUMN = 60     # trailing comments start at this column when the code is shorter
@@ -91,17 +91,6 @@ def model_summary(model: torch.nn.Module) -> str:
         inner = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in fields)
         return f"{type(model).__name__}({inner})"
     return type(model).__name__
-
-
-def schedule_of(engine) -> "Schedule":
-    """``engine.schedule`` as a ``Schedule``, whether the engine already returns one or still
-    returns the internal ``Scheduled`` record."""
-    sched = engine.schedule
-    if isinstance(sched, Schedule):
-        return sched
-    return Schedule(sched, layout=engine.layout, budget=engine.budget, slot_bytes=engine.store.param_chunk_bytes,
-                    os_device_bytes=engine.store.dev_os_pool.bytes_in_use, dtype=engine.dtype,
-                    model=model_summary(engine.model))
 
 
 class Schedule:

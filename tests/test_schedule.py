@@ -13,7 +13,7 @@ import torch
 import pscompile
 from pscompile.graph_meta import get
 from pscompile.ops import is_memory_node
-from pscompile.schedule import Schedule, model_summary, schedule_of
+from pscompile.schedule import Schedule
 from pscompile.units import format_bytes
 from conftest import make_batches, make_model
 
@@ -26,17 +26,6 @@ def compiled(device_memory):
         mode="compiled", backend="eager", device="cpu", dtype=torch.float32, device_memory=device_memory))
 
 
-def make_schedule(engine) -> Schedule:
-    """The engine's schedule as a ``Schedule``, built here from the ``Scheduled`` record until the
-    engine returns one itself."""
-    sched = engine.schedule
-    if isinstance(sched, Schedule):
-        return sched
-    return Schedule(sched, layout=engine.layout, budget=engine.budget, slot_bytes=engine.store.param_chunk_bytes,
-                    os_device_bytes=engine.store.dev_os_pool.bytes_in_use, dtype=engine.dtype,
-                    model=model_summary(engine.model))
-
-
 @pytest.fixture(scope="module")
 def tight():
     """(engine, schedule) under the plan's minimum budget + 128 KiB: chunks are evicted."""
@@ -44,7 +33,7 @@ def tight():
     budget = unlimited.min_device_memory + (128 << 10)
     unlimited.close()
     engine = compiled(budget)
-    schedule = make_schedule(engine)
+    schedule = engine.schedule
     assert any(r.mem is not None and r.mem.kind == "drop" for r in schedule.rows), "budget evicts nothing"
     yield engine, schedule
     engine.close()
@@ -193,9 +182,9 @@ def test_unlimited_budget_after_the_measuring_step():
     batch = make_batches("gpt", 1)[0]
     engine = compiled(None)
     try:
-        before = schedule_of(engine)
+        before = engine.schedule
         engine.step(batch)
-        after = schedule_of(engine)
+        after = engine.schedule
     finally:
         engine.close()
     assert not before.measured and after.measured
