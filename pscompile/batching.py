@@ -51,3 +51,14 @@ def extract_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         raise ValueError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
                          "in the model or in loss_fn")
     return loss.reshape(())
+
+
+def micro_batches(batch: Any) -> list | None:
+    """``batch`` as a list of micro-batches for gradient accumulation, or None for one batch.
+
+    A list whose items are all tuples or dicts is a list of micro-batches (``engine.step([b1, b2,
+    b3, b4])`` accumulates over four); any other batch, including a list of tensors, is one batch.
+    """
+    if isinstance(batch, list) and batch and all(isinstance(b, (tuple, dict)) for b in batch):
+        return batch
+    return None

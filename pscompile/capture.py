@@ -20,6 +20,7 @@ See ``pscompile.graph_meta`` for the conventions the passes rely on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -185,7 +186,7 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         return (loss, *(grads[f] for f in grad_fqns))
 
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _compiling_flag():
             traced = make_fx(joint, tracing_mode="fake")(*fake_params, *fake_buffers, *fake_batch)
     except _LossError as e:
         raise e.error from None   # extract_loss's own message already says what would work
@@ -198,6 +199,20 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
                              time.perf_counter() - t0, param_dtype)
     log.info(captured.summary)
     return captured
+
+
+@contextlib.contextmanager
+def _compiling_flag():
+    """``torch.compiler.is_compiling()`` is True while tracing, as under ``torch.export``
+    (non-strict export traces the same way and sets the same flag): model code that checks it
+    takes its shape-only path instead of branching on data (e.g. Hugging Face's attention-mask
+    builders skip their ``mask.all()`` shortcut and always build the mask)."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 class _LossError(Exception):

@@ -173,24 +173,27 @@ class ChunkEngine:
         return [(p.chunk_offset, p.numel) for e, p in self.layout.chunk_members(c) if e.fqn not in written]
 
     def _optimizer_step(self, written: set[str], scale: float, tracker: NonModelTracker,
-                        before_update: Callable[[int], None] = lambda c: None) -> bool:
+                        before_update: Callable[[int], None] = lambda c: None,
+                        grads: list[torch.Tensor] | None = None) -> bool:
         """Unscale, check overflow, clip, then update chunk by chunk where each chunk's optimizer
         states live (``before_update(c)`` runs first, e.g. to make room). ``written`` names the
-        parameters whose gradients are in their chunks. Returns True if the step was skipped."""
+        parameters whose gradients are in their chunks, or in ``grads`` (fp32 host chunks that
+        accumulated several micro-batches; the param chunks then still hold the parameters).
+        Returns True if the step was skipped."""
         store, n = self.store, self.layout.num_chunks
         sq = 0.0
         has_grad = [any(e.fqn in written for e, _ in self.layout.chunk_members(c)) for c in range(n)]
         for c in range(n):
             if not has_grad[c]:
                 continue
-            buf = store.current(c)
+            buf = store.current(c) if grads is None else grads[c]
             frozen = self._frozen_ranges(c, written)
             with ExitStack() as stack:
-                if not store.resident(c):
+                if grads is not None or not store.resident(c):
                     stack.enter_context(tracker.paused())    # host-side work is not device memory
                 for o, k in frozen:                              # no gradient: count as zero
                     buf[o:o + k].zero_()
-                if frozen and store.resident(c):
+                if frozen and grads is None and store.resident(c):
                     store.dirty[c] = True
                 sq += grad_sq_sum(buf)
         inv_scale = 1.0 / scale
@@ -198,13 +201,14 @@ class ChunkEngine:
         found_inf = not (sq < float("inf"))     # also catches NaN
         if self.scaler is not None:
             self.scaler.update(found_inf)
+        undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
         if found_inf:
             if self.scaler is None:
-                self._undo_all(has_grad)
+                self._undo_all(undo)
                 raise FloatingPointError(
                     f"the gradients contain inf/NaN in {self.dtype} without loss scaling (loss scaling is "
                     "used with float16 only); the update was not applied")
-            self._undo_all(has_grad)
+            self._undo_all(undo)
             return True
         factor = inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
             else inv_scale
@@ -217,8 +221,14 @@ class ChunkEngine:
                 if store.os_tier[c] is not Tier.DEVICE:
                     stack.enter_context(tracker.paused())       # the update runs on the host
                 buf = store.bring_to_os_tier(c)
+                grad = None
+                if grads is not None:
+                    grad = grads[c]
+                    if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
+                        grad = torch.empty_like(store.master[c])
+                        self.link.copy(grad, grads[c], "h2d")
                 self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                       grad_factor=factor, frozen=self._frozen_ranges(c, written))
+                                       grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad)
                 store.mark_updated(c)
         return False
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .access_plan import AccessPlan, Moment
-from .batching import LossFn, extract_loss, signature, to_device
+from .batching import LossFn, extract_loss, micro_batches, signature, to_device
 from .config import AdamW, Config
 from .engine_base import ChunkEngine
 from .order import direct_params
@@ -85,6 +85,7 @@ class _Pass:
     bwd_node: Any = None
     bwd_chunks: list[int] = field(default_factory=list)
     grad_written: set[str] = field(default_factory=set)
+    acc: list[torch.Tensor] | None = None    # fp32 host chunks accumulating gradients (micro-batches)
     span_bufs: dict[int, str] = field(default_factory=dict)      # gathered buffer ptr -> fqn (forward)
     bwd_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # re-gathered for this backward node
 
@@ -108,6 +109,7 @@ class HooksEngine(ChunkEngine):
         self._traces: dict[tuple, AccessPlan] = {}   # batch signature -> forward/backward moments
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
         self._eval_plans: dict[tuple, AccessPlan] = {}  # forward-only moments, per batch signature
+        self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
         self.stats: StepStats | None = None
         try:
             self._plan_for(batch)
@@ -312,7 +314,13 @@ class HooksEngine(ChunkEngine):
             flat = grad.reshape(-1)
             with ps.tracker.paused():
                 for p in self.layout.entry(fqn).pieces:
-                    self.store.write_piece(p.chunk, p.chunk_offset, flat[p.tensor_offset:p.tensor_offset + p.numel])
+                    piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
+                    if ps.acc is None:       # the gradient takes its parameter's place in the chunk
+                        self.store.write_piece(p.chunk, p.chunk_offset, piece)
+                    else:                    # accumulate in fp32 on the host; the parameter stays
+                        host = torch.empty(p.numel, dtype=piece.dtype)
+                        self.link.copy(host, piece, "d2h")
+                        ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].add_(host.float())
             ps.grad_written.add(fqn)
         del grad
         self.states[fqn] = TensorState.HOLD_AFTER_BWD
@@ -491,20 +499,40 @@ class HooksEngine(ChunkEngine):
 
     # ================================================================ the step
     def step(self, batch: Any) -> float:
-        """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss."""
+        """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss.
+
+        ``batch`` may be a list of micro-batches (tuples or dicts): their gradients accumulate in
+        fp32 chunks on the host (each micro-batch's loss divided by their number, like
+        ``(loss / k).backward()`` in plain PyTorch) and one update follows; the mean loss is
+        returned."""
         self._check_open()
         t_start = time.perf_counter()
-        batch = to_device(batch, self.device)
-        plan = self._plan_for(batch)
+        micro = micro_batches(batch)
+        batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
+        plans = [self._plan_for(b) for b in batches]
         self.link.reset()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
-        try:
-            with self._pass_scope(ps):
-                loss, fwd_s, bwd_s = self._forward_backward(ps, batch, scale)
-        except BaseException:
-            self._undo_gradients(ps)
-            raise
+        acc = self._accumulation_chunks() if micro is not None else None
+        k = len(batches)
+        losses, fwd_s, bwd_s, written, peaks = [], 0.0, 0.0, set(), (0, 0, 0)
+        for b, plan in zip(batches, plans):
+            ps = _Pass(tracing=False, tracker=self._new_tracker(b, tracing=False), plan=plan, acc=acc)
+            try:
+                with self._pass_scope(ps):
+                    loss, f, bw = self._forward_backward(ps, b, scale / k)
+            except BaseException:
+                if acc is None:
+                    self._undo_gradients(ps)
+                else:
+                    for a in acc:
+                        a.zero_()
+                self.link.reset()
+                raise
+            losses.append(loss)
+            fwd_s, bwd_s = fwd_s + f, bwd_s + bw
+            written |= ps.grad_written
+            tr = ps.tracker
+            peaks = tuple(max(x, y) for x, y in zip(peaks, (tr.peak_total, tr.peak_model, tr.peak_nonmodel)))
         t_opt = time.perf_counter()
         first_opt = len(plan.moments) - self.layout.num_chunks
         assert ps.moment == first_opt, "optimizer moments out of step with the plan"
@@ -515,21 +543,33 @@ class HooksEngine(ChunkEngine):
         self._pass = ps
         try:
             with ps.tracker:
-                skipped = self._optimizer_step(ps.grad_written, scale, ps.tracker, make_room)
+                skipped = self._optimizer_step(written, scale, ps.tracker, make_room, grads=acc)
         finally:
             self._pass = None
+            if acc is not None:
+                for a in acc:
+                    a.zero_()
         t_end = time.perf_counter()
         traffic = self.link.reset()
         tr = ps.tracker
+        peaks = tuple(max(x, y) for x, y in zip(peaks, (tr.peak_total, tr.peak_model, tr.peak_nonmodel)))
+        loss = sum(losses) / k
         self.stats = StepStats(
             loss=loss, h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
             disk_read_bytes=0, disk_write_bytes=0,
-            peak_device_bytes=tr.peak_total, peak_device_model_bytes=tr.peak_model,
-            peak_nonmodel_bytes=tr.peak_nonmodel, num_fetches=traffic.num_fetches,
+            peak_device_bytes=peaks[0], peak_device_model_bytes=peaks[1],
+            peak_nonmodel_bytes=peaks[2], num_fetches=traffic.num_fetches,
             num_evictions=traffic.num_evictions, allgather_bytes=0, reduce_scatter_bytes=0,
             skipped=skipped, loss_scale=scale, time_s=t_end - t_start, forward_s=fwd_s,
             backward_s=bwd_s, optimizer_s=t_end - t_opt, transfer_s=traffic.transfer_s)
         return loss
+
+    def _accumulation_chunks(self) -> list[torch.Tensor]:
+        """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
+        if self._acc is None:
+            self._acc = [torch.zeros(self.layout.chunk_size, dtype=torch.float32)
+                         for _ in range(self.layout.num_chunks)]
+        return self._acc
 
     def _undo_gradients(self, ps: _Pass) -> None:
         """After a failed pass: gradients already written over parameters are undone."""

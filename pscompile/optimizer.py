@@ -75,13 +75,14 @@ class ChunkAdamW:
 
     def update_chunk(self, param: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, *, grad_factor: float,
-                     frozen: list[tuple[int, int]]) -> None:
-        """Update one chunk in place. ``param`` holds the gradient on entry, new params on exit.
+                     frozen: list[tuple[int, int]], grad: torch.Tensor | None = None) -> None:
+        """Update one chunk in place. ``param`` holds the gradient on entry (unless ``grad``, e.g.
+        an fp32 accumulation chunk, is given), new params on exit.
 
         ``grad_factor`` multiplies the fp32 gradient (loss-scale inverse times clip coefficient).
         ``frozen`` lists (offset, numel) ranges of parameters without a gradient this step.
         """
-        grad = param.float()
+        grad = (param if grad is None else grad).float()
         if grad_factor != 1.0:
             grad.mul_(grad_factor)
         saved = [(o, n, master[o:o + n].clone(), exp_avg[o:o + n].clone(), exp_avg_sq[o:o + n].clone())

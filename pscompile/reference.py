@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batching import LossFn, call_model, extract_loss, to_device
+from .batching import LossFn, call_model, extract_loss, micro_batches, to_device
 from .config import AdamW
 from .optimizer import LossScaler
 
@@ -45,10 +45,16 @@ class ReferenceTrainer:
         self.scaler = LossScaler(initial_loss_scale, growth_interval) if dtype == torch.float16 else None
 
     def step(self, batch: Any) -> float:
-        batch = to_device(batch, self.device)
-        loss = extract_loss(call_model(self.model, batch), batch, self.loss_fn)
+        """One update; a list of micro-batches accumulates ``(loss / k).backward()`` over them."""
+        micro = micro_batches(batch)
+        batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        (loss * scale).backward()
+        losses = []
+        for b in batches:
+            loss = extract_loss(call_model(self.model, b), b, self.loss_fn)
+            (loss * (scale / len(batches))).backward()
+            losses.append(float(loss.detach()))
+        loss = torch.tensor(sum(losses) / len(losses))
         if self.master is not self.params:
             for p, m in zip(self.params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
