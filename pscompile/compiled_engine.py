@@ -144,13 +144,22 @@ class CompiledEngine(ChunkEngine):
         return sched
 
     def _place_optimizer_states(self, peak_nonmodel: int) -> None:
+        """Device-aware placement from the peak non-model bytes. When a measurement leaves less
+        margin than the estimate did, chunks whose states leave the device first write their
+        (device-updated) parameters home and give up their fixed slots."""
         n = self.layout.num_chunks
         if self.budget is None:
-            on_device = range(n)
+            on_device = set(range(n))
         else:
             temp = _OPT_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
             margin = self.budget - max(peak_nonmodel, temp) - n * self.store.param_chunk_bytes
-            on_device = range(max(0, min(n, margin // self.store.os_chunk_bytes)))
+            on_device = set(range(max(0, min(n, margin // self.store.os_chunk_bytes))))
+        for k, c in list(self._slot_chunk.items()):
+            if c not in on_device:
+                if self.store.dirty[c]:
+                    self.store.host_param[c].copy_(self._slots[k])
+                self.store.detach(c)
+                del self._slot_chunk[k]
         self.store.place_optimizer_states(on_device)
         self.link.reset()
         self._os_placed = True
@@ -363,6 +372,10 @@ class CompiledEngine(ChunkEngine):
         nodes = list(sched.captured.gm.graph.nodes)
         measured = tuple(samples.get(i, 0) for i in range(len(nodes)))
         uses = annotate_params(sched.captured)
+        os_now = sum(t is Tier.DEVICE for t in self.store.os_tier)
+        self._place_optimizer_states(max(measured))
+        if sum(t is Tier.DEVICE for t in self.store.os_tier) > os_now:
+            self.store.place_optimizer_states(range(os_now))   # never grow the device share here
         self._lowered.pop(id(sched.gm), None)
         self._schedules[signature(batch)] = new = self._plan(sched.captured, uses, measured, measured=True,
                                                              timings=sched.passes[:3])
