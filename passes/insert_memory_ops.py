@@ -50,18 +50,14 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     param_ph = {n: fqn for n, fqn in zip(placeholders, param_fqns)}
     cs = layout.chunk_size
 
-    slots = []
-    for k in range(plan.num_slots):
-        s = graph.placeholder(f"slot_{k}")
-        s.meta["val"] = torch.empty(cs, dtype=compute_dtype, device="meta")
-        gmeta.put(s, "slot", k)
-        slots.append(s)
-    hosts = []
-    for c in range(layout.num_chunks):
-        h = graph.placeholder(f"host_{c}")
-        h.meta["val"] = torch.empty(cs, dtype=compute_dtype, device="meta")
-        gmeta.put(h, "host_chunk", c)
-        hosts.append(h)
+    def buffer_placeholder(name: str, key: str, index: int) -> fx.Node:
+        node = graph.placeholder(f"{name}_{index}")
+        node.meta["val"] = torch.empty(cs, dtype=compute_dtype, device="meta")
+        gmeta.put(node, key, index)
+        return node
+
+    slots = [buffer_placeholder("slot", "slot", k) for k in range(plan.num_slots)]
+    hosts = [buffer_placeholder("host", "host_chunk", c) for c in range(layout.num_chunks)]
     for n in placeholders:
         if n not in param_ph:
             env[n] = graph.node_copy(n, lambda a: env[a])
