@@ -11,8 +11,8 @@ cost nothing and a storage counts once, with its full ``nbytes``::
 
 - Parameter storages (placeholders and their views: ``uses`` from ``annotate_params``) are model
   data and excluded.
-- Batch and buffer placeholders are live from node 0 to their last use.
-- Constants (``get_attr``) are live throughout.
+- Batch and buffer placeholders and constants (``get_attr``) are live throughout: the caller holds
+  the batch and the model its buffers, whatever the graph's last use of them.
 - A node whose value is never used is live only while it runs (as in the generated code, which
   drops such values at once).
 - Gradient outputs (outputs 1..) stay live until the output node. ``outputs_bytes[i]`` is the part
@@ -98,8 +98,8 @@ def estimate_nonmodel(captured: CapturedGraph, uses: ParamUses, *,
         last = max((index[u] for u in n.users), default=i)
         last_nonoutput = max((index[u] for u in n.users if u.op != "output"), default=i)
         born = 0 if n.op in ("placeholder", "get_attr") else i
-        if n.op == "get_attr":      # a constant held by the module: live for the whole graph
-            last = last_nonoutput = end
+        if n.op in ("placeholder", "get_attr"):   # the caller holds the batch, the model its buffers
+            last = last_nonoutput = end            # and constants: live for the whole graph
         for st, nbytes in _storages_with_bytes(n.meta.get("val")):
             if st in model:
                 continue

@@ -13,6 +13,10 @@ of a slot outlives the residency it came from), and the plan's actions become no
     drop        = pscompile.drop(slot_1)
 
 The gradients leave the output (each is consumed by its store_grad); the graph returns the loss.
+A plan for a micro-batch of gradient accumulation adds its gradients into fp32 accumulation
+buffers on the host instead, which the graph takes as placeholders after the host chunks::
+
+    accumulate_grad = pscompile.accumulate_grad(acc_4, mm_9, 512)   # grad of h.0.attn.c_attn.weight
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
 def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayout, *,
                       param_fqns: tuple[str, ...], grad_fqns: tuple[str, ...],
                       compute_dtype: torch.dtype) -> fx.GraphModule:
-    """Return a new GraphModule: ``(slot_0.., host_0.., buffers.., batch..) -> (loss,)``."""
+    """Return a new GraphModule: ``(slot_0.., host_0.., [acc_0..,] buffers.., batch..) -> (loss,)``
+    (``acc_*`` placeholders only when the plan accumulates gradients)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     old_nodes = list(gm.graph.nodes)
@@ -50,14 +55,16 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     param_ph = {n: fqn for n, fqn in zip(placeholders, param_fqns)}
     cs = layout.chunk_size
 
-    def buffer_placeholder(name: str, key: str, index: int) -> fx.Node:
+    def buffer_placeholder(name: str, key: str, index: int, dtype: torch.dtype = compute_dtype) -> fx.Node:
         node = graph.placeholder(f"{name}_{index}")
-        node.meta["val"] = torch.empty(cs, dtype=compute_dtype, device="meta")
+        node.meta["val"] = torch.empty(cs, dtype=dtype, device="meta")
         gmeta.put(node, key, index)
         return node
 
     slots = [buffer_placeholder("slot", "slot", k) for k in range(plan.num_slots)]
     hosts = [buffer_placeholder("host", "host_chunk", c) for c in range(layout.num_chunks)]
+    accs = ([buffer_placeholder("acc", "acc_chunk", c, torch.float32) for c in range(layout.num_chunks)]
+            if any(a.kind == "accumulate_grad" for a in plan.actions) else [])
     for n in placeholders:
         if n not in param_ph:
             env[n] = graph.node_copy(n, lambda a: env[a])
@@ -87,6 +94,11 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
             node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
             del resident[a.chunk]
             mem = MemOp("drop", a.chunk, a.slot, "device", "-", 0)
+        elif a.kind == "accumulate_grad":
+            g = a.grad
+            node = graph.call_function(torch.ops.pscompile.accumulate_grad.default,
+                                       (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset))
+            mem = MemOp("accumulate_grad", a.chunk, None, "device", "host", a.nbytes, g.fqn)
         else:
             g = a.grad
             grad = env[grad_node_of[g.fqn]]

@@ -14,6 +14,8 @@ resident again; every other chunk ends on the host (written back if it holds gra
 its update runs. The actions this produces, in order::
 
     before node i:  store_grad  (gradients of node i-1)   -> into the chunk's slot, or its host copy
+                    (accumulate_grad instead, for a micro-batch of gradient accumulation: added into
+                    the chunk's fp32 accumulation buffer on the host; the parameter stays clean)
                     writeback   (dirty victim)            slot -> host, chunk bytes
                     drop        (victim)                  the slot becomes free
                     fetch       (a chunk node i reads)    host -> slot, chunk bytes
@@ -37,9 +39,9 @@ class GradStore:
 @dataclass(frozen=True)
 class Action:
     before: int                # index of the node this action precedes (== num_nodes: the end)
-    kind: str                  # "store_grad" | "writeback" | "drop" | "fetch"
+    kind: str                  # "store_grad" | "accumulate_grad" | "writeback" | "drop" | "fetch" | "wait"
     chunk: int
-    slot: int | None           # None: a store_grad into the host copy
+    slot: int | None           # None: a store_grad into the host copy, or an accumulate_grad
     nbytes: int                # bytes copied between tiers
     grad: GradStore | None = None
 
@@ -50,6 +52,7 @@ class ResidencyPlan:
     num_nodes: int
     num_slots: int
     initial: tuple[tuple[int, int], ...]      # (chunk, slot) resident when the iteration starts
+    final: tuple[tuple[int, int], ...]        # (chunk, slot) resident when it ends
     slot_bytes: int
     peak_device_bytes: int                    # planned: resident chunks + optimizer states + N[i]
     peak_node: int
@@ -92,9 +95,20 @@ class _State:
 def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    stores: Mapping[int, Sequence[GradStore]], num_chunks: int, slot_bytes: int,
                    budget: int | None, os_device_chunks: frozenset[int] = frozenset(),
-                   os_device_bytes: int = 0, describe_node=lambda i: f"node {i}") -> ResidencyPlan:
+                   os_device_bytes: int = 0, accumulate: bool = False,
+                   start: Mapping[int, int] | None = None, keep_at_end: bool = False,
+                   end: Mapping[int, int] | None = None,
+                   describe_node=lambda i: f"node {i}") -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
-    after node ``i``. Raises ``ResidencyError`` naming the node when the budget is too small."""
+    after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
+    becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
+
+    Warm runs (a loop of micro-batches or evaluations, where nothing is updated between runs):
+    ``keep_at_end`` leaves the clean chunks resident at the end instead of evicting them, choosing
+    victims by their next use in the *next* run (cyclic Belady); ``start`` (chunk -> slot) are
+    clean chunks already resident when the run starts, besides the optimizer-state chunks; ``end``
+    (chunk -> slot) is the residency the run must finish with (fixed up after the last node), so a
+    plan whose ``start`` and ``end`` are one residency repeats for any number of runs."""
     T = len(reads)
     assert len(nonmodel) == T
     uses: dict[int, list[int]] = {}
@@ -107,7 +121,9 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         k = bisect.bisect_left(u, i)
         if k < len(u):
             return u[k]
-        return T if c in os_device_chunks else float("inf")
+        if c in os_device_chunks:
+            return T
+        return T + u[0] if keep_at_end and u else float("inf")    # cyclic: its first use next run
 
     def window(i: int) -> int:
         # chunks for node i arrive while node i-1's data is still live, and stay while node i runs
@@ -124,6 +140,15 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     for c in sorted(os_device_chunks):
         st.resident[c] = st.take_slot()
         initial.append((c, st.resident[c]))
+    for c, k in sorted((start or {}).items(), key=lambda x: x[1]):
+        if c in os_device_chunks:
+            continue
+        assert k >= st.num_slots and k not in st.resident.values(), f"start: slot {k} of chunk {c} is taken"
+        st.free.extend(range(st.num_slots, k))
+        st.num_slots = k + 1
+        st.resident[c] = k
+        initial.append((c, k))
+    initial.sort(key=lambda x: x[1])
     h2d = d2h = fetches = evictions = 0
     peak, peak_node = 0, 0
 
@@ -148,7 +173,10 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
 
     for i in range(T + 1):
         for g in stores.get(i - 1, ()):               # gradients of node i-1 go into their chunk
-            if g.chunk in st.resident:
+            if accumulate:
+                actions.append(Action(i, "accumulate_grad", g.chunk, None, g.nbytes, g))
+                d2h += g.nbytes
+            elif g.chunk in st.resident:
                 actions.append(Action(i, "store_grad", g.chunk, st.resident[g.chunk], 0, g))
                 st.dirty.add(g.chunk)
             else:
@@ -178,12 +206,28 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         used = len(st.resident) * slot_bytes + os_device_bytes + window(i)
         if used > peak:
             peak, peak_node = used, i
-    # the end: chunks updated on the host go home; device-updated ones must be resident
+    # the end: chunks updated on the host go home (clean ones may stay for a warm next run);
+    # device-updated ones must be resident
+    want = dict(end) if end is not None else None
     for c in sorted(st.resident):
-        if c not in os_device_chunks:
+        if c in os_device_chunks:
+            continue
+        if want is not None:
+            if want.get(c) != st.resident[c] or c in st.dirty:
+                evict(c, T)
+        elif not keep_at_end or c in st.dirty:
             evict(c, T)
     for c in sorted(os_device_chunks):
         if c not in st.resident:
             fetch(c, T)
-    return ResidencyPlan(tuple(actions), T, st.num_slots, tuple(initial), slot_bytes, peak, peak_node,
+    for c, k in sorted((want or {}).items()):
+        if c not in st.resident:                        # into the very slot the next run expects
+            st.free.remove(k) if k in st.free else None
+            st.num_slots = max(st.num_slots, k + 1)
+            st.resident[c] = k
+            actions.append(Action(T, "fetch", c, k, slot_bytes))
+            h2d += slot_bytes
+            fetches += 1
+    final = tuple(sorted(st.resident.items(), key=lambda x: x[1]))
+    return ResidencyPlan(tuple(actions), T, st.num_slots, tuple(initial), final, slot_bytes, peak, peak_node,
                          h2d, d2h, fetches, evictions)

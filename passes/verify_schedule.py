@@ -2,13 +2,15 @@
 
 - a fetch fills a free slot; a drop empties an occupied one; an asynchronous fetch (prefetch) is
   waited for before anything reads its slot; a writeback and a device-side
-  store_grad touch the slot that holds their chunk;
+  store_grad touch the slot that holds their chunk; an accumulate_grad adds into its own chunk's
+  accumulation buffer at the parameter's offset;
 - every parameter read is a view of the slot holding that parameter's chunk, at the parameter's
   offset in the layout (so nothing is used after it was dropped, and nothing before it arrived);
 - no chunk with unsaved gradients is dropped;
 - planned device bytes (resident slots + device optimizer states + non-model bytes of the node)
   never exceed the budget;
-- the iteration ends with exactly the chunks whose optimizer states live on the device resident.
+- the iteration ends with exactly the chunks whose optimizer states live on the device resident
+  (or, for a warm run, the residency its plan promises the next run), none of the others dirty.
 
 Raises ``ScheduleError`` (a ValueError) naming the first node that breaks an invariant.
 """
@@ -44,11 +46,15 @@ class VerifyReport:
 
 def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int, budget: int | None,
                     initial: dict[int, int], os_device_chunks: frozenset[int] = frozenset(),
-                    os_device_bytes: int = 0) -> VerifyReport:
+                    os_device_bytes: int = 0, final: dict[int, int] | None = None) -> VerifyReport:
+    """``initial``/``final``: chunk -> slot resident at the start / required at the end (default
+    for the end: exactly the chunks whose optimizer states live on the device)."""
     slot_of_ph = {n: gmeta.get(n, "slot") for n in gm.graph.nodes
                   if n.op == "placeholder" and gmeta.get(n, "slot") is not None}
     host_of_ph = {n: gmeta.get(n, "host_chunk") for n in gm.graph.nodes
                   if n.op == "placeholder" and gmeta.get(n, "host_chunk") is not None}
+    acc_of_ph = {n: gmeta.get(n, "acc_chunk") for n in gm.graph.nodes
+                 if n.op == "placeholder" and gmeta.get(n, "acc_chunk") is not None}
     holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
     dirty: set[int] = set()
     pending: set[int] = set()       # slots whose asynchronous fetch has not been waited for
@@ -92,6 +98,12 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 if holds.get(slot) != mem.chunk or host_of_ph.get(node.args[0]) != mem.chunk:
                     fail(node, f"writeback of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
                 dirty.discard(mem.chunk)
+            elif mem.kind == "accumulate_grad":
+                if acc_of_ph.get(node.args[0]) != mem.chunk:
+                    fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
+                if node.args[2] != layout.entry(mem.fqn).pieces[0].chunk_offset:
+                    fail(node, f"gradient of {mem.fqn} added at offset {node.args[2]}, layout says "
+                               f"{layout.entry(mem.fqn).pieces[0].chunk_offset}")
             elif mem.kind == "store_grad":
                 dest = node.args[0]
                 if dest in slot_of_ph:
@@ -119,7 +131,8 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             if tuple(sl.args[2:4]) != (p.chunk_offset, p.chunk_offset + p.numel):
                 fail(node, f"reads {fqn} at elements {tuple(sl.args[2:4])}, layout says "
                            f"{(p.chunk_offset, p.chunk_offset + p.numel)}")
-        nonmodel = gmeta.get(node, "nonmodel", nonmodel)
+        if fqn is None:         # parameter views are rebuilt right before their reader: they allocate
+            nonmodel = gmeta.get(node, "nonmodel", nonmodel)    # nothing and keep the reader's moment
         used = len(holds) * slot_bytes + os_device_bytes + nonmodel
         if used > peak:
             peak, peak_node = used, node.name
@@ -127,7 +140,13 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             fail(node, f"planned device bytes {used} exceed device_memory={budget}")
     if pending:
         raise ScheduleError(f"verify_schedule: asynchronous fetches into slots {sorted(pending)} are never waited for")
-    if set(holds.values()) != set(os_device_chunks):
+    if final is None and set(holds.values()) != set(os_device_chunks):
         raise ScheduleError(f"verify_schedule: the iteration ends with chunks {sorted(holds.values())} on the "
                             f"device; expected {sorted(os_device_chunks)} (those updated on the device)")
+    if final is not None and {c: k for k, c in holds.items()} != dict(final):
+        raise ScheduleError(f"verify_schedule: the iteration ends with chunk->slot "
+                            f"{ {c: k for k, c in sorted(holds.items())} }; the plan promised {dict(final)}")
+    if dirty - set(os_device_chunks):
+        raise ScheduleError(f"verify_schedule: chunks {sorted(dirty - set(os_device_chunks))} end dirty on the "
+                            "device (their gradients never reach the host update)")
     return VerifyReport(count, peak, peak_node)

@@ -66,6 +66,7 @@ class CapturedGraph:
     batch_spec: BatchSpec             # the batch's structure: which leaves are tensor placeholders
     capture_s: float                  # seconds taken by the capture
     param_dtype: torch.dtype | None = None   # dtype the parameters were captured in (None: their own)
+    backward: bool = True             # False: forward and loss only (evaluation), output (loss,)
 
     @property
     def num_params(self) -> int:
@@ -73,7 +74,8 @@ class CapturedGraph:
 
     @property
     def summary(self) -> str:
-        return (f"capture_joint: {len(self.gm.graph.nodes)} nodes, {len(self.param_fqns)} params "
+        what = "capture_joint" if self.backward else "capture_forward"
+        return (f"{what}: {len(self.gm.graph.nodes)} nodes, {len(self.param_fqns)} params "
                 f"({len(self.grad_fqns)} trainable), {len(self.buffer_fqns)} buffers, "
                 f"{self.batch_spec.num_tensors} batch tensors, {self.capture_s:.2f} s")
 
@@ -104,8 +106,11 @@ class CapturedGraph:
 
 def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Parameter],
                   loss_fn: LossFn | None = None, param_dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> CapturedGraph:
+                  device: torch.device | str | None = None, backward: bool = True) -> CapturedGraph:
     """Trace ``loss = loss_fn(model(batch))`` and the gradients of all trainable parameters.
+
+    With ``backward=False`` only the forward and the loss are traced (for evaluation): the graph
+    returns ``(loss,)`` and ``grad_fqns`` is empty.
 
     ``params`` maps each parameter's canonical fqn to the parameter, in first-use order; that
     order is the placeholder order. Tied parameters appear once (any of their names). Frozen
@@ -130,7 +135,7 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         raise ValueError("params holds the same (tied) parameter under two names; pass it once")
 
     param_fqns = tuple(params)
-    grad_fqns = tuple(f for f, p in params.items() if p.requires_grad)
+    grad_fqns = tuple(f for f, p in params.items() if p.requires_grad) if backward else ()
     aliases = {fqn: names_of[id(p)] for fqn, p in params.items()}
     buffers = dict(model.named_buffers())
     buffer_fqns = tuple(buffers)
@@ -182,6 +187,8 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
                 raise _LossError(e) from e
 
         trainable = {f: p_vals[f] for f in grad_fqns}
+        if not backward:
+            return (loss_of(trainable, frozen_vals, b_vals),)
         grads, loss = torch.func.grad_and_value(loss_of)(trainable, frozen_vals, b_vals)
         return (loss, *(grads[f] for f in grad_fqns))
 
@@ -196,7 +203,7 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     gm = _flatten(traced, [f"p_{_ident(f)}" for f in param_fqns] + [f"b_{_ident(f)}" for f in buffer_fqns]
                   + batch_names)
     captured = CapturedGraph(gm, param_fqns, grad_fqns, buffer_fqns, batch_spec,
-                             time.perf_counter() - t0, param_dtype)
+                             time.perf_counter() - t0, param_dtype, backward)
     log.info(captured.summary)
     return captured
 

@@ -65,13 +65,18 @@ class TrainSettings:
     mode: str = "hooks"                # "hooks" | "compiled"
     backend: str = "inductor"          # compiled mode: "inductor" | "eager"
     seed: int = 0                      # model init and batch sampling
+    grad_accum: int = 1                # micro-batches per step (batch_size is split into them)
+    eval_every: int = 0                # validation loss every N steps (0: only after the last step)
+    eval_batches: int = 4              # validation batches (of batch_size) per evaluation; 0 = none
     log_every: int = 50                # plain progress line every N steps (0 = never)
     json_path: str | None = None       # write the summary here as JSON
     progress: bool = True              # tqdm bar when tqdm is importable and stderr is a terminal
 
     def __post_init__(self):
         for flag, value, low in (("--steps", self.steps, 1), ("--batch-size", self.batch_size, 1),
-                                 ("--seq-len", self.seq_len, 2), ("--log-every", self.log_every, 0)):
+                                 ("--seq-len", self.seq_len, 2), ("--log-every", self.log_every, 0),
+                                 ("--grad-accum", self.grad_accum, 1), ("--eval-every", self.eval_every, 0),
+                                 ("--eval-batches", self.eval_batches, 0)):
             if value < low:
                 raise ValueError(f"{flag}={value} must be >= {low}")
         for flag, value in (("--n-layer", self.n_layer), ("--d-model", self.d_model), ("--n-head", self.n_head)):
@@ -81,6 +86,9 @@ class TrainSettings:
             raise ValueError(f"--lr={self.lr} must be > 0, e.g. 1e-3")
         if self.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(self.json_path))):
             raise ValueError(f"--json={self.json_path}: its folder does not exist; create it or give another path")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"--batch-size={self.batch_size} is not divisible by --grad-accum={self.grad_accum}; "
+                             "each step splits its batch into that many equal micro-batches")
         if self.dtype not in _DTYPES:
             raise ValueError(f"--dtype={self.dtype} is not supported; use one of {', '.join(_DTYPES)}")
 
@@ -118,6 +126,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seq-len", metavar="N", type=int, default=d.seq_len,
                    help=f"bytes per sequence (default {d.seq_len})")
     t.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    t.add_argument("--grad-accum", metavar="K", type=int, default=d.grad_accum,
+                   help="split each step's batch into K micro-batches whose gradients accumulate into one "
+                        f"update (default {d.grad_accum})")
+    t.add_argument("--eval-every", metavar="N", type=int, default=d.eval_every,
+                   help="validation loss every N steps (default: after the last step only)")
+    t.add_argument("--eval-batches", metavar="N", type=int, default=d.eval_batches,
+                   help=f"validation batches per evaluation, 0 for none (default {d.eval_batches})")
     t.add_argument("--seed", metavar="N", type=int, default=d.seed,
                    help=f"seed for init and batches (default {d.seed})")
     e = p.add_argument_group("memory and engine")
@@ -187,6 +202,12 @@ class _Progress:
         elif self.log_every and (step % self.log_every == 0 or step in (1, self.total)):
             print(f"step {step:>{len(str(self.total))}}/{self.total} | {text}", flush=True)
 
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.log_every:
+            print(text, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -201,6 +222,9 @@ def run_train(s: TrainSettings) -> dict:
     corpus = Corpus.from_stdlib()
     t_data = time.perf_counter()
     gen = torch.Generator().manual_seed(s.seed)
+    val_gen = torch.Generator().manual_seed(s.seed + 1)
+    val = [piece for _ in range(s.eval_batches)        # held-out batches, in micro-batch pieces
+           for piece in _pieces(corpus.batch("val", s.batch_size, s.seq_len, val_gen), s.grad_accum)]
     batch = corpus.batch("train", s.batch_size, s.seq_len, gen)
     engine = ps_compile(
         model, batch,
@@ -209,20 +233,32 @@ def run_train(s: TrainSettings) -> dict:
                       dtype=_DTYPES[s.dtype], chunk_size=s.chunk_size))
     t_compile = time.perf_counter()
     history: list[StepStats] = []
+    evals: list[tuple[int, float]] = []           # (step, mean validation loss)
     progress = _Progress(s)
     try:
         for step in range(1, s.steps + 1):
             if step > 1:
                 batch = corpus.batch("train", s.batch_size, s.seq_len, gen)
-            engine.step(batch)
+            engine.step(batch if s.grad_accum == 1 else _pieces(batch, s.grad_accum))
             history.append(engine.stats)
             progress.update(step, engine.stats, s.tokens_per_step / engine.stats.time_s)
+            if val and (step == s.steps or (s.eval_every and step % s.eval_every == 0)):
+                evals.append((step, statistics.fmean(engine.evaluate(b) for b in val)))
+                progress.note(f"step {step}: validation loss {evals[-1][1]:.4f}")
     finally:
         progress.close()
         engine.close()      # hooks off; the model gets its (trained) parameters back
     t_end = time.perf_counter()
-    return _summarise(s, cfg, corpus, engine, history,
-                      setup_s=t_compile - t0, data_s=t_data - t_model, train_s=t_end - t_compile)
+    summary = _summarise(s, cfg, corpus, engine, history,
+                         setup_s=t_compile - t0, data_s=t_data - t_model, train_s=t_end - t_compile)
+    summary["val_losses"] = [{"step": st, "loss": v} for st, v in evals]
+    return summary
+
+
+def _pieces(batch: tuple[torch.Tensor, torch.Tensor], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``batch`` split into ``k`` equal micro-batches (gradient accumulation, and evaluation
+    under the same device memory)."""
+    return [tuple(t.contiguous() for t in piece) for piece in zip(*(t.chunk(k) for t in batch))]
 
 
 def seconds_since_process_start() -> float | None:
@@ -302,6 +338,13 @@ def summary_table(r: dict) -> str:
         ("time", f"setup {r['setup_s']:.1f} s (corpus {r['corpus_s']:.1f} s), train {r['train_s']:.1f} s"
                  + ("" if r["process_s"] is None else f", {r['process_s']:.1f} s since process start")),
     ]
+    if r.get("val_losses"):
+        v = r["val_losses"]
+        rows.insert(7, ("validation loss", f"{v[-1]['loss']:.3f} after step {v[-1]['step']} "
+                                           f"({r['settings']['eval_batches']} held-out batches, evaluate())"))
+    if r["settings"]["grad_accum"] > 1:
+        rows.insert(6, ("gradient accumulation", f"{r['settings']['grad_accum']} micro-batches of "
+                                                 f"{r['settings']['batch_size'] // r['settings']['grad_accum']} per step"))
     if r["skipped_steps"]:
         rows.append(("skipped steps (fp16 overflow)", str(r["skipped_steps"])))
     return tabulate(rows, tablefmt="outline")

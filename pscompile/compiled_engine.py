@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .batching import LossFn, signature, to_device
+from .batching import LossFn, micro_batches, signature, to_device
 from .capture import CapturedGraph, capture_joint
 from .config import AdamW, Config
 from .engine_base import ChunkEngine
@@ -64,6 +64,8 @@ class Scheduled:
     nonmodel: tuple[int, ...]          # per node of the captured graph (measured after warm-up)
     measured: bool
     passes: tuple[PassTiming, ...]
+    kind: str = "train"                # "train" | "accum" (a micro-batch of accumulation) | "eval"
+    os_device: frozenset[int] = frozenset()   # chunks whose optimizer states were on the device
 
 
 class _Runner(fx.Interpreter):
@@ -72,6 +74,9 @@ class _Runner(fx.Interpreter):
     def __init__(self, engine: "CompiledEngine", gm: fx.GraphModule, tracker: NonModelTracker, *,
                  measure: bool):
         super().__init__(gm, garbage_collect_values=True)
+        for n in gm.graph.nodes:          # a value nobody reads dies at once (fx keeps it to the end),
+            if not n.users and n.op not in ("output", "placeholder"):   # as estimate_nonmodel assumes
+                self.user_to_last_uses.setdefault(n, []).append(n)
         self.engine = engine
         self.tracker = tracker
         self.measure = measure                 # record each node's non-model bytes (warm-up step)
@@ -87,8 +92,8 @@ class _Runner(fx.Interpreter):
             return None
         if self.first_bwd_time is None and get(n, "phase") == "bwd":
             self.first_bwd_time = time.perf_counter()
-        if not self.measure:
-            return super().run_node(n)
+        if not self.measure or get(n, "param") is not None:   # parameter views allocate nothing (and are
+            return super().run_node(n)                         # rebuilt far from their captured place)
         self.tracker.start_window()
         out = super().run_node(n)
         src = get(n, "src_index")
@@ -106,55 +111,85 @@ class CompiledEngine(ChunkEngine):
             raise NotImplementedError("dtype=torch.float16 (dynamic loss scaling) is not wired into compiled mode "
                                       "yet; use dtype=torch.bfloat16 or mode='hooks'")
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
-        self._schedules: dict[tuple, Scheduled] = {}
+        self._captures: dict[tuple, _Captured] = {}   # (backward, training, signature) -> capture + analyses
+        self._measured: dict[tuple, tuple[int, ...]] = {}   # same key -> measured non-model curve
+        self._schedules: dict[tuple, Scheduled] = {}  # (kind, training, signature) -> schedule
+        self._warm: dict[tuple, Scheduled] = {}       # same key -> its warm variant (accum, eval)
+        self._last_key: tuple | None = None
         self._slots: list[torch.Tensor] = []
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._os_placed = False
+        self._acc: list[torch.Tensor] | None = None   # fp32 host gradient-accumulation chunks
         self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._lowered: dict[int, LoweredGraph] = {}   # id(scheduled gm) -> its lowering
+        self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
+        self.eval_bytes_moved: int | None = None
         try:
-            self._schedule_for(to_device(batch, self.device))
+            self._schedule_for(to_device(batch, self.device), "train")
         except BaseException:
             self.close()
             raise
 
     # ================================================================ planning
-    def _schedule_for(self, batch: Any) -> Scheduled:
-        sig = signature(batch)
-        sched = self._schedules.get(sig)
-        if sched is None:
-            t0 = time.perf_counter()
-            captured = capture_joint(self.model, batch, params=self.params, loss_fn=self.loss_fn,
-                                     param_dtype=self.dtype)
-            t1 = time.perf_counter()
-            uses = annotate_params(captured)
-            t2 = time.perf_counter()
-            curve = estimate_nonmodel(captured, uses, grads_stored_at=self._grad_store_points(captured, uses))
-            t3 = time.perf_counter()
-            timings = (PassTiming("capture_joint", t1 - t0, captured.summary),
-                       PassTiming("annotate_params", t2 - t1, uses.summary),
-                       PassTiming("estimate_nonmodel", t3 - t2, curve.summary))
-            nonmodel = tuple(curve.without_outputs)    # each gradient dies at its store_grad
-            if not self._os_placed:
-                self._place_optimizer_states(max(nonmodel))
-            sched = self._plan(captured, uses, nonmodel, measured=False, timings=timings)
-            self._schedules[sig] = sched
+    def _keys(self, batch: Any, kind: str) -> tuple[tuple, tuple]:
+        """(schedule key, capture key). Train and accumulation schedules share one joint capture;
+        evaluation has a forward-only capture. The model's train()/eval() mode is part of both
+        (dropout is captured as it is)."""
+        sig = (self.model.training,) + signature(batch)
+        return (kind,) + sig, (kind != "eval",) + sig
+
+    def _schedule_for(self, batch: Any, kind: str) -> Scheduled:
+        """The schedule of ``batch`` for ``kind`` ("train", "accum": a micro-batch of gradient
+        accumulation, "eval": forward only); captured and planned on first use."""
+        key, cap_key = self._keys(batch, kind)
+        sched = self._schedules.get(key)
+        if sched is not None:
+            return sched
+        cap = self._captures.get(cap_key)
+        if cap is None:
+            cap = self._capture(batch, backward=kind != "eval")
+            self._captures[cap_key] = cap
+        measured = self._measured.get(cap_key)
+        nonmodel = measured if measured is not None else cap.nonmodel
+        self._fit_optimizer_states(max(nonmodel))
+        sched = self._plan(cap, nonmodel, kind=kind, measured=measured is not None)
+        self._schedules[key] = sched
         return sched
 
-    def _place_optimizer_states(self, peak_nonmodel: int) -> None:
-        """Device-aware placement from the peak non-model bytes. When a measurement leaves less
-        margin than the estimate did, chunks whose states leave the device first write their
-        (device-updated) parameters home and give up their fixed slots."""
+    def _capture(self, batch: Any, *, backward: bool) -> "_Captured":
+        t0 = time.perf_counter()
+        captured = capture_joint(self.model, batch, params=self.params, loss_fn=self.loss_fn,
+                                 param_dtype=self.dtype, backward=backward)
+        t1 = time.perf_counter()
+        uses = annotate_params(captured)
+        t2 = time.perf_counter()
+        curve = estimate_nonmodel(captured, uses, grads_stored_at=self._grad_store_points(captured, uses))
+        t3 = time.perf_counter()
+        timings = (PassTiming("capture_joint" if backward else "capture_forward", t1 - t0, captured.summary),
+                   PassTiming("annotate_params", t2 - t1, uses.summary),
+                   PassTiming("estimate_nonmodel", t3 - t2, curve.summary))
+        return _Captured(captured, uses, tuple(curve.without_outputs), timings)   # grads die at store_grad
+
+    def _fit_optimizer_states(self, peak_nonmodel: int) -> None:
+        """Device-aware optimizer-state placement for the largest non-model peak of every
+        schedule (and ``peak_nonmodel``, a schedule about to be planned). The first placement
+        decides; later ones only move states off the device (a measurement, or a new batch shape,
+        that leaves less margin), and schedules planned for the old placement are planned again."""
+        peak = max([peak_nonmodel] + [max(s.nonmodel) for s in self._schedules.values()])
         n = self.layout.num_chunks
         if self.budget is None:
-            on_device = set(range(n))
+            count = n
         else:
             temp = _OPT_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
-            margin = self.budget - max(peak_nonmodel, temp) - n * self.store.param_chunk_bytes
-            on_device = set(range(max(0, min(n, margin // self.store.os_chunk_bytes))))
-        for k, c in list(self._slot_chunk.items()):
+            margin = self.budget - max(peak, temp) - n * self.store.param_chunk_bytes
+            count = max(0, min(n, margin // self.store.os_chunk_bytes))
+        now = sum(t is Tier.DEVICE for t in self.store.os_tier)
+        if self._os_placed and count >= now:
+            return
+        on_device = set(range(count))
+        for k, c in list(self._slot_chunk.items()):     # states leaving the device: params go home
             if c not in on_device:
                 if self.store.dirty[c]:
                     self.store.host_param[c].copy_(self._slots[k])
@@ -163,6 +198,21 @@ class CompiledEngine(ChunkEngine):
         self.store.place_optimizer_states(on_device)
         self.link.reset()
         self._os_placed = True
+        for key, s in list(self._schedules.items()):    # planned for the old placement
+            self._replan(key, s.nonmodel, measured=s.measured)
+
+    def _os_device_chunks(self) -> frozenset[int]:
+        return frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
+
+    def _replan(self, key: tuple, nonmodel: tuple[int, ...], *, measured: bool) -> Scheduled:
+        old = self._schedules[key]
+        self._lowered.pop(id(old.gm), None)
+        warm = self._warm.pop(key, None)
+        if warm is not None:
+            self._lowered.pop(id(warm.gm), None)
+        cap = self._captures[(old.kind != "eval",) + key[1:]]
+        self._schedules[key] = new = self._plan(cap, nonmodel, kind=old.kind, measured=measured)
+        return new
 
     @staticmethod
     def _grad_store_points(captured: CapturedGraph, uses) -> dict[str, int]:
@@ -176,8 +226,13 @@ class CompiledEngine(ChunkEngine):
             out[fqn] = max(index[grad_node], last if last is not None else 0)
         return out
 
-    def _plan(self, captured: CapturedGraph, uses, nonmodel: tuple[int, ...], *, measured: bool,
-              timings: tuple[PassTiming, ...]) -> Scheduled:
+    def _plan(self, cap: "_Captured", nonmodel: tuple[int, ...], *, kind: str, measured: bool,
+              start: dict[int, int] | None = None) -> Scheduled:
+        """Plan one schedule. Accumulation and evaluation runs update nothing, so they keep clean
+        chunks resident at the end for the next run; ``start`` (chunk -> slot) plans the warm
+        variant, which starts from that residency and ends with it again."""
+        captured, uses = cap.captured, cap.uses
+        warm_capable = kind in ("accum", "eval")
         nodes = list(captured.gm.graph.nodes)
         reads = []
         for n in nodes:
@@ -193,14 +248,15 @@ class CompiledEngine(ChunkEngine):
             e = self.layout.entry(fqn)
             stores.setdefault(at, []).append(GradStore(e.pieces[0].chunk, fqn, e.pieces[0].chunk_offset,
                                                        e.numel * elsize))
-        os_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
+        os_dev = self._os_device_chunks()
         os_bytes = self.store.dev_os_pool.bytes_in_use
         t0 = time.perf_counter()
         try:
             plan = plan_residency(reads, nonmodel, stores=stores, num_chunks=self.layout.num_chunks,
                                   slot_bytes=self.store.param_chunk_bytes, budget=self.budget,
                                   os_device_chunks=os_dev, os_device_bytes=os_bytes,
-                                  describe_node=lambda i: _describe(nodes[i]))
+                                  accumulate=kind == "accum", start=start, keep_at_end=warm_capable,
+                                  end=start, describe_node=lambda i: _describe(nodes[i]))
         except ResidencyError as e:
             from .hooks_engine import BudgetError
             raise BudgetError(f"{e} (device_memory={format_bytes(self.budget)}; give device_memory >= "
@@ -215,15 +271,16 @@ class CompiledEngine(ChunkEngine):
                                grad_fqns=captured.grad_fqns, compute_dtype=self.dtype)
         t2 = time.perf_counter()
         report = verify_schedule(gm, self.layout, slot_bytes=self.store.param_chunk_bytes, budget=self.budget,
-                                 initial=dict(plan.initial), os_device_chunks=os_dev, os_device_bytes=os_bytes)
+                                 initial=dict(plan.initial), os_device_chunks=os_dev, os_device_bytes=os_bytes,
+                                 final=dict(plan.final) if warm_capable else None)
         t3 = time.perf_counter()
-        timings = timings + (PassTiming("plan_residency", t1 - t0, plan.summary(self.budget)),
-                             PassTiming("prefetch_fetches", t1b - t1, prefetch.summary),
-                             PassTiming("insert_memory_ops", t2 - t1b,
-                                        f"insert_memory_ops: {report.num_memory_nodes} memory nodes"),
-                             PassTiming("verify_schedule", t3 - t2, report.summary(self.budget)))
+        timings = cap.timings + (PassTiming("plan_residency", t1 - t0, plan.summary(self.budget)),
+                                 PassTiming("prefetch_fetches", t1b - t1, prefetch.summary),
+                                 PassTiming("insert_memory_ops", t2 - t1b,
+                                            f"insert_memory_ops: {report.num_memory_nodes} memory nodes"),
+                                 PassTiming("verify_schedule", t3 - t2, report.summary(self.budget)))
         self._ensure_slots(plan)
-        return Scheduled(captured, plan, gm, nonmodel, measured, timings)
+        return Scheduled(captured, plan, gm, nonmodel, measured, timings, kind, os_dev)
 
     def _ensure_slots(self, plan: ResidencyPlan) -> None:
         cs = self.layout.chunk_size
@@ -231,17 +288,52 @@ class CompiledEngine(ChunkEngine):
             self._slots.append(torch.empty(cs, dtype=self.dtype, device=self.device))
         self._slot_ptrs = {s.untyped_storage().data_ptr() for s in self._slots}
         for c, k in plan.initial:                  # device-updated chunks live in fixed slots
+            if self.store.os_tier[c] is not Tier.DEVICE:
+                continue                           # a warm start: the previous run left it there
             if self._slot_chunk.get(k) != c:
                 self._slots[k].copy_(self.store.host_param[c])
                 self.store.attach(c, self._slots[k])
                 self._slot_chunk[k] = c
         self.link.reset()
 
+    def _runnable(self, batch: Any, kind: str) -> Scheduled:
+        """The schedule to run now: the warm variant when the chunks resident now are the ones it
+        starts from (the previous run of this loop left them), else the cold one, after dropping
+        leftover chunks (clean: no bytes move)."""
+        cold = self._schedule_for(batch, kind)
+        key = self._keys(batch, kind)[0]
+        warm = self._warm.get(key)
+        if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
+            cap = self._captures[(kind != "eval",) + key[1:]]
+            warm = self._warm[key] = self._plan(cap, cold.nonmodel, kind=kind, measured=True,
+                                                start=dict(cold.plan.final))
+        if warm is not None and self._residency() == dict(warm.plan.initial):
+            return warm
+        self._settle()
+        return cold
+
+    def _residency(self) -> dict[int, int]:
+        """chunk -> slot of the chunks on the device now."""
+        for k, c in list(self._slot_chunk.items()):
+            if not self.store.resident(c):             # dropped behind our back (load_state_dict)
+                del self._slot_chunk[k]
+        return {c: k for k, c in self._slot_chunk.items()}
+
+    def _settle(self) -> None:
+        """Back to the start of a cold run: only chunks whose optimizer states live on the device
+        stay. The others are clean here (warm runs update nothing), so they are dropped, not copied."""
+        for c, k in self._residency().items():
+            if self.store.os_tier[c] is not Tier.DEVICE:
+                assert not self.store.dirty[c], f"chunk {c} left dirty on the device by a warm run"
+                self.store.detach(c)
+                del self._slot_chunk[k]
+
     # ================================================================ running
     def _run_memory_node(self, mem, args) -> None:
         """Perform one memory node. Copies go to the transfer queue (in order); only a fetch with
         a ``wait`` returns before its copy is done: everything else is waited for at once, except
-        writebacks and host-side gradient stores, which nothing reads before the queue drains."""
+        writebacks and host-side gradient stores, which nothing reads before the queue drains.
+        An accumulate_grad waits for its copy, so the gradient dies where the plan says."""
         store, q = self.store, self._queue
         if mem.kind == "fetch":
             slot, host = args
@@ -263,6 +355,13 @@ class CompiledEngine(ChunkEngine):
             store.detach(mem.chunk)
             self.link.traffic.num_evictions += 1
             del self._slot_chunk[mem.slot]
+        elif mem.kind == "accumulate_grad":
+            acc, grad, offset = args
+            target = acc[offset:offset + grad.numel()].view(grad.shape)
+            host = torch.empty(grad.shape, dtype=grad.dtype)            # the gradient crosses the link
+            q.submit(host, grad, "d2h").result()
+            target.add_(host)                                           # fp32 += compute dtype, on the host
+            self._written.add(mem.fqn)
         else:
             dest, grad, offset = args
             target = dest[offset:offset + grad.numel()].view(grad.shape)   # strided grads: no temporary
@@ -279,21 +378,20 @@ class CompiledEngine(ChunkEngine):
     def _is_model_storage(self, ptr: int) -> bool:
         return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
 
-    def step(self, batch: Any) -> float:
-        """Run the scheduled graph, then the chunk-wise optimizer; returns the loss."""
-        self._check_open()
+    def _run_graph(self, sched: Scheduled, batch: Any, acc: list[torch.Tensor] | None) -> "_GraphRun":
+        """Run one scheduled graph (memory nodes as planned) and check the bytes it moved against
+        the plan. On failure, stored gradients are undone and slots reset to the plan's start."""
         t_start = time.perf_counter()
-        batch = to_device(batch, self.device)
-        sched = self._schedule_for(batch)
         self.link.reset()
-        scale = self.scaler.scale if self.scaler is not None else 1.0
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
                                   exact_windows=not sched.measured)
-        inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param,
-                  *[self._buffer(f) for f in sched.captured.buffer_fqns], *sched.captured.flatten_batch(batch)]
-        for t in inputs[sched.plan.num_slots + self.layout.num_chunks:]:
+        accs = acc if any(a.kind == "accumulate_grad" for a in sched.plan.actions) else []
+        model_inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param, *accs]
+        rest = [*[self._buffer(f) for f in sched.captured.buffer_fqns], *sched.captured.flatten_batch(batch)]
+        for t in rest:
             tracker.add_tensor(t)
         tracker.reset_peaks()
+        inputs = model_inputs + rest
         self._written: set[str] = set()
         lowered = self._lowered_for(sched)       # None: the warm-up step (per-node memory) or backend eager
         runner = _Runner(self, sched.gm, tracker, measure=not sched.measured) if lowered is None else None
@@ -311,6 +409,7 @@ class CompiledEngine(ChunkEngine):
                         with tracker.paused():
                             self._run_memory_node(get(n, "mem"), args)
                         tracker.sample_now()
+
                     def count(values) -> None:   # compiled code allocates outside Python dispatch
                         for v in values:
                             if isinstance(v, torch.Tensor):
@@ -320,31 +419,100 @@ class CompiledEngine(ChunkEngine):
         except BaseException:
             self._queue.flush()
             self._in_flight.clear()
-            self._recover()
+            self._recover(restore=acc is None)
             raise
-        moved = (self.link.traffic.h2d_bytes, self.link.traffic.d2h_bytes)
+        traffic = self.link.reset()
+        moved = (traffic.h2d_bytes, traffic.d2h_bytes)
         if moved != (sched.plan.h2d_bytes, sched.plan.d2h_bytes):
+            self._recover(restore=acc is None)
             raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes, the schedule planned "
                                f"{(sched.plan.h2d_bytes, sched.plan.d2h_bytes)}")
-        t_graph = time.perf_counter()
-        loss_value = float(loss.detach().float())
-        with tracker:
-            skipped = self._optimizer_step(self._written, scale, tracker)
         t_end = time.perf_counter()
-        traffic = self.link.reset()
-        if not sched.measured:
-            self._remeasure(batch, sched, runner.samples)
-        t_bwd = (runner.first_bwd_time if runner is not None else (first_bwd_time or [None])[0]) or t_graph
-        self.stats = StepStats(
-            loss=loss_value, h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
-            disk_read_bytes=0, disk_write_bytes=0, peak_device_bytes=tracker.peak_total,
-            peak_device_model_bytes=tracker.peak_model, peak_nonmodel_bytes=tracker.peak_nonmodel,
-            num_fetches=traffic.num_fetches, num_evictions=traffic.num_evictions, allgather_bytes=0,
-            reduce_scatter_bytes=0, skipped=skipped, loss_scale=scale, time_s=t_end - t_start,
-            forward_s=t_bwd - t_start, backward_s=t_graph - t_bwd, optimizer_s=t_end - t_graph,
-            transfer_s=traffic.transfer_s)
+        t_bwd = (runner.first_bwd_time if runner is not None else (first_bwd_time or [None])[0]) or t_end
+        return _GraphRun(loss.detach(), tracker, traffic, t_bwd - t_start, t_end - t_bwd,
+                         runner.samples if runner is not None and runner.measure else None)
+
+    def step(self, batch: Any) -> float:
+        """Run the scheduled graph, then the chunk-wise optimizer; returns the loss.
+
+        ``batch`` may be a list of micro-batches (tuples or dicts): each runs its accumulation
+        schedule, whose gradients are added into fp32 chunks on the host, then one update follows
+        with the mean gradient (like ``(loss / k).backward()`` per micro-batch in plain PyTorch);
+        the mean loss is returned."""
+        self._check_open()
+        t_start = time.perf_counter()
+        micro = micro_batches(batch)
+        batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
+        acc = self._accumulation_chunks() if micro is not None else None
+        kind = "train" if micro is None else "accum"
+        k = len(batches)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        runs: list[_GraphRun] = []
+        measured: dict[tuple, tuple[Any, Scheduled, dict[int, int]]] = {}
+        written: set[str] = set()
+        try:
+            for b in batches:
+                sched = self._runnable(b, kind)
+                run = self._run_graph(sched, b, acc)
+                runs.append(run)
+                written |= self._written
+                if run.samples is not None:
+                    measured.setdefault(self._keys(b, kind)[0], (b, sched, run.samples))
+            t_graph = time.perf_counter()
+            self._settle()               # accumulation left clean chunks resident; updates need them home
+            losses = [float(r.loss.float()) for r in runs]
+            tracker = runs[-1].tracker
+            with tracker:
+                skipped = self._optimizer_step(written, scale * k, tracker, grads=acc)
+        finally:
+            if acc is not None:
+                for a in acc:
+                    a.zero_()
+        t_end = time.perf_counter()
+        opt_traffic = self.link.reset()
+        for key, (b, sched, samples) in measured.items():
+            self._remeasure(key, sched, samples)
         self.last_plan = sched.plan
-        return loss_value
+        self._last_key = self._keys(batches[-1], kind)[0]
+        self.stats = StepStats(
+            loss=sum(losses) / k,
+            h2d_bytes=sum(r.traffic.h2d_bytes for r in runs) + opt_traffic.h2d_bytes,
+            d2h_bytes=sum(r.traffic.d2h_bytes for r in runs) + opt_traffic.d2h_bytes,
+            disk_read_bytes=0, disk_write_bytes=0,
+            peak_device_bytes=max(r.tracker.peak_total for r in runs),
+            peak_device_model_bytes=max(r.tracker.peak_model for r in runs),
+            peak_nonmodel_bytes=max(r.tracker.peak_nonmodel for r in runs),
+            num_fetches=sum(r.traffic.num_fetches for r in runs) + opt_traffic.num_fetches,
+            num_evictions=sum(r.traffic.num_evictions for r in runs) + opt_traffic.num_evictions,
+            allgather_bytes=0, reduce_scatter_bytes=0, skipped=skipped, loss_scale=scale,
+            time_s=t_end - t_start, forward_s=sum(r.forward_s for r in runs),
+            backward_s=sum(r.backward_s for r in runs), optimizer_s=t_end - t_graph,
+            transfer_s=sum(r.traffic.transfer_s for r in runs) + opt_traffic.transfer_s)
+        return self.stats.loss
+
+    def evaluate(self, batch: Any) -> float:
+        """The loss of ``batch`` from a forward pass only: no gradients, no update. It runs its own
+        forward-only schedule (captured, planned, measured and lowered like a training step's, under
+        the same budget). Like plain PyTorch, dropout follows the model's train()/eval() mode."""
+        self._check_open()
+        batch = to_device(batch, self.device)
+        sched = self._runnable(batch, "eval")
+        with torch.no_grad():
+            run = self._run_graph(sched, batch, None)
+        value = float(run.loss.float())
+        if run.samples is not None:
+            self._remeasure(self._keys(batch, "eval")[0], sched, run.samples)
+        self.eval_peak_device_bytes = run.tracker.peak_total
+        self.eval_bytes_moved = run.traffic.h2d_bytes + run.traffic.d2h_bytes
+        self.eval_plan = sched.plan
+        return value
+
+    def _accumulation_chunks(self) -> list[torch.Tensor]:
+        """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
+        if self._acc is None:
+            self._acc = [torch.zeros(self.layout.chunk_size, dtype=torch.float32)
+                         for _ in range(self.layout.num_chunks)]
+        return self._acc
 
     def _lowered_for(self, sched: Scheduled) -> LoweredGraph | None:
         """The Inductor lowering of a measured schedule (compiled once per schedule; regions are
@@ -367,23 +535,23 @@ class CompiledEngine(ChunkEngine):
                 out.add(n)
         return frozenset(out)
 
-    def _remeasure(self, batch: Any, sched: Scheduled, samples: dict[int, int]) -> None:
-        """Replace the static non-model estimate by the measured one and plan again."""
-        nodes = list(sched.captured.gm.graph.nodes)
-        measured = tuple(samples.get(i, 0) for i in range(len(nodes)))
-        uses = annotate_params(sched.captured)
-        os_now = sum(t is Tier.DEVICE for t in self.store.os_tier)
-        self._place_optimizer_states(max(measured))
-        if sum(t is Tier.DEVICE for t in self.store.os_tier) > os_now:
-            self.store.place_optimizer_states(range(os_now))   # never grow the device share here
-        self._lowered.pop(id(sched.gm), None)
-        self._schedules[signature(batch)] = new = self._plan(sched.captured, uses, measured, measured=True,
-                                                             timings=sched.passes[:3])
-        self._lowered_for(new)                   # compile the regions now, not inside the next step
+    def _remeasure(self, key: tuple, sched: Scheduled, samples: dict[int, int]) -> None:
+        """Replace the static non-model estimate by the measured one and plan again (every
+        schedule of the same capture: train and accumulation share it)."""
+        cap_key = (sched.kind != "eval",) + key[1:]
+        static = self._captures[cap_key].nonmodel     # kept where nothing runs: placeholders, output,
+        measured = tuple(samples.get(i, est) for i, est in enumerate(static))   # parameter views
+        self._measured[cap_key] = measured
+        self._fit_optimizer_states(max(measured))     # first: the new curve may leave less margin
+        for other, s in list(self._schedules.items()):
+            if (s.kind != "eval",) + other[1:] == cap_key:
+                self._replan(other, measured, measured=True)
+        self._lowered_for(self._schedules[key])   # compile the regions now, not inside the next step
 
-    def _recover(self) -> None:
-        """After a failed graph run: undo stored gradients, put slots back to the plan's start."""
-        touched = {c for f in self._written for c in self.layout.entry(f).chunks}
+    def _recover(self, *, restore: bool = True) -> None:
+        """After a failed graph run: undo stored gradients (``restore``; accumulation leaves the
+        parameters intact), put slots back to the plan's start."""
+        touched = {c for f in self._written for c in self.layout.entry(f).chunks} if restore else set()
         for k, c in list(self._slot_chunk.items()):
             if self.store.os_tier[c] is not Tier.DEVICE:
                 self.store.detach(c)
@@ -412,11 +580,42 @@ class CompiledEngine(ChunkEngine):
 
     @property
     def schedule(self) -> Schedule:
-        """The schedule of the most recent batch shape: ``print`` it, ``.table()``, ``.save(folder)``."""
-        sched = next(reversed(self._schedules.values()))
+        """The schedule most recently run (else planned): ``print`` it, ``.table()``, ``.save(folder)``.
+        ``schedule_of(batch, kind)`` gives another one."""
+        key = self._last_key if self._last_key in self._schedules else next(reversed(self._schedules))
+        return self._as_schedule(self._schedules[key])
+
+    def schedule_of(self, batch: Any, kind: str = "train") -> Schedule:
+        """The schedule for ``batch``: kind "train", "accum" (one micro-batch of gradient
+        accumulation) or "eval" (forward only); planned now if it does not exist yet."""
+        if kind not in ("train", "accum", "eval"):
+            raise ValueError(f"kind={kind!r}; use 'train', 'accum' or 'eval'")
+        return self._as_schedule(self._schedule_for(to_device(batch, self.device), kind))
+
+    def _as_schedule(self, sched: Scheduled) -> Schedule:
         return Schedule(sched, layout=self.layout, budget=self.budget, slot_bytes=self.store.param_chunk_bytes,
                         os_device_bytes=self.store.dev_os_pool.bytes_in_use, dtype=self.dtype,
                         model=model_summary(self.model))
+
+
+@dataclass(frozen=True)
+class _Captured:
+    """A captured graph with the analyses every schedule of it starts from."""
+
+    captured: CapturedGraph
+    uses: Any                           # annotate_params' ParamUses
+    nonmodel: tuple[int, ...]           # static estimate, gradients dying at their store points
+    timings: tuple[PassTiming, ...]
+
+
+@dataclass(frozen=True)
+class _GraphRun:
+    loss: torch.Tensor
+    tracker: NonModelTracker
+    traffic: Any                        # tiers.Traffic of the graph run
+    forward_s: float
+    backward_s: float
+    samples: dict[int, int] | None      # measured non-model bytes per captured node (warm-up run)
 
 
 def _describe(node: fx.Node) -> str:

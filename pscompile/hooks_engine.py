@@ -110,6 +110,8 @@ class HooksEngine(ChunkEngine):
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
         self._eval_plans: dict[tuple, AccessPlan] = {}  # forward-only moments, per batch signature
         self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
+        self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
+        self.eval_bytes_moved: int | None = None
         self.stats: StepStats | None = None
         try:
             self._plan_for(batch)
@@ -361,7 +363,8 @@ class HooksEngine(ChunkEngine):
         for f in self.params:
             self.states[f] = TensorState.HOLD
         t1 = time.perf_counter()
-        (loss * scale if scale != 1.0 else loss).backward()
+        (loss * scale).backward()     # also at scale 1.0: the trace then holds the same scalar as a
+                                      # scaled (fp16) or accumulating (1/k) step
         del loss
         self._end_bwd_node()
         self._moment("bwd_end", "", ())
@@ -395,7 +398,8 @@ class HooksEngine(ChunkEngine):
         with self._pass_scope(ps):
             value = self._forward_only(ps, batch)
         self.eval_peak_device_bytes = ps.tracker.peak_total
-        self.link.reset()
+        traffic = self.link.reset()
+        self.eval_bytes_moved = traffic.h2d_bytes + traffic.d2h_bytes
         return value
 
     def _plan_for(self, batch: Any) -> AccessPlan:

@@ -9,6 +9,8 @@ is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
     drop(slot)                         (nothing moves)         the slot's chunk is no longer on the device
     store_grad(dest!, grad, offset)    dest[offset:] <- grad   a gradient overwrites its parameter's chunk space
     wait(slot)                         (nothing moves)         an asynchronous fetch into slot has landed
+    accumulate_grad(acc!, grad, offset) acc[offset:] += grad   a micro-batch's gradient is added into its
+                                                               chunk's fp32 accumulation buffer on the host
 
 Run eagerly, every op completes at once (``wait`` does nothing); the executor runs a fetch that
 has a ``wait`` asynchronously (prefetch) and blocks at the ``wait``.
@@ -75,9 +77,19 @@ def _(slot):
     return None
 
 
+@torch.library.custom_op("pscompile::accumulate_grad", mutates_args=("acc",))
+def accumulate_grad(acc: Tensor, grad: Tensor, offset: int) -> None:
+    acc[offset:offset + grad.numel()].view(grad.shape).add_(grad)
+
+
+@accumulate_grad.register_fake
+def _(acc, grad, offset):
+    return None
+
+
 MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
               torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default,
-              torch.ops.pscompile.wait.default)
+              torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default)
 for _op in MEMORY_OPS:
     torch.fx.has_side_effect(_op)
 
@@ -86,13 +98,13 @@ for _op in MEMORY_OPS:
 class MemOp:
     """What one memory node does, for printing, verification and accounting."""
 
-    kind: str            # "fetch" | "writeback" | "drop" | "store_grad"
+    kind: str            # "fetch" | "writeback" | "drop" | "store_grad" | "wait" | "accumulate_grad"
     chunk: int
-    slot: int | None     # device slot index (None: store_grad into a chunk on the host)
+    slot: int | None     # device slot index (None: store_grad into a chunk on the host, accumulate_grad)
     src: str             # tier read: "host" | "device" | "-"
     dst: str             # tier written
     nbytes: int          # bytes copied between tiers (0 for drop and device-side store_grad)
-    fqn: str | None = None  # store_grad: the parameter
+    fqn: str | None = None  # store_grad, accumulate_grad: the parameter
     asynchronous: bool = False  # fetch: started early (prefetch); a wait node marks where it must have landed
 
     def describe(self) -> str:

@@ -4,7 +4,7 @@
 traces are the model): which passes ran and what each reported, the budget, the planned traffic,
 and a trailing comment on every memory node::
 
-    # pscompile schedule (compiled mode)
+    # pscompile schedule (compiled mode, training iteration)
     # model:  GPT(n_layer=2, n_head=2, d_model=64, vocab_size=256, seq_len=64, ...)
     # layout: 28 tensors, 120,576 params in 8 chunks of 17,408 elements (86.6% utilised); float32
     # budget: device_memory 3.0 MiB (3,145,728 B); planned peak 3.0 MiB at mm_1 (model 544.0 KiB + ...
@@ -244,7 +244,9 @@ class Schedule:
         dtype = str(self.dtype).replace("torch.", "")
         peak = self.peak
         budget = "unlimited" if self.budget is None else f"{format_bytes(self.budget)} ({self.budget:,} B)"
-        lines = ["pscompile schedule (compiled mode)"]
+        what = {"train": "training iteration", "accum": "one micro-batch of gradient accumulation",
+                "eval": "evaluation, forward only"}.get(getattr(self.scheduled, "kind", "train"), "")
+        lines = [f"pscompile schedule (compiled mode, {what})"]
         if self.model:
             lines.append(f"model:  {self.model}")
         lines.append(f"layout: {self.layout.describe()}; {dtype}; "
@@ -264,7 +266,8 @@ class Schedule:
                          "(replaced by the measured curve after the first step)")
         fetches = counts.get("fetch", 0)
         prefetched = sum(1 for r in mem_rows if r.mem.kind == "fetch" and r.mem.asynchronous)
-        host_grads = sum(1 for r in mem_rows if r.mem.kind == "store_grad" and r.mem.slot is None)
+        host_grads = sum(1 for r in mem_rows if r.mem.kind in ("store_grad", "accumulate_grad")
+                         and r.mem.slot is None)
         lines.append(f"planned traffic per iteration: h2d {format_bytes(plan.h2d_bytes)} ({fetches} fetches"
                      + (f", {prefetched} started early" if prefetched else "") + f"), d2h "
                      f"{format_bytes(plan.d2h_bytes)} ({counts.get('writeback', 0)} writebacks, {host_grads} "
@@ -474,6 +477,9 @@ def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
         return f"writeback chunk {mem.chunk} <- slot {mem.slot} ({mem.src}->{mem.dst}), {b}"
     if mem.kind == "drop":
         return f"evict chunk {mem.chunk} from slot {mem.slot} (device, slot freed), {b} moved"
+    if mem.kind == "accumulate_grad":
+        return (f"accumulate_grad {mem.fqn} += into the fp32 accumulation buffer of chunk {mem.chunk} "
+                f"({mem.src}->{mem.dst}), {b} moved")
     if mem.kind == "store_grad":
         grad = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], fx.Node) else None
         val = grad.meta.get("val") if grad is not None else None
@@ -490,7 +496,7 @@ def _signature(names: list[str]) -> str:
     i = 0
     while i < len(names):
         prefix, _, num = names[i].rpartition("_")
-        if prefix in ("slot", "host") and num.isdigit():
+        if prefix in ("slot", "host", "acc") and num.isdigit():
             j = i
             while j + 1 < len(names) and names[j + 1] == f"{prefix}_{int(num) + (j + 1 - i)}":
                 j += 1

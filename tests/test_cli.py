@@ -92,7 +92,9 @@ def test_parser_has_train_with_documented_defaults():
 
 @pytest.mark.parametrize("flags, field", [(["--steps", "0"], "--steps"), (["--lr", "-1"], "--lr"),
                                            (["--d-model", "64", "--n-head", "3"], "--n-head"),
-                                           (["--json", "/no-such-folder/out.json"], "--json")])
+                                           (["--json", "/no-such-folder/out.json"], "--json"),
+                                           (["--batch-size", "6", "--grad-accum", "4"], "--grad-accum"),
+                                           (["--eval-batches", "-1"], "--eval-batches")])
 def test_bad_flags_exit_2_naming_the_flag(flags, field, capsys):
     assert main(["train", "--model", "gpt-tiny", *flags]) == 2
     assert field in capsys.readouterr().err
@@ -115,6 +117,21 @@ def test_train_runs_prints_summary_and_writes_json(tmp_path):
     assert s["steps"] == 3 and len(s["losses"]) == 3 and s["budget_bytes"] == 4 * 2**20
     assert s["peak_device_bytes"] <= s["budget_bytes"] and s["within_budget"]
     assert s["model"]["preset"] == "gpt-tiny" and s["model"]["vocab_size"] == 256
+    assert [v["step"] for v in s["val_losses"]] == [3] and "| validation loss " in r.stdout
+
+
+@pytest.mark.parametrize("mode", ["hooks", "compiled"])
+def test_train_with_gradient_accumulation_and_validation(mode):
+    """--grad-accum splits each step's batch into micro-batches: the same losses as one batch in
+    fp32 (the mean gradient is the same), and validation runs every --eval-every steps."""
+    common = dict(model="gpt-tiny", steps=4, batch_size=4, seq_len=32, progress=False, log_every=0,
+                  mode=mode, backend="eager", device_memory="4MiB", eval_batches=2)
+    whole = run_train(TrainSettings(**common))
+    accum = run_train(TrainSettings(**common, grad_accum=2, eval_every=2))
+    assert accum["losses"] == pytest.approx(whole["losses"], rel=1e-5)
+    assert [v["step"] for v in accum["val_losses"]] == [2, 4]
+    assert accum["val_losses"][-1]["loss"] == pytest.approx(whole["val_losses"][-1]["loss"], rel=1e-4)
+    assert accum["within_budget"] and accum["peak_device_bytes"] <= whole["peak_device_bytes"]
 
 
 def test_default_budget_evicts_chunks_every_step():

@@ -19,7 +19,7 @@ def test_inspect_prints_the_header_and_saves_the_schedule(tmp_path):
     out = tmp_path / "sched"
     r = _inspect(*TINY, "--device-memory", "2MiB", "--out", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("# pscompile schedule (compiled mode)")
+    assert r.stdout.startswith("# pscompile schedule (compiled mode, training iteration)")
     for name in ("capture_joint", "plan_residency", "insert_memory_ops", "verify_schedule"):
         assert f"#   {name} " in r.stdout
     assert "memory nodes (" in r.stdout and "pscompile.fetch" in r.stdout and "host->device" in r.stdout

@@ -192,10 +192,12 @@ def measure(c: CapturedGraph, model: nn.Module, batch, *, dtype=None, stored_at=
     feed = ps + [buffers[f].clone() for f in c.buffer_fqns] + [t.clone() for t in c.flatten_batch(batch)]
     for i in range(len(ps), len(feed)):               # batch and buffers exist from the start
         tracker.add_tensor(feed[i])
+    held = feed[len(ps):]               # the caller holds the batch and the model its buffers throughout
     run = MeasuredRun(c, feed, tracker, stored_at=stored_at)
     del feed
     with torch.no_grad():
         run.run()
+    del held
     return run.curve
 
 
@@ -223,10 +225,10 @@ def test_static_curve_matches_measured_gpt(gpt):
     # node 0 is a parameter placeholder: only the batch is live
     batch_bytes = sum(t.untyped_storage().nbytes() for t in c.flatten_batch(batch))
     assert est.bytes[0] == batch_bytes
-    # at the output: the loss and every gradient
+    # at the output: the loss, every gradient, and the batch (its caller still holds it)
     grad_bytes = sum(p.numel() * p.element_size() for f, p in model.named_parameters() if f in c.grad_fqns)
-    assert est.outputs_bytes[-1] == grad_bytes and est.bytes[-1] == grad_bytes + 4
-    assert est.without_outputs[-1] == 4 and est.curve_without_outputs is est.without_outputs
+    assert est.outputs_bytes[-1] == grad_bytes and est.bytes[-1] == grad_bytes + 4 + batch_bytes
+    assert est.without_outputs[-1] == 4 + batch_bytes and est.curve_without_outputs is est.without_outputs
     assert all(w <= b and b - w <= o for b, w, o in zip(est.bytes, est.without_outputs, est.outputs_bytes))
 
 
