@@ -59,6 +59,9 @@ def micro_batches(batch: Any) -> list | None:
     A list whose items are all tuples or dicts is a list of micro-batches (``engine.step([b1, b2,
     b3, b4])`` accumulates over four); any other batch, including a list of tensors, is one batch.
     """
-    if isinstance(batch, list) and batch and all(isinstance(b, (tuple, dict)) for b in batch):
+    if isinstance(batch, list) and not batch:
+        raise ValueError("step() got an empty list; pass one batch, or a list of micro-batches (tuples or "
+                         "dicts) to accumulate over")
+    if isinstance(batch, list) and all(isinstance(b, (tuple, dict)) for b in batch):
         return batch
     return None

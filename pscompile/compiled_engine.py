@@ -119,7 +119,6 @@ class CompiledEngine(ChunkEngine):
         self._slots: list[torch.Tensor] = []
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._os_placed = False
-        self._acc: list[torch.Tensor] | None = None   # fp32 host gradient-accumulation chunks
         self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
@@ -506,13 +505,6 @@ class CompiledEngine(ChunkEngine):
         self.eval_bytes_moved = run.traffic.h2d_bytes + run.traffic.d2h_bytes
         self.eval_plan = sched.plan
         return value
-
-    def _accumulation_chunks(self) -> list[torch.Tensor]:
-        """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
-        if self._acc is None:
-            self._acc = [torch.zeros(self.layout.chunk_size, dtype=torch.float32)
-                         for _ in range(self.layout.num_chunks)]
-        return self._acc
 
     def _lowered_for(self, sched: Scheduled) -> LoweredGraph | None:
         """The Inductor lowering of a measured schedule (compiled once per schedule; regions are

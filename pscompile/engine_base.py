@@ -87,9 +87,16 @@ class ChunkEngine:
         self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
                        if self.dtype == torch.float16 else None)
         self._move_buffers()
+        self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
         self.stats = None
         self.closed = False
 
+    def _accumulation_chunks(self) -> list[torch.Tensor]:
+        """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
+        if self._acc is None:
+            self._acc = [torch.zeros(self.layout.chunk_size, dtype=torch.float32)
+                         for _ in range(self.layout.num_chunks)]
+        return self._acc
 
     def _run_model(self, model: nn.Module, batch: Any) -> Any:
         return call_model(model, batch)

@@ -109,7 +109,6 @@ class HooksEngine(ChunkEngine):
         self._traces: dict[tuple, AccessPlan] = {}   # batch signature -> forward/backward moments
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
         self._eval_plans: dict[tuple, AccessPlan] = {}  # forward-only moments, per batch signature
-        self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
         self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
         self.eval_bytes_moved: int | None = None
         self.stats: StepStats | None = None
@@ -567,13 +566,6 @@ class HooksEngine(ChunkEngine):
             skipped=skipped, loss_scale=scale, time_s=t_end - t_start, forward_s=fwd_s,
             backward_s=bwd_s, optimizer_s=t_end - t_opt, transfer_s=traffic.transfer_s)
         return loss
-
-    def _accumulation_chunks(self) -> list[torch.Tensor]:
-        """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
-        if self._acc is None:
-            self._acc = [torch.zeros(self.layout.chunk_size, dtype=torch.float32)
-                         for _ in range(self.layout.num_chunks)]
-        return self._acc
 
     def _undo_gradients(self, ps: _Pass) -> None:
         """After a failed pass: gradients already written over parameters are undone."""

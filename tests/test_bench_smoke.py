@@ -58,3 +58,22 @@ def test_foundation_quick(tmp_path):
             assert r["params_per_s"] > 0 and 0 < r["fraction_of_copy_bandwidth"]
 
     assert "| " in proc.stdout     # --markdown printed GitHub tables
+
+
+def test_loops_quick(tmp_path):
+    """bench/loops.py --quick: accumulation and evaluate rows exist, match plain PyTorch, stay
+    within the budget, and the budget is one the whole batch would not fit in."""
+    out = tmp_path / "loops.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "loops.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    mem = res["memory"]
+    assert mem["min_micro_bytes"] < mem["budget"] < mem["min_whole_bytes"] and not mem["whole_fits"]
+    assert [r["system"] for r in res["systems"]] == ["hooks", "compiled eager"]
+    for r in res["systems"]:
+        assert r["within_budget"] and r["peak"] <= mem["budget"]
+        assert r["max_dloss"] < 1e-4 and r["eval_dloss"] < 1e-4
+        assert r["d2h"] > 0 and r["step_s"] > 0 and r["eval_s"] > 0
+    assert "gradient accumulation" in proc.stdout and "evaluate" in proc.stdout
