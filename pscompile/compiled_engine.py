@@ -572,8 +572,9 @@ class CompiledEngine(ChunkEngine):
 
     @property
     def schedule(self) -> Schedule:
-        """The schedule most recently run (else planned): ``print`` it, ``.table()``, ``.save(folder)``.
-        ``schedule_of(batch, kind)`` gives another one."""
+        """The training schedule most recently run by ``step`` (else the latest one planned):
+        ``print`` it, ``.table()``, ``.save(folder)``. ``schedule_of(batch, kind)`` gives any other,
+        e.g. the evaluation schedule."""
         key = self._last_key if self._last_key in self._schedules else next(reversed(self._schedules))
         return self._as_schedule(self._schedules[key])
 

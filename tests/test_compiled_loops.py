@@ -152,3 +152,25 @@ def test_inductor_backend_accumulates_and_evaluates():
     for _ in range(2):
         assert engine.evaluate(micro[0]) == pytest.approx(expected, rel=1e-5)
     assert max_weight_diff(engine, ref) < 1e-5
+
+
+def test_state_dict_round_trip_with_warm_chunks_resident():
+    """load_state_dict while an evaluation left chunks on the device: the next runs start cold
+    from the loaded weights and keep matching plain PyTorch."""
+    bs = gpt_batches(5, batch=2)
+    hp = pscompile.AdamW(lr=1e-3)
+    budget = min_budget("gpt", torch.float32, batch=2) + (128 << 10)
+    engine = pscompile.compile(make_model("gpt"), bs[0], optimizer=hp, config=compiled_config(torch.float32, budget))
+    ref = ReferenceTrainer(make_model("gpt"), optimizer=hp, dtype=torch.float32)
+    engine.step(bs[:2]), ref.step(bs[:2])
+    saved = engine.state_dict()
+    engine.step(bs[2:4])                       # moves away from the saved state
+    engine.evaluate(bs[2]), engine.evaluate(bs[2])
+    assert len(engine._residency()) > sum(t is pscompile.Tier.DEVICE for t in engine.store.os_tier)
+    engine.load_state_dict(saved)
+    with torch.no_grad():
+        expected = float(ref.model(*bs[2]))
+    assert engine.evaluate(bs[2]) == pytest.approx(expected, rel=1e-6)
+    assert engine.step(bs[2:4]) == pytest.approx(ref.step(bs[2:4]), rel=1e-6)
+    assert engine.step(bs[4]) == pytest.approx(ref.step(bs[4]), rel=1e-6)
+    assert max_weight_diff(engine, ref) < 1e-5

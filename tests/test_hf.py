@@ -71,8 +71,7 @@ def tight_budget(kind: str, mode: str, dtype: torch.dtype) -> int:
     return engine.min_device_memory + 2 * engine.layout.chunk_size * elsize
 
 
-CASES = [(k, m, torch.float32) for k in ("gpt2", "bert") for m in ("hooks", "compiled")]
-CASES += [("gpt2", "hooks", torch.bfloat16), ("bert", "compiled", torch.bfloat16)]
+CASES = [(k, m, d) for d in (torch.float32, torch.bfloat16) for k in ("gpt2", "bert") for m in ("hooks", "compiled")]
 
 
 @pytest.mark.parametrize("kind,mode,dtype", CASES,
