@@ -11,7 +11,7 @@ In one run, with the same data and seed:
 - **evaluation**: ``evaluate(batch)`` (forward only, its own schedule) against plain PyTorch's
   forward under ``torch.no_grad()``: time, ratio, peak, bytes moved, loss difference.
 
-    python bench/loops.py [--quick] [--inductor] [--markdown] [--out bench/results/loops.json]
+    python bench/loops.py [--quick] [--inductor] [--link 100MB/s] [--markdown] [--out bench/results/loops.json]
 
 Float32, one torch thread (see bench/foundation.py for why).
 """
@@ -82,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--inductor", action="store_true", help="also run compiled mode with backend='inductor'")
+    ap.add_argument("--link", metavar="RATE", default=None,
+                    help="emulate a device<->host link of this bandwidth for the pscompile runs, e.g. 100MB/s")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
         systems.append(("compiled inductor", dict(mode="compiled", backend="inductor")))
     results = []
     for name, kw in systems:
-        cfg = pscompile.Config(device="cpu", dtype=torch.float32, device_memory=budget, chunk_size=chunk, **kw)
+        cfg = pscompile.Config(device="cpu", dtype=torch.float32, device_memory=budget, chunk_size=chunk,
+                               link_bandwidth=args.link, **kw)
         t0 = time.perf_counter()
         engine = pscompile.compile(make_model(s), micro[0], optimizer=hp, config=cfg)
         stats = []
@@ -142,7 +145,8 @@ def main(argv=None) -> int:
 
     b = s["micro"]
     print(f"GPT L{s['n_layer']} d{s['d']} ({params / 1e6:.1f}M params), seq {s['seq']}, float32, one thread; "
-          f"k={k} micro-batches of {b} = batch {k * b}")
+          f"k={k} micro-batches of {b} = batch {k * b}"
+          + (f"; emulated link {args.link} for pscompile" if args.link else ""))
     mem_rows = [[f"one step on batch {k * b}", format_bytes(min_whole)],
                 [f"{k} accumulated micro-batches of {b}", format_bytes(min_micro)],
                 ["budget used below", f"{format_bytes(budget)} (fits batch {k * b} in one step: "
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
         print(f"\n{caption}\n")
         print(tabulate(rows, headers=headers, tablefmt=fmt))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(settings=s, params=params, memory=memory, plain=plain, systems=results),
+    args.out.write_text(json.dumps(dict(settings=s, link=args.link, params=params, memory=memory, plain=plain, systems=results),
                                    indent=1))
     return 0
 
