@@ -139,6 +139,11 @@ class CompiledEngine(ChunkEngine):
         sig = (self.model.training,) + signature(batch)
         return (kind,) + sig, (kind != "eval",) + sig
 
+    @staticmethod
+    def _capture_key(key: tuple) -> tuple:
+        """The capture key of a schedule key (see ``_keys``)."""
+        return (key[0] != "eval",) + key[1:]
+
     def _schedule_for(self, batch: Any, kind: str) -> Scheduled:
         """The schedule of ``batch`` for ``kind`` ("train", "accum": a micro-batch of gradient
         accumulation, "eval": forward only); captured and planned on first use."""
@@ -209,7 +214,7 @@ class CompiledEngine(ChunkEngine):
         warm = self._warm.pop(key, None)
         if warm is not None:
             self._lowered.pop(id(warm.gm), None)
-        cap = self._captures[(old.kind != "eval",) + key[1:]]
+        cap = self._captures[self._capture_key(key)]
         self._schedules[key] = new = self._plan(cap, nonmodel, kind=old.kind, measured=measured)
         return new
 
@@ -303,7 +308,7 @@ class CompiledEngine(ChunkEngine):
         key = self._keys(batch, kind)[0]
         warm = self._warm.get(key)
         if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
-            cap = self._captures[(kind != "eval",) + key[1:]]
+            cap = self._captures[self._capture_key(key)]
             warm = self._warm[key] = self._plan(cap, cold.nonmodel, kind=kind, measured=True,
                                                 start=dict(cold.plan.final))
         if warm is not None and self._residency() == dict(warm.plan.initial):
@@ -530,13 +535,13 @@ class CompiledEngine(ChunkEngine):
     def _remeasure(self, key: tuple, sched: Scheduled, samples: dict[int, int]) -> None:
         """Replace the static non-model estimate by the measured one and plan again (every
         schedule of the same capture: train and accumulation share it)."""
-        cap_key = (sched.kind != "eval",) + key[1:]
+        cap_key = self._capture_key(key)
         static = self._captures[cap_key].nonmodel     # kept where nothing runs: placeholders, output,
         measured = tuple(samples.get(i, est) for i, est in enumerate(static))   # parameter views
         self._measured[cap_key] = measured
         self._fit_optimizer_states(max(measured))     # first: the new curve may leave less margin
         for other, s in list(self._schedules.items()):
-            if (s.kind != "eval",) + other[1:] == cap_key:
+            if self._capture_key(other) == cap_key:
                 self._replan(other, measured, measured=True)
         self._lowered_for(self._schedules[key])   # compile the regions now, not inside the next step
 
