@@ -32,8 +32,8 @@ from tabulate import tabulate
 
 import pscompile
 from pscompile.models.gpt import GPT, GPTConfig
-from pscompile.reference import ReferenceTrainer
-from pscompile.tiers import Tier
+from pscompile.testing import ReferenceTrainer
+from pscompile.memory.tiers import Tier
 from pscompile.units import format_bytes
 
 MiB = 2**20

@@ -42,11 +42,11 @@ import torch
 from tabulate import tabulate
 
 import pscompile
-from pscompile.hooks_engine import BudgetError
+from pscompile.hooks.engine import BudgetError
 from pscompile.models.gpt import GPT, GPTConfig
-from pscompile.optimizer import ChunkAdamW
-from pscompile.reference import ReferenceTrainer
-from pscompile.tracker import NonModelTracker
+from pscompile.optim.adamw import ChunkAdamW
+from pscompile.testing import ReferenceTrainer
+from pscompile.memory.tracker import NonModelTracker
 from pscompile.units import format_bytes, parse_size
 
 MiB = 2**20

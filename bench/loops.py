@@ -30,7 +30,7 @@ from tabulate import tabulate
 
 import pscompile
 from pscompile.models.gpt import GPT, GPTConfig
-from pscompile.reference import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer
 from pscompile.units import format_bytes
 
 MiB = 2**20

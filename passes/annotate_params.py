@@ -39,8 +39,8 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pscompile import graph_meta
-from pscompile.capture import CapturedGraph
+from pscompile.graph import meta as graph_meta
+from pscompile.graph.capture import CapturedGraph
 
 log = logging.getLogger("pscompile")
 

@@ -34,8 +34,8 @@ from typing import Mapping
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pscompile import graph_meta
-from pscompile.capture import CapturedGraph
+from pscompile.graph import meta as graph_meta
+from pscompile.graph.capture import CapturedGraph
 from pscompile.passes.annotate_params import ParamUses, tensor_storages
 from pscompile.units import format_bytes
 

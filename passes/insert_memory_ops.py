@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from pscompile import graph_meta as gmeta
-from pscompile.layout import ChunkLayout
-from pscompile.ops import MemOp
+from pscompile.graph import meta as gmeta
+from pscompile.memory.layout import ChunkLayout
+from pscompile.graph.ops import MemOp
 
 from .plan_residency import ResidencyPlan
 

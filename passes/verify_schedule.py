@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from pscompile import graph_meta as gmeta
-from pscompile.layout import ChunkLayout
-from pscompile.ops import is_memory_node
+from pscompile.graph import meta as gmeta
+from pscompile.memory.layout import ChunkLayout
+from pscompile.graph.ops import is_memory_node
 
 
 class ScheduleError(ValueError):

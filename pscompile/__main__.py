@@ -1,6 +1,6 @@
 """``python -m pscompile``: see ``pscompile.cli``."""
 
-from .cli import main
+from pscompile.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

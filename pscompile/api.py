@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import nn
 
-from .batching import LossFn
-from .config import AdamW, Config
-from .hooks_engine import HooksEngine
+from pscompile.runtime.batching import LossFn
+from pscompile.config import AdamW, Config
+from pscompile.hooks.engine import HooksEngine
 
 
 def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
@@ -33,6 +33,6 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
             f"disk_dir={config.disk_dir!r}: the disk tier is not implemented yet; leave disk_dir=None "
             "(chunks live on the device and in host memory)")
     if config.mode == "compiled":
-        from .compiled_engine import CompiledEngine
+        from pscompile.compiled.engine import CompiledEngine
         return CompiledEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
     return HooksEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .units import parse_rate, parse_size
+from pscompile.units import parse_rate, parse_size
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("compiled", "hooks")

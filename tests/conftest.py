@@ -8,7 +8,7 @@ import torch
 import pscompile
 from pscompile.models.bert import BertMLM, bert_config, mask_tokens
 from pscompile.models.gpt import GPT, gpt_config
-from pscompile.reference import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer
 
 
 def gpt_batches(n: int, *, batch: int = 4, seq: int = 64, vocab: int = 256, seed: int = 1):

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from conftest import bert_batches, gpt_batches, make_model
-from pscompile.batching import call_model, extract_loss
-from pscompile.capture import CapturedGraph, capture_joint
+from pscompile.runtime.batching import call_model, extract_loss
+from pscompile.graph.capture import CapturedGraph, capture_joint
 from pscompile.models.gpt import GPT, gpt_config
 
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from pscompile.cli import TrainSettings, build_parser, main, run_train
-from pscompile.data import Corpus, fallback_text
+from pscompile.cli.main import TrainSettings, build_parser, main, run_train
+from pscompile.cli.data import Corpus, fallback_text
 
 TINY_RUN = ["--model", "gpt-tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--no-progress"]
 
@@ -64,7 +64,7 @@ def test_targets_are_the_next_byte():
 
 
 def test_falls_back_when_no_stdlib_sources(monkeypatch, tmp_path):
-    import pscompile.data as data
+    import pscompile.cli.data as data
     monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "missing")})
     c = Corpus.from_stdlib()
     assert c.source == "fallback" and len(c.train) + len(c.val) == len(fallback_text())

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from pscompile.cli import build_parser, main
+from pscompile.cli.main import build_parser, main
 
 TINY = ["--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32"]
 

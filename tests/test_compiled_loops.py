@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import pscompile
-from pscompile.graph_meta import get
-from pscompile.ops import is_memory_node
-from pscompile.reference import ReferenceTrainer
+from pscompile.graph.meta import get
+from pscompile.graph.ops import is_memory_node
+from pscompile.testing import ReferenceTrainer
 from conftest import gpt_batches, make_model, max_weight_diff
 from test_compiled_parity import compiled_config, min_budget
 

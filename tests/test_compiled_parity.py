@@ -7,7 +7,7 @@ import torch
 
 import pscompile
 from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
-from pscompile.reference import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer
 from conftest import make_batches, make_model, max_weight_diff
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pscompile
-from pscompile.reference import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import pscompile
-from pscompile.access_plan import AccessPlan, Moment
-from pscompile.hooks_engine import BudgetError
-from pscompile.reference import ReferenceTrainer
+from pscompile.hooks.access_plan import AccessPlan, Moment
+from pscompile.hooks.engine import BudgetError
+from pscompile.testing import ReferenceTrainer
 from conftest import gpt_batches, make_model, max_weight_diff
 
 CFG = dict(mode="hooks", device="cpu", dtype=torch.float32, chunk_size=2048)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pscompile.layout import build_layout, padding_waste, search_chunk_size
+from pscompile.memory.layout import build_layout, padding_waste, search_chunk_size
 
 
 def check_layout(layout, shapes):

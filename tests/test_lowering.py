@@ -13,10 +13,10 @@ import torch
 from torch import fx
 
 import pscompile
-from pscompile import graph_meta as gmeta
-from pscompile.lowering import LoweredGraph, RegionCache, lower_regions, lower_whole, region_key
-from pscompile.ops import is_memory_node
-from pscompile.tracker import NonModelTracker
+from pscompile.graph import meta as gmeta
+from pscompile.compiled.executor import LoweredGraph, RegionCache, lower_regions, lower_whole, region_key
+from pscompile.graph.ops import is_memory_node
+from pscompile.memory.tracker import NonModelTracker
 from conftest import make_batches, make_model
 
 aten = torch.ops.aten

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pscompile.config import AdamW
-from pscompile.optimizer import ChunkAdamW, LossScaler, clip_coefficient
+from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,12 +11,12 @@ import torch
 from torch import fx, nn
 
 from conftest import bert_batches, gpt_batches, make_model
-from pscompile import graph_meta
-from pscompile.capture import CapturedGraph, capture_joint
+from pscompile.graph import meta as graph_meta
+from pscompile.graph.capture import CapturedGraph, capture_joint
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.passes.annotate_params import annotate_params
 from pscompile.passes.estimate_nonmodel import estimate_nonmodel
-from pscompile.tracker import NonModelTracker
+from pscompile.memory.tracker import NonModelTracker
 
 
 def capture(model: nn.Module, batch, **kw) -> CapturedGraph:

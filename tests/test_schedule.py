@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import pscompile
-from pscompile.graph_meta import get
-from pscompile.ops import is_memory_node
-from pscompile.schedule import Schedule
+from pscompile.graph.meta import get
+from pscompile.graph.ops import is_memory_node
+from pscompile.compiled.schedule import Schedule
 from pscompile.units import format_bytes
 from conftest import make_batches, make_model
 

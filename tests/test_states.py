@@ -2,7 +2,7 @@
 
 import pytest
 
-from pscompile.states import ChunkPlacement, TensorState, chunk_placement, is_hold_like
+from pscompile.hooks.states import ChunkPlacement, TensorState, chunk_placement, is_hold_like
 
 S = TensorState
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from pscompile.tracker import NonModelTracker
+from pscompile.memory.tracker import NonModelTracker
 
 CPU = torch.device("cpu")
 

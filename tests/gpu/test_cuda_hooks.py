@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pscompile
-from pscompile.reference import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer
 from pscompile.models.gpt import GPT, gpt_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

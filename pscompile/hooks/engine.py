@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .access_plan import AccessPlan, Moment
-from .batching import LossFn, extract_loss, micro_batches, signature, to_device
-from .config import AdamW, Config
-from .engine_base import ChunkEngine
-from .order import direct_params
-from .states import ChunkPlacement, TensorState, chunk_placement
-from .stats import StepStats
-from .tiers import Tier
-from .tracker import NonModelTracker
-from .units import format_bytes
+from pscompile.hooks.access_plan import AccessPlan, Moment
+from pscompile.runtime.batching import LossFn, extract_loss, micro_batches, signature, to_device
+from pscompile.config import AdamW, Config
+from pscompile.runtime.engine import ChunkEngine
+from pscompile.runtime.order import direct_params
+from pscompile.hooks.states import ChunkPlacement, TensorState, chunk_placement
+from pscompile.stats import StepStats
+from pscompile.memory.tiers import Tier
+from pscompile.memory.tracker import NonModelTracker
+from pscompile.units import format_bytes
 
 # Bytes of device temporaries one optimizer chunk update needs, per element: the fp32 upcast of
 # the gradient plus the fp32 temporary of the norm.

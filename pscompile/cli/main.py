@@ -34,11 +34,11 @@ from typing import Callable
 import torch
 from tabulate import tabulate
 
-from .api import compile as ps_compile
-from .config import AdamW, Config
-from .data import Corpus
-from .stats import StepStats
-from .units import format_bytes
+from pscompile.api import compile as ps_compile
+from pscompile.config import AdamW, Config
+from pscompile.cli.data import Corpus
+from pscompile.stats import StepStats
+from pscompile.units import format_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_LIMIT = ("none", "unlimited")
@@ -168,7 +168,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
 # ==================================================================== train: the run
 def build_model(s: TrainSettings) -> torch.nn.Module:
     """The GPT preset with the flag overrides, byte vocabulary and ``seq_len`` positions."""
-    from .models.gpt import GPT, gpt_config
+    from pscompile.models.gpt import GPT, gpt_config
 
     overrides = {k: v for k, v in (("n_layer", s.n_layer), ("d_model", s.d_model), ("n_head", s.n_head))
                  if v is not None}
@@ -429,7 +429,7 @@ def bench_command(args: argparse.Namespace) -> int:
     """Run ``bench/compare.py`` from the source checkout this package was installed from."""
     import runpy
     from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "bench" / "compare.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "compare.py"
     if not script.exists():
         raise ValueError(f"{script} not found: the benchmarks ship with the source checkout "
                          "(pip install -e . from a clone), not with an installed wheel")

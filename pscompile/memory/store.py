@@ -17,8 +17,8 @@ from typing import Mapping
 
 import torch
 
-from .layout import ChunkLayout
-from .tiers import Link, SlotPool, Tier
+from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.tiers import Link, SlotPool, Tier
 
 _HOST = torch.device("cpu")
 

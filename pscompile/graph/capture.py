@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from .batching import LossFn, extract_loss
+from pscompile.runtime.batching import LossFn, extract_loss
 
 log = logging.getLogger("pscompile")
 _MODULE_PY = nn.modules.module.__file__

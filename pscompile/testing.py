@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batching import LossFn, call_model, extract_loss, micro_batches, to_device
-from .config import AdamW
-from .optimizer import LossScaler
+from pscompile.runtime.batching import LossFn, call_model, extract_loss, micro_batches, to_device
+from pscompile.config import AdamW
+from pscompile.optim.adamw import LossScaler
 
 
 class ReferenceTrainer:

@@ -103,8 +103,8 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import graph_meta as gmeta
-from .ops import MEMORY_OPS, is_memory_node
+from pscompile.graph import meta as gmeta
+from pscompile.graph.ops import MEMORY_OPS, is_memory_node
 
 __all__ = ["LoweringReport", "LoweredGraph", "RegionCache", "lower_regions", "region_key",
            "WholeGraph", "WholeGraphReport", "lower_whole"]

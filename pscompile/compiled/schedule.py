@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from .graph_meta import get
-from .ops import MemOp, is_memory_node
-from .units import format_bytes
+from pscompile.graph.meta import get
+from pscompile.graph.ops import MemOp, is_memory_node
+from pscompile.units import format_bytes
 
 if TYPE_CHECKING:
-    from .compiled_engine import Scheduled
-    from .layout import ChunkLayout
+    from pscompile.compiled.engine import Scheduled
+    from pscompile.memory.layout import ChunkLayout
 
 __all__ = ["Schedule", "NodeRow", "model_summary"]
 

@@ -15,16 +15,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .batching import LossFn, call_model, to_device
-from .chunks import ChunkStore
-from .config import AdamW, Config, available_host_bytes
-from .layout import ChunkLayout, build_layout, search_chunk_size
-from .materialize import materialize_meta
-from .optimizer import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
-from .order import first_use_order
-from .tiers import Link, Tier
-from .tracker import NonModelTracker
-from .units import format_bytes
+from pscompile.runtime.batching import LossFn, call_model, to_device
+from pscompile.memory.store import ChunkStore
+from pscompile.config import AdamW, Config, available_host_bytes
+from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
+from pscompile.runtime.materialize import materialize_meta
+from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
+from pscompile.runtime.order import first_use_order
+from pscompile.memory.tiers import Link, Tier
+from pscompile.memory.tracker import NonModelTracker
+from pscompile.units import format_bytes
 
 
 class ChunkEngine:

@@ -25,24 +25,24 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .batching import LossFn, micro_batches, signature, to_device
-from .capture import CapturedGraph, capture_joint
-from .config import AdamW, Config
-from .engine_base import ChunkEngine
-from .graph_meta import get, put
-from .lowering import LoweredGraph, RegionCache
-from .ops import is_memory_node
-from .passes.annotate_params import annotate_params
-from .passes.estimate_nonmodel import estimate_nonmodel
-from .passes.insert_memory_ops import insert_memory_ops
-from .passes.plan_residency import GradStore, ResidencyError, ResidencyPlan, plan_residency
-from .passes.prefetch_fetches import prefetch_fetches
-from .passes.verify_schedule import verify_schedule
-from .schedule import Schedule, model_summary
-from .stats import StepStats
-from .tiers import Tier, TransferQueue
-from .tracker import NonModelTracker
-from .units import format_bytes
+from pscompile.runtime.batching import LossFn, micro_batches, signature, to_device
+from pscompile.graph.capture import CapturedGraph, capture_joint
+from pscompile.config import AdamW, Config
+from pscompile.runtime.engine import ChunkEngine
+from pscompile.graph.meta import get, put
+from pscompile.compiled.executor import LoweredGraph, RegionCache
+from pscompile.graph.ops import is_memory_node
+from pscompile.passes.annotate_params import annotate_params
+from pscompile.passes.estimate_nonmodel import estimate_nonmodel
+from pscompile.passes.insert_memory_ops import insert_memory_ops
+from pscompile.passes.plan_residency import GradStore, ResidencyError, ResidencyPlan, plan_residency
+from pscompile.passes.prefetch_fetches import prefetch_fetches
+from pscompile.passes.verify_schedule import verify_schedule
+from pscompile.compiled.schedule import Schedule, model_summary
+from pscompile.stats import StepStats
+from pscompile.memory.tiers import Tier, TransferQueue
+from pscompile.memory.tracker import NonModelTracker
+from pscompile.units import format_bytes
 
 _OPT_TEMP_BYTES_PER_ELEMENT = 8
 
@@ -262,7 +262,7 @@ class CompiledEngine(ChunkEngine):
                                   accumulate=kind == "accum", start=start, keep_at_end=warm_capable,
                                   end=start, describe_node=lambda i: _describe(nodes[i]))
         except ResidencyError as e:
-            from .hooks_engine import BudgetError
+            from pscompile.hooks.engine import BudgetError
             raise BudgetError(f"{e} (device_memory={format_bytes(self.budget)}; give device_memory >= "
                               f"{e.minimum}, a smaller batch or mode='hooks')") from e
         t1 = time.perf_counter()

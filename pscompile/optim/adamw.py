@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import AdamW
+from pscompile.config import AdamW
 
 
 @dataclass

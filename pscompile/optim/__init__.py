@@ -1,0 +1,2 @@
+"""The optimizer on chunks: ``adamw`` (chunk-wise AdamW, loss scaling, clipping) and
+``placement`` (how many chunks keep their optimizer states on the device)."""
