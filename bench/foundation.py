@@ -17,7 +17,7 @@ Usage::
     python bench/foundation.py --from-json bench/results/foundation.json --markdown   # re-render
 
 The compute device is the CPU; pscompile enforces ``device_memory`` by its own accounting (see
-DESIGN.md), so "device bytes" are pscompile's measured device-tier bytes, and for plain PyTorch the
+docs/design.md), so "device bytes" are pscompile's measured device-tier bytes, and for plain PyTorch the
 bytes of every tensor it holds (parameters, gradients, Adam states, activations, temporaries) as
 counted by ``NonModelTracker``. The default dtype is float32: on this CPU (AVX2, no AVX512-BF16)
 bfloat16 matmuls are 10-100x slower than float32, which would make every timing meaningless.

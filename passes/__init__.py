@@ -1,6 +1,7 @@
-"""Compiler passes over the captured training graph, one pass per file (see DESIGN.md):
+"""Compiler passes over the captured training graph, one pass per file (docs/design.md, section 3):
 
 annotate_params -> estimate_nonmodel -> plan_residency -> prefetch_fetches -> insert_memory_ops
--> verify_schedule. Analyses are pure and return frozen dataclasses; transforms return a new
-GraphModule. Metadata goes through ``pscompile.graph_meta``.
+-> verify_schedule, run in that order by ``pscompile.graph.pipeline``. Analyses are pure and return
+frozen dataclasses; transforms return a new GraphModule. Metadata goes through
+``pscompile.graph.meta``.
 """

@@ -41,6 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pscompile.graph import meta as graph_meta
 from pscompile.graph.capture import CapturedGraph
+from pscompile.kinds import Phase
 
 log = logging.getLogger("pscompile")
 
@@ -65,7 +66,7 @@ class ParamUse:
 @dataclass(frozen=True)
 class ParamUses:
     params: tuple[ParamUse, ...]     # in parameter (placeholder) order
-    phase: tuple[str | None, ...]    # per node index: "fwd", "bwd", or None (placeholders, output)
+    phase: tuple[Phase | None, ...]  # per node index: FWD, BWD, or None (placeholders, output)
     loss_index: int                  # index of the node computing the loss (the first output)
     view_ops: tuple[str, ...]        # the distinct ops recognised as views of parameters
 
@@ -81,17 +82,17 @@ class ParamUses:
 
     @property
     def num_fwd(self) -> int:
-        return sum(1 for p in self.phase if p == "fwd")
+        return sum(1 for p in self.phase if p == Phase.FWD)
 
     @property
     def num_bwd(self) -> int:
-        return sum(1 for p in self.phase if p == "bwd")
+        return sum(1 for p in self.phase if p == Phase.BWD)
 
     @property
     def fwd_is_prefix(self) -> bool:
         """True when every forward node comes before every backward node."""
-        last_fwd = max((i for i, p in enumerate(self.phase) if p == "fwd"), default=-1)
-        first_bwd = min((i for i, p in enumerate(self.phase) if p == "bwd"), default=len(self.phase))
+        last_fwd = max((i for i, p in enumerate(self.phase) if p == Phase.FWD), default=-1)
+        first_bwd = min((i for i, p in enumerate(self.phase) if p == Phase.BWD), default=len(self.phase))
         return last_fwd < first_bwd
 
     @property
@@ -190,7 +191,7 @@ def annotate_params(captured: CapturedGraph) -> ParamUses:
             fwd.add(n)
     phase: list[str | None] = []
     for n in nodes:
-        p = None if n.op in ("placeholder", "output") else ("fwd" if n in fwd else "bwd")
+        p = None if n.op in ("placeholder", "output") else (Phase.FWD if n in fwd else Phase.BWD)
         if p is not None:
             graph_meta.put(n, "phase", p)
         phase.append(p)

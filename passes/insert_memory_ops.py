@@ -21,11 +21,14 @@ buffers on the host instead, which the graph takes as placeholders after the hos
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import fx
 
 from pscompile.graph import meta as gmeta
 from pscompile.memory.layout import ChunkLayout
+from pscompile.kinds import MemKind
 from pscompile.graph.ops import MemOp
 
 from .plan_residency import ResidencyPlan
@@ -45,12 +48,24 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
 
 def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayout, *,
                       param_fqns: tuple[str, ...], grad_fqns: tuple[str, ...],
-                      compute_dtype: torch.dtype) -> fx.GraphModule:
+                      compute_dtype: torch.dtype, nonmodel: Sequence[int] | None = None) -> fx.GraphModule:
     """Return a new GraphModule: ``(slot_0.., host_0.., [acc_0..,] buffers.., batch..) -> (loss,)``
-    (``acc_*`` placeholders only when the plan accumulates gradients)."""
+    (``acc_*`` placeholders only when the plan accumulates gradients).
+
+    Every node copied from ``gm`` gets metadata of its own (``gm`` is shared by every schedule of
+    one capture and is never written): ``src_index``, its index in ``gm``, and ``nonmodel``, its
+    entry of the curve this schedule was planned with (when given)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     old_nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(old_nodes)}
+
+    def own_meta(new: fx.Node, old: fx.Node) -> fx.Node:
+        new.meta[gmeta.KEY] = dict(gmeta.meta(old))
+        gmeta.put(new, "src_index", index[old])
+        if nonmodel is not None:
+            gmeta.put(new, "nonmodel", nonmodel[index[old]])
+        return new
     placeholders = [n for n in old_nodes if n.op == "placeholder"]
     param_ph = {n: fqn for n, fqn in zip(placeholders, param_fqns)}
     cs = layout.chunk_size
@@ -64,47 +79,47 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     slots = [buffer_placeholder("slot", "slot", k) for k in range(plan.num_slots)]
     hosts = [buffer_placeholder("host", "host_chunk", c) for c in range(layout.num_chunks)]
     accs = ([buffer_placeholder("acc", "acc_chunk", c, torch.float32) for c in range(layout.num_chunks)]
-            if any(a.kind == "accumulate_grad" for a in plan.actions) else [])
+            if any(a.kind == MemKind.ACCUMULATE_GRAD for a in plan.actions) else [])
     for n in placeholders:
         if n not in param_ph:
-            env[n] = graph.node_copy(n, lambda a: env[a])
+            env[n] = own_meta(graph.node_copy(n, lambda a: env[a]), n)
 
     resident: dict[int, int] = dict(plan.initial)      # chunk -> slot, replayed while emitting
     actions = {}
     for a in plan.actions:
         actions.setdefault(a.before, []).append(a)
-    waited = {(a.chunk, a.slot) for a in plan.actions if a.kind == "wait"}
+    waited = {(a.chunk, a.slot) for a in plan.actions if a.kind == MemKind.WAIT}
     output_node = next(n for n in old_nodes if n.op == "output")
     loss_node, *grad_nodes = output_node.args[0]
     grad_node_of = dict(zip(grad_fqns, grad_nodes))
 
     def emit(a) -> None:
-        if a.kind == "fetch":
+        if a.kind == MemKind.FETCH:
             node = graph.call_function(torch.ops.pscompile.fetch.default, (slots[a.slot], hosts[a.chunk]))
             resident[a.chunk] = a.slot
-            mem = MemOp("fetch", a.chunk, a.slot, "host", "device", a.nbytes,
+            mem = MemOp(MemKind.FETCH, a.chunk, a.slot, "host", "device", a.nbytes,
                         asynchronous=(a.chunk, a.slot) in waited)
-        elif a.kind == "wait":
+        elif a.kind == MemKind.WAIT:
             node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
-            mem = MemOp("wait", a.chunk, a.slot, "-", "-", 0)
-        elif a.kind == "writeback":
+            mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0)
+        elif a.kind == MemKind.WRITEBACK:
             node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
-            mem = MemOp("writeback", a.chunk, a.slot, "device", "host", a.nbytes)
-        elif a.kind == "drop":
+            mem = MemOp(MemKind.WRITEBACK, a.chunk, a.slot, "device", "host", a.nbytes)
+        elif a.kind == MemKind.DROP:
             node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
             del resident[a.chunk]
-            mem = MemOp("drop", a.chunk, a.slot, "device", "-", 0)
-        elif a.kind == "accumulate_grad":
+            mem = MemOp(MemKind.DROP, a.chunk, a.slot, "device", "-", 0)
+        elif a.kind == MemKind.ACCUMULATE_GRAD:
             g = a.grad
             node = graph.call_function(torch.ops.pscompile.accumulate_grad.default,
                                        (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset))
-            mem = MemOp("accumulate_grad", a.chunk, None, "device", "host", a.nbytes, g.fqn)
+            mem = MemOp(MemKind.ACCUMULATE_GRAD, a.chunk, None, "device", "host", a.nbytes, g.fqn)
         else:
             g = a.grad
             grad = env[grad_node_of[g.fqn]]
             dest = slots[a.slot] if a.slot is not None else hosts[a.chunk]
             node = graph.call_function(torch.ops.pscompile.store_grad.default, (dest, grad, g.offset))
-            mem = MemOp("store_grad", a.chunk, a.slot, "device", "device" if a.slot is not None else "host",
+            mem = MemOp(MemKind.STORE_GRAD, a.chunk, a.slot, "device", "device" if a.slot is not None else "host",
                         a.nbytes, g.fqn)
         node.meta["val"] = None
         gmeta.put(node, "mem", mem)
@@ -130,7 +145,7 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
         cur = param_root(param_ph[root_ph])
         local = {root_ph: cur}
         for v in chain:
-            cur = graph.node_copy(v, lambda a: local.get(a, env.get(a)))
+            cur = own_meta(graph.node_copy(v, lambda a: local.get(a, env.get(a))), v)
             local[v] = cur
         cache[arg] = cur
         return cur
@@ -148,8 +163,7 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
             if gmeta.get(a, "param") is not None:
                 return rebuild(a, cache)
             return env[a]
-        env[n] = graph.node_copy(n, arg_map)
-        env[n].meta[gmeta.KEY] = dict(gmeta.meta(n))     # its own metadata, not shared with the capture
+        env[n] = own_meta(graph.node_copy(n, arg_map), n)
     for a in actions.get(len(old_nodes), ()):        # end of the iteration
         emit(a)
     graph.output((env[loss_node],))

@@ -27,6 +27,13 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from pscompile.errors import ResidencyError
+from pscompile.kinds import MemKind
+from pscompile.memory.belady import NextUse, farthest
+from pscompile.units import format_bytes
+
+__all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "plan_residency"]
+
 
 @dataclass(frozen=True)
 class GradStore:
@@ -39,7 +46,7 @@ class GradStore:
 @dataclass(frozen=True)
 class Action:
     before: int                # index of the node this action precedes (== num_nodes: the end)
-    kind: str                  # "store_grad" | "accumulate_grad" | "writeback" | "drop" | "fetch" | "wait"
+    kind: MemKind              # STORE_GRAD | ACCUMULATE_GRAD | WRITEBACK | DROP | FETCH | WAIT
     chunk: int
     slot: int | None           # None: a store_grad into the host copy, or an accumulate_grad
     nbytes: int                # bytes copied between tiers
@@ -62,20 +69,10 @@ class ResidencyPlan:
     num_evictions: int
 
     def summary(self, budget: int | None) -> str:
-        from pscompile.units import format_bytes
         b = "unlimited" if budget is None else format_bytes(budget)
         return (f"plan_residency: {self.num_slots} slots, {self.num_fetches} fetches, "
                 f"{self.num_evictions} evictions, {format_bytes(self.h2d_bytes + self.d2h_bytes)} moved, "
                 f"peak {format_bytes(self.peak_device_bytes)} <= {b}")
-
-
-class ResidencyError(ValueError):
-    """The budget cannot hold what one node needs."""
-
-    def __init__(self, message: str, node: int, minimum: int):
-        super().__init__(message)
-        self.node = node
-        self.minimum = minimum
 
 
 @dataclass
@@ -111,19 +108,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     plan whose ``start`` and ``end`` are one residency repeats for any number of runs."""
     T = len(reads)
     assert len(nonmodel) == T
-    uses: dict[int, list[int]] = {}
-    for i, need in enumerate(reads):
-        for c in need:
-            uses.setdefault(c, []).append(i)
-
-    def next_use(c: int, i: int) -> float:
-        u = uses.get(c, [])
-        k = bisect.bisect_left(u, i)
-        if k < len(u):
-            return u[k]
-        if c in os_device_chunks:
-            return T
-        return T + u[0] if keep_at_end and u else float("inf")    # cyclic: its first use next run
+    next_use = NextUse(reads)      # cyclic when clean chunks stay for the next run (keep_at_end)
 
     def window(i: int) -> int:
         # chunks for node i arrive while node i-1's data is still live, and stay while node i runs
@@ -156,10 +141,10 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         nonlocal d2h, evictions
         slot = st.resident.pop(c)
         if c in st.dirty:
-            actions.append(Action(before, "writeback", c, slot, slot_bytes))
+            actions.append(Action(before, MemKind.WRITEBACK, c, slot, slot_bytes))
             d2h += slot_bytes
             st.dirty.discard(c)
-        actions.append(Action(before, "drop", c, slot, 0))
+        actions.append(Action(before, MemKind.DROP, c, slot, 0))
         evictions += 1
         bisect.insort(st.free, slot)
 
@@ -167,20 +152,20 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         nonlocal h2d, fetches
         slot = st.take_slot()
         st.resident[c] = slot
-        actions.append(Action(before, "fetch", c, slot, slot_bytes))
+        actions.append(Action(before, MemKind.FETCH, c, slot, slot_bytes))
         h2d += slot_bytes
         fetches += 1
 
     for i in range(T + 1):
         for g in stores.get(i - 1, ()):               # gradients of node i-1 go into their chunk
             if accumulate:
-                actions.append(Action(i, "accumulate_grad", g.chunk, None, g.nbytes, g))
+                actions.append(Action(i, MemKind.ACCUMULATE_GRAD, g.chunk, None, g.nbytes, g))
                 d2h += g.nbytes
             elif g.chunk in st.resident:
-                actions.append(Action(i, "store_grad", g.chunk, st.resident[g.chunk], 0, g))
+                actions.append(Action(i, MemKind.STORE_GRAD, g.chunk, st.resident[g.chunk], 0, g))
                 st.dirty.add(g.chunk)
             else:
-                actions.append(Action(i, "store_grad", g.chunk, None, g.nbytes, g))
+                actions.append(Action(i, MemKind.STORE_GRAD, g.chunk, None, g.nbytes, g))
                 d2h += g.nbytes
         if i == T:
             break
@@ -199,7 +184,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                 raise ResidencyError(
                     f"device_memory={budget} bytes cannot hold the chunks pinned at {describe_node(i)} "
                     "(optimizer states kept on the device leave too little room)", i, -1)
-            victim = max(victims, key=lambda c: (next_use(c, i), c not in st.dirty, c))
+            victim = farthest(victims, next_use, i, cyclic=keep_at_end, dirty=st.dirty)
             evict(victim, i)
         for c in missing:
             fetch(c, i)
@@ -225,7 +210,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
             st.free.remove(k) if k in st.free else None
             st.num_slots = max(st.num_slots, k + 1)
             st.resident[c] = k
-            actions.append(Action(T, "fetch", c, k, slot_bytes))
+            actions.append(Action(T, MemKind.FETCH, c, k, slot_bytes))
             h2d += slot_bytes
             fetches += 1
     final = tuple(sorted(st.resident.items(), key=lambda x: x[1]))

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from pscompile.kinds import MemKind
+
 from .plan_residency import Action, ResidencyPlan
 
 
@@ -49,7 +51,7 @@ def _resident_counts(plan: ResidencyPlan) -> list[int]:
     out = []
     for i in range(plan.num_nodes):
         for a in by_node.get(i, ()):
-            count += {"fetch": 1, "drop": -1}.get(a.kind, 0)
+            count += {MemKind.FETCH: 1, MemKind.DROP: -1}.get(a.kind, 0)
         out.append(count)
     return out
 
@@ -73,7 +75,7 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
     new_actions: list[Action] = []
     moved, distances, total = 0, [], 0
     for a in actions:
-        if a.kind == "fetch" and a.before < T:
+        if a.kind == MemKind.FETCH and a.before < T:
             total += 1
             earliest = max(last_slot_free.get(a.slot, 0), last_chunk_touch.get(a.chunk, 0),
                            a.before - max_distance, 0)
@@ -84,14 +86,14 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
                 for m in range(j, a.before):
                     resident[m] += 1
                 new_actions.append(dataclasses.replace(a, before=j))
-                new_actions.append(Action(a.before, "wait", a.chunk, a.slot, 0))
+                new_actions.append(Action(a.before, MemKind.WAIT, a.chunk, a.slot, 0))
                 moved += 1
                 distances.append(a.before - j)
             else:
                 new_actions.append(a)
         else:
             new_actions.append(a)
-        if a.kind == "drop":
+        if a.kind == MemKind.DROP:
             last_slot_free[a.slot] = a.before
         last_chunk_touch[a.chunk] = a.before
     # actions must stay ordered by the node they precede; within a node, keep the original order

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from pscompile.errors import ScheduleError
 from pscompile.graph import meta as gmeta
-from pscompile.memory.layout import ChunkLayout
+from pscompile.kinds import MemKind
 from pscompile.graph.ops import is_memory_node
+from pscompile.memory.layout import ChunkLayout
+from pscompile.units import format_bytes
 
-
-class ScheduleError(ValueError):
-    pass
+__all__ = ["ScheduleError", "VerifyReport", "verify_schedule"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,6 @@ class VerifyReport:
     peak_node: str
 
     def summary(self, budget: int | None) -> str:
-        from pscompile.units import format_bytes
         b = "unlimited" if budget is None else format_bytes(budget)
         return (f"verify_schedule: {self.num_memory_nodes} memory nodes ok, planned peak "
                 f"{format_bytes(self.peak_device_bytes)} <= {b} (at {self.peak_node})")
@@ -72,7 +72,7 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             mem = gmeta.get(node, "mem")
             if mem is None:
                 fail(node, "memory node without its MemOp metadata")
-            if mem.kind == "fetch":
+            if mem.kind == MemKind.FETCH:
                 slot = slot_of_ph.get(node.args[0])
                 if slot in holds:
                     fail(node, f"fetch of chunk {mem.chunk} into slot {slot}, which still holds chunk {holds[slot]}")
@@ -81,30 +81,30 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 holds[slot] = mem.chunk
                 if mem.asynchronous:
                     pending.add(slot)
-            elif mem.kind == "wait":
+            elif mem.kind == MemKind.WAIT:
                 slot = slot_of_ph.get(node.args[0])
                 if slot not in pending or holds.get(slot) != mem.chunk:
                     fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
                 pending.discard(slot)
-            elif mem.kind == "drop":
+            elif mem.kind == MemKind.DROP:
                 slot = slot_of_ph.get(node.args[0])
                 if holds.get(slot) != mem.chunk:
                     fail(node, f"drop of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
                 if mem.chunk in dirty:
                     fail(node, f"drop of chunk {mem.chunk} loses gradients: no writeback before it")
                 del holds[slot]
-            elif mem.kind == "writeback":
+            elif mem.kind == MemKind.WRITEBACK:
                 slot = slot_of_ph.get(node.args[1])
                 if holds.get(slot) != mem.chunk or host_of_ph.get(node.args[0]) != mem.chunk:
                     fail(node, f"writeback of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
                 dirty.discard(mem.chunk)
-            elif mem.kind == "accumulate_grad":
+            elif mem.kind == MemKind.ACCUMULATE_GRAD:
                 if acc_of_ph.get(node.args[0]) != mem.chunk:
                     fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
                 if node.args[2] != layout.entry(mem.fqn).pieces[0].chunk_offset:
                     fail(node, f"gradient of {mem.fqn} added at offset {node.args[2]}, layout says "
                                f"{layout.entry(mem.fqn).pieces[0].chunk_offset}")
-            elif mem.kind == "store_grad":
+            elif mem.kind == MemKind.STORE_GRAD:
                 dest = node.args[0]
                 if dest in slot_of_ph:
                     if holds.get(slot_of_ph[dest]) != mem.chunk:

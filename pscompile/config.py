@@ -36,7 +36,7 @@ def default_device() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """How pscompile places and moves model data. See DESIGN.md, "Public API"."""
+    """How pscompile places and moves model data (docs/design.md, "Public API")."""
 
     device: str | None = None          # compute device: "cuda", "cuda:1", "cpu"; None = cuda if available
     device_memory: int | str | None = None  # budget for everything on the compute device; None = see DESIGN

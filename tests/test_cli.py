@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from pscompile.cli.main import TrainSettings, build_parser, main, run_train
+from pscompile.cli.main import build_parser, main
+from pscompile.cli.train import TrainSettings, run_train
 from pscompile.cli.data import Corpus, fallback_text
 
 TINY_RUN = ["--model", "gpt-tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--no-progress"]

@@ -187,5 +187,6 @@ def test_inductor_backend_parity_under_eviction(kind, dtype):
         s, plan = engine.stats, engine.last_plan
         assert (s.h2d_bytes, s.d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes)
         assert s.peak_device_bytes <= budget and s.num_evictions > 0
-    assert engine._lowered, "later steps did not run the lowered graph"
+    assert any(ex.split == "regions" for ex in engine._executors.values()), \
+        "later steps did not run compiled regions"
     assert max_weight_diff(engine, ref) <= (1e-4 if dtype == torch.float32 else 5e-2)

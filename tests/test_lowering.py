@@ -6,7 +6,6 @@ One RegionCache is shared by the whole module (identical regions compile once, a
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from torch import fx
 
 import pscompile
 from pscompile.graph import meta as gmeta
-from pscompile.compiled.executor import LoweredGraph, RegionCache, lower_regions, lower_whole, region_key
+from pscompile.compiled.executor import Executor, lower_regions
+from pscompile.compiled.regions import RegionCache, region_key
 from pscompile.graph.ops import is_memory_node
 from pscompile.memory.tracker import NonModelTracker
 from conftest import make_batches, make_model
@@ -79,7 +79,7 @@ def cache() -> RegionCache:
 def test_eager_split_runs_like_the_graph():
     engine = engine_for(2, "tight")
     gm = engine.schedule.gm
-    lg = LoweredGraph(gm, backend="eager")
+    lg = Executor(gm, backend="eager")
     rep = lg.report
     mem_nodes = [n for n in gm.graph.nodes if is_memory_node(n)]
     assert rep.memory_nodes == len(mem_nodes) > 0
@@ -136,7 +136,7 @@ def test_eager_split_frees_like_the_interpreter():
     lowered run is no higher than fx.Interpreter's."""
     engine = engine_for(2, "tight")
     gm = engine.schedule.gm
-    lg = LoweredGraph(gm, backend="eager")
+    lg = Executor(gm, backend="eager")
     peaks = []
     for runner in ("interpreter", "lowered"):
         inputs = graph_inputs(engine)
@@ -157,7 +157,7 @@ def test_eager_split_frees_like_the_interpreter():
 def test_lift_params_off_keeps_slices_inside_regions():
     engine = engine_for(2, "tight")
     gm = engine.schedule.gm
-    lg = LoweredGraph(gm, backend="eager", lift_params=False)
+    lg = Executor(gm, backend="eager", lift_params=False)
     assert lg.report.lifted_views == 0 and lg.report.rebuilt_views == 0
     inputs, ref_in = graph_inputs(engine), graph_inputs(engine)
     (ref,) = gm(*ref_in)
@@ -205,7 +205,7 @@ def test_identical_layers_give_identical_regions():
     """The region that computes h.1's MLP bias gradient and h.2's are the same region (so they
     compile once), though the parameters sit in different chunks at different offsets."""
     engine = engine_for(4, "tight")
-    lg = LoweredGraph(engine.schedule.gm, backend="eager")
+    lg = Executor(engine.schedule.gm, backend="eager")
     before_store: dict[str, object] = {}
     last_region = None
     for s in lg._program:
@@ -217,7 +217,7 @@ def test_identical_layers_give_identical_regions():
     assert a is not b and a.key == b.key
     offsets = {engine.layout.entry(f).pieces[0].chunk_offset for f in ("h.1.mlp.c_fc.weight", "h.2.mlp.c_fc.weight")}
     assert len(offsets) == 2 or lg.report.lifted_views > 0
-    lg_nolift = LoweredGraph(engine.schedule.gm, backend="eager", lift_params=False)
+    lg_nolift = Executor(engine.schedule.gm, backend="eager", lift_params=False)
     assert lg.report.regions == lg_nolift.report.regions
 
 
@@ -236,19 +236,19 @@ def _compare(engine, lg, seed=0):
 
 def test_inductor_regions_match_eager(cache):
     engine = engine_for(2, "tight")
-    lg = LoweredGraph(engine.schedule.gm, backend="inductor", cache=cache)
+    lg = Executor(engine.schedule.gm, backend="inductor", cache=cache)
     print(lg.report.summary())
     assert lg.report.compiled > 0 and lg.report.unboxed == 0     # inputs die inside compiled regions
     _, loss_err, buf_err = _compare(engine, lg)
     assert loss_err <= 1e-5 and buf_err <= 1e-5, (loss_err, buf_err)
     # a second LoweredGraph of the same schedule (e.g. after re-planning) compiles nothing
-    again = LoweredGraph(engine.schedule.gm, backend="inductor", cache=cache)
+    again = Executor(engine.schedule.gm, backend="inductor", cache=cache)
     assert again.report.compiled_now == 0 and again.report.cache_hits == again.report.compiled
 
 
 def test_inductor_dropout_matches_eager_with_the_same_seed(cache):
     engine = engine_for(1, "unlimited", dropout=0.1)
-    lg = LoweredGraph(engine.schedule.gm, backend="inductor", cache=cache)
+    lg = Executor(engine.schedule.gm, backend="inductor", cache=cache)
     assert any(str(n.target).startswith("aten.bernoulli") for r in lg.regions if r.compute for n in r.nodes)
     loss0, loss_err, buf_err = _compare(engine, lg, seed=0)
     assert loss_err <= 1e-5 and buf_err <= 1e-5, (loss_err, buf_err)
@@ -260,7 +260,7 @@ def test_identical_layers_compile_once(cache):
     reports = {}
     for n_layer in (1, 4):
         engine = engine_for(n_layer, "tight")
-        lg = LoweredGraph(engine.schedule.gm, backend="inductor", cache=cache)
+        lg = Executor(engine.schedule.gm, backend="inductor", cache=cache)
         reports[n_layer] = lg.report
         print(f"{n_layer} layer(s): {lg.report.summary()}")
         if n_layer == 4:
@@ -277,14 +277,9 @@ def test_engine_with_inductor_backend_trains_like_eager():
     memory), later steps run the lowered graph; losses, traffic and the budget as with eager."""
     budget = tight_budget(2)
     batches = make_batches("gpt", 3)
-    engines = {}
-    for backend in ("eager", "inductor"):
-        try:
-            engines[backend] = pscompile.compile(
-                make_model("gpt"), batches[0], config=pscompile.Config(
-                    mode="compiled", backend=backend, device="cpu", dtype=torch.float32, device_memory=budget))
-        except NotImplementedError:
-            pytest.skip("compiled_engine.py does not use pscompile.lowering yet")
+    engines = {backend: pscompile.compile(make_model("gpt"), batches[0], config=pscompile.Config(
+        mode="compiled", backend=backend, device="cpu", dtype=torch.float32, device_memory=budget))
+        for backend in ("eager", "inductor")}
     for i, b in enumerate(batches):
         losses = {}
         for backend, e in engines.items():
@@ -294,17 +289,6 @@ def test_engine_with_inductor_backend_trains_like_eager():
             assert (s.h2d_bytes, s.d2h_bytes) == (e.last_plan.h2d_bytes, e.last_plan.d2h_bytes)
             assert s.peak_device_bytes <= budget
         assert abs(losses["inductor"] - losses["eager"]) <= 1e-5 * abs(losses["eager"]), (i, losses)
-    lowered = list(engines["inductor"]._lowered.values())
+    lowered = [ex for ex in engines["inductor"]._executors.values() if ex.split == "regions"]
     assert lowered and lowered[0].report.compiled > 0
     print(lowered[0].report.summary())
-
-
-# ------------------------------------------------------------------ whole graph (slow: ~1 min)
-@pytest.mark.skipif(not os.environ.get("PSCOMPILE_SLOW_TESTS"), reason="whole-graph Inductor compile: set "
-                    "PSCOMPILE_SLOW_TESTS=1")
-def test_lower_whole_reports_what_inductor_did():
-    engine = engine_for(2, "tight")
-    rep = lower_whole(engine.schedule.gm).compare(graph_inputs(engine))
-    print(rep.summary())
-    assert rep.executed == rep.memory_nodes
-    assert rep.loss_rel_err <= 1e-5

@@ -45,12 +45,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from pscompile.kinds import MemKind, Phase, RunKind
 from pscompile.graph.meta import get
 from pscompile.graph.ops import MemOp, is_memory_node
 from pscompile.units import format_bytes
 
 if TYPE_CHECKING:
-    from pscompile.compiled.engine import Scheduled
+    from pscompile.graph.pipeline import Scheduled
     from pscompile.memory.layout import ChunkLayout
 
 __all__ = ["Schedule", "NodeRow", "model_summary"]
@@ -76,7 +77,7 @@ class NodeRow:
     model_bytes: int           # resident_slots * slot_bytes + optimizer states on the device
     nonmodel_bytes: int        # non-model bytes live while it runs (see the module docstring)
     source: str                # module path (nn_module_stack / stack_trace / parameters read), or "-"
-    phase: str | None          # "fwd" | "bwd" on compute nodes, else None
+    phase: Phase | None        # FWD | BWD on compute nodes, else None
 
     @property
     def total_bytes(self) -> int:
@@ -143,9 +144,9 @@ class Schedule:
         for i, n in enumerate(nodes):
             mem = get(n, "mem") if is_memory_node(n) else None
             if mem is not None and mem.slot is not None:
-                if mem.kind == "fetch":
+                if mem.kind == MemKind.FETCH:
                     holds[mem.slot] = mem.chunk
-                elif mem.kind in ("drop", "evict", "release"):
+                elif mem.kind == MemKind.DROP:
                     holds.pop(mem.slot, None)
             model_bytes = len(holds) * self.slot_bytes + self.os_device_bytes
             kind = _kind(n)
@@ -244,8 +245,8 @@ class Schedule:
         dtype = str(self.dtype).replace("torch.", "")
         peak = self.peak
         budget = "unlimited" if self.budget is None else f"{format_bytes(self.budget)} ({self.budget:,} B)"
-        what = {"train": "training iteration", "accum": "one micro-batch of gradient accumulation",
-                "eval": "evaluation, forward only"}.get(getattr(self.scheduled, "kind", "train"), "")
+        what = {RunKind.TRAIN: "training iteration", RunKind.ACCUM: "one micro-batch of gradient accumulation",
+                RunKind.EVAL: "evaluation, forward only"}[self.scheduled.kind]
         lines = [f"pscompile schedule (compiled mode, {what})"]
         if self.model:
             lines.append(f"model:  {self.model}")
@@ -264,14 +265,14 @@ class Schedule:
         else:
             lines.append("non-model memory: static estimate from FakeTensor metadata "
                          "(replaced by the measured curve after the first step)")
-        fetches = counts.get("fetch", 0)
-        prefetched = sum(1 for r in mem_rows if r.mem.kind == "fetch" and r.mem.asynchronous)
-        host_grads = sum(1 for r in mem_rows if r.mem.kind in ("store_grad", "accumulate_grad")
+        fetches = counts.get(MemKind.FETCH, 0)
+        prefetched = sum(1 for r in mem_rows if r.mem.kind == MemKind.FETCH and r.mem.asynchronous)
+        host_grads = sum(1 for r in mem_rows if r.mem.kind in (MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD)
                          and r.mem.slot is None)
         lines.append(f"planned traffic per iteration: h2d {format_bytes(plan.h2d_bytes)} ({fetches} fetches"
                      + (f", {prefetched} started early" if prefetched else "") + f"), d2h "
-                     f"{format_bytes(plan.d2h_bytes)} ({counts.get('writeback', 0)} writebacks, {host_grads} "
-                     f"gradient stores to the host), {counts.get('drop', 0)} evictions")
+                     f"{format_bytes(plan.d2h_bytes)} ({counts.get(MemKind.WRITEBACK, 0)} writebacks, {host_grads} "
+                     f"gradient stores to the host), {counts.get(MemKind.DROP, 0)} evictions")
         total_s = sum(p.seconds for p in self.passes)
         lines.append(f"passes ({len(self.passes)}, {total_s:.3f} s):")
         width = max((len(p.name) for p in self.passes), default=0)
@@ -294,8 +295,8 @@ class Schedule:
             if n.op == "placeholder":
                 continue
             if r.phase is not None and r.phase != phase:
-                if phase is not None or r.phase != "fwd":
-                    out.append(f"    # ---- {'backward' if r.phase == 'bwd' else 'forward'} ----")
+                if phase is not None or r.phase != Phase.FWD:
+                    out.append(f"    # ---- {'backward' if r.phase == Phase.BWD else 'forward'} ----")
                 phase = r.phase
             code = _code(n)
             comment = self._comment(n, r)
@@ -387,14 +388,14 @@ class Schedule:
         if self.budget is not None:
             ax.axhline(self.budget / mib, color="tab:red", linestyle="--", linewidth=1.2,
                        label=f"budget {format_bytes(self.budget)}")
-        marks = {"fetch": ("^", "tab:green", "fetch"), "drop": ("v", "tab:red", "evict (drop)"),
-                 "writeback": ("s", "tab:purple", "writeback"), "wait": ("|", "tab:gray", "wait")}
+        marks = {MemKind.FETCH: ("^", "tab:green", "fetch"), MemKind.DROP: ("v", "tab:red", "evict (drop)"),
+                 MemKind.WRITEBACK: ("s", "tab:purple", "writeback"), MemKind.WAIT: ("|", "tab:gray", "wait")}
         for kind, (marker, color, label) in marks.items():
             pts = [(r.idx, r.total_bytes / mib) for r in rows if r.mem is not None and r.mem.kind == kind]
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, s=18, color=color,
                            zorder=3, label=f"{label} ({len(pts)})")
-        first_bwd = next((r.idx for r in rows if r.phase == "bwd"), None)
+        first_bwd = next((r.idx for r in rows if r.phase == Phase.BWD), None)
         if first_bwd is not None:
             ax.axvline(first_bwd, color="black", linewidth=0.8, alpha=0.5)
             ax.text(first_bwd, 0, " backward", va="bottom", ha="left", fontsize=8, alpha=0.7)
@@ -459,28 +460,28 @@ def _slot_of(n: fx.Node) -> int | None:
 def _tier(n: fx.Node, mem: MemOp | None) -> str:
     if mem is None:
         return "device" if (get(n, "param") is not None or get(n, "reads")) else ""
-    if mem.kind == "drop":
+    if mem.kind == MemKind.DROP:
         return "device (evict)"
-    if mem.kind == "wait":
+    if mem.kind == MemKind.WAIT:
         return "host->device (wait)"
     return f"{mem.src}->{mem.dst}"
 
 
 def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
     b = format_bytes(mem.nbytes)
-    if mem.kind == "fetch":
+    if mem.kind == MemKind.FETCH:
         early = ", started early (async)" if mem.asynchronous else ""
         return f"fetch chunk {mem.chunk} -> slot {mem.slot} ({mem.src}->{mem.dst}), {b}{early}"
-    if mem.kind == "wait":
+    if mem.kind == MemKind.WAIT:
         return f"wait for chunk {mem.chunk} in slot {mem.slot} (host->device, prefetched), 0 B"
-    if mem.kind == "writeback":
+    if mem.kind == MemKind.WRITEBACK:
         return f"writeback chunk {mem.chunk} <- slot {mem.slot} ({mem.src}->{mem.dst}), {b}"
-    if mem.kind == "drop":
+    if mem.kind == MemKind.DROP:
         return f"evict chunk {mem.chunk} from slot {mem.slot} (device, slot freed), {b} moved"
-    if mem.kind == "accumulate_grad":
+    if mem.kind == MemKind.ACCUMULATE_GRAD:
         return (f"accumulate_grad {mem.fqn} += into the fp32 accumulation buffer of chunk {mem.chunk} "
                 f"({mem.src}->{mem.dst}), {b} moved")
-    if mem.kind == "store_grad":
+    if mem.kind == MemKind.STORE_GRAD:
         grad = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], fx.Node) else None
         val = grad.meta.get("val") if grad is not None else None
         size = f"grad {format_bytes(val.numel() * val.element_size())}, " if isinstance(val, torch.Tensor) else ""

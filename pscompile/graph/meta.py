@@ -11,7 +11,7 @@ order (``grad_fqns``). Every node has ``meta["val"]`` (a FakeTensor or a tuple o
 
 Keys written by the analysis passes:
 
-- ``phase``: "fwd" (computes the loss) or "bwd" (everything after);
+- ``phase``: ``Phase.FWD`` (computes the loss) or ``Phase.BWD`` (everything after);
 - ``param``: on a parameter placeholder and on every view of one, the fqn it aliases;
 - ``reads``: on a compute node, the fqns of the parameters whose memory it reads (through views);
 - ``last_use``: on a parameter placeholder, the index of the last node that reads it (view-aware);

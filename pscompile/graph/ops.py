@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pscompile.kinds import MemKind
+
 
 @torch.library.custom_op("pscompile::fetch", mutates_args=("slot",))
 def fetch(slot: Tensor, host: Tensor) -> None:
@@ -98,7 +100,7 @@ for _op in MEMORY_OPS:
 class MemOp:
     """What one memory node does, for printing, verification and accounting."""
 
-    kind: str            # "fetch" | "writeback" | "drop" | "store_grad" | "wait" | "accumulate_grad"
+    kind: MemKind
     chunk: int
     slot: int | None     # device slot index (None: store_grad into a chunk on the host, accumulate_grad)
     src: str             # tier read: "host" | "device" | "-"

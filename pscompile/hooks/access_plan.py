@@ -10,15 +10,17 @@ capacity ``device_memory - nonmodel_peak`` of each moment.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable
+from typing import Collection, Iterable
+
+from pscompile.kinds import MomentKind
+from pscompile.memory.belady import NextUse, farthest
 
 
 @dataclass(frozen=True)
 class Moment:
-    kind: str                 # "fwd" | "fwd_release" | "bwd" | "bwd_end" | "grad" | "opt"
+    kind: MomentKind
     label: str                # module, backward node, parameter or chunk it belongs to
     need: tuple[int, ...]     # chunks that must be on the device from here on (pinned)
     nonmodel_peak: int        # largest non-model bytes from this moment to the next
@@ -30,27 +32,18 @@ class AccessPlan:
     moments: tuple[Moment, ...]
 
     @cached_property
-    def _uses(self) -> dict[int, list[int]]:
-        uses: dict[int, list[int]] = {}
-        for i, m in enumerate(self.moments):
-            for c in m.need:
-                uses.setdefault(c, []).append(i)
-        return uses
+    def _next(self) -> NextUse:
+        return NextUse([m.need for m in self.moments])
 
     def next_use(self, chunk: int, after: int) -> float:
         """Index of the next moment (> ``after``) that needs ``chunk``; the next iteration's
         moments continue the count (cyclic); ``inf`` if no moment needs it."""
-        uses = self._uses.get(chunk)
-        if not uses:
-            return float("inf")
-        k = bisect.bisect_right(uses, after)
-        if k < len(uses):
-            return uses[k]
-        return uses[0] + len(self.moments)
+        return self._next.at_or_after(chunk, after + 1, cyclic=True)
 
-    def farthest(self, candidates: Iterable[int], after: int) -> int:
-        """The candidate chunk used farthest in the future (ties: the higher chunk id)."""
-        return max(candidates, key=lambda c: (self.next_use(c, after), c))
+    def farthest(self, candidates: Iterable[int], after: int, dirty: Collection[int] = ()) -> int:
+        """The candidate chunk used farthest in the future (ties: a clean one, then the higher
+        chunk id; see ``pscompile.memory.belady``)."""
+        return farthest(candidates, self._next, after + 1, cyclic=True, dirty=dirty)
 
     @cached_property
     def peak_nonmodel(self) -> int:

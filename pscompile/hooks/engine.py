@@ -25,20 +25,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from pscompile.hooks.access_plan import AccessPlan, Moment
-from pscompile.runtime.batching import LossFn, extract_loss, micro_batches, signature, to_device
 from pscompile.config import AdamW, Config
-from pscompile.runtime.engine import ChunkEngine
-from pscompile.runtime.order import direct_params
+from pscompile.errors import BudgetError
+from pscompile.hooks.access_plan import AccessPlan, Moment
 from pscompile.hooks.states import ChunkPlacement, TensorState, chunk_placement
-from pscompile.stats import StepStats
+from pscompile.kinds import MomentKind
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
+from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT, device_state_chunks
+from pscompile.runtime.batching import LossFn, extract_loss, signature, to_device
+from pscompile.runtime.engine import ChunkEngine, MicroRun
+from pscompile.runtime.order import direct_params
+from pscompile.stats import StepStats
 from pscompile.units import format_bytes
 
-# Bytes of device temporaries one optimizer chunk update needs, per element: the fp32 upcast of
-# the gradient plus the fp32 temporary of the norm.
-_OPT_TEMP_BYTES_PER_ELEMENT = 8
+__all__ = ["HooksEngine", "BudgetError"]
+
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,6 @@ class _Pass:
     acc: list[torch.Tensor] | None = None    # fp32 host chunks accumulating gradients (micro-batches)
     span_bufs: dict[int, str] = field(default_factory=dict)      # gathered buffer ptr -> fqn (forward)
     bwd_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # re-gathered for this backward node
-
-
-class BudgetError(ValueError):
-    """The device budget cannot hold what one moment of the iteration needs."""
 
 
 class HooksEngine(ChunkEngine):
@@ -147,7 +145,7 @@ class HooksEngine(ChunkEngine):
                     out.append(c)
         return tuple(out)
 
-    def _moment(self, kind: str, label: str, need: tuple[int, ...]) -> None:
+    def _moment(self, kind: MomentKind, label: str, need: tuple[int, ...]) -> None:
         """A decision point: make room under the budget and fetch ``need``."""
         ps = self._pass
         if ps is None:
@@ -196,7 +194,7 @@ class HooksEngine(ChunkEngine):
                     f"device_memory={format_bytes(self.budget)} cannot hold {plan.describe(i)}: "
                     f"{format_bytes(store.device_model_bytes() + incoming)} of chunks are pinned and "
                     f"{format_bytes(plan.moments[i].nonmodel_peak)} of non-model data is expected")
-            store.evict(plan.farthest(victims, i))
+            store.evict(plan.farthest(victims, i, dirty={c for c in victims if store.dirty[c]}))
 
     def _evictable(self, c: int) -> bool:
         if self._pass.pins[c] > 0:
@@ -223,7 +221,7 @@ class HooksEngine(ChunkEngine):
         if ps is None:
             return
         need = self._chunks_of(fqns)
-        self._moment("fwd", name, need)
+        self._moment(MomentKind.FWD, name, need)
         for c in need:
             ps.pins[c] += 1
         for f in fqns:
@@ -244,7 +242,7 @@ class HooksEngine(ChunkEngine):
             self.states[f] = TensorState.HOLD_AFTER_FWD
         for c in self._chunks_of(fqns):
             ps.pins[c] -= 1
-        self._moment("fwd_release", name, ())
+        self._moment(MomentKind.FWD_RELEASE, name, ())
 
     # ================================================================ backward hooks
     def _pack(self, t: torch.Tensor):
@@ -271,7 +269,7 @@ class HooksEngine(ChunkEngine):
         if isinstance(ref, _SpanRef):
             return self._unpack_span(ps, node, ref)
         if ref.chunk not in ps.bwd_chunks:
-            self._moment("bwd", f"{type(node).__name__}:{ref.chunk}", (ref.chunk,))
+            self._moment(MomentKind.BWD, f"{type(node).__name__}:{ref.chunk}", (ref.chunk,))
             ps.bwd_chunks.append(ref.chunk)
             ps.pins[ref.chunk] += 1
         e = self.layout.entry_at(ref.chunk, ref.offset)
@@ -285,7 +283,7 @@ class HooksEngine(ChunkEngine):
         if buf is None:
             need = tuple(c for c in self.layout.entry(ref.fqn).chunks if c not in ps.bwd_chunks)
             if need:
-                self._moment("bwd", f"{type(node).__name__}:{ref.fqn}", need)
+                self._moment(MomentKind.BWD, f"{type(node).__name__}:{ref.fqn}", need)
                 ps.bwd_chunks.extend(need)
                 for c in need:
                     ps.pins[c] += 1
@@ -325,7 +323,7 @@ class HooksEngine(ChunkEngine):
             ps.grad_written.add(fqn)
         del grad
         self.states[fqn] = TensorState.HOLD_AFTER_BWD
-        self._moment("grad", fqn, ())
+        self._moment(MomentKind.GRAD, fqn, ())
 
     # ================================================================ passes
     def _new_tracker(self, batch: Any, *, tracing: bool) -> NonModelTracker:
@@ -366,7 +364,7 @@ class HooksEngine(ChunkEngine):
                                       # scaled (fp16) or accumulating (1/k) step
         del loss
         self._end_bwd_node()
-        self._moment("bwd_end", "", ())
+        self._moment(MomentKind.BWD_END, "", ())
         if ps.tracing:
             self._close_window(ps)
         return loss_value, t1 - t0, time.perf_counter() - t1
@@ -376,7 +374,7 @@ class HooksEngine(ChunkEngine):
             loss = extract_loss(self._run_model(self.model, batch), batch, self.loss_fn)
             value = float(loss.float())
         del loss
-        self._moment("eval_end", "", ())
+        self._moment(MomentKind.EVAL_END, "", ())
         if ps.tracing:
             self._close_window(ps)
         return value
@@ -387,7 +385,7 @@ class HooksEngine(ChunkEngine):
         shape). Like plain PyTorch, dropout follows the model's train()/eval() mode."""
         self._check_open()
         batch = to_device(batch, self.device)
-        key = ("eval",) + signature(batch)
+        key = signature(batch)
         plan = self._eval_plans.get(key)
         if plan is None:
             plan = self._trace(batch, train=False)
@@ -440,30 +438,26 @@ class HooksEngine(ChunkEngine):
         return AccessPlan(tuple(ps.recorded))
 
     def _place_optimizer_states(self) -> None:
-        """Device-aware placement: optimizer-state chunks that fit in the device margin (budget
-        minus the peak non-model data of every traced batch shape minus all param chunks) live on
-        the device and update there; the rest update on the host. Rebuilds the plans."""
-        n = self.layout.num_chunks
-        if self.budget is None:
-            on_device = range(n)
-        else:
-            temp = _OPT_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
-            peak = max([t.peak_nonmodel for t in self._traces.values()] + [temp])
-            margin = self.budget - peak - n * self.store.param_chunk_bytes
-            on_device = range(max(0, min(n, margin // self.store.os_chunk_bytes)))
-        self.store.place_optimizer_states(on_device)
+        """Device-aware placement (``pscompile.optim.placement``) for the largest non-model peak of
+        every traced batch shape; rebuilds the plans with the optimizer's moments."""
+        peak = max((t.peak_nonmodel for t in self._traces.values()), default=0)
+        count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=self.layout.num_chunks,
+                                    chunk_size=self.layout.chunk_size,
+                                    param_chunk_bytes=self.store.param_chunk_bytes,
+                                    state_chunk_bytes=self.store.os_chunk_bytes)
+        self.store.place_optimizer_states(range(count))
         self.link.reset()
         opt = self._optimizer_moments()
         self._plans = {sig: AccessPlan(t.moments + opt) for sig, t in self._traces.items()}
 
     def _optimizer_moments(self) -> tuple[Moment, ...]:
-        temp = _OPT_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
+        temp = UPDATE_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
         out = []
         for c in range(self.layout.num_chunks):
             if self.store.os_tier[c] is Tier.DEVICE:
-                out.append(Moment("opt", f"chunk {c}", (c,), temp, self.store.param_chunk_bytes))
+                out.append(Moment(MomentKind.OPT, f"chunk {c}", (c,), temp, self.store.param_chunk_bytes))
             else:
-                out.append(Moment("opt", f"chunk {c}", (), 0, 0))
+                out.append(Moment(MomentKind.OPT, f"chunk {c}", (), 0, 0))
         return tuple(out)
 
     def _check_budget(self, plan: AccessPlan) -> None:
@@ -500,72 +494,43 @@ class HooksEngine(ChunkEngine):
         (optimizer states on the host)."""
         return max(p.min_device_bytes()[0] for p in self._traces.values())
 
-    # ================================================================ the step
-    def step(self, batch: Any) -> float:
-        """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss.
+    # ================================================================ the step (ChunkEngine.step)
+    def _prepare_step(self, batches: list, *, accumulate: bool) -> None:
+        for b in batches:          # a new batch shape is traced before anything runs
+            self._plan_for(b)
 
-        ``batch`` may be a list of micro-batches (tuples or dicts): their gradients accumulate in
-        fp32 chunks on the host (each micro-batch's loss divided by their number, like
-        ``(loss / k).backward()`` in plain PyTorch) and one update follows; the mean loss is
-        returned."""
-        self._check_open()
-        t_start = time.perf_counter()
-        micro = micro_batches(batch)
-        batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
-        plans = [self._plan_for(b) for b in batches]
-        self.link.reset()
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        acc = self._accumulation_chunks() if micro is not None else None
-        k = len(batches)
-        losses, fwd_s, bwd_s, written, peaks = [], 0.0, 0.0, set(), (0, 0, 0)
-        for b, plan in zip(batches, plans):
-            ps = _Pass(tracing=False, tracker=self._new_tracker(b, tracing=False), plan=plan, acc=acc)
-            try:
-                with self._pass_scope(ps):
-                    loss, f, bw = self._forward_backward(ps, b, scale / k)
-            except BaseException:
-                if acc is None:
-                    self._undo_gradients(ps)
-                else:
-                    for a in acc:
-                        a.zero_()
-                self.link.reset()
-                raise
-            losses.append(loss)
-            fwd_s, bwd_s = fwd_s + f, bwd_s + bw
-            written |= ps.grad_written
-            tr = ps.tracker
-            peaks = tuple(max(x, y) for x, y in zip(peaks, (tr.peak_total, tr.peak_model, tr.peak_nonmodel)))
-        t_opt = time.perf_counter()
+    def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
+        plan = self._plans[signature(batch)]
+        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc)
+        try:
+            with self._pass_scope(ps):
+                loss, fwd_s, bwd_s = self._forward_backward(ps, batch, scale / k)
+        except BaseException:
+            if acc is None:
+                self._undo_gradients(ps)
+            self.link.reset()
+            raise
+        return MicroRun(loss, ps.tracker, self.link.reset(), fwd_s, bwd_s, frozenset(ps.grad_written), ps)
+
+    def _grad_divisor(self, scale: float, k: int) -> float:
+        return scale                    # each micro-batch's loss was scaled by scale / k
+
+    def _update(self, last: MicroRun, written: frozenset[str], divisor: float,
+                acc: list[torch.Tensor] | None) -> bool:
+        ps: _Pass = last.context
+        plan = ps.plan
         first_opt = len(plan.moments) - self.layout.num_chunks
         assert ps.moment == first_opt, "optimizer moments out of step with the plan"
 
         def make_room(c: int) -> None:
-            self._moment("opt", f"chunk {c}", plan.moments[first_opt + c].need)
+            self._moment(MomentKind.OPT, f"chunk {c}", plan.moments[first_opt + c].need)
 
         self._pass = ps
         try:
             with ps.tracker:
-                skipped = self._optimizer_step(written, scale, ps.tracker, make_room, grads=acc)
+                return self._optimizer_step(set(written), divisor, ps.tracker, make_room, grads=acc)
         finally:
             self._pass = None
-            if acc is not None:
-                for a in acc:
-                    a.zero_()
-        t_end = time.perf_counter()
-        traffic = self.link.reset()
-        tr = ps.tracker
-        peaks = tuple(max(x, y) for x, y in zip(peaks, (tr.peak_total, tr.peak_model, tr.peak_nonmodel)))
-        loss = sum(losses) / k
-        self.stats = StepStats(
-            loss=loss, h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
-            disk_read_bytes=0, disk_write_bytes=0,
-            peak_device_bytes=peaks[0], peak_device_model_bytes=peaks[1],
-            peak_nonmodel_bytes=peaks[2], num_fetches=traffic.num_fetches,
-            num_evictions=traffic.num_evictions, allgather_bytes=0, reduce_scatter_bytes=0,
-            skipped=skipped, loss_scale=scale, time_s=t_end - t_start, forward_s=fwd_s,
-            backward_s=bwd_s, optimizer_s=t_end - t_opt, transfer_s=traffic.transfer_s)
-        return loss
 
     def _undo_gradients(self, ps: _Pass) -> None:
         """After a failed pass: gradients already written over parameters are undone."""

@@ -118,29 +118,3 @@ class Link:
     def reset(self) -> Traffic:
         done, self.traffic = self.traffic, Traffic()
         return done
-
-
-class TransferQueue:
-    """Copies that run in submission order on one background thread, like a GPU's copy engine
-    (or the emulated link): ``submit`` returns at once, ``Future.result()`` waits for one copy,
-    ``flush`` for all. Bytes and busy time are counted by the ``Link`` as each copy runs."""
-
-    def __init__(self, link: Link):
-        from concurrent.futures import ThreadPoolExecutor
-        self.link = link
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pscompile-link")
-        self._pending: list = []
-
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, direction: str):
-        fut = self._pool.submit(self.link.copy, dst, src, direction)
-        self._pending.append(fut)
-        return fut
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
-
-    def close(self) -> None:
-        self.flush()
-        self._pool.shutdown(wait=True)

@@ -2,29 +2,51 @@
 
 Parameters named and ordered (first use), packed into a ``ChunkLayout``, loaded into a
 ``ChunkStore`` (fp32 masters, compute-dtype chunks, Adam states); the model keeps placeholders.
-The chunk-by-chunk optimizer step, state dicts, export, ``close`` and the learning rate live here;
-the modes (hooks, compiled) decide how forward and backward reach the chunks.
+The one ``step()`` loop (micro-batching, gradient accumulation, the update, ``StepStats``), the
+chunk-by-chunk optimizer step, state dicts, export, ``close`` and the learning rate live here.
+A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
+
+    _prepare_step(batches)          before any run: plan what the batches need (hooks: trace)
+    _run_micro(batch, ...)          one forward+backward -> MicroRun; on failure undo and raise
+    _grad_divisor(scale, k)         what the summed gradients are divided by in the update
+    _update(last, written, ...)     the optimizer step, after the mode's own preparation
+    _after_step(runs)               bookkeeping once the step is done (compiled: re-measure)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from pscompile.runtime.batching import LossFn, call_model, to_device
-from pscompile.memory.store import ChunkStore
 from pscompile.config import AdamW, Config, available_host_bytes
-from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
-from pscompile.runtime.materialize import materialize_meta
-from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
-from pscompile.runtime.order import first_use_order
-from pscompile.memory.tiers import Link, Tier
+from pscompile.memory.store import ChunkStore
+from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
+from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
+from pscompile.runtime.batching import LossFn, call_model, micro_batches, to_device
+from pscompile.runtime.materialize import materialize_meta
+from pscompile.runtime.params import choose_layout, collect_params
+from pscompile.stats import StepStats
 from pscompile.units import format_bytes
+
+
+@dataclass(frozen=True)
+class MicroRun:
+    """What one forward+backward (a batch, or one micro-batch of accumulation) did."""
+
+    loss: float
+    tracker: NonModelTracker       # its device-memory accounting (the update runs in the last one's)
+    traffic: Traffic               # bytes and copies of this run
+    forward_s: float
+    backward_s: float
+    written: frozenset[str]        # parameters whose gradients it produced
+    context: Any = None            # the mode's own record (hooks: the pass; compiled: the schedule)
 
 
 class ChunkEngine:
@@ -47,24 +69,11 @@ class ChunkEngine:
         self.materialized = materialize_meta(model)
 
         # -- parameters, names, first-use order, layout -------------------------------------
-        params_in_order, self.order_source = first_use_order(model, self._run_model, batch)
-        names: dict[int, list[str]] = {}
-        for fqn, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(fqn)
-        self.params: dict[str, nn.Parameter] = {}
-        self._fqn_of: dict[int, str] = {}
-        aliases: dict[str, str] = {}
-        for p in params_in_order:
-            canonical, *others = names[id(p)]
-            self.params[canonical] = p
-            self._fqn_of[id(p)] = canonical
-            aliases.update({o: canonical for o in others})
-        if not self.params:
-            raise ValueError("the model has no parameters; pscompile manages parameters in chunks")
-        for fqn, p in self.params.items():
-            if not p.dtype.is_floating_point:
-                raise ValueError(f"parameter {fqn} has dtype {p.dtype}; only floating-point parameters are supported")
-        self.layout = self._make_layout(aliases)
+        mp = collect_params(model, self._run_model, batch)
+        self.params: dict[str, nn.Parameter] = mp.params
+        self.order_source = mp.order_source
+        self._fqn_of: dict[int, str] = mp.fqn_of()
+        self.layout = choose_layout(mp, config, self.budget, keep_tensors_whole=not self.splits_large_tensors)
 
         # -- chunk store, optimizer, host budget --------------------------------------------
         elsize = torch.empty((), dtype=self.dtype).element_size()
@@ -100,22 +109,6 @@ class ChunkEngine:
 
     def _run_model(self, model: nn.Module, batch: Any) -> Any:
         return call_model(model, batch)
-
-    def _make_layout(self, aliases: dict[str, str]) -> ChunkLayout:
-        numels = [p.numel() for p in self.params.values()]
-        cs = self.config.chunk_size
-        elsize = torch.empty((), dtype=self.dtype).element_size()
-        if cs == "auto":
-            cap = None if self.budget is None else max(1024, self.budget // (elsize * 8))
-            choice = search_chunk_size(numels, max_chunk_size=cap,
-                                       keep_tensors_whole=not self.splits_large_tensors)
-            cs = choice.chunk_size
-        if not self.splits_large_tensors and cs < max(numels):
-            big = max(self.params, key=lambda f: self.params[f].numel())
-            raise ValueError(
-                f"chunk_size={cs} is smaller than parameter {big} ({max(numels)} elements); this mode keeps "
-                f"every tensor in one chunk: give chunk_size >= {max(numels)} or 'auto', or use mode='hooks'")
-        return build_layout(((f, tuple(p.shape)) for f, p in self.params.items()), cs, aliases)
 
     def _load_into_chunks(self) -> None:
         """Copy every parameter's value into the chunks (fp32 master and compute-dtype copy) and
@@ -238,6 +231,74 @@ class ChunkEngine:
                                        grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad)
                 store.mark_updated(c)
         return False
+
+    # ================================================================ the step
+    def step(self, batch: Any) -> float:
+        """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss.
+
+        ``batch`` may be a list of micro-batches (tuples or dicts): their gradients accumulate in
+        fp32 chunks on the host, then one update follows with the mean gradient (like
+        ``(loss / k).backward()`` per micro-batch in plain PyTorch); the mean loss is returned.
+        A failed step leaves the weights and optimizer states as they were."""
+        self._check_open()
+        t_start = time.perf_counter()
+        micro = micro_batches(batch)
+        batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
+        acc = self._accumulation_chunks() if micro is not None else None
+        k = len(batches)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._prepare_step(batches, accumulate=acc is not None)
+        self.link.reset()
+        runs: list[MicroRun] = []
+        try:
+            for b in batches:
+                runs.append(self._run_micro(b, acc=acc, scale=scale, k=k))
+            t_opt = time.perf_counter()
+            written = frozenset().union(*(r.written for r in runs))
+            skipped = self._update(runs[-1], written, self._grad_divisor(scale, k), acc)
+        finally:
+            if acc is not None:
+                for a in acc:
+                    a.zero_()
+        t_end = time.perf_counter()
+        opt = self.link.reset()
+        self._after_step(batches, runs, accumulate=acc is not None)
+        self.stats = StepStats(
+            loss=sum(r.loss for r in runs) / k,
+            h2d_bytes=sum(r.traffic.h2d_bytes for r in runs) + opt.h2d_bytes,
+            d2h_bytes=sum(r.traffic.d2h_bytes for r in runs) + opt.d2h_bytes,
+            disk_read_bytes=0, disk_write_bytes=0,
+            peak_device_bytes=max(r.tracker.peak_total for r in runs),
+            peak_device_model_bytes=max(r.tracker.peak_model for r in runs),
+            peak_nonmodel_bytes=max(r.tracker.peak_nonmodel for r in runs),
+            num_fetches=sum(r.traffic.num_fetches for r in runs) + opt.num_fetches,
+            num_evictions=sum(r.traffic.num_evictions for r in runs) + opt.num_evictions,
+            allgather_bytes=0, reduce_scatter_bytes=0, skipped=skipped, loss_scale=scale,
+            time_s=t_end - t_start, forward_s=sum(r.forward_s for r in runs),
+            backward_s=sum(r.backward_s for r in runs), optimizer_s=t_end - t_opt,
+            transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s)
+        return self.stats.loss
+
+    def _prepare_step(self, batches: list, *, accumulate: bool) -> None:
+        """Mode hook: before any run of a step (hooks mode traces new batch shapes here)."""
+
+    def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
+        """Mode hook: one forward+backward of ``batch`` (gradients into the param chunks, or added
+        into ``acc``); on failure it undoes what it wrote and raises."""
+        raise NotImplementedError
+
+    def _grad_divisor(self, scale: float, k: int) -> float:
+        """Mode hook: what the summed gradients of ``k`` runs at loss scale ``scale`` are divided by."""
+        raise NotImplementedError
+
+    def _update(self, last: MicroRun, written: frozenset[str], divisor: float,
+                acc: list[torch.Tensor] | None) -> bool:
+        """Mode hook: the optimizer step (``_optimizer_step``) inside ``last``'s accounting;
+        returns True if it was skipped."""
+        raise NotImplementedError
+
+    def _after_step(self, batches: list, runs: list[MicroRun], *, accumulate: bool) -> None:
+        """Mode hook: bookkeeping after a successful step."""
 
     def _undo_all(self, only=None) -> None:
         for c in range(self.layout.num_chunks):

@@ -1,0 +1,350 @@
+"""``python -m pscompile train``: a real training run under a device budget.
+
+It trains a GPT preset on a byte-level corpus made from the Python standard library's own sources
+(``pscompile.cli.data``) under a device-memory budget, shows progress, and prints a summary table
+(optionally written as JSON). The defaults are a real ~1-minute run on a 2-core CPU
+(gpt-small-test, 450 steps of 16 x 128 bytes, float32; loss ~5.3 -> ~2.1) under a 44 MiB device
+budget: the run needs ~48 MiB to keep everything resident (~41 MiB of it activations), so only
+part of the 6.9 MiB of model data fits next to the activations and most of the 9 chunks are
+evicted and fetched back every step (tests/test_cli.py checks this). float32 is the default
+because on CPUs without native bf16 matmuls (AVX2 only) bfloat16 backward is 10-100x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from tabulate import tabulate
+
+from pscompile.api import compile as ps_compile
+from pscompile.config import AdamW, Config
+from pscompile.cli.data import Corpus
+from pscompile.stats import StepStats
+from pscompile.units import format_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NO_LIMIT = ("none", "unlimited")
+
+
+# ==================================================================== train: settings
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything ``train`` runs with; built from the flags and validated here."""
+
+    model: str = "gpt-small-test"      # GPT preset name (pscompile.models.gpt.GPT_PRESETS)
+    n_layer: int | None = None         # override the preset's number of blocks
+    d_model: int | None = None         # override the preset's hidden size
+    n_head: int | None = None          # override the preset's attention heads
+    steps: int = 450                   # optimizer steps
+    batch_size: int = 16               # sequences per step
+    seq_len: int = 128                 # bytes per sequence (also the model's position table)
+    lr: float = 1e-3                   # AdamW learning rate (constant)
+    device: str = "cpu"                # compute device
+    device_memory: str | None = "44MiB"  # budget for everything on the device; None = no limit
+    host_memory: str | None = None     # budget for chunks in host RAM; None = 80% of available
+    chunk_size: int | str = "auto"     # elements per chunk or "auto"
+    dtype: str = "float32"             # compute dtype name (see DTYPES)
+    mode: str = "hooks"                # "hooks" | "compiled"
+    backend: str = "inductor"          # compiled mode: "inductor" | "eager"
+    seed: int = 0                      # model init and batch sampling
+    grad_accum: int = 1                # micro-batches per step (batch_size is split into them)
+    eval_every: int = 0                # validation loss every N steps (0: only after the last step)
+    eval_batches: int = 4              # validation batches (of batch_size) per evaluation; 0 = none
+    log_every: int = 50                # plain progress line every N steps (0 = never)
+    json_path: str | None = None       # write the summary here as JSON
+    progress: bool = True              # tqdm bar when tqdm is importable and stderr is a terminal
+
+    def __post_init__(self):
+        for flag, value, low in (("--steps", self.steps, 1), ("--batch-size", self.batch_size, 1),
+                                 ("--seq-len", self.seq_len, 2), ("--log-every", self.log_every, 0),
+                                 ("--grad-accum", self.grad_accum, 1), ("--eval-every", self.eval_every, 0),
+                                 ("--eval-batches", self.eval_batches, 0)):
+            if value < low:
+                raise ValueError(f"{flag}={value} must be >= {low}")
+        for flag, value in (("--n-layer", self.n_layer), ("--d-model", self.d_model), ("--n-head", self.n_head)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag}={value} must be a positive int (or leave it out to keep the preset's)")
+        if not self.lr > 0:
+            raise ValueError(f"--lr={self.lr} must be > 0, e.g. 1e-3")
+        if self.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(self.json_path))):
+            raise ValueError(f"--json={self.json_path}: its folder does not exist; create it or give another path")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"--batch-size={self.batch_size} is not divisible by --grad-accum={self.grad_accum}; "
+                             "each step splits its batch into that many equal micro-batches")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype={self.dtype} is not supported; use one of {', '.join(DTYPES)}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def parse_chunk_size(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of elements or 'auto'") from None
+
+
+def size_or_none(text: str) -> str | None:
+    return None if text.lower() in _NO_LIMIT else text
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainSettings()
+    m = p.add_argument_group("model (byte-level GPT; vocab is always 256)")
+    m.add_argument("--model", metavar="NAME", default=d.model,
+                   help=f"GPT preset name, e.g. gpt-tiny, gpt-small-test, gpt-mini, gpt2 (default {d.model})")
+    m.add_argument("--n-layer", metavar="N", type=int, help="override the preset's number of blocks")
+    m.add_argument("--d-model", metavar="N", type=int, help="override the preset's hidden size")
+    m.add_argument("--n-head", metavar="N", type=int,
+                   help="override the preset's attention heads (must divide d_model)")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", metavar="N", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    t.add_argument("--batch-size", metavar="N", type=int, default=d.batch_size,
+                   help=f"sequences per step (default {d.batch_size})")
+    t.add_argument("--seq-len", metavar="N", type=int, default=d.seq_len,
+                   help=f"bytes per sequence (default {d.seq_len})")
+    t.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    t.add_argument("--grad-accum", metavar="K", type=int, default=d.grad_accum,
+                   help="split each step's batch into K micro-batches whose gradients accumulate into one "
+                        f"update (default {d.grad_accum})")
+    t.add_argument("--eval-every", metavar="N", type=int, default=d.eval_every,
+                   help="validation loss every N steps (default: after the last step only)")
+    t.add_argument("--eval-batches", metavar="N", type=int, default=d.eval_batches,
+                   help=f"validation batches per evaluation, 0 for none (default {d.eval_batches})")
+    t.add_argument("--seed", metavar="N", type=int, default=d.seed,
+                   help=f"seed for init and batches (default {d.seed})")
+    e = p.add_argument_group("memory and engine")
+    e.add_argument("--device", metavar="DEV", default=d.device,
+                   help=f"compute device: cpu, cuda, cuda:N (default {d.device})")
+    e.add_argument("--device-memory", metavar="SIZE", type=size_or_none, default=d.device_memory,
+                   help=f"budget for everything on the device, e.g. 64MiB, or 'none' (default {d.device_memory}: "
+                        "below what the default run needs, so chunks are evicted every step; the error names "
+                        "the minimum when a budget is too small)")
+    e.add_argument("--host-memory", metavar="SIZE", type=size_or_none, default=None,
+                   help="budget for chunks in host RAM, e.g. 2GiB (default: 80%% of available RAM)")
+    e.add_argument("--chunk-size", metavar="N|auto", type=parse_chunk_size, default=d.chunk_size,
+                   help="elements per chunk, or 'auto' (default auto)")
+    e.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype,
+                   help="compute dtype (default float32: on CPUs without native bf16 matmuls "
+                        "bfloat16 backward is 10-100x slower)")
+    e.add_argument("--mode", choices=("hooks", "compiled"), default=d.mode, help=f"engine (default {d.mode})")
+    e.add_argument("--backend", choices=("inductor", "eager"), default=d.backend,
+                   help=f"compiled mode: compute regions through Inductor or eagerly (default {d.backend})")
+    o = p.add_argument_group("output")
+    o.add_argument("--log-every", metavar="N", type=int, default=d.log_every,
+                   help=f"print a progress line every N steps when no bar is shown (default {d.log_every}; 0 = never)")
+    o.add_argument("--json", dest="json_path", metavar="PATH", help="write the summary as JSON to PATH")
+    o.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no tqdm bar (plain lines every --log-every steps instead)")
+
+
+def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    names = {f.name for f in fields(TrainSettings)}
+    return TrainSettings(**{k: v for k, v in vars(args).items() if k in names})
+
+
+# ==================================================================== train: the run
+def build_model(s: TrainSettings) -> torch.nn.Module:
+    """The GPT preset with the flag overrides, byte vocabulary and ``seq_len`` positions."""
+    from pscompile.models.gpt import GPT, gpt_config
+
+    overrides = {k: v for k, v in (("n_layer", s.n_layer), ("d_model", s.d_model), ("n_head", s.n_head))
+                 if v is not None}
+    cfg = gpt_config(s.model, vocab_size=Corpus.vocab_size, seq_len=s.seq_len, **overrides)
+    if cfg.d_model % cfg.n_head:
+        raise ValueError(f"--n-head={cfg.n_head} must divide --d-model={cfg.d_model}; "
+                         f"try --n-head {next(h for h in (8, 4, 2, 1) if cfg.d_model % h == 0)}")
+    torch.manual_seed(s.seed)
+    return GPT(cfg)
+
+
+class _Progress:
+    """A tqdm bar when possible, else a plain line every ``log_every`` steps."""
+
+    def __init__(self, s: TrainSettings):
+        self.total, self.log_every, self.bar = s.steps, s.log_every, None
+        if s.progress and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=s.steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, stats: StepStats, tokens_per_s: float) -> None:
+        text = (f"loss {stats.loss:.3f} | {tokens_per_s:,.0f} tok/s | "
+                f"moved {format_bytes(stats.bytes_moved)} | evicted {stats.num_evictions}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif self.log_every and (step % self.log_every == 0 or step in (1, self.total)):
+            print(f"step {step:>{len(str(self.total))}}/{self.total} | {text}", flush=True)
+
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.log_every:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_train(s: TrainSettings) -> dict:
+    """Train as ``s`` says and return the summary (a JSON-ready dict)."""
+    t0 = time.perf_counter()
+    model = build_model(s)  # first: a bad preset name fails before any work
+    cfg = model.config
+    t_model = time.perf_counter()
+    corpus = Corpus.from_stdlib()
+    t_data = time.perf_counter()
+    gen = torch.Generator().manual_seed(s.seed)
+    val_gen = torch.Generator().manual_seed(s.seed + 1)
+    val = [piece for _ in range(s.eval_batches)        # held-out batches, in micro-batch pieces
+           for piece in _pieces(corpus.batch("val", s.batch_size, s.seq_len, val_gen), s.grad_accum)]
+    batch = corpus.batch("train", s.batch_size, s.seq_len, gen)
+    engine = ps_compile(
+        model, batch,
+        optimizer=AdamW(lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0),
+        config=Config(mode=s.mode, backend=s.backend, device=s.device, device_memory=s.device_memory, host_memory=s.host_memory,
+                      dtype=DTYPES[s.dtype], chunk_size=s.chunk_size))
+    t_compile = time.perf_counter()
+    history: list[StepStats] = []
+    evals: list[tuple[int, float]] = []           # (step, mean validation loss)
+    progress = _Progress(s)
+    try:
+        for step in range(1, s.steps + 1):
+            if step > 1:
+                batch = corpus.batch("train", s.batch_size, s.seq_len, gen)
+            engine.step(batch if s.grad_accum == 1 else _pieces(batch, s.grad_accum))
+            history.append(engine.stats)
+            progress.update(step, engine.stats, s.tokens_per_step / engine.stats.time_s)
+            if val and (step == s.steps or (s.eval_every and step % s.eval_every == 0)):
+                evals.append((step, statistics.fmean(engine.evaluate(b) for b in val)))
+                progress.note(f"step {step}: validation loss {evals[-1][1]:.4f}")
+    finally:
+        progress.close()
+        engine.close()      # hooks off; the model gets its (trained) parameters back
+    t_end = time.perf_counter()
+    summary = _summarise(s, cfg, corpus, engine, history,
+                         setup_s=t_compile - t0, data_s=t_data - t_model, train_s=t_end - t_compile)
+    summary["val_losses"] = [{"step": st, "loss": v} for st, v in evals]
+    return summary
+
+
+def _pieces(batch: tuple[torch.Tensor, torch.Tensor], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``batch`` split into ``k`` equal micro-batches (gradient accumulation, and evaluation
+    under the same device memory)."""
+    return [tuple(t.contiguous() for t in piece) for piece in zip(*(t.chunk(k) for t in batch))]
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process started (Linux /proc; None elsewhere): includes imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _summarise(s: TrainSettings, cfg, corpus: Corpus, engine, history: list[StepStats], *,
+               setup_s: float, data_s: float, train_s: float) -> dict:
+    steady = history[1:] or history         # step 1 also pays the first fetch of every chunk
+    mean = lambda key: statistics.fmean(getattr(h, key) for h in steady)  # noqa: E731
+    budget = engine.budget
+    peak = max(h.peak_device_bytes for h in history)
+    last_k = history[-min(10, len(history)):]
+    return {
+        "settings": asdict(s),
+        "model": {"preset": s.model, "params": engine.layout.total_numel, "n_layer": cfg.n_layer,
+                  "d_model": cfg.d_model, "n_head": cfg.n_head, "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len},
+        "corpus": {"source": corpus.source, "train_bytes": len(corpus.train), "val_bytes": len(corpus.val)},
+        "chunk_size": engine.layout.chunk_size,
+        "num_chunks": engine.layout.num_chunks,
+        "utilisation": engine.layout.utilisation,
+        "budget_bytes": budget,
+        "steps": len(history),
+        "tokens_per_step": s.tokens_per_step,
+        "loss_first": history[0].loss,
+        "loss_last": history[-1].loss,
+        "loss_last10_mean": statistics.fmean(h.loss for h in last_k),
+        "losses": [h.loss for h in history],
+        "tokens_per_s": statistics.median(s.tokens_per_step / h.time_s for h in steady),
+        "mean_step_s": mean("time_s"),
+        "peak_device_bytes": peak,
+        "peak_device_model_bytes": max(h.peak_device_model_bytes for h in history),
+        "peak_nonmodel_bytes": max(h.peak_nonmodel_bytes for h in history),
+        "within_budget": budget is None or peak <= budget,
+        "h2d_bytes_per_step": mean("h2d_bytes"),
+        "d2h_bytes_per_step": mean("d2h_bytes"),
+        "fetches_per_step": mean("num_fetches"),
+        "evictions_per_step": mean("num_evictions"),
+        "skipped_steps": sum(h.skipped for h in history),
+        "setup_s": setup_s,
+        "corpus_s": data_s,
+        "train_s": train_s,
+        "process_s": seconds_since_process_start(),
+    }
+
+
+def summary_table(r: dict) -> str:
+    """The summary as a two-column table."""
+    m, b = r["model"], r["budget_bytes"]
+    mib = format_bytes
+    peak_ok = "OK" if r["within_budget"] else "OVER BUDGET"
+    rows = [
+        ("model", f"{m['preset']}: {m['params']:,} params, {m['n_layer']} layers, d_model {m['d_model']}, "
+                  f"{m['n_head']} heads, vocab {m['vocab_size']}, seq {m['seq_len']}"),
+        ("data", f"{r['corpus']['source']} bytes: {r['corpus']['train_bytes']:,} train / "
+                 f"{r['corpus']['val_bytes']:,} val"),
+        ("engine", f"{r['settings']['mode']} on {r['settings']['device']}, {r['settings']['dtype']}"),
+        ("chunks", f"{r['num_chunks']} x {r['chunk_size']:,} elements ({r['utilisation']:.1%} utilised)"),
+        ("device budget", "none" if b is None else mib(b)),
+        ("steps", f"{r['steps']} x {r['tokens_per_step']:,} tokens"),
+        ("loss first / last", f"{r['loss_first']:.3f} / {r['loss_last']:.3f} "
+                              f"(mean of last {min(10, r['steps'])}: {r['loss_last10_mean']:.3f})"),
+        ("tokens/s", f"{r['tokens_per_s']:,.0f} (median, steps after the first)"),
+        ("step time", f"{r['mean_step_s']:.3f} s mean"),
+        ("peak device", f"{mib(r['peak_device_bytes'])}" + ("" if b is None else f" <= {mib(b)} {peak_ok}")),
+        ("peak model / non-model", f"{mib(r['peak_device_model_bytes'])} / {mib(r['peak_nonmodel_bytes'])}"),
+        ("moved per step", f"h2d {mib(r['h2d_bytes_per_step'])}, d2h {mib(r['d2h_bytes_per_step'])}"),
+        ("fetches / evictions per step", f"{r['fetches_per_step']:.1f} / {r['evictions_per_step']:.1f}"),
+        ("time", f"setup {r['setup_s']:.1f} s (corpus {r['corpus_s']:.1f} s), train {r['train_s']:.1f} s"
+                 + ("" if r["process_s"] is None else f", {r['process_s']:.1f} s since process start")),
+    ]
+    if r.get("val_losses"):
+        v = r["val_losses"]
+        rows.insert(7, ("validation loss", f"{v[-1]['loss']:.3f} after step {v[-1]['step']} "
+                                           f"({r['settings']['eval_batches']} held-out batches, evaluate())"))
+    if r["settings"]["grad_accum"] > 1:
+        rows.insert(6, ("gradient accumulation", f"{r['settings']['grad_accum']} micro-batches of "
+                                                 f"{r['settings']['batch_size'] // r['settings']['grad_accum']} per step"))
+    if r["skipped_steps"]:
+        rows.append(("skipped steps (fp16 overflow)", str(r["skipped_steps"])))
+    return tabulate(rows, tablefmt="outline")
+
+
+def train_command(args: argparse.Namespace) -> int:
+    s = settings_from_args(args)
+    result = run_train(s)
+    print(summary_table(result), flush=True)
+    if s.json_path:
+        with open(s.json_path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"summary written to {s.json_path}")
+    return 0

@@ -1,0 +1,37 @@
+"""Typed keys of compiled mode's caches.
+
+A *capture* is one traced graph: forward + backward, or forward only, for one model mode
+(train()/eval(): dropout is captured as it is) and one batch signature (shapes and dtypes). A
+*schedule* is one plan of a capture for one run kind: training and accumulation schedules share
+the joint capture, evaluation has its own forward-only capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pscompile.kinds import RunKind
+from pscompile.runtime.batching import signature
+
+
+@dataclass(frozen=True)
+class CaptureKey:
+    backward: bool          # forward + backward (train, accum) or forward only (eval)
+    training: bool          # model.training when it was captured
+    batch: tuple            # runtime.batching.signature of the batch
+
+
+@dataclass(frozen=True)
+class ScheduleKey:
+    kind: RunKind
+    training: bool
+    batch: tuple
+
+    @staticmethod
+    def of(batch: Any, kind: RunKind, training: bool) -> "ScheduleKey":
+        return ScheduleKey(RunKind(kind), training, signature(batch))
+
+    @property
+    def capture(self) -> CaptureKey:
+        return CaptureKey(self.kind.backward, self.training, self.batch)

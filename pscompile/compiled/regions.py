@@ -1,0 +1,355 @@
+"""Compute regions: a scheduled graph cut at its memory nodes, and the cache of compiled regions.
+
+The scheduled graph (``insert_memory_ops``) interleaves compute nodes with memory nodes
+(``torch.ops.pscompile.*``). Inductor is not trusted with the memory nodes (it keeps their order
+but not their place, applies them to copies, and can read a buffer after an in-place fetch
+overwrote it; docs/design.md, "Lowering"), so the executor cuts the graph at every memory node into
+maximal *compute regions*; each region becomes a small graph, compiled once::
+
+    region 0    arange, embedding(view(slice(slot_0))), ...          compiled (or eager)
+    mem         pscompile.fetch(slot_1, host_1)                       run by the executor
+    region 1    native_layer_norm(add, [64], p_0, p_1), getitems, ...  compiled
+    mem         pscompile.store_grad(slot_1, t_7, 512)                 t_7 is an output of region 1
+
+Rules of the split:
+
+- a multi-output op and its ``getitem`` nodes stay in one region;
+- only real tensors cross region boundaries; a *view of a slot or host buffer* never does: a
+  region that needs one made elsewhere re-creates the view chain, so no region keeps a parameter
+  alive past a memory node;
+- *parameters are region inputs* (``lift_params``): the executor makes the ``view(slice(slot_k,
+  0, a, b), shape)`` of a parameter right before the region that reads it, so the chunk offset and
+  the slot are not baked into the region and the same layer at another place compiles once;
+- a region returns what later steps need (values read by later regions, by memory nodes, or the
+  graph's outputs); inputs are passed with the *boxed* calling convention (the list is cleared),
+  so an input dies inside the region at its last use.
+
+``RegionCache`` maps a structural hash of a region (``region_key``: ops, argument structure with
+nodes replaced by positions, constants, and the shape/stride/dtype/device/alignment of every
+input) to the compiled callable; identical transformer layers compile once, and a cache shared
+between executors keeps compiled regions when a schedule is planned again.
+
+Compilation uses ``torch._inductor.standalone_compile(gm, example_inputs,
+dynamic_shapes="from_example_inputs")`` with ``fallback_random=True`` (random ops call ATen, so a
+compiled region draws the same dropout mask as eager from the same seed). A region with fewer than
+``min_fusible`` ops Inductor could generate code for (only views, ``getitem``s and library calls
+such as ``mm`` or attention) runs eagerly: nothing to fuse, nothing to gain.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import fx
+
+from pscompile.graph import meta as gmeta
+from pscompile.graph.ops import is_memory_node
+
+__all__ = ["INDUCTOR_PATCHES", "RegionCache", "Region", "TensorMeta", "region_key", "buffer_placeholders",
+           "buffer_aliases", "lifted_views", "fusible_ops", "compile_inductor", "eager_fn", "graph_device",
+           "eval_chain", "check_region_args"]
+
+aten = torch.ops.aten
+
+# Options given to Inductor for every region. fallback_random: random ops call ATen in graph order
+# (bit-identical dropout masks to eager for the same seed).
+INDUCTOR_PATCHES: dict[str, Any] = {"fallback_random": True}
+
+_ALIGN_BYTES = 16          # Inductor's input alignment assumption (GPU); part of the region key
+
+
+# ====================================================================== cache
+@dataclass
+class CacheEntry:
+    fn: Callable[[list], Sequence[Any]]   # boxed: takes a list of inputs, clears it
+    compile_s: float
+    uses: int = 0
+
+
+class RegionCache:
+    """Compiled regions keyed by ``region_key``; share one between LoweredGraphs (and engines'
+    re-planned schedules) so a region is compiled once per process."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], CacheEntry] = {}
+        self.hits = 0
+        self.misses = 0
+        self.compile_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._entries
+
+    def get_or_compile(self, key: tuple[str, str], build: Callable[[], Callable]) -> tuple[CacheEntry, bool]:
+        e = self._entries.get(key)
+        if e is not None:
+            self.hits += 1
+            e.uses += 1
+            return e, True
+        t0 = time.perf_counter()
+        fn = build()
+        dt = time.perf_counter() - t0
+        e = CacheEntry(fn, dt, 1)
+        self._entries[key] = e
+        self.misses += 1
+        self.compile_s += dt
+        return e, False
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+# ====================================================================== node classes
+def is_view_op(n: fx.Node) -> bool:
+    t = n.target
+    return n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.is_view
+
+
+def buffer_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
+    """Slot and host buffers: placeholders tagged by insert_memory_ops or read by memory nodes."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and (gmeta.get(n, "slot") is not None or gmeta.get(n, "host_chunk") is not None):
+            out.add(n)
+        elif is_memory_node(n):
+            for a in n.all_input_nodes:
+                if a.op == "placeholder":
+                    out.add(a)
+    return out
+
+
+def buffer_aliases(gm: fx.GraphModule, buffers: set[fx.Node]) -> set[fx.Node]:
+    """Nodes whose value is a view of a slot/host buffer (views of views included)."""
+    alias = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or is_memory_node(n) or not n.args:
+            continue
+        src = n.args[0]
+        if isinstance(src, fx.Node) and (src in buffers or src in alias) and (
+                is_view_op(n) or n.target is operator.getitem):
+            alias.add(n)
+    return alias
+
+
+def lifted_views(gm: fx.GraphModule, buffers: set[fx.Node]) -> set[fx.Node]:
+    """Parameter roots: ``slice(buffer, ...)`` and ``view(that slice, shape)`` (contiguous
+    parameter tensors that the executor makes and hands to regions as inputs)."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        src = n.args[0]
+        if n.target is aten.slice.Tensor and src in buffers:
+            out.add(n)
+        elif n.target is aten.view.default and src in out and src.target is aten.slice.Tensor:
+            out.add(n)
+    return out
+
+
+# Ops that Inductor hands to a library kernel anyway (nothing to fuse): a region made only of
+# these and views runs eagerly.
+LIBRARY_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
+}
+
+
+def fusible_ops(nodes: Iterable[fx.Node]) -> int:
+    """Nodes Inductor can generate code for (not views, getitems or library calls)."""
+    return sum(1 for x in nodes if not (is_view_op(x) or x.target is operator.getitem
+                                        or x.target in LIBRARY_OPS))
+
+
+# ====================================================================== structural hash
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a compiled region assumes about one input (the region key hashes it)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    aligned: bool            # storage offset * itemsize is a multiple of 16 bytes
+
+    @staticmethod
+    def of(v: Any, device: torch.device) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        dev = device if v.device.type == "meta" else v.device     # slot/host metas are on "meta"
+        return TensorMeta(tuple(v.shape), tuple(v.stride()), v.dtype, dev,
+                      (v.storage_offset() * v.element_size()) % _ALIGN_BYTES == 0)
+
+    def sig(self) -> tuple:
+        return ("T", self.shape, self.stride, str(self.dtype), str(self.device), self.aligned)
+
+    def example(self) -> torch.Tensor:
+        """A real tensor with this shape, stride, dtype, device and alignment class."""
+        span = 0 if any(d == 0 for d in self.shape) else \
+            1 + sum((d - 1) * st for d, st in zip(self.shape, self.stride))
+        off = 0 if self.aligned else 1
+        base = torch.zeros(off + max(span, 1), dtype=self.dtype, device=self.device)
+        return base.as_strided(self.shape, self.stride, off)
+
+
+def _sig(v: Any) -> tuple:
+    if isinstance(v, torch.Tensor):
+        v = TensorMeta.of(v, v.device)
+    if isinstance(v, TensorMeta):
+        return v.sig()
+    return ("C", type(v).__name__, repr(v))
+
+
+def graph_device(nodes: Iterable[fx.Node]) -> torch.device:
+    """The device the graph computes on: the first non-meta tensor value's device (cpu if none)."""
+    for n in nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.device.type != "meta":
+            return v.device
+    return torch.device("cpu")
+
+
+def _const(a: Any) -> Any:
+    """A hashable, repr-stable form of a node argument constant."""
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_const(x) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple(sorted((str(k), _const(v)) for k, v in a.items())))
+    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return (type(a).__name__, str(a))
+    if isinstance(a, float):
+        return ("f", a.hex())
+    if isinstance(a, (int, bool, str)) or a is None:
+        return (type(a).__name__, a)
+    return (type(a).__name__, repr(a))
+
+
+def region_key(graph: fx.Graph, input_metas: Sequence[Any]) -> str:
+    """Structural hash of a region graph: op and target of every node, its arguments with nodes
+    replaced by their positions, constants, the output structure, and the shape/stride/dtype/
+    device/alignment of each input (``input_metas``: one per placeholder, a tensor or what the
+    region was compiled for). Node names and where the region came from do not count."""
+    index: dict[fx.Node, int] = {}
+
+    def enc(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("n", index[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(enc(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple(sorted((str(k), enc(v)) for k, v in a.items())))
+        return _const(a)
+
+    parts: list[Any] = []
+    metas = iter(input_metas)
+    for i, n in enumerate(graph.nodes):
+        index[n] = i
+        if n.op == "placeholder":
+            parts.append(("ph", _sig(next(metas))))
+            continue
+        t = n.target
+        target = t if isinstance(t, str) else str(t) if isinstance(t, torch._ops.OpOverload) else \
+            f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', repr(t))}"
+        parts.append((n.op, target, enc(n.args), enc(dict(n.kwargs))))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+# ====================================================================== regions
+@dataclass
+class Region:
+    index: int
+    nodes: list[fx.Node] = field(default_factory=list)
+    inputs: list[fx.Node] = field(default_factory=list)
+    outputs: list[fx.Node] = field(default_factory=list)
+    graph: fx.Graph | None = None
+    input_metas: list[Any] = field(default_factory=list)
+    key: str = ""
+    compute: bool = False
+    fn: Callable[[list], Sequence[Any]] | None = None
+
+
+def boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:
+    """The boxed function under a standalone_compile artifact (so region inputs can be released
+    inside the region), marked ``_pscompile_boxed``; falls back to an unboxed call (torch internals
+    changed: inputs then live until the region returns)."""
+    inner = getattr(getattr(fn, "_compiled_fn", fn), "__wrapped__", None)
+    if inner is not None and inner.__closure__ is not None:
+        cells = dict(zip(inner.__code__.co_freevars, inner.__closure__))
+        if "compiled_fn" in cells and "params_buffers_flat" in cells:
+            try:
+                boxed, extra = cells["compiled_fn"].cell_contents, cells["params_buffers_flat"].cell_contents
+            except ValueError:
+                boxed, extra = None, None
+            if boxed is not None and not extra and getattr(boxed, "_boxed_call", False):
+                def call_boxed(args: list) -> Sequence[Any]:
+                    return boxed(args)
+                call_boxed._pscompile_boxed = True
+                return call_boxed
+
+    def call(args: list) -> Sequence[Any]:
+        a = list(args)
+        args.clear()
+        return fn(*a)
+    return call
+
+
+def compile_inductor(graph: fx.Graph, metas: Sequence[Any]) -> Callable[[list], Sequence[Any]]:
+    gm = fx.GraphModule({}, copy.deepcopy(graph))
+    examples = [m.example() if isinstance(m, TensorMeta) else m for m in metas]
+    art = torch._inductor.standalone_compile(gm, examples, dynamic_shapes="from_example_inputs",
+                                             options={"config_patches": dict(INDUCTOR_PATCHES)})
+    return boxed_inner(art)
+
+
+def eager_fn(graph: fx.Graph) -> Callable[[list], Sequence[Any]]:
+    g = copy.deepcopy(graph)
+    try:
+        from torch.fx.graph import _BoxedCodeGen
+        g.set_codegen(_BoxedCodeGen())
+        gm = fx.GraphModule({}, g)
+        return gm.forward
+    except ImportError:                           # pragma: no cover - older torch
+        gm = fx.GraphModule({}, g)
+
+        def call(args: list):
+            a = list(args)
+            args.clear()
+            return gm(*a)
+        return call
+
+
+def eval_chain(a: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
+    """``a`` and the nodes it is computed from inside ``allowed``, in evaluation order."""
+    out: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(x: fx.Node) -> None:
+        if x in seen or x not in allowed:
+            return
+        seen.add(x)
+        for y in x.all_input_nodes:
+            visit(y)
+        out.append(x)
+    visit(a)
+    return out
+
+
+def check_region_args(r: Region, args: list) -> None:
+    for a, m, v in zip(r.inputs, r.input_metas, args):
+        if isinstance(m, TensorMeta):
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m.shape or v.stride() != m.stride \
+                    or v.dtype != m.dtype:
+                got = (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+                raise RuntimeError(f"executor: region {r.index} input {a.name} is {got}, compiled for "
+                                   f"{(m.shape, m.stride, m.dtype)}")

@@ -1,0 +1,23 @@
+"""The errors pscompile raises on purpose. All are ``ValueError``s: each names the field, node or
+moment at fault and, where there is one, the number that would work."""
+
+from __future__ import annotations
+
+
+class BudgetError(ValueError):
+    """``device_memory`` cannot hold what one node (compiled mode) or moment (hooks mode) of the
+    iteration needs."""
+
+
+class ResidencyError(BudgetError):
+    """plan_residency: the budget cannot hold what node ``node`` reads; ``minimum`` is the budget
+    that node needs (-1 when optimizer states kept on the device are what leaves too little room)."""
+
+    def __init__(self, message: str, node: int, minimum: int):
+        super().__init__(message)
+        self.node = node
+        self.minimum = minimum
+
+
+class ScheduleError(ValueError):
+    """verify_schedule: a scheduled graph breaks a memory invariant at the node it names."""

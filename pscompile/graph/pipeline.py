@@ -1,0 +1,230 @@
+"""The compiler pipeline: the passes of ``passes/`` in order, as functions of data.
+
+Two stages, each a frozen record with the provenance of every pass (name, seconds, summary)::
+
+    capture_and_analyze(model, batch, params=, dtype=, backward=)          -> AnalyzedGraph
+        capture_joint      forward + loss (+ backward) as one FX graph on fake tensors
+        annotate_params    which node reads which parameter; last uses; phases
+        estimate_nonmodel  static non-model bytes per node (gradients die at their store)
+
+    build_schedule(analyzed, layout, nonmodel=, memory=DeviceMemory(...), kind=)  -> Scheduled
+        plan_residency     Belady residency of every chunk at every node, static slots
+        prefetch_fetches   fetches start as early as capacity allows, a wait where they were
+        insert_memory_ops  the scheduled graph: memory nodes, parameters read as slot views
+        verify_schedule    the invariants, replayed symbolically
+
+Nothing here touches a chunk store or a real tensor: the inputs are the captured graph (fake
+tensors), the ``ChunkLayout``, the budget and what the device holds besides the planned chunks
+(``DeviceMemory``), and a non-model curve (the static estimate, or the one measured in the warm-up
+step). So the same code plans a model built on the meta device, and the compiled engine is one
+caller of it among others. ``captured.gm`` is shared by every schedule of one capture and is only
+read: each schedule's graph carries its own metadata.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import fx, nn
+
+from pscompile.config import Config
+from pscompile.errors import BudgetError, ResidencyError
+from pscompile.graph.capture import CapturedGraph, capture_joint
+from pscompile.graph.meta import get
+from pscompile.kinds import RunKind
+from pscompile.memory.layout import ChunkLayout
+from pscompile.optim.placement import device_state_chunks
+from pscompile.passes.annotate_params import ParamUses, annotate_params
+from pscompile.passes.estimate_nonmodel import estimate_nonmodel
+from pscompile.passes.insert_memory_ops import insert_memory_ops
+from pscompile.passes.plan_residency import GradStore, ResidencyPlan, plan_residency
+from pscompile.passes.prefetch_fetches import prefetch_fetches
+from pscompile.passes.verify_schedule import verify_schedule
+from pscompile.runtime.batching import call_model
+from pscompile.runtime.params import choose_layout, collect_params
+from pscompile.units import format_bytes
+
+__all__ = ["PassTiming", "AnalyzedGraph", "DeviceMemory", "Scheduled", "capture_and_analyze",
+           "build_schedule", "schedule_model", "grad_store_points", "node_reads"]
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """Provenance of one pass: what ran, how long it took, its one-line summary."""
+
+    name: str
+    seconds: float
+    summary: str
+
+
+@dataclass(frozen=True)
+class AnalyzedGraph:
+    """A captured graph with the analyses every schedule of it starts from."""
+
+    captured: CapturedGraph
+    uses: ParamUses
+    nonmodel: tuple[int, ...]            # static estimate per node, gradients dying at their store
+    grad_store_points: Mapping[str, int]  # fqn -> node after which its gradient takes the param's place
+    passes: tuple[PassTiming, ...]
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device as the planner sees it: the budget, the slot size, and the optimizer-state
+    chunks that live on the device (resident in slots 0..k-1 for the whole iteration)."""
+
+    budget: int | None                     # device_memory in bytes; None = unlimited
+    slot_bytes: int                        # one parameter chunk in the compute dtype
+    os_device_chunks: frozenset[int] = frozenset()
+    os_device_bytes: int = 0               # their fp32 master + exp_avg + exp_avg_sq bytes
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One schedule: the plan, the rewritten graph, and how they were made."""
+
+    captured: CapturedGraph
+    plan: ResidencyPlan
+    gm: fx.GraphModule
+    nonmodel: tuple[int, ...]          # per node of the captured graph, the curve planned with
+    measured: bool                     # that curve was measured (else: the static estimate)
+    passes: tuple[PassTiming, ...]
+    kind: RunKind = RunKind.TRAIN
+    os_device: frozenset[int] = frozenset()   # chunks whose optimizer states were on the device
+
+
+class _Passes:
+    """Runs passes in order and records their provenance."""
+
+    def __init__(self, earlier: tuple[PassTiming, ...] = ()):
+        self.timings = list(earlier)
+
+    def run(self, name: str, fn: Callable[[], Any], summary: Callable[[Any], str]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        self.timings.append(PassTiming(name, time.perf_counter() - t0, summary(out)))
+        return out
+
+
+def grad_store_points(captured: CapturedGraph, uses: ParamUses) -> dict[str, int]:
+    """The node after which each gradient overwrites its parameter's chunk space: once the
+    gradient exists and the parameter's last (view-aware) read is done."""
+    nodes = list(captured.gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    out = {}
+    for fqn, grad_node in zip(captured.grad_fqns, nodes[-1].args[0][1:]):
+        last = uses[fqn].last_use
+        out[fqn] = max(index[grad_node], last if last is not None else 0)
+    return out
+
+
+def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn.Parameter],
+                        dtype: torch.dtype, backward: bool = True,
+                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> AnalyzedGraph:
+    """Capture the iteration of ``model`` on ``batch`` (fake tensors: the model may live on the
+    meta device) and run the analyses every schedule of it shares."""
+    passes = _Passes()
+    captured = passes.run("capture_joint" if backward else "capture_forward",
+                          lambda: capture_joint(model, batch, params=dict(params), loss_fn=loss_fn,
+                                                param_dtype=dtype, backward=backward),
+                          lambda c: c.summary)
+    uses = passes.run("annotate_params", lambda: annotate_params(captured), lambda u: u.summary)
+    stores = grad_store_points(captured, uses)
+    curve = passes.run("estimate_nonmodel", lambda: estimate_nonmodel(captured, uses, grads_stored_at=stores),
+                       lambda c: c.summary)
+    return AnalyzedGraph(captured, uses, tuple(curve.without_outputs), stores, tuple(passes.timings))
+
+
+def node_reads(captured: CapturedGraph, layout: ChunkLayout) -> list[list[int]]:
+    """Per node of the captured graph, the chunks it reads (through parameter views), in order."""
+    reads = []
+    for n in captured.gm.graph.nodes:
+        chunks: list[int] = []
+        for fqn in get(n, "reads", ()):
+            for c in layout.entry(fqn).chunks:
+                if c not in chunks:
+                    chunks.append(c)
+        reads.append(chunks)
+    return reads
+
+
+def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
+                   memory: DeviceMemory, dtype: torch.dtype, kind: RunKind = RunKind.TRAIN,
+                   measured: bool = False, start: Mapping[int, int] | None = None) -> Scheduled:
+    """Plan, rewrite and verify one schedule of ``analyzed`` under ``memory``.
+
+    Accumulation and evaluation runs update nothing, so they keep clean chunks resident at the
+    end for the next run; ``start`` (chunk -> slot) plans the warm variant, which starts from that
+    residency and ends with it again. Raises ``BudgetError`` naming the node and the budget it
+    needs when ``memory.budget`` is too small."""
+    kind = RunKind(kind)
+    captured = analyzed.captured
+    nodes = list(captured.gm.graph.nodes)
+    nonmodel = tuple(nonmodel)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    stores: dict[int, list[GradStore]] = {}
+    for fqn, at in analyzed.grad_store_points.items():
+        e = layout.entry(fqn)
+        stores.setdefault(at, []).append(GradStore(e.pieces[0].chunk, fqn, e.pieces[0].chunk_offset,
+                                                   e.numel * elsize))
+    budget, os_dev, os_bytes = memory.budget, memory.os_device_chunks, memory.os_device_bytes
+    warm = kind.keeps_warm
+    passes = _Passes(analyzed.passes)
+    try:
+        plan = passes.run("plan_residency", lambda: plan_residency(
+            node_reads(captured, layout), nonmodel, stores=stores, num_chunks=layout.num_chunks,
+            slot_bytes=memory.slot_bytes, budget=budget, os_device_chunks=os_dev, os_device_bytes=os_bytes,
+            accumulate=kind is RunKind.ACCUM, start=start, keep_at_end=warm, end=start,
+            describe_node=lambda i: describe_node(nodes[i])), lambda p: p.summary(budget))
+    except ResidencyError as e:
+        raise BudgetError(f"{e} (device_memory={format_bytes(budget)}; give device_memory >= "
+                          f"{e.minimum}, a smaller batch or mode='hooks')") from e
+    plan, _ = passes.run("prefetch_fetches", lambda: prefetch_fetches(plan, nonmodel, budget=budget,
+                                                                        os_device_bytes=os_bytes),
+                         lambda r: r[1].summary)
+    gm = passes.run("insert_memory_ops", lambda: insert_memory_ops(
+        captured.gm, plan, layout, param_fqns=captured.param_fqns, grad_fqns=captured.grad_fqns,
+        compute_dtype=dtype, nonmodel=nonmodel), lambda g: "")
+    report = passes.run("verify_schedule", lambda: verify_schedule(
+        gm, layout, slot_bytes=memory.slot_bytes, budget=budget, initial=dict(plan.initial),
+        os_device_chunks=os_dev, os_device_bytes=os_bytes, final=dict(plan.final) if warm else None),
+        lambda r: r.summary(budget))
+    timings = list(passes.timings)        # insert_memory_ops reports what verify_schedule counted
+    i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")
+    timings[i] = PassTiming("insert_memory_ops", timings[i].seconds,
+                            f"insert_memory_ops: {report.num_memory_nodes} memory nodes")
+    return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev)
+
+
+def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> tuple[ChunkLayout, Scheduled]:
+    """The layout and the schedule compiled mode would start with for ``model`` on ``batch`` under
+    ``config`` (static non-model estimate, optimizer states placed by the same rule), without an
+    engine: no chunk store is made and no parameter is materialized, so ``model`` may live on the
+    meta device. The budget is ``config.device_memory`` as given."""
+    kind = RunKind(kind)
+    budget = config.device_memory
+    mp = collect_params(model, batch, call_model)
+    layout = choose_layout(mp, config, budget, keep_tensors_whole=True)
+    analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
+                                   loss_fn=loss_fn)
+    slot_bytes = layout.chunk_size * torch.empty((), dtype=config.dtype).element_size()
+    state_bytes = 3 * layout.chunk_size * 4                  # fp32 master, exp_avg, exp_avg_sq
+    count = device_state_chunks(budget=budget, peak_nonmodel=max(analyzed.nonmodel), num_chunks=layout.num_chunks,
+                                chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
+                                state_chunk_bytes=state_bytes)
+    memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes)
+    return layout, build_schedule(analyzed, layout, nonmodel=analyzed.nonmodel, memory=memory, dtype=config.dtype,
+                                  kind=kind)
+
+
+def describe_node(node: fx.Node) -> str:
+    """``node NAME (TARGET, module path)`` for error messages."""
+    stack = node.meta.get("nn_module_stack")
+    where = ""
+    if stack:
+        where = ", " + list(stack.values())[-1][0]
+    return f"node {node.name} ({node.target}{where})"

@@ -1,0 +1,65 @@
+"""The names the compiler and the runtimes compare: memory-op kinds, run kinds, phases, moments.
+
+They are ``str`` enums, so a value prints and serialises as its plain name (``"fetch"``) and
+compares equal to it, while code that branches on a kind names the enum member.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class StrEnum(str, enum.Enum):
+    """A str enum whose members print as their value (Python 3.10 has no enum.StrEnum)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class MemKind(StrEnum):
+    """What a memory node (or a residency-plan action) does."""
+
+    FETCH = "fetch"                      # host -> device slot
+    WAIT = "wait"                        # an asynchronous fetch must have landed here
+    WRITEBACK = "writeback"              # dirty device slot -> host
+    DROP = "drop"                        # the slot no longer holds the chunk (no bytes move)
+    STORE_GRAD = "store_grad"            # a gradient overwrites its parameter's chunk space
+    ACCUMULATE_GRAD = "accumulate_grad"  # a gradient is added into the fp32 host accumulation chunk
+
+
+class RunKind(StrEnum):
+    """Which iteration a schedule runs."""
+
+    TRAIN = "train"    # forward + backward, gradients into the parameter chunks, then the update
+    ACCUM = "accum"    # one micro-batch of gradient accumulation (gradients into fp32 host chunks)
+    EVAL = "eval"      # forward only
+
+    @property
+    def backward(self) -> bool:
+        return self is not RunKind.EVAL
+
+    @property
+    def keeps_warm(self) -> bool:
+        """Runs that update nothing may leave clean chunks resident for the next run."""
+        return self is not RunKind.TRAIN
+
+
+class Phase(StrEnum):
+    """Which half of the iteration a node of the captured graph belongs to."""
+
+    FWD = "fwd"        # computes the loss
+    BWD = "bwd"        # everything after
+
+
+class MomentKind(StrEnum):
+    """Where in the iteration a moment of hooks mode is."""
+
+    FWD = "fwd"                  # a module's pre-forward hook
+    FWD_RELEASE = "fwd_release"  # its post-forward hook
+    BWD = "bwd"                  # a backward node first unpacks a saved parameter view
+    BWD_END = "bwd_end"          # backward is done
+    GRAD = "grad"                # a parameter's gradient was stored
+    EVAL_END = "eval_end"        # a forward-only pass is done
+    OPT = "opt"                  # one chunk's update

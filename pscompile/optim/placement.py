@@ -1,0 +1,25 @@
+"""Device-aware optimizer-state placement (PatrickStar section 5.3), one rule for both modes.
+
+The update of a chunk runs where its optimizer states (fp32 master, exp_avg, exp_avg_sq) live.
+States that fit in the device's margin live there for the whole run: the margin is the budget
+minus every parameter chunk (all may be resident at once) minus the larger of the largest
+non-model peak and the temporaries of one chunk's update. Chunks 0..k-1 get the device places
+(the first chunks in first-use order); the rest update on the host. An unlimited budget keeps
+every chunk's states on the device.
+"""
+
+from __future__ import annotations
+
+# Bytes of device temporaries one chunk update needs, per element: the fp32 upcast of the
+# gradient plus the fp32 temporary of the norm.
+UPDATE_TEMP_BYTES_PER_ELEMENT = 8
+
+
+def device_state_chunks(*, budget: int | None, peak_nonmodel: int, num_chunks: int, chunk_size: int,
+                        param_chunk_bytes: int, state_chunk_bytes: int) -> int:
+    """How many chunks (the first ones) keep their optimizer states on the device."""
+    if budget is None:
+        return num_chunks
+    temp = UPDATE_TEMP_BYTES_PER_ELEMENT * chunk_size
+    margin = budget - max(peak_nonmodel, temp) - num_chunks * param_chunk_bytes
+    return max(0, min(num_chunks, margin // state_chunk_bytes))

@@ -1,0 +1,68 @@
+"""A model's parameters as pscompile manages them: named, ordered by first use, and laid out.
+
+Both modes and the engine-free pipeline start here. Nothing is allocated: the order comes from a
+forward on fake tensors and the layout from shapes, so a model built on the meta device gives the
+same parameters and the same layout as the same model with real weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pscompile.config import Config
+from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
+from pscompile.runtime.order import first_use_order
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """Every distinct parameter once, under its canonical (first) name, in first-use order."""
+
+    params: dict[str, nn.Parameter]      # canonical fqn -> parameter
+    aliases: dict[str, str]              # other names of tied parameters -> canonical fqn
+    order_source: str                    # how the order was found
+
+    def fqn_of(self) -> dict[int, str]:
+        """id(parameter) -> canonical fqn."""
+        return {id(p): f for f, p in self.params.items()}
+
+
+def collect_params(model: nn.Module, batch: Any, run: Callable[[nn.Module, Any], Any]) -> ModelParams:
+    """The parameters of ``model`` in the order ``run(model, batch)`` first uses them."""
+    in_order, how = first_use_order(model, run, batch)
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    params: dict[str, nn.Parameter] = {}
+    aliases: dict[str, str] = {}
+    for p in in_order:
+        canonical, *others = names[id(p)]
+        params[canonical] = p
+        aliases.update({o: canonical for o in others})
+    if not params:
+        raise ValueError("the model has no parameters; pscompile manages parameters in chunks")
+    for fqn, p in params.items():
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"parameter {fqn} has dtype {p.dtype}; only floating-point parameters are supported")
+    return ModelParams(params, aliases, how)
+
+
+def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, keep_tensors_whole: bool) -> ChunkLayout:
+    """The chunk layout: ``config.chunk_size``, or with "auto" the least-waste size, at most an
+    eighth of the budget (``keep_tensors_whole``: never smaller than the largest tensor)."""
+    numels = [p.numel() for p in mp.params.values()]
+    cs = config.chunk_size
+    elsize = torch.empty((), dtype=config.dtype).element_size()
+    if cs == "auto":
+        cap = None if budget is None else max(1024, budget // (elsize * 8))
+        cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=keep_tensors_whole).chunk_size
+    if keep_tensors_whole and cs < max(numels):
+        big = max(mp.params, key=lambda f: mp.params[f].numel())
+        raise ValueError(
+            f"chunk_size={cs} is smaller than parameter {big} ({max(numels)} elements); this mode keeps "
+            f"every tensor in one chunk: give chunk_size >= {max(numels)} or 'auto', or use mode='hooks'")
+    return build_layout(((f, tuple(p.shape)) for f, p in mp.params.items()), cs, mp.aliases)

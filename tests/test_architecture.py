@@ -1,0 +1,130 @@
+"""The shape of the code base: no import cycles inside the package, no file outside the repository
+cited, no machine's paths in sources.
+
+Every import counts, including those inside functions and under ``if TYPE_CHECKING:`` (a lazy or
+type-only import hides a cycle between two modules, it does not remove it).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# installed package -> folder (pyproject maps pscompile.passes and pscompile.models to top-level folders)
+PACKAGES = {"pscompile": ROOT / "pscompile", "pscompile.passes": ROOT / "passes",
+            "pscompile.models": ROOT / "models"}
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for pkg, folder in PACKAGES.items():
+        for f in folder.rglob("*.py"):
+            rel = f.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if pkg == "pscompile" and parts and parts[0] in ("passes", "models"):
+                continue
+            out[name] = f
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+
+    def resolve(target: str) -> None:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.add(target)
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                resolve(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                full = f"{mod}.{a.name}"
+                resolve(full if full in modules else mod)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (a list of modules, first == last), or None."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = {m: WHITE for m in graph}
+    stack: list[str] = []
+
+    def dfs(m: str) -> list[str] | None:
+        color[m] = GREY
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if color[n] == GREY:
+                return stack[stack.index(n):] + [n]
+            if color[n] == WHITE:
+                found = dfs(n)
+                if found:
+                    return found
+        stack.pop()
+        color[m] = BLACK
+        return None
+
+    for m in sorted(graph):
+        if color[m] == WHITE:
+            found = dfs(m)
+            if found:
+                return found
+    return None
+
+
+def test_import_graph_sees_the_package():
+    graph = import_graph()
+    assert {"pscompile.compiled.engine", "pscompile.passes.plan_residency", "pscompile.models.gpt"} <= set(graph)
+    assert "pscompile.graph.pipeline" in graph["pscompile.compiled.engine"]
+    assert "pscompile.passes.plan_residency" in graph["pscompile.passes.prefetch_fetches"]   # relative import
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_file_outside_the_repository_is_cited():
+    """Sources and docs cite docs/design.md, never a file outside the repository, and name no
+    path of any machine."""
+    bad = ("DESIGN.md", "../shared", "/work/", "/root/", "/home/")
+    files = [*ROOT.joinpath("pscompile").rglob("*.py"), *ROOT.joinpath("passes").rglob("*.py"),
+             *ROOT.joinpath("models").rglob("*.py"), *ROOT.joinpath("bench").rglob("*.py"),
+             *ROOT.joinpath("tests").rglob("*.py"), *ROOT.joinpath("docs").rglob("*.md"), ROOT / "README.md",
+             ROOT / "pyproject.toml", *ROOT.joinpath(".ci").iterdir()]
+    offenders = []
+    for f in files:
+        if f == Path(__file__).resolve():
+            continue
+        text = f.read_text()
+        for b in bad:
+            if b in text:
+                offenders.append(f"{f.relative_to(ROOT)}: {b}")
+    assert not offenders, offenders
