@@ -1,7 +1,7 @@
 """annotate_params: where the captured graph reads each parameter, following views; fwd/bwd phase.
 
 A pure analysis of a ``CapturedGraph`` (the graph is not changed) that also writes metadata through
-``pscompile.graph_meta``::
+``pscompile.graph.meta``::
 
     p_h_0_attn_c_attn_weight            param="h.0.attn.c_attn.weight", last_use=211
     t = aten.t(p_h_0_attn_c_attn_weight)          param="h.0.attn.c_attn.weight"   (a view)

@@ -1,4 +1,4 @@
-"""The byte-level corpus (pscompile.data) and ``python -m pscompile train`` (fast: ~20 s)."""
+"""The byte-level corpus (pscompile.cli.data) and ``python -m pscompile train`` (fast: ~20 s)."""
 
 import json
 import subprocess

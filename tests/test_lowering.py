@@ -154,6 +154,65 @@ def test_eager_split_frees_like_the_interpreter():
     assert peaks[1] == peaks[0], peaks
 
 
+class _Windows:
+    """Per node of the captured graph (src_index): the non-model peak while it ran."""
+
+    def __init__(self, tracker):
+        self.tracker, self.samples = tracker, {}
+
+    def before(self, n):
+        self.tracker.start_window()
+
+    def after(self, n):
+        src = gmeta.get(n, "src_index")
+        if src is not None and gmeta.get(n, "param") is None:
+            self.samples[src] = max(self.samples.get(src, 0), self.tracker.window_peak)
+
+
+class _MeasuringInterpreter(fx.Interpreter):
+    """fx.Interpreter that frees like the executor is meant to (unread values die at once) and
+    samples every node's window; memory nodes run their ops."""
+
+    def __init__(self, gm, windows):
+        super().__init__(gm, garbage_collect_values=True)
+        for n in gm.graph.nodes:
+            if not n.users and n.op not in ("output", "placeholder"):
+                self.user_to_last_uses.setdefault(n, []).append(n)
+        self.windows = windows
+
+    def run_node(self, n):
+        if is_memory_node(n) or n.op == "output":
+            return super().run_node(n)
+        self.windows.before(n)
+        out = super().run_node(n)
+        self.windows.after(n)
+        return out
+
+
+def test_node_split_measures_like_the_interpreter():
+    """split="nodes" (the measuring run) sees the same non-model bytes at every node as an
+    fx.Interpreter with garbage collection: values are released at the same moments."""
+    engine = engine_for(2, "tight")
+    gm = engine.schedule.gm
+    ex = Executor(gm, split="nodes")
+    samples = []
+    for runner in ("interpreter", "nodes"):
+        inputs = graph_inputs(engine)
+        model = {t.untyped_storage().data_ptr() for t in inputs[:num_buffers(engine)]}
+        tracker = NonModelTracker(torch.device("cpu"), lambda p: p in model, lambda: 0, exact_windows=True)
+        for t in inputs[num_buffers(engine):]:
+            tracker.add_tensor(t)
+        tracker.reset_peaks()
+        windows = _Windows(tracker)
+        with tracker:
+            if runner == "interpreter":
+                _MeasuringInterpreter(gm, windows).run(*inputs)
+            else:
+                ex.run(inputs, perform, observer=windows)
+        samples.append(windows.samples)
+    assert len(samples[0]) > 100 and samples[1] == samples[0]
+
+
 def test_lift_params_off_keeps_slices_inside_regions():
     engine = engine_for(2, "tight")
     gm = engine.schedule.gm
@@ -241,7 +300,7 @@ def test_inductor_regions_match_eager(cache):
     assert lg.report.compiled > 0 and lg.report.unboxed == 0     # inputs die inside compiled regions
     _, loss_err, buf_err = _compare(engine, lg)
     assert loss_err <= 1e-5 and buf_err <= 1e-5, (loss_err, buf_err)
-    # a second LoweredGraph of the same schedule (e.g. after re-planning) compiles nothing
+    # a second Executor of the same schedule (e.g. after re-planning) compiles nothing
     again = Executor(engine.schedule.gm, backend="inductor", cache=cache)
     assert again.report.compiled_now == 0 and again.report.cache_hits == again.report.compiled
 

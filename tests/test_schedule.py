@@ -1,4 +1,4 @@
-"""pscompile.schedule: the listing, table, timeline and files of a compiled engine's schedule
+"""pscompile.compiled.schedule: the listing, table, timeline and files of a compiled engine's schedule
 (tiny GPT, float32, a budget that forces evictions; ~10 s)."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class CacheEntry:
 
 
 class RegionCache:
-    """Compiled regions keyed by ``region_key``; share one between LoweredGraphs (and engines'
+    """Compiled regions keyed by ``region_key``; share one between executors (and engines'
     re-planned schedules) so a region is compiled once per process."""
 
     def __init__(self) -> None:

@@ -15,7 +15,7 @@ placeholders and returns a flat tuple::
         ...
         return (loss, grad_p_wte_weight, grad_p_wpe_weight, ...)   # one grad per trainable param
 
-See ``pscompile.graph_meta`` for the conventions the passes rely on.
+See ``pscompile.graph.meta`` for the conventions the passes rely on.
 """
 
 from __future__ import annotations
