@@ -42,7 +42,7 @@ import torch
 from tabulate import tabulate
 
 import pscompile
-from pscompile.hooks.engine import BudgetError
+from pscompile.errors import BudgetError
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.optim.adamw import ChunkAdamW
 from pscompile.testing import ReferenceTrainer

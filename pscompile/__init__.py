@@ -1,12 +1,16 @@
-"""pscompile: train PyTorch models that do not fit in accelerator memory (PatrickStar's chunks)."""
+"""pscompile: train PyTorch models that do not fit in accelerator memory (PatrickStar's chunks).
+
+The architecture is described in docs/design.md of the repository.
+"""
 
 from pscompile.api import compile
 from pscompile.config import AdamW, Config
-from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
+from pscompile.errors import BudgetError, ScheduleError
 from pscompile.hooks.states import TensorState
-from pscompile.stats import StepStats
+from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
 from pscompile.memory.tiers import Tier
+from pscompile.stats import StepStats
 
-__all__ = ["compile", "Config", "AdamW", "StepStats", "ChunkLayout", "build_layout",
-           "search_chunk_size", "TensorState", "Tier"]
+__all__ = ["compile", "Config", "AdamW", "StepStats", "BudgetError", "ScheduleError", "ChunkLayout",
+           "build_layout", "search_chunk_size", "TensorState", "Tier"]
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ from torch import nn
 
 import pscompile
 from pscompile.hooks.access_plan import AccessPlan, Moment
-from pscompile.hooks.engine import BudgetError
+from pscompile.errors import BudgetError
 from pscompile.testing import ReferenceTrainer
 from conftest import gpt_batches, make_model, max_weight_diff
 
