@@ -88,7 +88,6 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     actions = {}
     for a in plan.actions:
         actions.setdefault(a.before, []).append(a)
-    waited = {(a.chunk, a.slot) for a in plan.actions if a.kind == MemKind.WAIT}
     output_node = next(n for n in old_nodes if n.op == "output")
     loss_node, *grad_nodes = output_node.args[0]
     grad_node_of = dict(zip(grad_fqns, grad_nodes))
@@ -98,7 +97,7 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
             node = graph.call_function(torch.ops.pscompile.fetch.default, (slots[a.slot], hosts[a.chunk]))
             resident[a.chunk] = a.slot
             mem = MemOp(MemKind.FETCH, a.chunk, a.slot, "host", "device", a.nbytes,
-                        asynchronous=(a.chunk, a.slot) in waited)
+                        asynchronous=a.asynchronous)
         elif a.kind == MemKind.WAIT:
             node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
             mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0)

@@ -32,7 +32,7 @@ from pscompile.kinds import MemKind
 from pscompile.memory.belady import NextUse, farthest
 from pscompile.units import format_bytes
 
-__all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "plan_residency"]
+__all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "arrival_windows", "plan_residency"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class Action:
     slot: int | None           # None: a store_grad into the host copy, or an accumulate_grad
     nbytes: int                # bytes copied between tiers
     grad: GradStore | None = None
+    asynchronous: bool = False  # a fetch started early (prefetch_fetches); a WAIT action marks its old place
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,31 @@ class _State:
         return self.num_slots - 1
 
 
+def arrival_windows(nonmodel: Sequence[int], executed: Sequence[bool]) -> tuple[int, ...]:
+    """Per node, the non-model bytes its chunks must fit next to.
+
+    The memory nodes planned before node ``i`` run right after the last node that really executes
+    before it (``p``), while ``p``'s bytes are live; node ``i`` then runs with ``N[i]``. Nodes that
+    do not execute at their place (parameter views, rebuilt right before each reader, and the
+    output) add nothing of their own. So the window of an executed node is ``max(N[p], N[i])``,
+    and of any other node ``N[p]`` (0 before the first node). ``verify_schedule`` charges the
+    scheduled graph by the same rule."""
+    out, last = [], 0
+    for n, ran in zip(nonmodel, executed):
+        out.append(max(last, n) if ran else last)
+        if ran:
+            last = n
+    return tuple(out)
+
+
 def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    stores: Mapping[int, Sequence[GradStore]], num_chunks: int, slot_bytes: int,
                    budget: int | None, os_device_chunks: frozenset[int] = frozenset(),
                    os_device_bytes: int = 0, accumulate: bool = False,
                    start: Mapping[int, int] | None = None, keep_at_end: bool = False,
                    end: Mapping[int, int] | None = None,
-                   describe_node=lambda i: f"node {i}") -> ResidencyPlan:
+                   describe_node=lambda i: f"node {i}",
+                   windows: Sequence[int] | None = None) -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
     after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
     becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
@@ -111,7 +130,10 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     next_use = NextUse(reads)      # cyclic when clean chunks stay for the next run (keep_at_end)
 
     def window(i: int) -> int:
-        # chunks for node i arrive while node i-1's data is still live, and stay while node i runs
+        # chunks for node i arrive while the previous node's data is still live, and stay while node
+        # i runs (``windows``: the same with "previous" meaning the last executed node)
+        if windows is not None:
+            return windows[i]
         return max(nonmodel[i - 1] if i > 0 else 0, nonmodel[i])
 
     def capacity(i: int) -> float:

@@ -57,11 +57,15 @@ def _resident_counts(plan: ResidencyPlan) -> list[int]:
 
 
 def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: int | None,
-                     os_device_bytes: int = 0, max_distance: int = 200) -> tuple[ResidencyPlan, PrefetchReport]:
+                     os_device_bytes: int = 0, max_distance: int = 200,
+                     windows: Sequence[int] | None = None) -> tuple[ResidencyPlan, PrefetchReport]:
+    """``windows``: the per-node capacity windows plan_residency used (default ``max(N[m-1], N[m])``)."""
     T = plan.num_nodes
     resident = _resident_counts(plan)
 
     def window(m: int) -> int:
+        if windows is not None:
+            return windows[m]
         return max(nonmodel[m - 1] if m > 0 else 0, nonmodel[m])
 
     def capacity_chunks(m: int) -> float:
@@ -85,7 +89,7 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
             if j < a.before:
                 for m in range(j, a.before):
                     resident[m] += 1
-                new_actions.append(dataclasses.replace(a, before=j))
+                new_actions.append(dataclasses.replace(a, before=j, asynchronous=True))
                 new_actions.append(Action(a.before, MemKind.WAIT, a.chunk, a.slot, 0))
                 moved += 1
                 distances.append(a.before - j)

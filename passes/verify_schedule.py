@@ -65,7 +65,8 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
         raise ScheduleError(f"verify_schedule: node {node.name} ({node.format_node()[:120]}): {why}")
 
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder":      # the batch and buffers are live from the start
+            nonmodel = gmeta.get(node, "nonmodel", nonmodel)
             continue
         if is_memory_node(node):
             count += 1

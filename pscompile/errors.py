@@ -6,7 +6,12 @@ from __future__ import annotations
 
 class BudgetError(ValueError):
     """``device_memory`` cannot hold what one node (compiled mode) or moment (hooks mode) of the
-    iteration needs."""
+    iteration needs. ``minimum``: the budget that would work, when the error knows it."""
+
+    def __init__(self, message: str, minimum: int | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.minimum = minimum
+        self.detail = detail        # where and why, without the advice (for a caller's own message)
 
 
 class ResidencyError(BudgetError):
@@ -14,9 +19,8 @@ class ResidencyError(BudgetError):
     that node needs (-1 when optimizer states kept on the device are what leaves too little room)."""
 
     def __init__(self, message: str, node: int, minimum: int):
-        super().__init__(message)
+        super().__init__(message, minimum)
         self.node = node
-        self.minimum = minimum
 
 
 class ScheduleError(ValueError):

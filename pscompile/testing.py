@@ -84,3 +84,60 @@ class ReferenceTrainer:
         for fqn, p in self.model.named_parameters():
             names[id(p)] = fqn
         return {names[id(p)]: m.detach() for p, m in zip(self.params, self.master)}
+
+
+# ==================================================================== tiny models of each architecture
+# The architectures the README claims: pscompile's own GPT and BERT, and tiny configs of Hugging Face
+# models built from their config classes (nothing is downloaded; transformers is the `hf` extra).
+ARCHITECTURES = ("gpt", "bert", "hf-gpt2", "hf-bert", "opt", "llama", "mistral", "gpt-neox", "t5")
+HF_ARCHITECTURES = ARCHITECTURES[2:]
+
+
+def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 32) -> tuple[nn.Module, Any]:
+    """A 2-layer model of architecture ``name`` (hidden 64, 2 heads, vocabulary 256, no dropout, no
+    KV cache) and one example batch for it (a tuple for pscompile's models, a dict with labels for
+    Hugging Face's)."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {name!r}; use one of {ARCHITECTURES}")
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    vocab = 256
+    ids = torch.randint(1, vocab, (batch_size, seq_len), generator=g)
+    if name in ("gpt", "bert"):
+        from pscompile.models.bert import BertMLM, bert_config, mask_tokens
+        from pscompile.models.gpt import GPT, gpt_config
+        if name == "gpt":
+            return GPT(gpt_config("gpt-tiny", seq_len=seq_len)), (ids, torch.roll(ids, -1, dims=1))
+        inputs, labels = mask_tokens(ids, vocab_size=vocab, generator=g)
+        return BertMLM(bert_config("bert-tiny", seq_len=seq_len)), (inputs, labels)
+    import transformers as tf
+    common = dict(vocab_size=vocab, use_cache=False)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    if name == "hf-gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, bos_token_id=0,
+                                                 eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                 **common))
+    elif name == "hf-bert":
+        model = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                                 intermediate_size=128, max_position_embeddings=64,
+                                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                 vocab_size=vocab))
+    elif name == "opt":
+        model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                               ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=64,
+                                               dropout=0.0, attention_dropout=0.0, **common))
+    elif name == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                                   intermediate_size=128, max_position_embeddings=64, **common))
+    elif name == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                                       num_key_value_heads=1, intermediate_size=128,
+                                                       max_position_embeddings=64, sliding_window=16, **common))
+    elif name == "gpt-neox":
+        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                                       intermediate_size=128, max_position_embeddings=64, **common))
+    else:
+        model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128,
+                                                          num_heads=2, d_kv=32, dropout_rate=0.0,
+                                                          decoder_start_token_id=0, **common))
+    return model, batch

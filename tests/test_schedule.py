@@ -41,14 +41,21 @@ def tight():
 
 def plan_axis_peak(s: Schedule) -> int:
     """Independent replay of the final plan on the captured graph's nodes: resident chunks (after
-    the actions before node i) * slot bytes + optimizer states on the device + N[i]."""
-    resident, by_node, peak = len(s.plan.initial), {}, 0
+    the actions before node i) * slot bytes + optimizer states on the device + the non-model bytes
+    live then. The actions before node i run right after the last node that executes before it
+    (parameter views are rebuilt at their readers and the output runs nothing), so they see that
+    node's bytes, and node i its own."""
+    resident, by_node, peak, last = len(s.plan.initial), {}, 0, 0
     for a in s.plan.actions:
         by_node.setdefault(a.before, []).append(a)
+    nodes = list(s.captured.gm.graph.nodes)
     for i in range(s.plan.num_nodes):
         for a in by_node.get(i, ()):
             resident += {"fetch": 1, "drop": -1}.get(a.kind, 0)
-        peak = max(peak, resident * s.slot_bytes + s.os_device_bytes + s.nonmodel[i])
+        peak = max(peak, resident * s.slot_bytes + s.os_device_bytes + last)
+        if nodes[i].op != "output" and get(nodes[i], "param") is None:
+            last = s.nonmodel[i]
+            peak = max(peak, resident * s.slot_bytes + s.os_device_bytes + last)
     return peak
 
 

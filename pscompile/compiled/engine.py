@@ -31,7 +31,7 @@ from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
 from pscompile.graph.meta import get
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
-                                      capture_and_analyze)
+                                      capture_and_analyze, minimum_budget)
 from pscompile.kinds import MemKind, RunKind
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
@@ -407,18 +407,12 @@ class CompiledEngine(ChunkEngine):
     # ================================================================ inspection
     @property
     def min_device_memory(self) -> int:
-        """The smallest budget the current schedules fit in: at every node, the chunks it reads
-        plus the larger of its and the next node's non-model bytes (optimizer states on the host)."""
-        best = 0
+        """The smallest budget every schedule planned so far fits in (``pipeline.minimum_budget``:
+        at every node, the chunks it reads next to its window of non-model bytes, optimizer states
+        on the host), with the measured curve where there is one."""
         slot = self.store.param_chunk_bytes
-        for sched in self._schedules.values():
-            nodes = list(sched.captured.gm.graph.nodes)
-            n = sched.nonmodel
-            for i, node in enumerate(nodes):
-                chunks = {c for f in get(node, "reads", ()) for c in self.layout.entry(f).chunks}
-                need = len(chunks) * slot + max(n[i], n[i + 1] if i + 1 < len(n) else 0)
-                best = max(best, need)
-        return best
+        return max(minimum_budget(self._captures[key.capture], self.layout, nonmodel=s.nonmodel,
+                                  slot_bytes=slot).nbytes for key, s in self._schedules.items())
 
     @property
     def schedule(self) -> Schedule:

@@ -106,7 +106,7 @@ def _per_node(gm: fx.GraphModule) -> list[Step]:
             program.append(Step(StepKind.INPUT, node=n))
         elif is_memory_node(n):
             program.append(Step(StepKind.MEM, node=n))
-        elif n.op == "call_function":
+        elif n.op in ("call_function", "get_attr"):
             program.append(Step(StepKind.EVAL, node=n))
         else:
             raise ValueError(f"executor: node {n.name} ({n.op}) is not supported; the scheduled graph "
@@ -124,6 +124,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     buffers = buffer_placeholders(gm)
     aliases = buffer_aliases(gm, buffers)
     lifted = lifted_views(gm, buffers) if lift_params else set()
+    lifted |= {n for n in nodes if n.op == "get_attr"}      # constants: evaluated by the executor, passed in
 
     # ---- assign nodes to steps, in graph order
     steps: list[Step] = []
@@ -209,7 +210,9 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
 
     def meta_value(a: fx.Node) -> Any:
         if a not in meta_env:
-            if a in lifted:
+            if a.op == "get_attr":
+                meta_env[a] = _attr(gm, a.target)
+            elif a in lifted:
                 args = fx.node.map_arg(a.args, meta_value)
                 kwargs = fx.node.map_arg(a.kwargs, meta_value)
                 meta_env[a] = a.target(*args, **kwargs)
@@ -269,11 +272,18 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     report = LoweringReport(
         regions=len(regions), compiled=sum(1 for r in regions if r.compute and backend != "eager"),
         distinct=len(distinct), compiled_now=compiled_now, cache_hits=hits, compile_s=compile_s,
-        memory_nodes=mem_count, lifted_views=sum(1 for n in lifted if not any(u in lifted for u in n.users)),
+        memory_nodes=mem_count, lifted_views=sum(1 for n in lifted if n.op != "get_attr" and not any(u in lifted for u in n.users)),
         rebuilt_views=rebuilt, moved_getitems=moved, backend=backend,
         unboxed=sum(1 for r in regions if r.compute and backend != "eager"
                     and not getattr(r.fn, "_pscompile_boxed", False)))
     return program, regions, report, input_checks
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _release_plan(program: list[Step], output_node: fx.Node) -> None:
@@ -379,8 +389,11 @@ class Executor:
             elif kind is StepKind.EVAL:
                 if observer is not None:
                     observer.before(n)
-                env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__),
-                                  **fx.node.map_arg(n.kwargs, env.__getitem__))
+                if n.op == "get_attr":            # a constant the capture kept as an attribute
+                    env[n] = _attr(self.gm, n.target)
+                else:
+                    env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__),
+                                      **fx.node.map_arg(n.kwargs, env.__getitem__))
                 if observer is not None:
                     observer.after(n)
             elif observer is not None:         # StepKind.INPUT: already in env

@@ -22,15 +22,13 @@ and ``save(folder)`` writes all of them (plus a PNG of the timeline when matplot
 How device bytes are counted at a node: resident slots x ``slot_bytes`` + the optimizer states kept
 on the device + the non-model bytes live there. Residency is replayed from the plan's initial slots
 and the memory nodes (a fetch occupies its slot from the moment it starts, a drop frees it). The
-non-model bytes of a node of the captured graph are its entry in ``Scheduled.nonmodel`` (static
-estimate or measured; not the node's ``nonmodel`` metadata, which every schedule made from the
-same captured graph shares, so a later re-plan overwrites it). Nodes that ``insert_memory_ops`` added -- memory nodes and the views of a
-slot rebuilt right before each reader -- run *between* two captured nodes, where only what both of
-them hold is live, so they get the smaller of their neighbours' values (the first and last nodes
-take the one neighbour they have). This is the moment the plan's capacity rule
-``device_memory - max(N[i], N[i+1])`` protects, so every value is within the budget, and the
-maximum over the graph is the final plan's peak (``plan.peak_device_bytes`` is computed by
-plan_residency before prefetch_fetches starts fetches earlier, so it can be a little lower).
+non-model bytes of a node copied from the captured graph are its entry in ``Scheduled.nonmodel``
+(static estimate or measured); a node the schedule inserted -- a memory node, a view of a slot
+rebuilt right before its reader, the output -- runs while the last copied node's bytes are live and
+gets that value. This is the rule ``verify_schedule`` checks the budget with and the windows
+``plan_residency`` plans with, so every value is within the budget and the maximum over the graph
+is the verified peak (``plan.peak_device_bytes`` is computed before prefetch_fetches starts fetches
+earlier, so it can be a little lower).
 """
 
 from __future__ import annotations
@@ -158,26 +156,16 @@ class Schedule:
         return tuple(rows)
 
     def _nonmodel_per_node(self, nodes: list[fx.Node]) -> list[int]:
-        own: list[int | None] = []
+        """A node copied from the captured graph has its own curve entry; a node the schedule
+        inserted (memory nodes, rebuilt parameter views, the output) runs while the last copied
+        node's bytes are live, so it gets that node's value (0 before the first): the rule
+        ``verify_schedule`` checks the budget with."""
+        out, last = [], 0
         for n in nodes:
             src = get(n, "src_index")
-            if src is None or is_memory_node(n) or get(n, "param") is not None or src >= len(self.nonmodel):
-                own.append(None)
-            else:
-                own.append(self.nonmodel[src])
-        prev: list[int | None] = []
-        last = None
-        for v in own:
-            last = v if v is not None else last
-            prev.append(last)
-        out = [0] * len(nodes)
-        nxt = None
-        for i in range(len(nodes) - 1, -1, -1):
-            if own[i] is not None:
-                out[i] = nxt = own[i]
-            else:
-                around = [v for v in (prev[i], nxt) if v is not None]
-                out[i] = min(around) if around else 0
+            if src is not None and not is_memory_node(n) and get(n, "param") is None and src < len(self.nonmodel):
+                last = self.nonmodel[src]
+            out.append(last)
         return out
 
     def _chunks(self, n: fx.Node, mem: MemOp | None) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ from pscompile.optim.placement import device_state_chunks
 from pscompile.passes.annotate_params import ParamUses, annotate_params
 from pscompile.passes.estimate_nonmodel import estimate_nonmodel
 from pscompile.passes.insert_memory_ops import insert_memory_ops
-from pscompile.passes.plan_residency import GradStore, ResidencyPlan, plan_residency
+from pscompile.passes.plan_residency import GradStore, ResidencyPlan, arrival_windows, plan_residency
 from pscompile.passes.prefetch_fetches import prefetch_fetches
 from pscompile.passes.verify_schedule import verify_schedule
 from pscompile.runtime.batching import call_model
@@ -48,7 +48,8 @@ from pscompile.runtime.params import choose_layout, collect_params
 from pscompile.units import format_bytes
 
 __all__ = ["PassTiming", "AnalyzedGraph", "DeviceMemory", "Scheduled", "capture_and_analyze",
-           "build_schedule", "schedule_model", "grad_store_points", "node_reads"]
+           "build_schedule", "plan_at_budget", "schedule_model", "minimum_budget", "Minimum", "grad_store_points", "node_reads",
+           "node_windows"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,45 @@ def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn
     return AnalyzedGraph(captured, uses, tuple(curve.without_outputs), stores, tuple(passes.timings))
 
 
+@dataclass(frozen=True)
+class Minimum:
+    """The smallest budget a capture's schedules fit in, and the node that sets it."""
+
+    nbytes: int          # chunks read at ``node`` x slot bytes + its window of non-model bytes
+    node: int            # index in the captured graph
+    chunks: int          # chunks ``node`` reads
+    slot_bytes: int
+    window: int          # non-model bytes its chunks must fit next to
+
+    def describe(self, nodes: Sequence[fx.Node]) -> str:
+        return (f"at {describe_node(nodes[self.node])}, {self.chunks} chunk(s) of {self.slot_bytes} bytes "
+                f"read there + {self.window} bytes of non-model data")
+
+
+def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
+                   slot_bytes: int) -> Minimum:
+    """The smallest ``device_memory`` every schedule of ``analyzed`` fits in with this layout and
+    curve: at every node, the chunks it reads next to its window (``node_windows``), optimizer
+    states on the host. plan_residency succeeds at any budget from here up (it may evict everything
+    else), and so do the passes after it, which keep its per-node bounds."""
+    reads = node_reads(analyzed.captured, layout)
+    windows = node_windows(analyzed.captured, nonmodel)
+    best = Minimum(0, 0, 0, slot_bytes, 0)
+    for i, (chunks, w) in enumerate(zip(reads, windows)):
+        need = len(chunks) * slot_bytes + w
+        if need > best.nbytes:
+            best = Minimum(need, i, len(chunks), slot_bytes, w)
+    return best
+
+
+def node_windows(captured: CapturedGraph, nonmodel: Sequence[int]) -> tuple[int, ...]:
+    """Per node of the captured graph, the non-model bytes its chunks must fit next to
+    (``passes.plan_residency.arrival_windows``): parameter views and the output do not execute at
+    their place in the scheduled graph, everything else does."""
+    executed = [n.op != "output" and get(n, "param") is None for n in captured.gm.graph.nodes]
+    return arrival_windows(nonmodel, executed)
+
+
 def node_reads(captured: CapturedGraph, layout: ChunkLayout) -> list[list[int]]:
     """Per node of the captured graph, the chunks it reads (through parameter views), in order."""
     reads = []
@@ -171,6 +211,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
         stores.setdefault(at, []).append(GradStore(e.pieces[0].chunk, fqn, e.pieces[0].chunk_offset,
                                                    e.numel * elsize))
     budget, os_dev, os_bytes = memory.budget, memory.os_device_chunks, memory.os_device_bytes
+    windows = node_windows(captured, nonmodel)
     warm = kind.keeps_warm
     passes = _Passes(analyzed.passes)
     try:
@@ -178,12 +219,17 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
             node_reads(captured, layout), nonmodel, stores=stores, num_chunks=layout.num_chunks,
             slot_bytes=memory.slot_bytes, budget=budget, os_device_chunks=os_dev, os_device_bytes=os_bytes,
             accumulate=kind is RunKind.ACCUM, start=start, keep_at_end=warm, end=start,
-            describe_node=lambda i: describe_node(nodes[i])), lambda p: p.summary(budget))
+            describe_node=lambda i: describe_node(nodes[i]), windows=windows), lambda p: p.summary(budget))
     except ResidencyError as e:
-        raise BudgetError(f"{e} (device_memory={format_bytes(budget)}; give device_memory >= "
-                          f"{e.minimum}, a smaller batch or mode='hooks')") from e
+        least = minimum_budget(analyzed, layout, nonmodel=nonmodel, slot_bytes=memory.slot_bytes)
+        if budget >= least.nbytes:        # room for every node's chunks, not next to these optimizer states
+            raise BudgetError(f"{e} (device_memory={format_bytes(budget)})") from e
+        raise BudgetError(f"device_memory={format_bytes(budget)} ({budget} bytes) is below the minimum "
+                          f"{format_bytes(least.nbytes)} ({least.nbytes} bytes) this model needs: "
+                          f"{least.describe(nodes)}; give device_memory >= {least.nbytes} (with chunk_size="
+                          f"{layout.chunk_size}), a smaller batch or mode='hooks'", minimum=least.nbytes) from e
     plan, _ = passes.run("prefetch_fetches", lambda: prefetch_fetches(plan, nonmodel, budget=budget,
-                                                                        os_device_bytes=os_bytes),
+                                                                        os_device_bytes=os_bytes, windows=windows),
                          lambda r: r[1].summary)
     gm = passes.run("insert_memory_ops", lambda: insert_memory_ops(
         captured.gm, plan, layout, param_fqns=captured.param_fqns, grad_fqns=captured.grad_fqns,
@@ -199,6 +245,18 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev)
 
 
+def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
+                loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> tuple[ChunkLayout, AnalyzedGraph]:
+    """The layout and the analyzed capture of ``model`` on ``batch`` under ``config``, as the
+    compiled engine makes them, without an engine (fake tensors: ``model`` may be on meta)."""
+    kind = RunKind(kind)
+    mp = collect_params(model, batch, call_model)
+    layout = choose_layout(mp, config, config.device_memory, keep_tensors_whole=True)
+    analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
+                                   loss_fn=loss_fn)
+    return layout, analyzed
+
+
 def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> tuple[ChunkLayout, Scheduled]:
     """The layout and the schedule compiled mode would start with for ``model`` on ``batch`` under
@@ -206,19 +264,23 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
     engine: no chunk store is made and no parameter is materialized, so ``model`` may live on the
     meta device. The budget is ``config.device_memory`` as given."""
     kind = RunKind(kind)
-    budget = config.device_memory
-    mp = collect_params(model, batch, call_model)
-    layout = choose_layout(mp, config, budget, keep_tensors_whole=True)
-    analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
-                                   loss_fn=loss_fn)
-    slot_bytes = layout.chunk_size * torch.empty((), dtype=config.dtype).element_size()
+    layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn)
+    return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind)
+
+
+def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int | None, dtype: torch.dtype,
+                   kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None) -> Scheduled:
+    """The schedule the compiled engine plans for ``analyzed`` at ``budget``: optimizer states
+    placed by ``optim.placement`` for the curve's peak, then ``build_schedule``."""
+    nonmodel = analyzed.nonmodel if nonmodel is None else tuple(nonmodel)
+    slot_bytes = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
     state_bytes = 3 * layout.chunk_size * 4                  # fp32 master, exp_avg, exp_avg_sq
-    count = device_state_chunks(budget=budget, peak_nonmodel=max(analyzed.nonmodel), num_chunks=layout.num_chunks,
+    count = device_state_chunks(budget=budget, peak_nonmodel=max(nonmodel), num_chunks=layout.num_chunks,
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
                                 state_chunk_bytes=state_bytes)
     memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes)
-    return layout, build_schedule(analyzed, layout, nonmodel=analyzed.nonmodel, memory=memory, dtype=config.dtype,
-                                  kind=kind)
+    return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
+                          measured=nonmodel is not analyzed.nonmodel)
 
 
 def describe_node(node: fx.Node) -> str:

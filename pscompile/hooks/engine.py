@@ -468,12 +468,13 @@ class HooksEngine(ChunkEngine):
         if need + os_bytes > self.budget:
             m = plan.moments[i]
             os_note = f" + {format_bytes(os_bytes)} of optimizer states kept on the device" if os_bytes else ""
+            detail = (f"at {plan.describe(i)}: {format_bytes(m.pinned_bytes)} of parameter chunks in use + "
+                      f"{format_bytes(m.nonmodel_peak)} of non-model data{os_note}")
             raise BudgetError(
                 f"device_memory={format_bytes(self.budget)} is below the minimum {format_bytes(need + os_bytes)} "
-                f"({need + os_bytes} bytes) this model needs at {plan.describe(i)}: "
-                f"{format_bytes(m.pinned_bytes)} of parameter chunks in use + {format_bytes(m.nonmodel_peak)} "
-                f"of non-model data{os_note}; give device_memory >= {need + os_bytes}, a smaller batch or a "
-                f"smaller chunk_size (now {self.layout.chunk_size:,} elements)")
+                f"({need + os_bytes} bytes) this model needs {detail}; give device_memory >= {need + os_bytes}, "
+                f"a smaller batch or a smaller chunk_size (now {self.layout.chunk_size:,} elements)",
+                minimum=need + os_bytes, detail=detail)
 
     def describe(self) -> str:
         """A few lines on how the model was laid out and placed."""

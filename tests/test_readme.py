@@ -1,0 +1,82 @@
+"""The README cannot rot: its Python blocks run, its commands run, its example error is the real one.
+
+- every ```python block runs, in order, in one namespace (as a reader would paste them);
+- the first ```bash block is the two commands CI runs (``.ci/run`` reads them from the README);
+- ``python -m pscompile inspect ...`` as written in the README runs;
+- the example error message is the one ``compile`` raises for the quick-start model at 2 MiB.
+The benchmark commands run in their quick form in tests/test_bench_smoke.py, the train command in
+CI (the README's first command) and, short, in tests/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pscompile
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _fenced() -> list[tuple[str, str]]:
+    """(language, body) of every fenced block, in order."""
+    out, lang, body = [], None, []
+    for line in README.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, body = line[3:].strip(), []
+            else:
+                out.append((lang, "\n".join(body) + "\n"))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    return out
+
+
+def _blocks(lang: str) -> list[str]:
+    return [body for la, body in _fenced() if la == lang]
+
+
+def test_python_blocks_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    blocks = _blocks("python")
+    assert len(blocks) >= 4
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"README.md python block {i}", "exec"), namespace)   # noqa: S102
+    assert (tmp_path / "out" / "schedule.txt").exists()
+
+
+def test_first_commands_are_what_ci_runs():
+    first = _blocks("bash")[0]
+    commands = [re.sub(r"\s*#.*$", "", line) for line in first.strip().splitlines()]
+    assert commands == ['pip install torch==2.13.0 && pip install -e ".[test]" && python -m pscompile train',
+                        "python -m pytest -q"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "README.md" in ci and "pip install" not in ci       # CI runs the README's block, nothing else
+
+
+def test_inspect_command_runs(tmp_path):
+    (command,) = re.findall(r"`(python -m pscompile inspect [^`]*)`", README)
+    argv = shlex.split(command)
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "out" / "schedule.txt").exists()
+
+
+def test_example_error_is_the_real_one():
+    (example,) = [b for b in _blocks("") if b.startswith("pscompile.errors.BudgetError")]
+    from pscompile.models.gpt import GPT, gpt_config
+    idx = torch.randint(0, 256, (2, 128))
+    config = pscompile.Config(mode="hooks", device="cpu", device_memory="2MiB", dtype=torch.float32)
+    with pytest.raises(pscompile.BudgetError) as err:
+        pscompile.compile(GPT(gpt_config("gpt-mini")), (idx, torch.roll(idx, -1, dims=1)), config=config)
+    shown = " ".join(example.split()).removeprefix("pscompile.errors.BudgetError: ")
+    assert shown == " ".join(str(err.value).split())
