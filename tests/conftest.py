@@ -82,3 +82,44 @@ def tight_budget():
         elsize = torch.empty((), dtype=dtype).element_size()
         return engine.min_device_memory + 2 * chunk_size * elsize
     return compute
+
+
+def initial_masters(ref) -> dict[str, torch.Tensor]:
+    """The reference's fp32 masters before training (a copy), for ``worst_tracking``."""
+    return {k: v.clone() for k, v in ref.master_state().items()}
+
+
+def fresh_masters(kind: str, dtype: torch.dtype, **overrides) -> dict[str, torch.Tensor]:
+    """The fp32 masters every run of ``make_model(kind)`` starts from (models are seeded)."""
+    return initial_masters(ReferenceTrainer(make_model(kind, **overrides), optimizer=pscompile.AdamW(), dtype=dtype))
+
+
+# Each tensor's error against plain PyTorch, in units of how far plain PyTorch moved it
+# (``worst_tracking``): measured far below 1e-3 with the eager backend and hooks mode; a chunk never
+# updated scores 1. Inductor's bf16 kernels round differently from eager's (fp32 inside fused
+# kernels): attention biases whose true gradient is zero then drift by Adam-sized noise, measured
+# up to 0.18, so that case is held to TRACKING_TOL_INDUCTOR_BF16.
+# Gradient accumulation in bf16: plain PyTorch sums the micro-batches' gradients in bf16, pscompile
+# in fp32 (a decision: 3.6e-3 vs 7.4e-10 relative error over 8 micro-batches), measured 0.13.
+TRACKING_TOL = 1e-2
+TRACKING_TOL_INDUCTOR_BF16 = 0.5
+TRACKING_TOL_BF16_ACCUMULATION = 0.5
+
+
+def worst_tracking(engine, ref, initial: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Each tensor's error against plain PyTorch measured in units of how far plain PyTorch moved
+    it from its initial value: mean |ours - theirs| / mean |theirs - initial| (at least 1e-5: a
+    tensor whose true gradient is zero, like an attention key bias, barely moves and is held to
+    an absolute 1e-7 at the default tolerance). Means, not maxima: Adam moves every element by about
+    the learning rate whatever its gradient, so an element whose gradient is noise can differ by a
+    whole step while the tensor agrees. A tensor or chunk that was never updated scores 1 whatever
+    the learning rate, so a tolerance well below 1 catches it in bf16 too, where an absolute
+    tolerance cannot. Returns (worst ratio, its name)."""
+    ours, theirs = engine.state_dict()["master"], ref.master_state()
+    assert set(ours) == set(theirs) == set(initial)
+    worst = (0.0, "")
+    for k in theirs:
+        moved = (theirs[k] - initial[k]).abs().mean().item()
+        err = (ours[k] - theirs[k]).abs().mean().item()
+        worst = max(worst, (err / max(moved, 1e-5), k))
+    return worst

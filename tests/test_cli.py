@@ -85,7 +85,7 @@ def test_fallback_text_and_errors():
 # ------------------------------------------------------------------ CLI
 def test_parser_has_train_with_documented_defaults():
     args = build_parser().parse_args(["train"])
-    assert (args.mode, args.dtype, args.device, args.chunk_size) == ("hooks", "float32", "cpu", "auto")
+    assert (args.mode, args.backend, args.dtype, args.device, args.chunk_size) == ("compiled", "eager", "float32", "cpu", "auto")
     assert build_parser().parse_args(["train", "--chunk-size", "4096", "--device-memory", "none"]).chunk_size == 4096
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--dtype", "int8"])

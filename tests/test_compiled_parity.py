@@ -8,7 +8,7 @@ import torch
 import pscompile
 from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
 from pscompile.testing import ReferenceTrainer
-from conftest import make_batches, make_model, max_weight_diff
+from conftest import TRACKING_TOL, TRACKING_TOL_INDUCTOR_BF16, fresh_masters, make_batches, make_model, max_weight_diff, worst_tracking
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -47,6 +47,7 @@ def test_compiled_parity(kind, dtype, budget):
             assert s.peak_device_bytes <= device_memory
             assert s.num_evictions > 0
     assert max_weight_diff(engine, ref) <= (1e-4 if dtype == torch.float32 else 5e-2)
+    assert worst_tracking(engine, ref, fresh_masters(kind, dtype))[0] <= TRACKING_TOL
 
 
 def test_compiled_moves_no_more_than_hooks_under_the_same_budget():
@@ -190,3 +191,5 @@ def test_inductor_backend_parity_under_eviction(kind, dtype):
     assert any(ex.split == "regions" for ex in engine._executors.values()), \
         "later steps did not run compiled regions"
     assert max_weight_diff(engine, ref) <= (1e-4 if dtype == torch.float32 else 5e-2)
+    tol = TRACKING_TOL if dtype == torch.float32 else TRACKING_TOL_INDUCTOR_BF16
+    assert worst_tracking(engine, ref, fresh_masters(kind, dtype))[0] <= tol

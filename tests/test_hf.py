@@ -94,9 +94,13 @@ def test_hf_parity_under_a_tight_budget(kind, mode, dtype):
             over.append((i, engine.stats.peak_device_bytes - budget))
     ours = engine.full_state_dict()
     theirs = ref.model.state_dict()
+    initial = ReferenceTrainer(hf_model(kind), optimizer=HP, dtype=dtype).master_state()
     for k, v in ref.master_state().items():
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         assert (ours[k] - v.float()).abs().max().item() <= tol, k
+        # each tensor's error in units of its own movement (catches a chunk never updated in bf16)
+        moved = (v - initial[k]).abs().mean().item()
+        assert (ours[k] - v.float()).abs().mean().item() <= 1e-2 * max(moved, 1e-5), k
     assert set(theirs) == set(ours)
     assert not over, f"(step, bytes over budget): {over}"
 

@@ -89,11 +89,12 @@ class CompiledEngine(ChunkEngine):
         self._warm: dict[ScheduleKey, Scheduled] = {}             # warm variants (accum, eval)
         self._last_key: ScheduleKey | None = None
         self._slots: list[torch.Tensor] = []
-        self._slot_ptrs: set[int] = set()
+        self._slot_ptrs: set[int] = set()         # storages of the slots holding memory now
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._os_placed = False
         self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
+        self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
         self._written: set[str] = set()            # parameters whose gradients the current run stored
@@ -159,11 +160,10 @@ class CompiledEngine(ChunkEngine):
         for k, c in list(self._slot_chunk.items()):     # states leaving the device: params go home
             if c not in on_device:
                 if self.store.dirty[c]:
-                    self.store.host_param[c].copy_(self._slots[k])
-                self.store.detach(c)
-                del self._slot_chunk[k]
+                    self.link.copy(self.store.host_param[c], self._slots[k], "d2h")
+                self._release_slot(k)
         self.store.place_optimizer_states(on_device)
-        self.link.reset()
+        self._count_outside_steps()
         self._os_placed = True
         for key, s in list(self._schedules.items()):    # planned for the old placement
             self._replan(key, s.nonmodel, measured=s.measured)
@@ -179,18 +179,37 @@ class CompiledEngine(ChunkEngine):
         return new
 
     def _ensure_slots(self, plan: ResidencyPlan) -> None:
+        """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
+        allocates it, a drop gives it back), with the device-updated chunks in their fixed slots."""
         cs = self.layout.chunk_size
         while len(self._slots) < plan.num_slots:
-            self._slots.append(torch.empty(cs, dtype=self.dtype, device=self.device))
-        self._slot_ptrs = {s.untyped_storage().data_ptr() for s in self._slots}
+            slot = torch.empty(cs, dtype=self.dtype, device=self.device)
+            slot.untyped_storage().resize_(0)
+            self._slots.append(slot)
         for c, k in plan.initial:                  # device-updated chunks live in fixed slots
             if self.store.os_tier[c] is not Tier.DEVICE:
                 continue                           # a warm start: the previous run left it there
             if self._slot_chunk.get(k) != c:
-                self._slots[k].copy_(self.store.host_param[c])
+                self._allocate_slot(k)
+                self.link.copy(self._slots[k], self.store.host_param[c], "h2d")
                 self.store.attach(c, self._slots[k])
                 self._slot_chunk[k] = c
-        self.link.reset()
+        self._count_outside_steps()
+
+    def _allocate_slot(self, k: int) -> None:
+        """Give slot ``k`` its chunk of device memory (a fetch into it is about to start)."""
+        storage = self._slots[k].untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.store.param_chunk_bytes)
+            self._slot_ptrs.add(storage.data_ptr())
+
+    def _release_slot(self, k: int) -> None:
+        """Slot ``k`` no longer holds its chunk: forget it and give its memory back (on CUDA to
+        the caching allocator), so the bytes the plan lets activations use really are free."""
+        self.store.detach(self._slot_chunk.pop(k))
+        storage = self._slots[k].untyped_storage()
+        self._slot_ptrs.discard(storage.data_ptr())
+        storage.resize_(0)
 
     def _runnable(self, batch: Any, kind: RunKind) -> tuple[ScheduleKey, Scheduled]:
         """The schedule to run now: the warm variant when the chunks resident now are the ones it
@@ -212,6 +231,7 @@ class CompiledEngine(ChunkEngine):
         for k, c in list(self._slot_chunk.items()):
             if not self.store.resident(c):             # dropped behind our back (load_state_dict)
                 del self._slot_chunk[k]
+                self._slots[k].untyped_storage().resize_(0)
         return {c: k for k, c in self._slot_chunk.items()}
 
     def _settle(self) -> None:
@@ -220,8 +240,7 @@ class CompiledEngine(ChunkEngine):
         for c, k in self._residency().items():
             if self.store.os_tier[c] is not Tier.DEVICE:
                 assert not self.store.dirty[c], f"chunk {c} left dirty on the device by a warm run"
-                self.store.detach(c)
-                del self._slot_chunk[k]
+                self._release_slot(k)
 
     # ================================================================ running
     def _run_memory_node(self, mem, args) -> None:
@@ -232,6 +251,7 @@ class CompiledEngine(ChunkEngine):
         store, q = self.store, self._queue
         if mem.kind == MemKind.FETCH:
             slot, host = args
+            self._allocate_slot(mem.slot)
             fut = q.submit(slot, host, "h2d")
             self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
@@ -244,12 +264,14 @@ class CompiledEngine(ChunkEngine):
             self._in_flight.pop(mem.slot).result()
         elif mem.kind == MemKind.WRITEBACK:
             host, slot = args
-            q.submit(host, slot, "d2h")
+            self._reading[mem.slot] = q.submit(host, slot, "d2h")
             store.dirty[mem.chunk] = False
         elif mem.kind == MemKind.DROP:
-            store.detach(mem.chunk)
+            pending = self._reading.pop(mem.slot, None)
+            if pending is not None:        # the slot's memory goes back only once its writeback has read it
+                pending.result()
+            self._release_slot(mem.slot)
             self.link.traffic.num_evictions += 1
-            del self._slot_chunk[mem.slot]
         elif mem.kind == MemKind.ACCUMULATE_GRAD:
             acc, grad, offset = args
             target = acc[offset:offset + grad.numel()].view(grad.shape)
@@ -268,7 +290,9 @@ class CompiledEngine(ChunkEngine):
             self._written.add(mem.fqn)
 
     def _model_bytes(self) -> int:
-        return len(self._slot_chunk) * self.store.param_chunk_bytes + self.store.dev_os_pool.bytes_in_use
+        """Model bytes the device holds now: the memory of every slot (allocated, whether or not
+        a chunk sits in it yet) and the optimizer states kept there."""
+        return sum(s.untyped_storage().nbytes() for s in self._slots) + self.store.dev_os_pool.bytes_in_use
 
     def _is_model_storage(self, ptr: int) -> bool:
         return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
@@ -290,7 +314,7 @@ class CompiledEngine(ChunkEngine):
         """Run one scheduled graph (memory nodes as planned) and check the bytes it moved against
         the plan. On failure, stored gradients are undone and slots reset to the plan's start."""
         t_start = time.perf_counter()
-        self.link.reset()
+        self._count_outside_steps()
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
                                   exact_windows=not sched.measured)
         accs = acc if any(a.kind == MemKind.ACCUMULATE_GRAD for a in sched.plan.actions) else []
@@ -322,9 +346,11 @@ class CompiledEngine(ChunkEngine):
                                        on_outputs=count if executor.split == "regions" else None,
                                        on_backward=lambda: t_bwd.append(time.perf_counter()))
             self._queue.flush()
+            self._reading.clear()
         except BaseException:
             self._queue.flush()
             self._in_flight.clear()
+            self._reading.clear()
             self._recover(restore=acc is None)
             raise
         traffic = self.link.reset()
@@ -398,11 +424,10 @@ class CompiledEngine(ChunkEngine):
         touched = {c for f in self._written for c in self.layout.entry(f).chunks} if restore else set()
         for k, c in list(self._slot_chunk.items()):
             if self.store.os_tier[c] is not Tier.DEVICE:
-                self.store.detach(c)
-                del self._slot_chunk[k]
+                self._release_slot(k)
         for c in sorted(touched):
             self.store.restore_from_master(c)
-        self.link.reset()
+        self._count_outside_steps()
 
     # ================================================================ inspection
     @property

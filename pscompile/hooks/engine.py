@@ -434,7 +434,7 @@ class HooksEngine(ChunkEngine):
                     b.copy_(saved)
             for c in self.store.resident_chunks():
                 self.store.evict(c)      # dirty ones (updated on the device) go home first
-            self.link.reset()
+            self._count_outside_steps()
         return AccessPlan(tuple(ps.recorded))
 
     def _place_optimizer_states(self) -> None:
@@ -446,7 +446,7 @@ class HooksEngine(ChunkEngine):
                                     param_chunk_bytes=self.store.param_chunk_bytes,
                                     state_chunk_bytes=self.store.os_chunk_bytes)
         self.store.place_optimizer_states(range(count))
-        self.link.reset()
+        self._count_outside_steps()
         opt = self._optimizer_moments()
         self._plans = {sig: AccessPlan(t.moments + opt) for sig, t in self._traces.items()}
 
@@ -509,7 +509,7 @@ class HooksEngine(ChunkEngine):
         except BaseException:
             if acc is None:
                 self._undo_gradients(ps)
-            self.link.reset()
+            self._count_outside_steps()
             raise
         return MicroRun(loss, ps.tracker, self.link.reset(), fwd_s, bwd_s, frozenset(ps.grad_written), ps)
 
@@ -538,5 +538,5 @@ class HooksEngine(ChunkEngine):
         touched = {c for f in ps.grad_written for c in self.layout.entry(f).chunks}
         for c in sorted(touched):
             self.store.restore_from_master(c)
-        self.link.reset()
+        self._count_outside_steps()
 

@@ -62,7 +62,7 @@ class ChunkStore:
                                   else (self.dev_os_pool, self.host_os_pool))
             for lst in (self.master, self.exp_avg, self.exp_avg_sq):
                 buf = dst_pool.acquire()
-                buf.copy_(lst[c])
+                self.link.copy(buf, lst[c], "h2d" if want is Tier.DEVICE else "d2h")
                 src_pool.release(lst[c])
                 lst[c] = buf
             self.os_tier[c] = want
@@ -211,8 +211,15 @@ class ChunkStore:
         out = torch.empty(e.numel, dtype=self.dtype if which == "param" else torch.float32)
         for p in e.pieces:
             src = self.current(p.chunk) if which == "param" else lists[which][p.chunk]
-            out[p.tensor_offset:p.tensor_offset + p.numel].copy_(src[p.chunk_offset:p.chunk_offset + p.numel])
+            dst, piece = out[p.tensor_offset:p.tensor_offset + p.numel], src[p.chunk_offset:p.chunk_offset + p.numel]
+            if src.device != dst.device or self._on_device(which, p.chunk):
+                self.link.copy(dst, piece, "d2h")          # a device tier's bytes cross to the host
+            else:
+                dst.copy_(piece)
         return out.view(e.shape)
+
+    def _on_device(self, which: str, c: int) -> bool:
+        return self.resident(c) if which == "param" else self.os_tier[c] is Tier.DEVICE
 
     def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
         """Write one tensor into an optimizer-state chunk list (used by load_state_dict)."""
@@ -220,5 +227,9 @@ class ChunkStore:
         lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         flat = value.detach().reshape(-1)
         for p in e.pieces:
-            lists[which][p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(
-                flat[p.tensor_offset:p.tensor_offset + p.numel])
+            dst = lists[which][p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
+            piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
+            if self.os_tier[p.chunk] is Tier.DEVICE:
+                self.link.copy(dst, piece, "h2d")
+            else:
+                dst.copy_(piece)

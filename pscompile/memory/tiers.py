@@ -24,9 +24,10 @@ class Tier(enum.Enum):
 class SlotPool:
     """Chunk-sized buffers of one dtype on one tier.
 
-    On CUDA the device pool hands released buffers back to the caching allocator (which keeps
-    chunk-sized blocks for reuse), so ``torch.cuda.memory_allocated`` counts exactly the chunks in
-    use; everywhere else released buffers wait in a free list.
+    A released buffer goes back to the allocator (on CUDA the caching allocator keeps chunk-sized
+    blocks for reuse), so the memory a pool holds is exactly its buffers in use, and memory the
+    plan gives to activations after an eviction really is free. Only pinned host buffers (slow to
+    pin) wait in a free list for reuse.
     """
 
     def __init__(self, tier: Tier, device: torch.device, dtype: torch.dtype, chunk_size: int,
@@ -36,7 +37,7 @@ class SlotPool:
         self.dtype = dtype
         self.chunk_size = chunk_size
         self.pin = pin
-        self.keep_free = device.type != "cuda"
+        self.keep_free = pin
         self._free: list[torch.Tensor] = []
         self.allocated = 0     # buffers created so far
         self.in_use = 0        # buffers handed out now
@@ -85,6 +86,13 @@ class Traffic:
     num_fetches: int = 0
     num_evictions: int = 0
     transfer_s: float = 0.0
+
+    def add(self, other: "Traffic") -> None:
+        self.h2d_bytes += other.h2d_bytes
+        self.d2h_bytes += other.d2h_bytes
+        self.num_fetches += other.num_fetches
+        self.num_evictions += other.num_evictions
+        self.transfer_s += other.transfer_s
 
 
 class Link:

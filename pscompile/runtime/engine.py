@@ -85,6 +85,9 @@ class ChunkEngine:
                 f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param); give "
                 f"host_memory >= {host_need} (the disk tier is not available yet)")
         self.link = Link(config.link_bandwidth)
+        # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
+        # undoing a failed step, state dicts): every byte between tiers is counted somewhere
+        self.setup_traffic = Traffic()
         self.store = ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
         self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
         # Released parameters point at one NaN element broadcast to their shape: any use outside
@@ -99,6 +102,10 @@ class ChunkEngine:
         self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
         self.stats = None
         self.closed = False
+
+    def _count_outside_steps(self) -> None:
+        """Move what the link counted since the last reset into ``setup_traffic``."""
+        self.setup_traffic.add(self.link.reset())
 
     def _accumulation_chunks(self) -> list[torch.Tensor]:
         """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
@@ -248,7 +255,7 @@ class ChunkEngine:
         k = len(batches)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._prepare_step(batches, accumulate=acc is not None)
-        self.link.reset()
+        self._count_outside_steps()
         runs: list[MicroRun] = []
         try:
             for b in batches:
@@ -308,7 +315,7 @@ class ChunkEngine:
     # ================================================================ state
     def state_dict(self) -> dict:
         """fp32 master weights, Adam states (per parameter fqn), step, loss scale."""
-        return {
+        sd = {
             "master": {f: self.store.gather("master", f) for f in self.params},
             "exp_avg": {f: self.store.gather("exp_avg", f) for f in self.params},
             "exp_avg_sq": {f: self.store.gather("exp_avg_sq", f) for f in self.params},
@@ -316,6 +323,8 @@ class ChunkEngine:
             "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
             "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0,
         }
+        self._count_outside_steps()
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         for key in ("master", "exp_avg", "exp_avg_sq"):
@@ -330,7 +339,7 @@ class ChunkEngine:
             for f in self.params:
                 self.store.scatter(key, f, sd[key][f])
         self._undo_all()       # param chunks = master cast to the compute dtype
-        self.link.reset()
+        self._count_outside_steps()
         self.adam.load_state_dict({"step": sd["step"]})
         if self.scaler is not None:
             self.scaler.scale = float(sd["loss_scale"])
@@ -347,4 +356,5 @@ class ChunkEngine:
                 out[key] = value.detach().clone()
                 continue
             out[key] = self.store.gather("master", entry.fqn)
+        self._count_outside_steps()
         return out

@@ -1,0 +1,50 @@
+"""Every byte that crosses between the device and the host is counted: in a step's StepStats, or in
+``engine.setup_traffic`` for what moves outside steps (placing optimizer states, filling the slots
+of device-updated chunks, hooks mode's trace, undoing a failed step, state dicts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pscompile
+from pscompile.testing import tiny_model
+
+
+def _engine(mode: str, budget=None):
+    model, batch = tiny_model("gpt")
+    return pscompile.compile(model, batch, config=pscompile.Config(
+        mode=mode, backend="eager", device="cpu", dtype=torch.float32, device_memory=budget)), batch
+
+
+def test_compiled_placement_bytes_are_counted():
+    """Unlimited budget: every chunk's optimizer states move to the device (3 fp32 buffers) and its
+    parameter chunk fills its fixed slot; exactly those bytes are counted, host to device."""
+    engine, _ = _engine("compiled")
+    n, cs = engine.layout.num_chunks, engine.layout.chunk_size
+    assert engine.setup_traffic.h2d_bytes == n * (3 * cs * 4 + cs * 4)
+    assert engine.setup_traffic.d2h_bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_state_dict_of_device_states_crosses_the_link(mode):
+    engine, batch = _engine(mode)
+    engine.step(batch)
+    before = engine.setup_traffic.d2h_bytes
+    engine.state_dict()
+    assert engine.setup_traffic.d2h_bytes - before == 3 * engine.layout.total_numel * 4
+
+
+def test_step_traffic_is_not_setup_traffic():
+    """A step's own bytes go to its StepStats and equal the plan; setup traffic does not move."""
+    engine, batch = _engine("compiled")
+    minimum = engine.min_device_memory
+    engine.close()
+    engine, batch = _engine("compiled", minimum + 2 * engine.store.param_chunk_bytes)
+    setup = engine.setup_traffic.h2d_bytes + engine.setup_traffic.d2h_bytes
+    engine.step(batch)                  # measuring step; may re-place states afterwards
+    setup = engine.setup_traffic.h2d_bytes + engine.setup_traffic.d2h_bytes
+    engine.step(batch)
+    s = engine.stats
+    assert (s.h2d_bytes, s.d2h_bytes) == (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes) != (0, 0)
+    assert engine.setup_traffic.h2d_bytes + engine.setup_traffic.d2h_bytes == setup
