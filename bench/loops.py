@@ -76,6 +76,54 @@ def timed(fn, n: int, warmup: int) -> tuple[list, list[float]]:
     return out, times
 
 
+def run_system(name: str, cfg_kw: dict, s: dict, hp: pscompile.AdamW, example, groups: list, eval_batch,
+               plain: dict, ref_losses: list[float], budget: int) -> dict:
+    """Accumulation steps and evaluations of one pscompile system under ``budget``: its row, or
+    ``{"system", "error"}`` when it raised (the script then exits 1)."""
+    engine = None
+    try:
+        t0 = time.perf_counter()
+        engine = pscompile.compile(make_model(s), example, optimizer=hp, config=pscompile.Config(**cfg_kw))
+        stats = []
+
+        def step(i):
+            loss = engine.step(groups[i])
+            stats.append(engine.stats)
+            return loss
+        losses, times = timed(step, s["steps"], s["warmup"])
+        eval_peaks = []
+
+        def evaluate(_):
+            loss = engine.evaluate(eval_batch)
+            eval_peaks.append(engine.eval_peak_device_bytes)
+            return loss
+        evals, eval_times = timed(evaluate, s["evals"], 1)
+        total_s = time.perf_counter() - t0
+        last = stats[-1]
+        return dict(
+            system=name, step_s=statistics.median(times), step_ratio=statistics.median(times) / plain["step_s"],
+            peak=max(st.peak_device_bytes for st in stats), within_budget=all(st.peak_device_bytes <= budget
+                                                                                for st in stats),
+            h2d=last.h2d_bytes, d2h=last.d2h_bytes, fetches=last.num_fetches,
+            max_dloss=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            eval_s=statistics.median(eval_times), eval_ratio=statistics.median(eval_times) / plain["eval_s"],
+            eval_peak=max(eval_peaks), eval_within_budget=max(eval_peaks) <= budget,
+            eval_moved=engine.eval_bytes_moved, eval_dloss=abs(evals[-1] - plain["eval_loss"]), total_s=total_s)
+    except Exception as e:                    # noqa: BLE001 - recorded in the row; the script exits 1
+        return dict(system=name, error=f"{type(e).__name__}: {e}")
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def problems_of(row: dict) -> list[str]:
+    """Why a system's row failed: an exception, or a step or an evaluation over the budget."""
+    if "error" in row:
+        return [row["error"]]
+    return ([] if row["within_budget"] else [f"a step's measured peak exceeded the budget (max {row['peak']})"]) + \
+        ([] if row["eval_within_budget"] else [f"evaluate's measured peak {row['eval_peak']} exceeded the budget"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -116,32 +164,10 @@ def main(argv=None) -> int:
     systems = [("hooks", dict(mode="hooks")), ("compiled eager", dict(mode="compiled", backend="eager"))]
     if args.inductor:
         systems.append(("compiled inductor", dict(mode="compiled", backend="inductor")))
-    results = []
-    for name, kw in systems:
-        cfg = pscompile.Config(device="cpu", dtype=torch.float32, device_memory=budget, chunk_size=chunk,
-                               link_bandwidth=args.link, **kw)
-        t0 = time.perf_counter()
-        engine = pscompile.compile(make_model(s), micro[0], optimizer=hp, config=cfg)
-        stats = []
-
-        def step(i):
-            loss = engine.step(groups[i])
-            stats.append(engine.stats)
-            return loss
-        losses, times = timed(step, s["steps"], s["warmup"])
-        evals, eval_times = timed(lambda _: engine.evaluate(eval_batch), s["evals"], 1)
-        total_s = time.perf_counter() - t0
-        last = stats[-1]
-        results.append(dict(
-            system=name, step_s=statistics.median(times), step_ratio=statistics.median(times) / plain["step_s"],
-            peak=max(st.peak_device_bytes for st in stats), within_budget=all(st.peak_device_bytes <= budget
-                                                                                for st in stats),
-            h2d=last.h2d_bytes, d2h=last.d2h_bytes, fetches=last.num_fetches,
-            max_dloss=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            eval_s=statistics.median(eval_times), eval_ratio=statistics.median(eval_times) / plain["eval_s"],
-            eval_peak=engine.eval_peak_device_bytes, eval_moved=engine.eval_bytes_moved,
-            eval_dloss=abs(evals[-1] - plain["eval_loss"]), total_s=total_s))
-        engine.close()
+    results = [run_system(name, dict(device="cpu", dtype=torch.float32, device_memory=budget, chunk_size=chunk,
+                                     link_bandwidth=args.link, **kw), s, hp, micro[0], groups, eval_batch,
+                          plain, ref_losses, budget) for name, kw in systems]
+    ok = [r for r in results if "error" not in r]
 
     b = s["micro"]
     print(f"GPT L{s['n_layer']} d{s['d']} ({params / 1e6:.1f}M params), seq {s['seq']}, float32, one thread; "
@@ -157,11 +183,12 @@ def main(argv=None) -> int:
     acc_rows = [["plain PyTorch (no budget)", f"{plain['step_s']:.3f}", "1.00", "-", "-", "-", "-", "-"]]
     acc_rows += [[r["system"], f"{r['step_s']:.3f}", f"{r['step_ratio']:.2f}", f"{r['peak'] / MiB:.2f}",
                   "yes" if r["within_budget"] else "NO", f"{r['h2d'] / MiB:.2f}", f"{r['d2h'] / MiB:.2f}",
-                  f"{r['max_dloss']:.1e}"] for r in results]
+                  f"{r['max_dloss']:.1e}"] for r in ok]
+    acc_rows += [[r["system"], f"error: {r['error'][:60]}"] + ["-"] * 6 for r in results if "error" in r]
     eval_headers = ["system", "evaluate s", "eval / plain no_grad", "peak MiB", "MiB moved", "|dloss|"]
     eval_rows = [["plain PyTorch no_grad", f"{plain['eval_s']:.4f}", "1.00", "-", "-", "-"]]
     eval_rows += [[r["system"], f"{r['eval_s']:.4f}", f"{r['eval_ratio']:.2f}", f"{r['eval_peak'] / MiB:.2f}",
-                   f"{r['eval_moved'] / MiB:.2f}", f"{r['eval_dloss']:.1e}"] for r in results]
+                   f"{r['eval_moved'] / MiB:.2f}", f"{r['eval_dloss']:.1e}"] for r in ok]
     fmt = "github" if args.markdown else "simple"
     for caption, headers, rows in (("memory", mem_headers, mem_rows),
                                    (f"gradient accumulation, step([b1..b{k}]) (median of {s['steps']} "
@@ -169,10 +196,13 @@ def main(argv=None) -> int:
                                    (f"evaluate(batch of {b}) (median of {s['evals']})", eval_headers, eval_rows)):
         print(f"\n{caption}\n")
         print(tabulate(rows, headers=headers, tablefmt=fmt))
+    failed = [(r["system"], p) for r in results for p in problems_of(r)]
+    for name, p in failed:
+        print(f"FAILED {name}: {p}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(settings=s, link=args.link, params=params, memory=memory, plain=plain, systems=results),
-                                   indent=1))
-    return 0
+    args.out.write_text(json.dumps(dict(settings=s, link=args.link, params=params, memory=memory, plain=plain,
+                                        systems=results, failed=len(failed)), indent=1))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""Smoke test of bench/foundation.py: the --quick run finishes, writes complete JSON, and hooks mode
-reproduces plain PyTorch's losses. No timing assertions (the machine is shared)."""
+"""Smoke tests of the benchmarks: each --quick run finishes with exit status 0, writes complete JSON,
+and every pscompile run in it succeeded (a row that failed carries an ``error`` field, and the
+scripts exit 1): losses match plain PyTorch, measured peaks stay within their budgets, compiled
+mode moves at least bench/compare.py's independent lower bound, and every budget bench/budgets.py
+tries works. No timing assertions (the machine is shared)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -43,19 +47,23 @@ def test_foundation_quick(tmp_path):
     s2 = res["largest_under_budget"]
     assert s2["budget_bytes"] > 0 and s2["rungs"]
     assert {"plain", "hooks", "ratio_hooks_over_plain"} <= set(s2["largest"])
-    for rung in s2["rungs"]:
-        if "skipped" in rung:
-            continue
+    ran = [r for r in s2["rungs"] if "skipped" not in r]
+    assert not [r for r in s2["rungs"] if "process failed" in r.get("skipped", "")], s2["rungs"]
+    assert any(r["hooks"]["ok"] for r in ran), "no rung trained in hooks mode"
+    for rung in ran:
         assert rung["plain"]["source"] in ("measured", "computed")
         h = rung["hooks"]
-        if h.get("ok"):
+        if h["ok"]:
             assert h["peak_device_bytes"] <= s2["budget_bytes"]
+        else:      # too large for the budget is a finding; anything else is a failure
+            assert h["error"].startswith("BudgetError"), (rung["n_layer"], rung["d_model"], h["error"])
 
     s3 = res["adamw_throughput"]
     assert s3["copy_bandwidth"]["bytes_per_s"] > 0
     methods = [r["method"] for r in s3["rows"]]
     assert any(m.startswith("pscompile ChunkAdamW") for m in methods)
     assert any("foreach=True" in m for m in methods) and any("per-tensor" in m for m in methods)
+    assert not [r for r in s3["rows"] if r["method"].startswith("pscompile") and "error" in r], s3["rows"]
     for r in s3["rows"]:
         if "error" not in r:
             assert r["params_per_s"] > 0 and 0 < r["fraction_of_copy_bandwidth"]
@@ -63,23 +71,86 @@ def test_foundation_quick(tmp_path):
     assert "| " in proc.stdout     # --markdown printed GitHub tables
 
 
-def test_loops_quick(tmp_path):
-    """bench/loops.py --quick: accumulation and evaluate rows exist, match plain PyTorch, stay
-    within the budget, and the budget is one the whole batch would not fit in."""
-    out = tmp_path / "loops.json"
-    script = Path(__file__).resolve().parents[1] / "bench" / "loops.py"
-    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    path = Path(__file__).resolve().parents[1] / "bench" / script
+    proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_loops_quick(tmp_path):
+    """bench/loops.py --quick: accumulation and evaluate rows exist for every system, none failed,
+    they match plain PyTorch, stay within the budget, and the budget is one the whole batch would
+    not fit in."""
+    out = tmp_path / "loops.json"
+    proc = _run("loops.py", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
+    assert res["failed"] == 0
     mem = res["memory"]
     assert mem["min_micro_bytes"] < mem["budget"] < mem["min_whole_bytes"] and not mem["whole_fits"]
     assert [r["system"] for r in res["systems"]] == ["hooks", "compiled eager"]
     for r in res["systems"]:
+        assert "error" not in r, r
         assert r["within_budget"] and r["peak"] <= mem["budget"]
+        assert r["eval_within_budget"] and r["eval_peak"] <= mem["budget"]
         assert r["max_dloss"] < 1e-4 and r["eval_dloss"] < 1e-4
-        assert r["d2h"] > 0 and r["step_s"] > 0 and r["eval_s"] > 0
+        assert r["h2d"] > 0 and r["d2h"] > 0 and r["step_s"] > 0 and r["eval_s"] > 0
     assert "gradient accumulation" in proc.stdout and "evaluate" in proc.stdout
+
+
+def test_compare_quick(tmp_path):
+    """bench/compare.py --quick: every pscompile system ran at every budget and link setting without
+    error, matched plain PyTorch, stayed within its budget, and compiled mode moved at least the
+    lower bound the script computes independently of the planner (with no more Belady fetches in the
+    bound than the plan made)."""
+    out = tmp_path / "compare.json"
+    proc = _run("compare.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    s, rows = res["settings"], res["rows"]
+    assert res["failed"] == 0
+    assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
+    for size in s["sizes"]:
+        plain = [r for r in rows if r["size"] == size and "budget" not in r]
+        assert sorted(r["system"] for r in plain) == ["plain PyTorch", "plain torch.compile"]
+        assert all(r["step_s"] > 0 for r in plain)
+    keys = sorted((tuple(r["size"]), r["system"], r["budget_name"], r["link"] or "") for r in rows if "budget" in r)
+    assert keys == sorted((tuple(size), system, b, link) for size in s["sizes"]
+                          for system in ("hooks", "compiled eager") for b in ("tight", "mid")
+                          for link in ("", s["link"]))
+    for r in rows:
+        if "budget" not in r:
+            continue
+        assert r["peak"] <= r["budget"] and r["within_budget"], r
+        assert r["max_dloss"] < 1e-4 and r["step_s"] > 0, r
+        if r["system"] == "compiled eager":
+            bound = r["bound"]
+            assert bound["nbytes"] == r["lower_bound"] == bound["fetch_bytes"] + bound["grad_bytes"]
+            assert r["moved"] >= r["lower_bound"], (r["moved"], bound)
+            assert bound["fetches"] <= r["planned_fetches"]
+            if r["budget_name"] == "tight":
+                assert bound["fetches"] > 0          # the tight budget evicts: the bound is not just gradients
+    assert "lower bound" in proc.stdout
+
+
+def test_budgets_quick(tmp_path):
+    """bench/budgets.py --quick: in both modes the minimum trains within its budget, compiled mode
+    verifies a schedule at every swept budget, and 1% below the minimum is refused."""
+    out = tmp_path / "budgets.json"
+    _run("budgets.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    archs = ["gpt", "opt"] if importlib.util.find_spec("transformers") else ["gpt"]
+    assert sorted((r["arch"], r["mode"]) for r in rows) == sorted((a, m) for a in archs for m in ("compiled", "hooks"))
+    for r in rows:
+        assert r["num_failures"] == 0 and r["failures"] == [], (r["arch"], r["mode"], r["failures"])
+        assert r["below_refused"] is True, (r["arch"], r["mode"], r["below"])
+        assert r["minimum"] > 0 and r["trained"] and r["trained_ok"] == len(r["trained"])
+        assert all(t["ok"] and t["peaks"] and max(t["peaks"]) <= t["budget"] for t in r["trained"])
+        assert 0 < r["max_peak_ratio"] <= 1
+        if r["mode"] == "compiled":
+            assert r["verified"] == r["sweep"]["budgets"] > 0 and r["sweep"]["below_refused"] is True
+        else:
+            assert r["verified"] is None
 
 
 @pytest.mark.skipif(not os.environ.get("PSCOMPILE_SLOW_TESTS"), reason="whole-graph Inductor compile (~1 min): "

@@ -17,6 +17,7 @@ each chunk's optimizer states live (``ChunkEngine``).
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,11 @@ class CompiledEngine(ChunkEngine):
         if config.dtype == torch.float16:
             raise NotImplementedError("dtype=torch.float16 (dynamic loss scaling) is not wired into compiled mode "
                                       "yet; use dtype=torch.bfloat16 or mode='hooks'")
+        if config.backend == "inductor":
+            if not hasattr(importlib.import_module("torch._inductor"), "standalone_compile"):
+                raise ValueError(f"backend='inductor' needs torch._inductor.standalone_compile, which torch "
+                                 f"{torch.__version__} lacks (pscompile is tested with torch 2.13); use "
+                                 "backend='eager' or a newer torch")
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         self._captures: dict[CaptureKey, AnalyzedGraph] = {}
         self._measured: dict[CaptureKey, tuple[int, ...]] = {}    # measured non-model curve per capture
@@ -245,9 +251,9 @@ class CompiledEngine(ChunkEngine):
     # ================================================================ running
     def _run_memory_node(self, mem, args) -> None:
         """Perform one memory node. Copies go to the transfer queue (in order); only a fetch with
-        a ``wait`` returns before its copy is done: everything else is waited for at once, except
-        writebacks and host-side gradient stores, which nothing reads before the queue drains.
-        An accumulate_grad waits for its copy, so the gradient dies where the plan says."""
+        a ``wait`` and a writeback return before their copy is done (the drop after a writeback
+        waits for it before giving the slot's memory back). Gradient stores to the host and
+        accumulate_grad wait for their copy, so the gradient dies where the plan says."""
         store, q = self.store, self._queue
         if mem.kind == MemKind.FETCH:
             slot, host = args
@@ -285,8 +291,8 @@ class CompiledEngine(ChunkEngine):
             if mem.slot is not None:
                 target.copy_(grad)
                 store.dirty[mem.chunk] = True
-            else:
-                q.submit(target, grad, "d2h")
+            else:                # waited for: the gradient dies here, as the plan assumes
+                q.submit(target, grad, "d2h").result()
             self._written.add(mem.fqn)
 
     def _model_bytes(self) -> int:

@@ -1,0 +1,298 @@
+"""Every budget from the minimum up works, in both modes, on every architecture the README claims.
+
+The full sweep that ``tests/test_budgets.py`` samples. For each architecture of
+``pscompile.testing.ARCHITECTURES`` (tiny 2-layer models; the Hugging Face ones need transformers)
+and each mode:
+
+- ``minimum = pscompile.min_device_memory(model, batch, config)``;
+- compiled mode (``backend="eager"``): one capture (``pipeline.plan_inputs``), then a schedule at
+  every budget from the minimum to twice it in 1% steps, plus 4 KiB steps over the first 64 KiB
+  above the minimum (``pipeline.plan_at_budget`` runs ``verify_schedule`` and raises on a broken
+  schedule; the planned peak must be within the budget); one byte below the minimum must be
+  refused with ``BudgetError``;
+- both modes: a sample of budgets (the minimum, 1.1x, 1.5x, 2x) trains 3 steps with
+  ``pscompile.compile`` and every step's measured peak stays within the budget;
+- both modes: ``compile`` refuses 1% below the minimum with ``BudgetError``;
+- ``--inductor``: compiled mode also trains at the minimum and 1.5x with ``backend="inductor"``
+  (a cold Inductor compile per model: tens of seconds each).
+
+Any other exception, a peak over its budget, a non-finite loss or a budget below the minimum that is
+accepted counts as a failure; the first failure's message is kept. Exit status 1 if any failed.
+
+    python bench/budgets.py [--quick] [--inductor] [--link RATE] [--markdown] [--arch NAME ...]
+                            [--out bench/results/budgets.json]
+
+``--quick``: only "gpt" and "opt" (opt when transformers imports), 10 budgets of the sweep, and only
+the minimum trained. Float32, one torch thread (see bench/foundation.py for why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import pscompile
+from pscompile.graph.pipeline import plan_at_budget, plan_inputs
+from pscompile.testing import ARCHITECTURES, HF_ARCHITECTURES, tiny_model
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "budgets.json"
+HAVE_HF = importlib.util.find_spec("transformers") is not None
+STEPS = 3                                  # steps trained per budget (compiled: the measuring one first)
+TRAIN_FACTORS = (1.0, 1.1, 1.5, 2.0)       # budgets trained, as multiples of the minimum
+INDUCTOR_FACTORS = (1.0, 1.5)
+QUICK_BUDGETS = 10
+BELOW = 0.99                               # compile must refuse this fraction of the minimum
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Compiled mode's schedules at every budget of the sweep, from one capture."""
+
+    budgets: int                # budgets planned
+    verified: int               # schedules that verified with a planned peak within the budget
+    failures: tuple[str, ...]   # one message per failed budget
+    below_refused: bool         # one byte below the minimum raised BudgetError
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One budget trained for ``STEPS`` steps."""
+
+    budget: int
+    factor: float               # budget / minimum, as asked
+    backend: str | None
+    ok: bool
+    peaks: tuple[int, ...]      # measured peak device bytes per step
+    losses: tuple[float, ...]
+    error: str | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Refusal:
+    budget: int
+    refused: bool               # compile raised BudgetError
+    error: str | None           # what it raised instead, or why it is a failure
+
+
+@dataclass(frozen=True)
+class Row:
+    arch: str
+    mode: str                   # "compiled", "hooks", or "compiled (inductor)"
+    minimum: int
+    sweep: Sweep | None
+    trained: tuple[Trained, ...]
+    below: Refusal | None
+    failures: tuple[str, ...]   # every failure of this row, in order
+
+    @property
+    def max_peak_ratio(self) -> float | None:
+        ratios = [p / t.budget for t in self.trained for p in t.peaks]
+        return max(ratios) if ratios else None
+
+    def as_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(verified=self.sweep.verified if self.sweep else None,
+                   num_failures=len(self.failures), first_failure=self.failures[0] if self.failures else None,
+                   trained_ok=sum(t.ok for t in self.trained), max_peak_ratio=self.max_peak_ratio,
+                   below_refused=self.below.refused if self.below else None)
+        return out
+
+
+def config(mode: str, budget: int | None = None, backend: str = "eager", link: str | None = None) -> pscompile.Config:
+    return pscompile.Config(mode=mode, backend=backend, device="cpu", dtype=torch.float32, device_memory=budget,
+                            link_bandwidth=link)
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:400]}"
+
+
+def sweep_budgets(minimum: int, quick: bool) -> list[int]:
+    """The minimum to 2x in 1% steps, plus 4 KiB steps over the first 64 KiB; ``quick``: 10 of them,
+    spread over the whole range (the minimum and 2x included)."""
+    full = sorted({int(minimum * (1 + k / 100)) for k in range(101)} | {minimum + 4096 * k for k in range(17)})
+    if not quick:
+        return full
+    n = min(QUICK_BUDGETS, len(full))
+    return sorted({full[round(i * (len(full) - 1) / (n - 1))] for i in range(n)})
+
+
+def sweep_compiled(arch: str, minimum: int, budgets: list[int]) -> Sweep:
+    """Plan and verify a schedule at each budget from one capture."""
+    t0 = time.perf_counter()
+    model, batch = tiny_model(arch)
+    layout, analyzed = plan_inputs(model, batch, config("compiled"))
+    verified, failures = 0, []
+    for b in budgets:
+        try:
+            sched = plan_at_budget(analyzed, layout, budget=b, dtype=torch.float32)
+        except Exception as e:                          # noqa: BLE001 - every error is a finding
+            failures.append(f"budget {b} ({b / minimum:.3f}x): {describe(e)}")
+            continue
+        if sched.plan.peak_device_bytes > b:
+            failures.append(f"budget {b}: planned peak {sched.plan.peak_device_bytes} > budget")
+            continue
+        verified += 1
+    try:
+        plan_at_budget(analyzed, layout, budget=minimum - 1, dtype=torch.float32)
+        below, msg = False, f"budget {minimum - 1} (minimum - 1) was planned, not refused"
+    except pscompile.BudgetError:
+        below, msg = True, None
+    except Exception as e:                              # noqa: BLE001
+        below, msg = False, f"budget {minimum - 1} (minimum - 1): {describe(e)} instead of BudgetError"
+    if msg:
+        failures.append(msg)
+    return Sweep(len(budgets), verified, tuple(failures), below, time.perf_counter() - t0)
+
+
+def train(arch: str, mode: str, budget: int, factor: float, backend: str = "eager", link: str | None = None) -> Trained:
+    """``STEPS`` steps at ``budget``; ok when each loss is finite and each measured peak <= budget."""
+    t0 = time.perf_counter()
+    peaks, losses, error = [], [], None
+    engine = None
+    try:
+        model, batch = tiny_model(arch)
+        engine = pscompile.compile(model, batch, config=config(mode, budget, backend, link))
+        for _ in range(STEPS):
+            losses.append(engine.step(batch))
+            peaks.append(engine.stats.peak_device_bytes)
+            if not math.isfinite(losses[-1]):
+                error = f"step {len(losses)}: loss {losses[-1]}"
+                break
+            if peaks[-1] > budget:
+                error = f"step {len(losses)}: measured peak {peaks[-1]} > budget {budget}"
+                break
+    except Exception as e:                              # noqa: BLE001
+        error = describe(e)
+    finally:
+        if engine is not None:
+            engine.close()
+    return Trained(budget, factor, backend if mode == "compiled" else None, error is None, tuple(peaks),
+                   tuple(losses), error, time.perf_counter() - t0)
+
+
+def refuse_below(arch: str, mode: str, minimum: int) -> Refusal:
+    """``compile`` at 1% below the minimum must raise BudgetError."""
+    budget = int(minimum * BELOW)
+    model, batch = tiny_model(arch)
+    try:
+        engine = pscompile.compile(model, batch, config=config(mode, budget))
+    except pscompile.BudgetError:
+        return Refusal(budget, True, None)
+    except Exception as e:                              # noqa: BLE001
+        return Refusal(budget, False, f"{describe(e)} instead of BudgetError")
+    engine.close()
+    return Refusal(budget, False, f"budget {budget} ({BELOW:.0%} of the minimum) was accepted")
+
+
+def train_sample(arch: str, mode: str, minimum: int, factors, backend: str = "eager",
+                 link: str | None = None) -> tuple[Trained, ...]:
+    return tuple(train(arch, mode, int(minimum * f), f, backend, link) for f in factors)
+
+
+def failures_of(sweep: Sweep | None, trained: tuple[Trained, ...], below: Refusal | None) -> tuple[str, ...]:
+    out = list(sweep.failures) if sweep else []
+    out += [f"train at {t.budget} ({t.factor}x, {t.backend or 'hooks'}): {t.error}" for t in trained if not t.ok]
+    if below is not None and not below.refused:
+        out.append(f"1% below: {below.error}")
+    return tuple(out)
+
+
+def run_arch(arch: str, mode: str, *, quick: bool, link: str | None) -> Row:
+    model, batch = tiny_model(arch)
+    minimum = pscompile.min_device_memory(model, batch, config(mode))
+    sweep = sweep_compiled(arch, minimum, sweep_budgets(minimum, quick)) if mode == "compiled" else None
+    trained = train_sample(arch, mode, minimum, TRAIN_FACTORS[:1] if quick else TRAIN_FACTORS, link=link)
+    below = refuse_below(arch, mode, minimum)
+    return Row(arch, mode, minimum, sweep, trained, below, failures_of(sweep, trained, below))
+
+
+def run_inductor(arch: str, minimum: int, link: str | None) -> Row:
+    trained = train_sample(arch, "compiled", minimum, INDUCTOR_FACTORS, backend="inductor", link=link)
+    return Row(arch, "compiled (inductor)", minimum, None, trained, None, failures_of(None, trained, None))
+
+
+def architectures(args) -> tuple[list[str], list[str]]:
+    """(to run, skipped for want of transformers)."""
+    wanted = args.arch or (["gpt", "opt"] if args.quick else list(ARCHITECTURES))
+    for a in wanted:
+        if a not in ARCHITECTURES:
+            raise SystemExit(f"--arch {a!r}: use one of {ARCHITECTURES}")
+    run = [a for a in wanted if HAVE_HF or a not in HF_ARCHITECTURES]
+    return run, [a for a in wanted if a not in run]
+
+
+def table_rows(rows: list[Row]) -> list[list]:
+    out = []
+    for r in rows:
+        s = r.sweep
+        ratio = r.max_peak_ratio
+        out.append([r.arch, r.mode, f"{r.minimum:,}", f"{s.verified}/{s.budgets}" if s else "-", len(r.failures),
+                    f"{sum(t.ok for t in r.trained)}/{len(r.trained)}", f"{ratio:.3f}" if ratio is not None else "-",
+                    ("yes" if r.below.refused else "NO") if r.below else "-"])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--inductor", action="store_true", help="also train compiled mode with backend='inductor'")
+    ap.add_argument("--arch", action="append", help="only this architecture (repeatable)")
+    ap.add_argument("--link", metavar="RATE", default=None,
+                    help="train under an emulated device<->host link of this bandwidth, e.g. 10MB/s")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    archs, skipped = architectures(args)
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    for arch in archs:
+        for mode in ("compiled", "hooks"):
+            rows.append(run_arch(arch, mode, quick=args.quick, link=args.link))
+            print(f"[{time.perf_counter() - t0:6.1f} s] {arch} {mode}: {len(rows[-1].failures)} failure(s)",
+                  file=sys.stderr, flush=True)
+        if args.inductor:
+            minimum = next(r.minimum for r in rows if r.arch == arch and r.mode == "compiled")
+            rows.append(run_inductor(arch, minimum, args.link))
+    headers = ["architecture", "mode", "minimum bytes", "budgets verified", "failures", "budgets trained",
+               "max peak/budget", "1% below refused"]
+    n_sweep = next((r.sweep.budgets for r in rows if r.sweep), 0)
+    caption = (f"Budgets from the minimum up, float32, one thread; compiled: {n_sweep} budgets planned and verified "
+               f"per architecture from one capture (minimum to 2x); trained: {STEPS} steps per budget, "
+               f"peak measured" + (f", emulated link {args.link}" if args.link else "")
+               + f"; {time.perf_counter() - t0:.0f} s")
+    print(caption)
+    print(tabulate(table_rows(rows), headers=headers, disable_numparse=True))
+    if args.markdown:
+        print("\n" + caption + "\n")
+        print(tabulate(table_rows(rows), headers=headers, tablefmt="github", disable_numparse=True))
+    if skipped:
+        print(f"skipped (transformers is not installed): {', '.join(skipped)}")
+    failed = [(r.arch, r.mode, f) for r in rows for f in r.failures]
+    for arch, mode, f in failed:
+        print(f"FAILED {arch} {mode}: {f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = dict(quick=args.quick, inductor=args.inductor, link=args.link, steps=STEPS, below=BELOW,
+                    train_factors=TRAIN_FACTORS[:1] if args.quick else TRAIN_FACTORS, torch=torch.__version__)
+    args.out.write_text(json.dumps(dict(settings=settings,
+                                        skipped=skipped, rows=[r.as_json() for r in rows],
+                                        total_s=time.perf_counter() - t0), indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

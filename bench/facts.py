@@ -1,0 +1,76 @@
+"""Measured facts the README's defaults rest on, produced here rather than quoted.
+
+1. **Gradient accumulation precision.** The sum of 8 micro-batches of bf16 gradients, accumulated
+   in bf16 (what plain PyTorch does with bf16 parameters) and in fp32 (what pscompile does), against
+   the exact sum in float64: relative error of each.
+2. **bf16 vs fp32 matmul on this CPU.** A 1024x768 @ 768x256 matmul, median of repeats, one thread:
+   on CPUs without AVX512-BF16 bf16 is many times slower, which is why demos, benches and most
+   tests compute in float32.
+
+    python bench/facts.py [--quick] [--out bench/results/facts.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "facts.json"
+
+
+def accumulation_error(micro: int = 8, numel: int = 1 << 20, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    grads = [(torch.randn(numel, generator=g) * 1e-3).to(torch.bfloat16) for _ in range(micro)]
+    exact = torch.stack([x.double() for x in grads]).sum(0)
+    acc16 = torch.zeros(numel, dtype=torch.bfloat16)
+    acc32 = torch.zeros(numel, dtype=torch.float32)
+    for x in grads:
+        acc16 += x
+        acc32 += x.float()
+    rel = lambda acc: ((acc.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+    return {"micro_batches": micro, "numel": numel, "bf16_rel_error": rel(acc16), "fp32_rel_error": rel(acc32)}
+
+
+def matmul_times(reps: int) -> dict:
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(1024, 768, dtype=dtype), torch.randn(768, 256, dtype=dtype)
+        a @ b
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        out[str(dtype).replace("torch.", "")] = statistics.median(times)
+    out["bf16_over_fp32"] = out["bfloat16"] / out["float32"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    acc = accumulation_error(numel=1 << (16 if args.quick else 20))
+    mm = matmul_times(reps=3 if args.quick else 10)
+    print(tabulate([["bf16 (plain PyTorch with bf16 params)", f"{acc['bf16_rel_error']:.1e}"],
+                    ["fp32 (pscompile's accumulation chunks)", f"{acc['fp32_rel_error']:.1e}"]],
+                   headers=[f"sum of {acc['micro_batches']} bf16 gradients, accumulated in", "relative error"]))
+    print()
+    print(tabulate([["float32", f"{mm['float32'] * 1e3:.1f} ms"], ["bfloat16", f"{mm['bfloat16'] * 1e3:.1f} ms"],
+                    ["bf16 / fp32", f"{mm['bf16_over_fp32']:.1f}x"]],
+                   headers=["1024x768 @ 768x256, one thread", "median"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"accumulation": acc, "matmul_s": mm}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
