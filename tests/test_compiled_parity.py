@@ -173,12 +173,17 @@ def test_bench_command_runs_the_comparison(tmp_path):
 
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_inductor_backend_parity_under_eviction(kind, dtype):
+@pytest.mark.parametrize("room", ["tight", "roomy"])
+def test_inductor_backend_parity_under_eviction(kind, dtype, room):
     """backend='inductor': the first step runs eagerly (it measures), later steps run compiled
-    regions; losses track plain PyTorch, bytes moved equal the plan, peak <= budget."""
+    regions; losses track plain PyTorch, bytes moved equal the plan, peak <= budget, where the peak
+    includes what the compiled regions allocate inside (measured before they first run). At a
+    tight budget the regions' peaks may not fit: the schedule then runs node by node, still within
+    the budget; with more room compiled regions run."""
     hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     batches = make_batches(kind, 4)
-    budget = min_budget(kind, dtype) + (128 << 10)
+    minimum = min_budget(kind, dtype)
+    budget = minimum + (128 << 10) if room == "tight" else int(minimum * 1.3)
     ref = ReferenceTrainer(make_model(kind), optimizer=hp, dtype=dtype)
     engine = pscompile.compile(make_model(kind), batches[0], optimizer=hp, config=pscompile.Config(
         mode="compiled", backend="inductor", device="cpu", dtype=dtype, device_memory=budget))
@@ -188,8 +193,9 @@ def test_inductor_backend_parity_under_eviction(kind, dtype):
         s, plan = engine.stats, engine.last_plan
         assert (s.h2d_bytes, s.d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes)
         assert s.peak_device_bytes <= budget and s.num_evictions > 0
-    assert any(ex.split == "regions" for ex in engine._executors.values()), \
-        "later steps did not run compiled regions"
+    if room == "roomy":
+        assert any(ex.split == "regions" for ex in engine._executors.values()), \
+            "later steps did not run compiled regions"
     assert max_weight_diff(engine, ref) <= (1e-4 if dtype == torch.float32 else 5e-2)
     tol = TRACKING_TOL if dtype == torch.float32 else TRACKING_TOL_INDUCTOR_BF16
     assert worst_tracking(engine, ref, fresh_masters(kind, dtype))[0] <= tol

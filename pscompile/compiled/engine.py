@@ -17,6 +17,7 @@ each chunk's optimizer states live (``ChunkEngine``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ from torch import fx, nn
 
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.regions import RegionCache
+from pscompile.compiled.regions import RegionCache, measure_allocations
 from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
+from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
                                       capture_and_analyze, minimum_budget)
@@ -75,6 +77,39 @@ class _RunRecord:
     samples: dict[int, int] | None      # measured non-model bytes per captured node (measuring run)
 
 
+_MAX_REGION_ROUNDS = 3
+
+
+def _region_curve(executor: Executor, extra: dict[int, int], excess: dict[int, int], sched: Scheduled,
+                  measured: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The schedule's curve with every node of a compiled region raised to the region's peak, or
+    None if no node rises. A region starts with at most the bytes of the last node that executes
+    before it live (that node's peak in ``measured``, the node-by-node measurement) plus what the
+    outputs of the regions before it hold beyond their eager sizes (``excess``), and allocates at
+    most ``extra`` inside; the chunks it reads all arrive before it starts, so they sit next to
+    that whole peak."""
+    nonmodel = sched.nonmodel
+    arrive, last = [], 0                  # per captured node: the last executed node's bytes before it
+    for n, value in zip(sched.captured.gm.graph.nodes, measured):
+        arrive.append(last)
+        if n.op != "output" and get(n, "param") is None:
+            last = value
+    curve, changed, wider = list(nonmodel), False, 0
+    for r in sorted(executor.regions, key=lambda r: r.index):
+        if r.index not in extra:
+            continue
+        # parameter views carry the index of their captured (forward) place, not of this region
+        srcs = [get(n, "src_index") for n in r.nodes if get(n, "src_index") is not None and get(n, "param") is None]
+        if not srcs:
+            continue
+        peak = arrive[min(srcs)] + wider + extra[r.index]
+        wider += excess.get(r.index, 0)
+        for src in srcs:
+            if src < len(curve) and peak > curve[src]:
+                curve[src], changed = peak, True
+    return tuple(curve) if changed else None
+
+
 class CompiledEngine(ChunkEngine):
     splits_large_tensors = False
 
@@ -103,6 +138,13 @@ class CompiledEngine(ChunkEngine):
         self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
+        # id(scheduled gm) -> region index -> bytes the compiled region allocates beyond what is live
+        # when it starts (measured once with the profiler; the tracker cannot see inside)
+        self._region_extra: dict[int, tuple[fx.GraphModule, dict[int, int]]] = {}
+        self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
+        self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
+        self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
+        self._node_by_node: set[CaptureKey] = set()       # captures whose regions did not fit: run eagerly
         self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
         self.eval_plan: ResidencyPlan | None = None
@@ -176,13 +218,18 @@ class CompiledEngine(ChunkEngine):
 
     def _replan(self, key: ScheduleKey, nonmodel: tuple[int, ...], *, measured: bool) -> Scheduled:
         old = self._schedules[key]
-        self._executors.pop(id(old.gm), None)
+        self._forget(old)
         warm = self._warm.pop(key, None)
         if warm is not None:
-            self._executors.pop(id(warm.gm), None)
+            self._forget(warm)
         self._schedules[key] = new = self._plan(self._captures[key.capture], nonmodel, kind=old.kind,
                                                 measured=measured)
         return new
+
+    def _forget(self, sched: Scheduled) -> None:
+        """Drop what was made for a schedule that is being replaced."""
+        self._executors.pop(id(sched.gm), None)
+        self._region_extra.pop(id(sched.gm), None)
 
     def _ensure_slots(self, plan: ResidencyPlan) -> None:
         """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
@@ -303,15 +350,23 @@ class CompiledEngine(ChunkEngine):
     def _is_model_storage(self, ptr: int) -> bool:
         return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
 
-    def _executor_for(self, sched: Scheduled) -> Executor:
+    def _executor_for(self, key: ScheduleKey, sched: Scheduled) -> Executor:
         """The executor of a schedule: node by node for a measuring run and for ``backend="eager"``;
         compiled regions for a measured schedule with ``backend="inductor"`` (compiled once per
         schedule; regions are shared through the engine's RegionCache)."""
         ex = self._executors.get(id(sched.gm))
         if ex is None or ex.gm is not sched.gm:
-            regions = self.config.backend == "inductor" and sched.measured
+            regions = self.config.backend == "inductor" and sched.measured and key.capture not in self._node_by_node
             ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
                           cache=self._region_cache)
+            if regions:
+                extra, excess = measure_allocations([r for r in ex.regions if r.compute], self.device)
+                curve = _region_curve(ex, extra, excess, sched, self._node_curves.get(key.capture, sched.nonmodel))
+                if curve is None:
+                    self._region_extra[id(sched.gm)] = (sched.gm, extra)
+                else:                       # the regions need more than this plan gives them: run node
+                    self._pending_curves[key.capture] = curve     # by node until it is planned again
+                    ex = Executor(sched.gm, split="nodes")
             self._executors[id(sched.gm)] = ex
         return ex
 
@@ -332,9 +387,15 @@ class CompiledEngine(ChunkEngine):
         tracker.reset_peaks()
         inputs = model_inputs + rest
         self._written = set()
-        executor = self._executor_for(sched)
+        executor = self._executor_for(key, sched)
         observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
+        known = self._region_extra.get(id(sched.gm))
+        extra = known[1] if known is not None and known[0] is sched.gm else {}
+
+        def around_region(r) -> contextlib.AbstractContextManager:   # what the tracker cannot see inside
+            tracker.sample_with(extra.get(r.index, 0))
+            return contextlib.nullcontext()
 
         def run_memory(n: fx.Node, args: tuple) -> None:
             with tracker.paused():
@@ -350,7 +411,8 @@ class CompiledEngine(ChunkEngine):
             with tracker:
                 (loss,) = executor.run(inputs, run_memory, observer=observer,
                                        on_outputs=count if executor.split == "regions" else None,
-                                       on_backward=lambda: t_bwd.append(time.perf_counter()))
+                                       on_backward=lambda: t_bwd.append(time.perf_counter()),
+                                       around_region=around_region if executor.split == "regions" else None)
             self._queue.flush()
             self._reading.clear()
         except BaseException:
@@ -392,6 +454,7 @@ class CompiledEngine(ChunkEngine):
                 measured.setdefault(r.context.key.capture, r.context)
         for rec in measured.values():
             self._remeasure(rec.key, rec.samples)
+        self._adopt_pending_curves()
         self.last_plan = runs[-1].context.scheduled.plan
         self._last_key = runs[-1].context.key
 
@@ -406,6 +469,7 @@ class CompiledEngine(ChunkEngine):
             run = self._run_graph(key, sched, batch, None)
         if run.context.samples is not None:
             self._remeasure(key, run.context.samples)
+        self._adopt_pending_curves()
         self.eval_peak_device_bytes = run.tracker.peak_total
         self.eval_bytes_moved = run.traffic.h2d_bytes + run.traffic.d2h_bytes
         self.eval_plan = sched.plan
@@ -417,12 +481,45 @@ class CompiledEngine(ChunkEngine):
         cap = key.capture
         static = self._captures[cap].nonmodel     # kept where nothing runs: placeholders, output,
         measured = tuple(samples.get(i, est) for i, est in enumerate(static))   # parameter views
-        self._measured[cap] = measured
+        self._measured[cap] = self._node_curves[cap] = measured
         self._fit_optimizer_states(max(measured))     # first: the new curve may leave less margin
         for other in list(self._schedules):
             if other.capture == cap:
                 self._replan(other, measured, measured=True)
-        self._executor_for(self._schedules[key])   # compile the regions now, not inside the next step
+        for _ in range(_MAX_REGION_ROUNDS + 1):    # compile the regions now, not inside the next step, and
+            self._executor_for(key, self._schedules[key])   # plan again while they need more than planned
+            if not self._pending_curves:
+                break
+            self._adopt_pending_curves()
+
+    def _adopt_pending_curves(self) -> None:
+        while self._pending_curves:
+            cap, curve = self._pending_curves.popitem()
+            self._adopt_region_curve(cap, curve)
+
+    def _adopt_region_curve(self, cap: CaptureKey, curve: tuple[int, ...]) -> None:
+        """Compiled regions allocate more inside than the node-by-node measurement saw: plan every
+        schedule of the capture again with the region peaks (a few rounds, since new plans cut new
+        regions). If the budget cannot hold them, the capture runs node by node, where the measured
+        curve holds."""
+        rounds = self._region_rounds.get(cap, 0)
+        if rounds >= _MAX_REGION_ROUNDS:
+            self._node_by_node.add(cap)
+            return
+        self._region_rounds[cap] = rounds + 1
+        previous = self._measured.get(cap)
+        try:
+            self._measured[cap] = curve
+            self._fit_optimizer_states(max(curve))
+            for other in list(self._schedules):
+                if other.capture == cap:
+                    self._replan(other, curve, measured=True)
+        except BudgetError:
+            self._measured[cap] = previous
+            self._node_by_node.add(cap)
+            for other in list(self._schedules):
+                if other.capture == cap:
+                    self._replan(other, previous, measured=True)
 
     def _recover(self, *, restore: bool = True) -> None:
         """After a failed graph run: undo stored gradients (``restore``; accumulation leaves the

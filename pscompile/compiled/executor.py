@@ -25,7 +25,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Protocol, Sequence
 
 import torch
 from torch import fx
@@ -347,10 +347,12 @@ class Executor:
     # ------------------------------------------------------------------ running
     def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], None], *,
             on_outputs: Callable[[Sequence[Any]], None] | None = None, observer: NodeObserver | None = None,
-            on_backward: Callable[[], None] | None = None) -> tuple:
+            on_backward: Callable[[], None] | None = None,
+            around_region: Callable[[Region], ContextManager] | None = None) -> tuple:
         """Run the graph. ``on_outputs(values)`` sees each region's outputs as they appear (storages
         allocated inside compiled code bypass Python dispatch); ``observer`` sees every node of
-        ``split="nodes"``; ``on_backward()`` is called once, when the first backward step starts."""
+        ``split="nodes"``; ``on_backward()`` is called once, when the first backward step starts;
+        ``around_region(region)`` is a context entered around each region's call."""
         if len(inputs) != len(self.placeholders):
             raise ValueError(f"executor: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
         for i, name, shape, stride, dtype in self._input_checks:
@@ -374,7 +376,11 @@ class Executor:
                     check_region_args(r, args)
                 for a in s.free:                    # the region holds the only reference now
                     del env[a]
-                outs = r.fn(args)
+                if around_region is not None:
+                    with around_region(r):
+                        outs = r.fn(args)
+                else:
+                    outs = r.fn(args)
                 del args
                 if on_outputs is not None:
                     on_outputs(outs)

@@ -53,7 +53,7 @@ from pscompile.graph.ops import is_memory_node
 
 __all__ = ["INDUCTOR_PATCHES", "RegionCache", "Region", "TensorMeta", "region_key", "buffer_placeholders",
            "buffer_aliases", "lifted_views", "fusible_ops", "compile_inductor", "eager_fn", "graph_device",
-           "eval_chain", "check_region_args"]
+           "eval_chain", "check_region_args", "measure_allocations"]
 
 aten = torch.ops.aten
 
@@ -353,3 +353,61 @@ def check_region_args(r: Region, args: list) -> None:
                 got = (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else type(v)
                 raise RuntimeError(f"executor: region {r.index} input {a.name} is {got}, compiled for "
                                    f"{(m.shape, m.stride, m.dtype)}")
+
+
+def measure_allocations(regions: Sequence[Region], device: torch.device) -> tuple[dict[int, int], dict[int, int]]:
+    """Per region of ``regions`` (the compiled ones): ``(peak, excess)``. ``peak`` is what the region
+    allocates at most while it runs (its temporaries and outputs), which the tracker cannot see;
+    ``excess`` is how many more bytes its outputs hold than the same values computed eagerly
+    (compiled code may keep a value in a wider dtype or a larger buffer). Each region runs once on
+    example inputs of its compiled shapes, kept alive throughout (so freeing an input inside cannot
+    hide bytes: an upper bound), under the profiler (``memory.region_peaks``). Random ops draw from
+    the generator, so its state is put back afterwards."""
+    from pscompile.memory.region_peaks import allocation_peaks
+
+    compiled = [r for r in regions if r.fn is not None]
+    if not compiled:
+        return {}, {}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    label = "pscompile::measure/"
+    excess: dict[int, int] = {}
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            for r in compiled:
+                examples = [m.example() if isinstance(m, TensorMeta) else m for m in r.input_metas]
+                with torch.profiler.record_function(f"{label}{r.index}"):
+                    outs = r.fn(list(examples))
+                excess[r.index] = max(0, _storage_bytes(outs) - _eager_bytes(r.outputs))
+                del outs, examples
+    finally:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+    return allocation_peaks(prof, label, device), excess
+
+
+def _storage_bytes(values: Sequence[Any]) -> int:
+    seen, total = set(), 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def _eager_bytes(nodes: Sequence[fx.Node]) -> int:
+    """Bytes the values of ``nodes`` hold when computed eagerly (views of one another counted once,
+    as far as the graph shows: a view's base is among the nodes)."""
+    total = 0
+    for n in nodes:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if is_view_op(n) and base in nodes:
+            continue
+        total += v.numel() * v.element_size()
+    return total

@@ -97,6 +97,18 @@ class NonModelTracker(TorchDispatchMode):
             return torch.cuda.memory_allocated(self.device) - self.model_bytes()
         return self.live_bytes
 
+    def sample_with(self, extra: int) -> None:
+        """Record a sample of the live non-model bytes plus ``extra`` bytes this tracker cannot see
+        (what a compiled region allocates inside, measured once)."""
+        self.note(self.current() + extra, self.model_bytes())
+
+    def note(self, nonmodel: int, model: int) -> None:
+        """Record a sample measured by other means (e.g. a profiler, after the fact)."""
+        self.window_peak = max(self.window_peak, nonmodel)
+        self.peak_nonmodel = max(self.peak_nonmodel, nonmodel)
+        self.peak_model = max(self.peak_model, model)
+        self.peak_total = max(self.peak_total, nonmodel + model)
+
     def start_window(self) -> None:
         self.window_peak = self.current()
 
