@@ -84,3 +84,22 @@ def test_a_slow_link_keeps_the_budget(mode):
     for _ in range(2):
         engine.step(batch)
         assert engine.stats.peak_device_bytes <= minimum and engine.stats.h2d_bytes > 0
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a.values[0] in ("gpt", "bert", "t5")])
+def test_evaluation_and_accumulation_keep_the_minimum(arch, mode):
+    """Evaluation (forward-only schedules, warm runs) and gradient accumulation (micro-batch
+    schedules) at the minimum budget of a training step: every peak within it."""
+    model, batch = tiny_model(arch)
+    minimum = pscompile.min_device_memory(model, batch, _config(mode))
+    model, batch = tiny_model(arch)
+    engine = pscompile.compile(model, batch, config=_config(mode, minimum))
+    half = {k: v[:1] for k, v in batch.items()} if isinstance(batch, dict) else tuple(t[:1] for t in batch)
+    engine.step(batch)
+    for _ in range(3):                          # cold, then warm evaluation runs
+        engine.evaluate(batch)
+        assert engine.eval_peak_device_bytes <= minimum
+    for _ in range(2):
+        engine.step([half, half])
+        assert engine.stats.peak_device_bytes <= minimum
