@@ -36,6 +36,8 @@ def _train(arch: str, mode: str, budget: int, steps: int = 3) -> None:
     for _ in range(steps):             # compiled: the measuring step, then the re-planned schedule
         loss = engine.step(batch)
         assert loss == loss and engine.stats.peak_device_bytes <= budget, (arch, mode, budget)
+        if mode == "compiled":         # the tracker's running count is what the slots really hold
+            assert engine._slot_bytes_allocated == sum(s.untyped_storage().nbytes() for s in engine._slots)
     engine.close()
 
 

@@ -61,6 +61,18 @@ def graph_inputs(engine) -> list[torch.Tensor]:
             *sched.captured.flatten_batch(b)]
 
 
+def tracked_inputs(engine) -> tuple[list[torch.Tensor], NonModelTracker]:
+    """Fresh graph inputs and a tracker that counts the batch and buffers, not the slot and host
+    buffers (model data)."""
+    inputs = graph_inputs(engine)
+    model = {t.untyped_storage().data_ptr() for t in inputs[:num_buffers(engine)]}
+    tracker = NonModelTracker(torch.device("cpu"), lambda p: p in model, lambda: 0, exact_windows=True)
+    for t in inputs[num_buffers(engine):]:
+        tracker.add_tensor(t)
+    tracker.reset_peaks()
+    return inputs, tracker
+
+
 def perform(node: fx.Node, args: tuple) -> None:
     """run_memory that just runs the op (what the plain graph does)."""
     node.target(*args)
@@ -139,12 +151,7 @@ def test_eager_split_frees_like_the_interpreter():
     lg = Executor(gm, backend="eager")
     peaks = []
     for runner in ("interpreter", "lowered"):
-        inputs = graph_inputs(engine)
-        model = {t.untyped_storage().data_ptr() for t in inputs[:num_buffers(engine)]}
-        tracker = NonModelTracker(torch.device("cpu"), lambda p: p in model, lambda: 0, exact_windows=True)
-        for t in inputs[num_buffers(engine):]:
-            tracker.add_tensor(t)
-        tracker.reset_peaks()
+        inputs, tracker = tracked_inputs(engine)
         with tracker:
             if runner == "interpreter":
                 fx.Interpreter(gm, garbage_collect_values=True).run(*inputs)
@@ -197,12 +204,7 @@ def test_node_split_measures_like_the_interpreter():
     ex = Executor(gm, split="nodes")
     samples = []
     for runner in ("interpreter", "nodes"):
-        inputs = graph_inputs(engine)
-        model = {t.untyped_storage().data_ptr() for t in inputs[:num_buffers(engine)]}
-        tracker = NonModelTracker(torch.device("cpu"), lambda p: p in model, lambda: 0, exact_windows=True)
-        for t in inputs[num_buffers(engine):]:
-            tracker.add_tensor(t)
-        tracker.reset_peaks()
+        inputs, tracker = tracked_inputs(engine)
         windows = _Windows(tracker)
         with tracker:
             if runner == "interpreter":

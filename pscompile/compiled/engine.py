@@ -131,6 +131,7 @@ class CompiledEngine(ChunkEngine):
         self._last_key: ScheduleKey | None = None
         self._slots: list[torch.Tensor] = []
         self._slot_ptrs: set[int] = set()         # storages of the slots holding memory now
+        self._slot_bytes_allocated = 0             # their bytes (the tracker reads it after every op)
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._os_placed = False
         self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
@@ -255,14 +256,20 @@ class CompiledEngine(ChunkEngine):
         if storage.nbytes() == 0:
             storage.resize_(self.store.param_chunk_bytes)
             self._slot_ptrs.add(storage.data_ptr())
+            self._slot_bytes_allocated += storage.nbytes()
 
     def _release_slot(self, k: int) -> None:
         """Slot ``k`` no longer holds its chunk: forget it and give its memory back (on CUDA to
         the caching allocator), so the bytes the plan lets activations use really are free."""
         self.store.detach(self._slot_chunk.pop(k))
+        self._free_slot(k)
+
+    def _free_slot(self, k: int) -> None:
         storage = self._slots[k].untyped_storage()
-        self._slot_ptrs.discard(storage.data_ptr())
-        storage.resize_(0)
+        if storage.nbytes():
+            self._slot_ptrs.discard(storage.data_ptr())
+            self._slot_bytes_allocated -= storage.nbytes()
+            storage.resize_(0)
 
     def _runnable(self, batch: Any, kind: RunKind) -> tuple[ScheduleKey, Scheduled]:
         """The schedule to run now: the warm variant when the chunks resident now are the ones it
@@ -284,7 +291,7 @@ class CompiledEngine(ChunkEngine):
         for k, c in list(self._slot_chunk.items()):
             if not self.store.resident(c):             # dropped behind our back (load_state_dict)
                 del self._slot_chunk[k]
-                self._slots[k].untyped_storage().resize_(0)
+                self._free_slot(k)
         return {c: k for k, c in self._slot_chunk.items()}
 
     def _settle(self) -> None:
@@ -345,7 +352,7 @@ class CompiledEngine(ChunkEngine):
     def _model_bytes(self) -> int:
         """Model bytes the device holds now: the memory of every slot (allocated, whether or not
         a chunk sits in it yet) and the optimizer states kept there."""
-        return sum(s.untyped_storage().nbytes() for s in self._slots) + self.store.dev_os_pool.bytes_in_use
+        return self._slot_bytes_allocated + self.store.dev_os_pool.bytes_in_use
 
     def _is_model_storage(self, ptr: int) -> bool:
         return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
