@@ -32,7 +32,7 @@ from pscompile.kinds import MemKind
 from pscompile.memory.belady import NextUse, farthest
 from pscompile.units import format_bytes
 
-__all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "arrival_windows", "plan_residency"]
+__all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "arrivals", "arrival_windows", "plan_residency"]
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,16 @@ def arrival_windows(nonmodel: Sequence[int], executed: Sequence[bool]) -> tuple[
     output) add nothing of their own. So the window of an executed node is ``max(N[p], N[i])``,
     and of any other node ``N[p]`` (0 before the first node). ``verify_schedule`` charges the
     scheduled graph by the same rule."""
+    before = arrivals(nonmodel, executed)
+    return tuple(max(b, n) if ran else b for b, n, ran in zip(before, nonmodel, executed))
+
+
+def arrivals(nonmodel: Sequence[int], executed: Sequence[bool]) -> tuple[int, ...]:
+    """Per node, the bytes of the last executed node before it (0 before the first): what is live,
+    at most, when the memory nodes planned before it run."""
     out, last = [], 0
     for n, ran in zip(nonmodel, executed):
-        out.append(max(last, n) if ran else last)
+        out.append(last)
         if ran:
             last = n
     return tuple(out)

@@ -34,13 +34,13 @@ from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
-                                      capture_and_analyze, minimum_budget)
+                                      capture_and_analyze, executed_nodes, minimum_budget)
 from pscompile.kinds import MemKind, RunKind
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.memory.transfers import TransferQueue
 from pscompile.optim.placement import device_state_chunks
-from pscompile.passes.plan_residency import ResidencyPlan
+from pscompile.passes.plan_residency import ResidencyPlan, arrivals
 from pscompile.runtime.batching import LossFn, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 
@@ -88,13 +88,8 @@ def _region_curve(executor: Executor, extra: dict[int, int], excess: dict[int, i
     outputs of the regions before it hold beyond their eager sizes (``excess``), and allocates at
     most ``extra`` inside; the chunks it reads all arrive before it starts, so they sit next to
     that whole peak."""
-    nonmodel = sched.nonmodel
-    arrive, last = [], 0                  # per captured node: the last executed node's bytes before it
-    for n, value in zip(sched.captured.gm.graph.nodes, measured):
-        arrive.append(last)
-        if n.op != "output" and get(n, "param") is None:
-            last = value
-    curve, changed, wider = list(nonmodel), False, 0
+    arrive = arrivals(measured, executed_nodes(sched.captured))
+    curve, changed, wider = list(sched.nonmodel), False, 0
     for r in sorted(executor.regions, key=lambda r: r.index):
         if r.index not in extra:
             continue

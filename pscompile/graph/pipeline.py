@@ -49,7 +49,7 @@ from pscompile.units import format_bytes
 
 __all__ = ["PassTiming", "AnalyzedGraph", "DeviceMemory", "Scheduled", "capture_and_analyze",
            "build_schedule", "plan_at_budget", "schedule_model", "minimum_budget", "Minimum", "grad_store_points", "node_reads",
-           "node_windows"]
+           "node_windows", "executed_nodes"]
 
 
 @dataclass(frozen=True)
@@ -174,8 +174,13 @@ def node_windows(captured: CapturedGraph, nonmodel: Sequence[int]) -> tuple[int,
     """Per node of the captured graph, the non-model bytes its chunks must fit next to
     (``passes.plan_residency.arrival_windows``): parameter views and the output do not execute at
     their place in the scheduled graph, everything else does."""
-    executed = [n.op != "output" and get(n, "param") is None for n in captured.gm.graph.nodes]
-    return arrival_windows(nonmodel, executed)
+    return arrival_windows(nonmodel, executed_nodes(captured))
+
+
+def executed_nodes(captured: CapturedGraph) -> list[bool]:
+    """Per node of the captured graph, whether it executes at its place in a scheduled graph
+    (parameter views are rebuilt right before each reader; the output runs nothing)."""
+    return [n.op != "output" and get(n, "param") is None for n in captured.gm.graph.nodes]
 
 
 def node_reads(captured: CapturedGraph, layout: ChunkLayout) -> list[list[int]]:
