@@ -17,6 +17,14 @@ A plan for a micro-batch of gradient accumulation adds its gradients into fp32 a
 buffers on the host instead, which the graph takes as placeholders after the host chunks::
 
     accumulate_grad = pscompile.accumulate_grad(acc_4, mm_9, 512)   # grad of h.0.attn.c_attn.weight
+
+Sharded over ``world`` ranks (ZeRO), each chunk is a communication group whose host placeholder
+is this rank's shard, and arrivals, departures and the end of a group's gradients are
+collectives (a micro-batch of accumulation reduce-scatters into its fp32 ``acc`` shard)::
+
+    allgather      = pscompile.allgather(slot_0, host_3, 0, 2)      # own shard up, the rest from rank 1
+    reduce_scatter = pscompile.reduce_scatter(host_3, slot_0, 0, 2, False)
+    release_remote = pscompile.release_remote(slot_0)
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
 
 def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayout, *,
                       param_fqns: tuple[str, ...], grad_fqns: tuple[str, ...],
-                      compute_dtype: torch.dtype, nonmodel: Sequence[int] | None = None) -> fx.GraphModule:
+                      compute_dtype: torch.dtype, nonmodel: Sequence[int] | None = None,
+                      world: int = 1, rank: int = 0) -> fx.GraphModule:
     """Return a new GraphModule: ``(slot_0.., host_0.., [acc_0..,] buffers.., batch..) -> (loss,)``
     (``acc_*`` placeholders only when the plan accumulates gradients).
 
@@ -70,16 +79,19 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     param_ph = {n: fqn for n, fqn in zip(placeholders, param_fqns)}
     cs = layout.chunk_size
 
-    def buffer_placeholder(name: str, key: str, index: int, dtype: torch.dtype = compute_dtype) -> fx.Node:
+    home = cs // world         # elements of a chunk's home on this rank (its shard, with ZeRO)
+
+    def buffer_placeholder(name: str, key: str, index: int, dtype: torch.dtype = compute_dtype,
+                           numel: int = cs) -> fx.Node:
         node = graph.placeholder(f"{name}_{index}")
-        node.meta["val"] = torch.empty(cs, dtype=dtype, device="meta")
+        node.meta["val"] = torch.empty(numel, dtype=dtype, device="meta")
         gmeta.put(node, key, index)
         return node
 
     slots = [buffer_placeholder("slot", "slot", k) for k in range(plan.num_slots)]
-    hosts = [buffer_placeholder("host", "host_chunk", c) for c in range(layout.num_chunks)]
-    accs = ([buffer_placeholder("acc", "acc_chunk", c, torch.float32) for c in range(layout.num_chunks)]
-            if any(a.kind == MemKind.ACCUMULATE_GRAD for a in plan.actions) else [])
+    hosts = [buffer_placeholder("host", "host_chunk", c, numel=home) for c in range(layout.num_chunks)]
+    accs = ([buffer_placeholder("acc", "acc_chunk", c, torch.float32, numel=home) for c in range(layout.num_chunks)]
+            if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in plan.actions) else [])
     for n in placeholders:
         if n not in param_ph:
             env[n] = own_meta(graph.node_copy(n, lambda a: env[a]), n)
@@ -98,9 +110,25 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
             resident[a.chunk] = a.slot
             mem = MemOp(MemKind.FETCH, a.chunk, a.slot, "host", "device", a.nbytes,
                         asynchronous=a.asynchronous)
+        elif a.kind == MemKind.ALLGATHER:
+            node = graph.call_function(torch.ops.pscompile.allgather.default,
+                                       (slots[a.slot], hosts[a.chunk], rank, world))
+            resident[a.chunk] = a.slot
+            mem = MemOp(MemKind.ALLGATHER, a.chunk, a.slot, "host+ranks", "device", a.nbytes,
+                        asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
+        elif a.kind == MemKind.RELEASE_REMOTE:
+            node = graph.call_function(torch.ops.pscompile.release_remote.default, (slots[a.slot],))
+            del resident[a.chunk]
+            mem = MemOp(MemKind.RELEASE_REMOTE, a.chunk, a.slot, "device", "-", 0, world=world)
+        elif a.kind == MemKind.REDUCE_SCATTER:
+            dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
+            node = graph.call_function(torch.ops.pscompile.reduce_scatter.default,
+                                       (dest, slots[a.slot], rank, world, a.to_acc))
+            mem = MemOp(MemKind.REDUCE_SCATTER, a.chunk, a.slot, "device+ranks", "acc" if a.to_acc else "host",
+                        a.nbytes, comm_bytes=a.comm_bytes, world=world)
         elif a.kind == MemKind.WAIT:
             node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
-            mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0)
+            mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0, world=world)
         elif a.kind == MemKind.WRITEBACK:
             node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
             mem = MemOp(MemKind.WRITEBACK, a.chunk, a.slot, "device", "host", a.nbytes)

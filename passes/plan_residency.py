@@ -19,6 +19,19 @@ its update runs. The actions this produces, in order::
                     writeback   (dirty victim)            slot -> host, chunk bytes
                     drop        (victim)                  the slot becomes free
                     fetch       (a chunk node i reads)    host -> slot, chunk bytes
+
+Sharded (ZeRO, ``world > 1``): the planning unit is a communication group of ``world`` chunks
+(the layout's "chunk" is the group; rank r owns its r-th shard). A group arrives by ``allgather``
+(this rank's shard crosses host -> device, the others come from their owners) and leaves by
+``release_remote`` (nothing is copied: every shard has its home on its owner). Gradients go into
+the gathered group, which the caller keeps resident from its first gradient to its last (its
+reads include the group there); right after its last gradient the group is ``reduce_scatter``ed
+(each rank receives the sum of its own shard, written to its host home, or added into its fp32
+accumulation shard for a micro-batch) and released::
+
+    before node i:  store_grad ... (the group's last gradients, into its slot)
+                    reduce_scatter (group g)              slot -> own shard on the host, shard bytes
+                    release_remote (group g)              the slot becomes free
 """
 
 from __future__ import annotations
@@ -52,6 +65,8 @@ class Action:
     nbytes: int                # bytes copied between tiers
     grad: GradStore | None = None
     asynchronous: bool = False  # a fetch started early (prefetch_fetches); a WAIT action marks its old place
+    comm_bytes: int = 0        # ALLGATHER: bytes received from other ranks; REDUCE_SCATTER: bytes sent
+    to_acc: bool = False       # REDUCE_SCATTER: added into the fp32 accumulation shard, not the host home
 
 
 @dataclass(frozen=True)
@@ -68,11 +83,17 @@ class ResidencyPlan:
     d2h_bytes: int
     num_fetches: int
     num_evictions: int
+    world: int = 1                            # ranks the groups are sharded over (1: no ZeRO)
+    allgather_bytes: int = 0                  # received from other ranks, per rank
+    reduce_scatter_bytes: int = 0             # sent to other ranks, per rank
 
     def summary(self, budget: int | None) -> str:
         b = "unlimited" if budget is None else format_bytes(budget)
+        comm = (f", {format_bytes(self.allgather_bytes)} all-gathered, "
+                f"{format_bytes(self.reduce_scatter_bytes)} reduce-scattered over {self.world} ranks"
+                if self.world > 1 else "")
         return (f"plan_residency: {self.num_slots} slots, {self.num_fetches} fetches, "
-                f"{self.num_evictions} evictions, {format_bytes(self.h2d_bytes + self.d2h_bytes)} moved, "
+                f"{self.num_evictions} evictions, {format_bytes(self.h2d_bytes + self.d2h_bytes)} moved{comm}, "
                 f"peak {format_bytes(self.peak_device_bytes)} <= {b}")
 
 
@@ -121,7 +142,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    start: Mapping[int, int] | None = None, keep_at_end: bool = False,
                    end: Mapping[int, int] | None = None,
                    describe_node=lambda i: f"node {i}",
-                   windows: Sequence[int] | None = None) -> ResidencyPlan:
+                   windows: Sequence[int] | None = None, world: int = 1) -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
     after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
     becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
@@ -131,7 +152,11 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     victims by their next use in the *next* run (cyclic Belady); ``start`` (chunk -> slot) are
     clean chunks already resident when the run starts, besides the optimizer-state chunks; ``end``
     (chunk -> slot) is the residency the run must finish with (fixed up after the last node), so a
-    plan whose ``start`` and ``end`` are one residency repeats for any number of runs."""
+    plan whose ``start`` and ``end`` are one residency repeats for any number of runs.
+
+    ``world > 1``: chunks are communication groups sharded over ``world`` ranks (see the module
+    docstring); ``reads`` must keep each group resident from its first gradient store to its last
+    (``pipeline.node_reads`` does)."""
     T = len(reads)
     assert len(nonmodel) == T
     next_use = NextUse(reads)      # cyclic when clean chunks stay for the next run (keep_at_end)
@@ -163,31 +188,62 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         st.resident[c] = k
         initial.append((c, k))
     initial.sort(key=lambda x: x[1])
-    h2d = d2h = fetches = evictions = 0
+    h2d = d2h = fetches = evictions = gathered = scattered = 0
     peak, peak_node = 0, 0
+    sharded = world > 1
+    shard_bytes = slot_bytes // world
+    remote_bytes = slot_bytes - shard_bytes
+    grads_left = {}                                   # group -> gradients still to store (sharded)
+    for gs in stores.values():
+        for g in gs:
+            grads_left[g.chunk] = grads_left.get(g.chunk, 0) + 1
 
     def evict(c: int, before: int) -> None:
         nonlocal d2h, evictions
         slot = st.resident.pop(c)
         if c in st.dirty:
+            assert not sharded, f"group {c} would be released with unreduced gradients"
             actions.append(Action(before, MemKind.WRITEBACK, c, slot, slot_bytes))
             d2h += slot_bytes
             st.dirty.discard(c)
-        actions.append(Action(before, MemKind.DROP, c, slot, 0))
+        actions.append(Action(before, MemKind.RELEASE_REMOTE if sharded else MemKind.DROP, c, slot, 0))
         evictions += 1
         bisect.insort(st.free, slot)
 
-    def fetch(c: int, before: int) -> None:
-        nonlocal h2d, fetches
-        slot = st.take_slot()
+    def fetch(c: int, before: int, slot: int | None = None) -> None:
+        nonlocal h2d, fetches, gathered
+        slot = st.take_slot() if slot is None else slot
         st.resident[c] = slot
-        actions.append(Action(before, MemKind.FETCH, c, slot, slot_bytes))
-        h2d += slot_bytes
+        if sharded:
+            actions.append(Action(before, MemKind.ALLGATHER, c, slot, shard_bytes, comm_bytes=remote_bytes))
+            h2d += shard_bytes
+            gathered += remote_bytes
+        else:
+            actions.append(Action(before, MemKind.FETCH, c, slot, slot_bytes))
+            h2d += slot_bytes
         fetches += 1
+
+    def reduce_scatter(c: int, before: int) -> None:
+        nonlocal d2h, scattered
+        actions.append(Action(before, MemKind.REDUCE_SCATTER, c, st.resident[c], shard_bytes,
+                              comm_bytes=remote_bytes, to_acc=accumulate))
+        d2h += shard_bytes
+        scattered += remote_bytes
+        st.dirty.discard(c)
+        evict(c, before)
 
     for i in range(T + 1):
         for g in stores.get(i - 1, ()):               # gradients of node i-1 go into their chunk
-            if accumulate:
+            if sharded:
+                if g.chunk not in st.resident:
+                    raise AssertionError(f"group {g.chunk} is not gathered when the gradient of {g.fqn} "
+                                         "is stored (its reads must hold it from first to last gradient)")
+                actions.append(Action(i, MemKind.STORE_GRAD, g.chunk, st.resident[g.chunk], 0, g))
+                st.dirty.add(g.chunk)
+                grads_left[g.chunk] -= 1
+                if grads_left[g.chunk] == 0:          # the group's gradients are complete
+                    reduce_scatter(g.chunk, i)
+            elif accumulate:
                 actions.append(Action(i, MemKind.ACCUMULATE_GRAD, g.chunk, None, g.nbytes, g))
                 d2h += g.nbytes
             elif g.chunk in st.resident:
@@ -238,10 +294,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         if c not in st.resident:                        # into the very slot the next run expects
             st.free.remove(k) if k in st.free else None
             st.num_slots = max(st.num_slots, k + 1)
-            st.resident[c] = k
-            actions.append(Action(T, MemKind.FETCH, c, k, slot_bytes))
-            h2d += slot_bytes
-            fetches += 1
+            fetch(c, T, slot=k)
     final = tuple(sorted(st.resident.items(), key=lambda x: x[1]))
     return ResidencyPlan(tuple(actions), T, st.num_slots, tuple(initial), final, slot_bytes, peak, peak_node,
-                         h2d, d2h, fetches, evictions)
+                         h2d, d2h, fetches, evictions, world, gathered, scattered)

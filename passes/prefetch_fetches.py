@@ -12,7 +12,8 @@ of chunk ``c`` into slot ``k`` planned before node ``i`` may start before node `
   ``(resident + 1) * slot_bytes + os_device_bytes + max(N[m-1], N[m]) <= device_memory``;
 - it moves back at most ``max_distance`` nodes (a bound on the lookahead, not on correctness).
 
-The fetch becomes asynchronous, and a ``wait`` action at its old place blocks the first reader
+ZeRO's all-gathers move the same way (the collective is issued early, asynchronously, on every
+rank at the same place, since every rank plans from the same data). The fetch becomes asynchronous, and a ``wait`` action at its old place blocks the first reader
 until the copy has landed::
 
     before node j:  fetch  chunk c -> slot k     (starts the copy)
@@ -51,7 +52,7 @@ def _resident_counts(plan: ResidencyPlan) -> list[int]:
     out = []
     for i in range(plan.num_nodes):
         for a in by_node.get(i, ()):
-            count += {MemKind.FETCH: 1, MemKind.DROP: -1}.get(a.kind, 0)
+            count += 1 if a.kind.arrives else -1 if a.kind.leaves else 0
         out.append(count)
     return out
 
@@ -79,7 +80,7 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
     new_actions: list[Action] = []
     moved, distances, total = 0, [], 0
     for a in actions:
-        if a.kind == MemKind.FETCH and a.before < T:
+        if a.kind.arrives and a.before < T:
             total += 1
             earliest = max(last_slot_free.get(a.slot, 0), last_chunk_touch.get(a.chunk, 0),
                            a.before - max_distance, 0)
@@ -97,7 +98,7 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
                 new_actions.append(a)
         else:
             new_actions.append(a)
-        if a.kind == MemKind.DROP:
+        if a.kind.leaves:
             last_slot_free[a.slot] = a.before
         last_chunk_touch[a.chunk] = a.before
     # actions must stay ordered by the node they precede; within a node, keep the original order

@@ -10,7 +10,11 @@
 - planned device bytes (resident slots + device optimizer states + non-model bytes of the node)
   never exceed the budget;
 - the iteration ends with exactly the chunks whose optimizer states live on the device resident
-  (or, for a warm run, the residency its plan promises the next run), none of the others dirty.
+  (or, for a warm run, the residency its plan promises the next run), none of the others dirty;
+- ZeRO (``world > 1``): an allgather fills a free slot and its release_remote empties it (the
+  pair brackets every read of the group: a remote shard is read only while gathered); gradients
+  go into the gathered group only, before its reduce_scatter; every group that receives a
+  gradient is reduce-scattered exactly once, and none is released with gradients unreduced.
 
 Raises ``ScheduleError`` (a ValueError) naming the first node that breaks an invariant.
 """
@@ -46,9 +50,12 @@ class VerifyReport:
 
 def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int, budget: int | None,
                     initial: dict[int, int], os_device_chunks: frozenset[int] = frozenset(),
-                    os_device_bytes: int = 0, final: dict[int, int] | None = None) -> VerifyReport:
+                    os_device_bytes: int = 0, final: dict[int, int] | None = None,
+                    world: int = 1, grad_fqns: tuple[str, ...] = ()) -> VerifyReport:
     """``initial``/``final``: chunk -> slot resident at the start / required at the end (default
-    for the end: exactly the chunks whose optimizer states live on the device)."""
+    for the end: exactly the chunks whose optimizer states live on the device). ``world`` > 1:
+    chunks are groups sharded over that many ranks; ``grad_fqns`` the gradients the graph makes
+    (each of their groups must be reduce-scattered exactly once)."""
     slot_of_ph = {n: gmeta.get(n, "slot") for n in gm.graph.nodes
                   if n.op == "placeholder" and gmeta.get(n, "slot") is not None}
     host_of_ph = {n: gmeta.get(n, "host_chunk") for n in gm.graph.nodes
@@ -58,6 +65,9 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
     dirty: set[int] = set()
     pending: set[int] = set()       # slots whose asynchronous fetch has not been waited for
+    reduced: set[int] = set()       # groups reduce-scattered (ZeRO)
+    sharded = world > 1
+    arrive, leave = (MemKind.ALLGATHER, MemKind.RELEASE_REMOTE) if sharded else (MemKind.FETCH, MemKind.DROP)
     nonmodel = 0
     peak, peak_node, count = 0, "start", 0
 
@@ -73,7 +83,11 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             mem = gmeta.get(node, "mem")
             if mem is None:
                 fail(node, "memory node without its MemOp metadata")
-            if mem.kind == MemKind.FETCH:
+            if mem.kind in (MemKind.FETCH, MemKind.ALLGATHER, MemKind.DROP, MemKind.RELEASE_REMOTE) \
+                    and mem.kind not in (arrive, leave):
+                fail(node, f"{mem.kind} in a schedule {'sharded over ' + str(world) + ' ranks' if sharded else 'of one rank'}; "
+                           f"chunks arrive by {arrive} and leave by {leave} here")
+            if mem.kind.arrives:
                 slot = slot_of_ph.get(node.args[0])
                 if slot in holds:
                     fail(node, f"fetch of chunk {mem.chunk} into slot {slot}, which still holds chunk {holds[slot]}")
@@ -87,13 +101,25 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 if slot not in pending or holds.get(slot) != mem.chunk:
                     fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
                 pending.discard(slot)
-            elif mem.kind == MemKind.DROP:
+            elif mem.kind.leaves:
                 slot = slot_of_ph.get(node.args[0])
                 if holds.get(slot) != mem.chunk:
-                    fail(node, f"drop of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
+                    fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
                 if mem.chunk in dirty:
-                    fail(node, f"drop of chunk {mem.chunk} loses gradients: no writeback before it")
+                    fail(node, f"{mem.kind} of chunk {mem.chunk} loses gradients: no "
+                               f"{'reduce_scatter' if sharded else 'writeback'} before it")
                 del holds[slot]
+            elif mem.kind == MemKind.REDUCE_SCATTER:
+                slot = slot_of_ph.get(node.args[1])
+                if holds.get(slot) != mem.chunk:
+                    fail(node, f"reduce_scatter of group {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
+                target = acc_of_ph.get(node.args[0]) if node.args[4] else host_of_ph.get(node.args[0])
+                if target != mem.chunk:
+                    fail(node, f"reduce_scatter of group {mem.chunk} writes another chunk's shard")
+                if mem.chunk in reduced:
+                    fail(node, f"group {mem.chunk} is reduce-scattered twice (its gradients would count twice)")
+                reduced.add(mem.chunk)
+                dirty.discard(mem.chunk)
             elif mem.kind == MemKind.WRITEBACK:
                 slot = slot_of_ph.get(node.args[1])
                 if holds.get(slot) != mem.chunk or host_of_ph.get(node.args[0]) != mem.chunk:
@@ -107,6 +133,11 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                                f"{layout.entry(mem.fqn).pieces[0].chunk_offset}")
             elif mem.kind == MemKind.STORE_GRAD:
                 dest = node.args[0]
+                if sharded and mem.chunk in reduced:
+                    fail(node, f"gradient of {mem.fqn} stored after group {mem.chunk} was reduce-scattered: "
+                               "it would never reach its owner")
+                if sharded and dest not in slot_of_ph:
+                    fail(node, f"gradient of {mem.fqn} stored outside its gathered group {mem.chunk}")
                 if dest in slot_of_ph:
                     if holds.get(slot_of_ph[dest]) != mem.chunk:
                         fail(node, f"gradient of {mem.fqn} stored into slot {slot_of_ph[dest]}, which holds "
@@ -150,4 +181,9 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     if dirty - set(os_device_chunks):
         raise ScheduleError(f"verify_schedule: chunks {sorted(dirty - set(os_device_chunks))} end dirty on the "
                             "device (their gradients never reach the host update)")
+    if sharded and grad_fqns:
+        expected = {c for f in grad_fqns for c in layout.entry(f).chunks}
+        if expected != reduced:
+            raise ScheduleError(f"verify_schedule: groups {sorted(expected - reduced)} receive gradients that are "
+                                "never reduce-scattered")
     return VerifyReport(count, peak, peak_node)

@@ -7,7 +7,8 @@ the field and the values that would work. Sizes accept bytes (int) or strings ("
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,9 @@ class Config:
     link_bandwidth: int | str | None = None  # CPU only: emulate a slow device<->host link, e.g. "50MB/s"
     initial_loss_scale: float = 2.0**16      # float16 only: starting dynamic loss scale
     loss_scale_growth_interval: int = 2000   # float16 only: steps without overflow before doubling
+    # ZeRO data parallelism by chunk: None shards over the default group when torch.distributed is
+    # initialized with several ranks; a ProcessGroup shards over that group; False never shards
+    process_group: Any = field(default=None, compare=False)
 
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
@@ -81,6 +85,16 @@ class Config:
             if dev.type != "cpu":
                 raise ValueError("link_bandwidth emulates a slow link on the CPU only; leave it None on CUDA")
             set_("link_bandwidth", parse_rate(self.link_bandwidth, "link_bandwidth"))
+        if self.process_group is not None and self.process_group is not False:
+            try:
+                import torch.distributed as dist
+                ok = dist.is_available() and isinstance(self.process_group, dist.ProcessGroup)
+            except ImportError:
+                ok = False
+            if not ok:
+                raise ValueError(f"process_group={self.process_group!r} must be None (the default group when "
+                                 "torch.distributed is initialized), False (no sharding) or a "
+                                 "torch.distributed.ProcessGroup")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):

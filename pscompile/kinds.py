@@ -27,6 +27,19 @@ class MemKind(StrEnum):
     DROP = "drop"                        # the slot no longer holds the chunk (no bytes move)
     STORE_GRAD = "store_grad"            # a gradient overwrites its parameter's chunk space
     ACCUMULATE_GRAD = "accumulate_grad"  # a gradient is added into the fp32 host accumulation chunk
+    ALLGATHER = "allgather"              # ZeRO: own shard host -> slot, the other shards from their owners
+    RELEASE_REMOTE = "release_remote"    # ZeRO: the slot no longer holds the gathered group (no bytes move)
+    REDUCE_SCATTER = "reduce_scatter"    # ZeRO: the group's gradients summed over ranks, own shard -> host
+
+    @property
+    def arrives(self) -> bool:
+        """A chunk (or gathered group) takes a slot."""
+        return self in (MemKind.FETCH, MemKind.ALLGATHER)
+
+    @property
+    def leaves(self) -> bool:
+        """A chunk (or gathered group) gives its slot up."""
+        return self in (MemKind.DROP, MemKind.RELEASE_REMOTE)
 
 
 class RunKind(StrEnum):

@@ -177,7 +177,8 @@ class CompiledEngine(ChunkEngine):
     def _device_memory(self) -> DeviceMemory:
         """The device as the pipeline sees it now."""
         os_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
-        return DeviceMemory(self.budget, self.store.param_chunk_bytes, os_dev, self.store.dev_os_pool.bytes_in_use)
+        return DeviceMemory(self.budget, self.store.param_chunk_bytes, os_dev, self.store.dev_os_pool.bytes_in_use,
+                            world=self.world, rank=self.rank)
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None) -> Scheduled:
@@ -196,7 +197,7 @@ class CompiledEngine(ChunkEngine):
         n = self.layout.num_chunks
         count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=n,
                                     chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
-                                    state_chunk_bytes=self.store.os_chunk_bytes)
+                                    state_chunk_bytes=self.store.os_chunk_bytes) if self.comm is None else 0
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
             return
@@ -315,13 +316,37 @@ class CompiledEngine(ChunkEngine):
                 self._in_flight[mem.slot] = fut
             else:
                 fut.result()
+        elif mem.kind == MemKind.ALLGATHER:
+            slot, host = args[:2]
+            self._allocate_slot(mem.slot)
+            shard = store.home_numel
+            q.submit(slot[self.rank * shard:(self.rank + 1) * shard], host, "h2d").result()
+            handle = self.comm.all_gather(slot, async_op=mem.asynchronous)
+            self.link.traffic.num_fetches += 1
+            store.attach(mem.chunk, slot)
+            self._slot_chunk[mem.slot] = mem.chunk
+            if mem.asynchronous:
+                self._in_flight[mem.slot] = handle
+        elif mem.kind == MemKind.REDUCE_SCATTER:
+            dest, slot, _, _, accumulate = args
+            shard = store.home_numel
+            mine = slot[self.rank * shard:(self.rank + 1) * shard]
+            self.comm.reduce_scatter(mine, slot)          # in place: the sum of our shard lands on it
+            if accumulate:
+                host = torch.empty(shard, dtype=slot.dtype)
+                q.submit(host, mine, "d2h").result()
+                dest.add_(host)                            # fp32 += compute dtype, on the host
+            else:
+                q.submit(dest, mine, "d2h").result()
+            store.dirty[mem.chunk] = False
         elif mem.kind == MemKind.WAIT:
-            self._in_flight.pop(mem.slot).result()
+            pending = self._in_flight.pop(mem.slot)
+            pending.wait() if hasattr(pending, "wait") else pending.result()
         elif mem.kind == MemKind.WRITEBACK:
             host, slot = args
             self._reading[mem.slot] = q.submit(host, slot, "d2h")
             store.dirty[mem.chunk] = False
-        elif mem.kind == MemKind.DROP:
+        elif mem.kind.leaves:
             pending = self._reading.pop(mem.slot, None)
             if pending is not None:        # the slot's memory goes back only once its writeback has read it
                 pending.result()
@@ -364,6 +389,9 @@ class CompiledEngine(ChunkEngine):
             if regions:
                 extra, excess = measure_allocations([r for r in ex.regions if r.compute], self.device)
                 curve = _region_curve(ex, extra, excess, sched, self._node_curves.get(key.capture, sched.nonmodel))
+                if self.comm is not None:      # the ranks decide together (their plans must match)
+                    agreed = self.comm.agree_max(curve if curve is not None else sched.nonmodel)
+                    curve = agreed if agreed != tuple(sched.nonmodel) else None
                 if curve is None:
                     self._region_extra[id(sched.gm)] = (sched.gm, extra)
                 else:                       # the regions need more than this plan gives them: run node
@@ -380,7 +408,9 @@ class CompiledEngine(ChunkEngine):
         self._count_outside_steps()
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
                                   exact_windows=not sched.measured)
-        accs = acc if any(a.kind == MemKind.ACCUMULATE_GRAD for a in sched.plan.actions) else []
+        accs = acc if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in sched.plan.actions) else []
+        comm_before = (self.comm.traffic.allgather_bytes, self.comm.traffic.reduce_scatter_bytes) \
+            if self.comm is not None else (0, 0)
         model_inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param, *accs]
         rest = [*[self.model.get_buffer(f) for f in sched.captured.buffer_fqns],
                 *sched.captured.flatten_batch(batch)]
@@ -429,6 +459,13 @@ class CompiledEngine(ChunkEngine):
             self._recover(restore=acc is None)
             raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes, the schedule planned "
                                f"{(sched.plan.h2d_bytes, sched.plan.d2h_bytes)}")
+        if self.comm is not None:
+            comm = (self.comm.traffic.allgather_bytes - comm_before[0],
+                    self.comm.traffic.reduce_scatter_bytes - comm_before[1])
+            if comm != (sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes):
+                self._recover(restore=acc is None)
+                raise RuntimeError(f"executor: all-gathered/reduce-scattered {comm} bytes, the schedule planned "
+                                   f"{(sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes)}")
         t_end = time.perf_counter()
         t_back = t_bwd[0] if t_bwd else t_end
         record = _RunRecord(key, sched, observer.samples if observer is not None else None)
@@ -475,7 +512,7 @@ class CompiledEngine(ChunkEngine):
         self.eval_peak_device_bytes = run.tracker.peak_total
         self.eval_bytes_moved = run.traffic.h2d_bytes + run.traffic.d2h_bytes
         self.eval_plan = sched.plan
-        return run.loss
+        return self._global_mean(run.loss)
 
     def _remeasure(self, key: ScheduleKey, samples: dict[int, int]) -> None:
         """Replace the static non-model estimate by the measured one and plan again (every
@@ -483,6 +520,8 @@ class CompiledEngine(ChunkEngine):
         cap = key.capture
         static = self._captures[cap].nonmodel     # kept where nothing runs: placeholders, output,
         measured = tuple(samples.get(i, est) for i, est in enumerate(static))   # parameter views
+        if self.comm is not None:          # every rank plans from the same curve: the same collectives
+            measured = self.comm.agree_max(measured)
         self._measured[cap] = self._node_curves[cap] = measured
         self._fit_optimizer_states(max(measured))     # first: the new curve may leave less margin
         for other in list(self._schedules):
@@ -542,7 +581,7 @@ class CompiledEngine(ChunkEngine):
         on the host), with the measured curve where there is one."""
         slot = self.store.param_chunk_bytes
         return max(minimum_budget(self._captures[key.capture], self.layout, nonmodel=s.nonmodel,
-                                  slot_bytes=slot).nbytes for key, s in self._schedules.items())
+                                  slot_bytes=slot, world=self.world).nbytes for key, s in self._schedules.items())
 
     @property
     def schedule(self) -> Schedule:

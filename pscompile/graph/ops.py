@@ -12,6 +12,13 @@ is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
     accumulate_grad(acc!, grad, offset) acc[offset:] += grad   a micro-batch's gradient is added into its
                                                                chunk's fp32 accumulation buffer on the host
 
+ZeRO (a slot holds a communication group of ``world`` chunks; rank r owns shard r):
+
+    allgather(slot!, host, rank, world)          slot[r] <- host, slot[others] <- their owners
+    release_remote(slot)                         (nothing moves)  the gathered group leaves the device
+    reduce_scatter(dest!, slot, rank, world, accumulate)
+                                                 dest (<- or +=) sum over ranks of slot[r]
+
 Run eagerly, every op completes at once (``wait`` does nothing); the executor runs a fetch that
 has a ``wait`` asynchronously (prefetch) and blocks at the ``wait``.
 
@@ -89,9 +96,63 @@ def _(acc, grad, offset):
     return None
 
 
+def _shard(t: Tensor, rank: int, world: int) -> Tensor:
+    n = t.numel() // world
+    return t[rank * n:(rank + 1) * n]
+
+
+def _distributed(world: int) -> bool:
+    import torch.distributed as dist
+    return world > 1 and dist.is_available() and dist.is_initialized()
+
+
+@torch.library.custom_op("pscompile::allgather", mutates_args=("slot",))
+def allgather(slot: Tensor, host: Tensor, rank: int, world: int) -> None:
+    """Eagerly on the default process group (the executor runs it on the engine's group)."""
+    _shard(slot, rank, world).copy_(host)
+    if _distributed(world):
+        import torch.distributed as dist
+        dist.all_gather_into_tensor(slot, _shard(slot, rank, world).clone())
+
+
+@allgather.register_fake
+def _(slot, host, rank, world):
+    return None
+
+
+@torch.library.custom_op("pscompile::release_remote", mutates_args=())
+def release_remote(slot: Tensor) -> None:
+    return None
+
+
+@release_remote.register_fake
+def _(slot):
+    return None
+
+
+@torch.library.custom_op("pscompile::reduce_scatter", mutates_args=("dest",))
+def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate: bool) -> None:
+    """Eagerly on the default process group (the executor runs it on the engine's group)."""
+    mine = _shard(slot, rank, world).clone()
+    if _distributed(world):
+        import torch.distributed as dist
+        dist.reduce_scatter_tensor(mine, slot.clone())
+    if accumulate:
+        dest.add_(mine)
+    else:
+        dest.copy_(mine)
+
+
+@reduce_scatter.register_fake
+def _(dest, slot, rank, world, accumulate):
+    return None
+
+
 MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
               torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default,
-              torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default)
+              torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default,
+              torch.ops.pscompile.allgather.default, torch.ops.pscompile.release_remote.default,
+              torch.ops.pscompile.reduce_scatter.default)
 for _op in MEMORY_OPS:
     torch.fx.has_side_effect(_op)
 
@@ -108,11 +169,15 @@ class MemOp:
     nbytes: int          # bytes copied between tiers (0 for drop and device-side store_grad)
     fqn: str | None = None  # store_grad, accumulate_grad: the parameter
     asynchronous: bool = False  # fetch: started early (prefetch); a wait node marks where it must have landed
+    comm_bytes: int = 0  # allgather: bytes received from the other ranks; reduce_scatter: bytes sent
+    world: int = 1       # ranks the chunk (a communication group) is sharded over
 
     def describe(self) -> str:
         where = f"slot {self.slot}" if self.slot is not None else "host"
         extra = f" {self.fqn}" if self.fqn else (" async" if self.asynchronous else "")
-        return f"{self.kind} chunk {self.chunk} ({self.src}->{self.dst}, {where}, {self.nbytes} B){extra}"
+        unit = "group" if self.world > 1 else "chunk"
+        comm = f", {self.comm_bytes} B with ranks 0-{self.world - 1}" if self.comm_bytes else ""
+        return f"{self.kind} {unit} {self.chunk} ({self.src}->{self.dst}, {where}, {self.nbytes} B{comm}){extra}"
 
 
 def is_memory_node(node: torch.fx.Node) -> bool:

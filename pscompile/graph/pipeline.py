@@ -81,6 +81,8 @@ class DeviceMemory:
     slot_bytes: int                        # one parameter chunk in the compute dtype
     os_device_chunks: frozenset[int] = frozenset()
     os_device_bytes: int = 0               # their fp32 master + exp_avg + exp_avg_sq bytes
+    world: int = 1                         # ZeRO: ranks each chunk (a communication group) is sharded over
+    rank: int = 0                          # ... and which of them plans (its shard is its host home)
 
 
 @dataclass(frozen=True)
@@ -155,12 +157,13 @@ class Minimum:
 
 
 def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
-                   slot_bytes: int) -> Minimum:
+                   slot_bytes: int, world: int = 1) -> Minimum:
     """The smallest ``device_memory`` every schedule of ``analyzed`` fits in with this layout and
     curve: at every node, the chunks it reads next to its window (``node_windows``), optimizer
     states on the host. plan_residency succeeds at any budget from here up (it may evict everything
-    else), and so do the passes after it, which keep its per-node bounds."""
-    reads = node_reads(analyzed.captured, layout)
+    else), and so do the passes after it, which keep its per-node bounds. Sharded (``world > 1``),
+    a group that holds some of its gradients counts as read until it holds all of them."""
+    reads = node_reads(analyzed.captured, layout, hold_grads=analyzed.grad_store_points if world > 1 else None)
     windows = node_windows(analyzed.captured, nonmodel)
     best = Minimum(0, 0, 0, slot_bytes, 0)
     for i, (chunks, w) in enumerate(zip(reads, windows)):
@@ -183,8 +186,14 @@ def executed_nodes(captured: CapturedGraph) -> list[bool]:
     return [n.op != "output" and get(n, "param") is None for n in captured.gm.graph.nodes]
 
 
-def node_reads(captured: CapturedGraph, layout: ChunkLayout) -> list[list[int]]:
-    """Per node of the captured graph, the chunks it reads (through parameter views), in order."""
+def node_reads(captured: CapturedGraph, layout: ChunkLayout, *,
+               hold_grads: Mapping[str, int] | None = None) -> list[list[int]]:
+    """Per node of the captured graph, the chunks it reads (through parameter views), in order.
+
+    ``hold_grads`` (ZeRO: fqn -> the node after which its gradient is stored): a gathered group
+    takes its gradients in its own slot and can leave the device only once all of them are there
+    (they are reduce-scattered then), so it counts as read by every node from its first gradient
+    store to its last."""
     reads = []
     for n in captured.gm.graph.nodes:
         chunks: list[int] = []
@@ -193,6 +202,15 @@ def node_reads(captured: CapturedGraph, layout: ChunkLayout) -> list[list[int]]:
                 if c not in chunks:
                     chunks.append(c)
         reads.append(chunks)
+    held: dict[int, tuple[int, int]] = {}
+    for fqn, at in (hold_grads or {}).items():
+        for c in layout.entry(fqn).chunks:
+            lo, hi = held.get(c, (at, at))
+            held[c] = (min(lo, at), max(hi, at))
+    for c, (lo, hi) in held.items():
+        for i in range(lo, hi + 1):
+            if c not in reads[i]:
+                reads[i].append(c)
     return reads
 
 
@@ -220,13 +238,16 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     warm = kind.keeps_warm
     passes = _Passes(analyzed.passes)
     try:
+        world = memory.world
+        reads = node_reads(captured, layout, hold_grads=analyzed.grad_store_points if world > 1 else None)
         plan = passes.run("plan_residency", lambda: plan_residency(
-            node_reads(captured, layout), nonmodel, stores=stores, num_chunks=layout.num_chunks,
+            reads, nonmodel, stores=stores, num_chunks=layout.num_chunks,
             slot_bytes=memory.slot_bytes, budget=budget, os_device_chunks=os_dev, os_device_bytes=os_bytes,
             accumulate=kind is RunKind.ACCUM, start=start, keep_at_end=warm, end=start,
-            describe_node=lambda i: describe_node(nodes[i]), windows=windows), lambda p: p.summary(budget))
+            describe_node=lambda i: describe_node(nodes[i]), windows=windows, world=world),
+            lambda p: p.summary(budget))
     except ResidencyError as e:
-        least = minimum_budget(analyzed, layout, nonmodel=nonmodel, slot_bytes=memory.slot_bytes)
+        least = minimum_budget(analyzed, layout, nonmodel=nonmodel, slot_bytes=memory.slot_bytes, world=memory.world)
         if budget >= least.nbytes:        # room for every node's chunks, not next to these optimizer states
             raise BudgetError(f"{e} (device_memory={format_bytes(budget)})") from e
         raise BudgetError(f"device_memory={format_bytes(budget)} ({budget} bytes) is below the minimum "
@@ -238,10 +259,11 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
                          lambda r: r[1].summary)
     gm = passes.run("insert_memory_ops", lambda: insert_memory_ops(
         captured.gm, plan, layout, param_fqns=captured.param_fqns, grad_fqns=captured.grad_fqns,
-        compute_dtype=dtype, nonmodel=nonmodel), lambda g: "")
+        compute_dtype=dtype, nonmodel=nonmodel, world=memory.world, rank=memory.rank), lambda g: "")
     report = passes.run("verify_schedule", lambda: verify_schedule(
         gm, layout, slot_bytes=memory.slot_bytes, budget=budget, initial=dict(plan.initial),
-        os_device_chunks=os_dev, os_device_bytes=os_bytes, final=dict(plan.final) if warm else None),
+        os_device_chunks=os_dev, os_device_bytes=os_bytes, final=dict(plan.final) if warm else None,
+        world=memory.world, grad_fqns=captured.grad_fqns if kind.backward else ()),
         lambda r: r.summary(budget))
     timings = list(passes.timings)        # insert_memory_ops reports what verify_schedule counted
     i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")

@@ -11,6 +11,12 @@ A trace pass (forward + backward, no update, dropout RNG and buffers restored) k
 chunks in COMPUTE on the device, records every moment's chunk needs and the non-model memory
 until the next moment, and so gives the smallest budget the model can run in. Every step after
 it replays those moments and evicts the resident chunk used farthest in the future.
+
+ZeRO (a ``ShardedStore``; PatrickStar's Algorithms 1-2): a chunk here is a communication group;
+fetching it all-gathers it and evicting it releases the remote shards. A gradient moment needs
+the parameter's group, which holds its gradients from the first to the last and is pinned
+meanwhile (the trace pins it the same way, so its minimum counts it); when the last one is in,
+the group is reduce-scattered to its owners and released.
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ class _Pass:
     grad_written: set[str] = field(default_factory=set)
     acc: list[torch.Tensor] | None = None    # fp32 host chunks accumulating gradients (micro-batches)
     span_bufs: dict[int, str] = field(default_factory=dict)      # gathered buffer ptr -> fqn (forward)
+    grads_left: dict[int, int] = field(default_factory=dict)     # ZeRO: group -> gradients still to come
     bwd_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # re-gathered for this backward node
 
 
@@ -100,6 +107,7 @@ class HooksEngine(ChunkEngine):
         self._module_params = {name: [self._fqn_of[id(p)] for _, p in own]
                                for name, own in direct_params(model).items()}
         self.states = {fqn: TensorState.HOLD for fqn in self.params}
+        self._grad_total = self._grad_counts()
 
         # -- hooks, trace pass, optimizer-state placement -----------------------------------
         self._pass: _Pass | None = None
@@ -307,6 +315,9 @@ class HooksEngine(ChunkEngine):
         if ps is None:
             return
         fqn = self._fqn_of[id(param)]
+        if self.comm is not None:
+            self._sharded_grad(ps, fqn, param)
+            return
         grad = param.grad
         param.grad = None
         if grad is not None and not ps.tracing:
@@ -324,6 +335,46 @@ class HooksEngine(ChunkEngine):
         del grad
         self.states[fqn] = TensorState.HOLD_AFTER_BWD
         self._moment(MomentKind.GRAD, fqn, ())
+
+    def _grad_counts(self) -> dict[int, int]:
+        """ZeRO: per group, the gradients it receives (one per trainable parameter in it)."""
+        left: dict[int, int] = {}
+        for f, p in self.params.items():
+            if p.requires_grad:
+                for c in self.layout.entry(f).chunks:
+                    left[c] = left.get(c, 0) + 1
+        return left
+
+    def _sharded_grad(self, ps: _Pass, fqn: str, param: nn.Parameter) -> None:
+        """ZeRO: the parameter's groups are gathered (a moment that needs them) and pinned from
+        their first gradient; the gradient goes into them; a group whose last gradient is in is
+        reduce-scattered (into its owner's host home, or added into its fp32 accumulation shard)
+        and released."""
+        groups = self.layout.entry(fqn).chunks
+        for c in groups:
+            if ps.grads_left[c] == self._grad_total[c]:
+                ps.pins[c] += 1                      # holds gradients from now on
+        self._moment(MomentKind.GRAD, fqn, groups)
+        grad = param.grad
+        param.grad = None
+        if grad is not None and not ps.tracing:
+            flat = grad.reshape(-1)
+            with ps.tracker.paused():
+                for p in self.layout.entry(fqn).pieces:
+                    self.store.write_piece(p.chunk, p.chunk_offset, flat[p.tensor_offset:p.tensor_offset + p.numel])
+            ps.grad_written.add(fqn)
+        del grad
+        self.states[fqn] = TensorState.HOLD_AFTER_BWD
+        for c in groups:
+            ps.grads_left[c] -= 1
+            if ps.grads_left[c] == 0:
+                self._complete_group(ps, c)
+
+    def _complete_group(self, ps: _Pass, c: int) -> None:
+        ps.pins[c] -= 1
+        if not ps.tracing and self.store.resident(c) and self.store.dirty[c]:
+            with ps.tracker.paused():
+                self.store.reduce_scatter(c, ps.acc[c] if ps.acc is not None else None)
 
     # ================================================================ passes
     def _new_tracker(self, batch: Any, *, tracing: bool) -> NonModelTracker:
@@ -364,6 +415,10 @@ class HooksEngine(ChunkEngine):
                                       # scaled (fp16) or accumulating (1/k) step
         del loss
         self._end_bwd_node()
+        if self.comm is not None:         # groups whose parameters did not all get a gradient
+            for c in sorted(c for c, n in ps.grads_left.items() if 0 < n < self._grad_total[c]):
+                ps.grads_left[c] = 0
+                self._complete_group(ps, c)
         self._moment(MomentKind.BWD_END, "", ())
         if ps.tracing:
             self._close_window(ps)
@@ -397,7 +452,7 @@ class HooksEngine(ChunkEngine):
         self.eval_peak_device_bytes = ps.tracker.peak_total
         traffic = self.link.reset()
         self.eval_bytes_moved = traffic.h2d_bytes + traffic.d2h_bytes
-        return value
+        return self._global_mean(value)
 
     def _plan_for(self, batch: Any) -> AccessPlan:
         sig = signature(batch)
@@ -418,7 +473,7 @@ class HooksEngine(ChunkEngine):
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        ps = _Pass(tracing=True, tracker=self._new_tracker(batch, tracing=True))
+        ps = _Pass(tracing=True, tracker=self._new_tracker(batch, tracing=True), grads_left=self._grad_counts())
         try:
             with self._pass_scope(ps):
                 if train:
@@ -435,7 +490,11 @@ class HooksEngine(ChunkEngine):
             for c in self.store.resident_chunks():
                 self.store.evict(c)      # dirty ones (updated on the device) go home first
             self._count_outside_steps()
-        return AccessPlan(tuple(ps.recorded))
+        moments = tuple(ps.recorded)
+        if self.comm is not None:     # every rank replays the same decisions: the same collectives
+            peaks = self.comm.agree_max([m.nonmodel_peak for m in moments])
+            moments = tuple(Moment(m.kind, m.label, m.need, p, m.pinned_bytes) for m, p in zip(moments, peaks))
+        return AccessPlan(moments)
 
     def _place_optimizer_states(self) -> None:
         """Device-aware placement (``pscompile.optim.placement``) for the largest non-model peak of
@@ -444,7 +503,7 @@ class HooksEngine(ChunkEngine):
         count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=self.layout.num_chunks,
                                     chunk_size=self.layout.chunk_size,
                                     param_chunk_bytes=self.store.param_chunk_bytes,
-                                    state_chunk_bytes=self.store.os_chunk_bytes)
+                                    state_chunk_bytes=self.store.os_chunk_bytes) if self.comm is None else 0
         self.store.place_optimizer_states(range(count))
         self._count_outside_steps()
         opt = self._optimizer_moments()
@@ -502,11 +561,16 @@ class HooksEngine(ChunkEngine):
 
     def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
         plan = self._plans[signature(batch)]
-        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc)
+        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc,
+                   grads_left=self._grad_counts())
         try:
             with self._pass_scope(ps):
                 loss, fwd_s, bwd_s = self._forward_backward(ps, batch, scale / k)
         except BaseException:
+            for c in self.store.resident_chunks():    # ZeRO: gradients that never reached their owners
+                if self.store.dirty[c] and self.comm is not None:
+                    self.store.dirty[c] = False
+                    self.store.drop(c)
             if acc is None:
                 self._undo_gradients(ps)
             self._count_outside_steps()
@@ -527,6 +591,9 @@ class HooksEngine(ChunkEngine):
             self._moment(MomentKind.OPT, f"chunk {c}", plan.moments[first_opt + c].need)
 
         self._pass = ps
+        if self.comm is not None:         # the update runs on the host shards: gathered groups go
+            for c in self.store.resident_chunks():
+                self.store.evict(c)
         try:
             with ps.tracker:
                 return self._optimizer_step(set(written), divisor, ps.tracker, make_room, grads=acc)

@@ -25,17 +25,20 @@ _HOST = torch.device("cpu")
 
 class ChunkStore:
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
-                 os_on_device: frozenset[int] = frozenset()):
+                 os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None):
+        """``home_numel``: elements of a chunk's home buffers (host copy and optimizer states); a
+        ZeRO store keeps only its shard of each chunk (``pscompile.dist.store``)."""
         self.layout = layout
         self.device = device
         self.dtype = dtype
         self.link = link
         cs = layout.chunk_size
+        self.home_numel = hs = cs if home_numel is None else home_numel
         pin = device.type == "cuda"
         self.dev_param_pool = SlotPool(Tier.DEVICE, device, dtype, cs)
-        self.host_param_pool = SlotPool(Tier.HOST, _HOST, dtype, cs, pin=pin)
-        self.dev_os_pool = SlotPool(Tier.DEVICE, device, torch.float32, cs)
-        self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, cs, pin=pin)
+        self.host_param_pool = SlotPool(Tier.HOST, _HOST, dtype, hs, pin=pin)
+        self.dev_os_pool = SlotPool(Tier.DEVICE, device, torch.float32, hs)
+        self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, hs, pin=pin)
         n = layout.num_chunks
         self.host_param = [self.host_param_pool.acquire(zero=True) for _ in range(n)]
         self.dev_param: list[torch.Tensor | None] = [None] * n
@@ -144,6 +147,10 @@ class ChunkStore:
     def chunk_of_storage(self, storage_ptr: int) -> int | None:
         """Chunk id whose device buffer has this storage pointer (None if not a device chunk)."""
         return self._slot_chunk.get(storage_ptr)
+
+    def home_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``(offset, numel)`` ranges of a chunk, in the coordinates of its home buffers."""
+        return ranges
 
     def is_model_storage(self, storage_ptr: int) -> bool:
         return any(pool.owns(storage_ptr) for pool in

@@ -25,6 +25,9 @@ import torch
 from torch import nn
 
 from pscompile.config import AdamW, Config, available_host_bytes
+from pscompile.dist import checkpoint as shard_ckpt
+from pscompile.dist.comm import resolve_comm
+from pscompile.dist.store import ShardedStore
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
@@ -66,6 +69,10 @@ class ChunkEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             self.budget = int(free * 0.9)
         batch = to_device(batch, self.device)
+        # ZeRO: the ranks this engine shards its chunks over (None: one process, or opted out)
+        self.comm = resolve_comm(config.process_group, bandwidth=config.link_bandwidth)
+        self.world = self.comm.world if self.comm is not None else 1
+        self.rank = self.comm.rank if self.comm is not None else 0
         self.materialized = materialize_meta(model)
 
         # -- parameters, names, first-use order, layout -------------------------------------
@@ -73,22 +80,26 @@ class ChunkEngine:
         self.params: dict[str, nn.Parameter] = mp.params
         self.order_source = mp.order_source
         self._fqn_of: dict[int, str] = mp.fqn_of()
-        self.layout = choose_layout(mp, config, self.budget, keep_tensors_whole=not self.splits_large_tensors)
+        self.layout = choose_layout(mp, config, self.budget, keep_tensors_whole=not self.splits_large_tensors,
+                                    world=self.world)
 
         # -- chunk store, optimizer, host budget --------------------------------------------
         elsize = torch.empty((), dtype=self.dtype).element_size()
         host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        host_need = self.layout.num_chunks * self.layout.chunk_size * (elsize + 12)
+        host_need = self.layout.num_chunks * (self.layout.chunk_size // self.world) * (elsize + 12)
         if host_need > host_budget:
+            owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
             raise ValueError(
-                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks: they need "
+                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned}: they need "
                 f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param); give "
                 f"host_memory >= {host_need} (the disk tier is not available yet)")
         self.link = Link(config.link_bandwidth)
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
-        self.store = ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
+        self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
+                      if self.comm is None else
+                      ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm))
         self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
         # Released parameters point at one NaN element broadcast to their shape: any use outside
         # the hooks' access/release gives NaN instead of stale values.
@@ -110,7 +121,7 @@ class ChunkEngine:
     def _accumulation_chunks(self) -> list[torch.Tensor]:
         """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
         if self._acc is None:
-            self._acc = [torch.zeros(self.layout.chunk_size, dtype=torch.float32)
+            self._acc = [torch.zeros(self.store.home_numel, dtype=torch.float32)
                          for _ in range(self.layout.num_chunks)]
         return self._acc
 
@@ -146,8 +157,28 @@ class ChunkEngine:
         self._detach_from_model()
         self.closed = True
         with torch.no_grad():
+            if self.comm is not None:      # a collective: every rank closes its engine
+                full = self._full_masters()
+                for fqn, p in self.params.items():
+                    p.data = full[fqn].to(*self._orig[fqn])
+                return
             for fqn, p in self.params.items():
                 p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
+
+    def _full_masters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 master, whole, on every rank (ZeRO: one all-gather)."""
+        groups = shard_ckpt.full_groups(self.store, self.comm)
+        out = {}
+        for e in self.layout.entries:
+            flat = torch.empty(e.numel, dtype=torch.float32)
+            for p in e.pieces:
+                flat[p.tensor_offset:p.tensor_offset + p.numel] = groups[p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
+            out[e.fqn] = flat.view(e.shape)
+        return out
+
+    def _global_mean(self, value: float) -> float:
+        """The mean of a per-rank value over the ranks (the loss, like DDP's)."""
+        return value if self.comm is None else self.comm.sum(value) / self.world
 
     def evaluate(self, batch: Any) -> float:
         """Forward-only loss (validation). Modes that support it override this."""
@@ -177,7 +208,9 @@ class ChunkEngine:
         self.adam.hp = dataclasses.replace(self.adam.hp, lr=value)   # validates like AdamW(lr=...)
 
     def _frozen_ranges(self, c: int, written: set[str]) -> list[tuple[int, int]]:
-        return [(p.chunk_offset, p.numel) for e, p in self.layout.chunk_members(c) if e.fqn not in written]
+        """Ranges of chunk ``c``'s home buffers whose parameters got no gradient."""
+        return self.store.home_ranges([(p.chunk_offset, p.numel) for e, p in self.layout.chunk_members(c)
+                                       if e.fqn not in written])
 
     def _optimizer_step(self, written: set[str], scale: float, tracker: NonModelTracker,
                         before_update: Callable[[int], None] = lambda c: None,
@@ -203,6 +236,8 @@ class ChunkEngine:
                 if frozen and grads is None and store.resident(c):
                     store.dirty[c] = True
                 sq += grad_sq_sum(buf)
+        if self.comm is not None:          # the global norm: every rank's shards
+            sq = self.comm.sum(sq)
         inv_scale = 1.0 / scale
         total_norm = (sq ** 0.5) * inv_scale
         found_inf = not (sq < float("inf"))     # also catches NaN
@@ -256,22 +291,27 @@ class ChunkEngine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._prepare_step(batches, accumulate=acc is not None)
         self._count_outside_steps()
+        if self.comm is not None:
+            self.comm.reset()
         runs: list[MicroRun] = []
         try:
             for b in batches:
                 runs.append(self._run_micro(b, acc=acc, scale=scale, k=k))
             t_opt = time.perf_counter()
             written = frozenset().union(*(r.written for r in runs))
-            skipped = self._update(runs[-1], written, self._grad_divisor(scale, k), acc)
+            # ZeRO reduce-scatters sum over ranks: the mean gradient divides by the world size too
+            skipped = self._update(runs[-1], written, self._grad_divisor(scale, k) * self.world, acc)
         finally:
             if acc is not None:
                 for a in acc:
                     a.zero_()
+        loss = self._global_mean(sum(r.loss for r in runs) / k)
         t_end = time.perf_counter()
         opt = self.link.reset()
+        comm = self.comm.reset() if self.comm is not None else None
         self._after_step(batches, runs, accumulate=acc is not None)
         self.stats = StepStats(
-            loss=sum(r.loss for r in runs) / k,
+            loss=loss,
             h2d_bytes=sum(r.traffic.h2d_bytes for r in runs) + opt.h2d_bytes,
             d2h_bytes=sum(r.traffic.d2h_bytes for r in runs) + opt.d2h_bytes,
             disk_read_bytes=0, disk_write_bytes=0,
@@ -280,7 +320,8 @@ class ChunkEngine:
             peak_nonmodel_bytes=max(r.tracker.peak_nonmodel for r in runs),
             num_fetches=sum(r.traffic.num_fetches for r in runs) + opt.num_fetches,
             num_evictions=sum(r.traffic.num_evictions for r in runs) + opt.num_evictions,
-            allgather_bytes=0, reduce_scatter_bytes=0, skipped=skipped, loss_scale=scale,
+            allgather_bytes=comm.allgather_bytes if comm else 0,
+            reduce_scatter_bytes=comm.reduce_scatter_bytes if comm else 0, skipped=skipped, loss_scale=scale,
             time_s=t_end - t_start, forward_s=sum(r.forward_s for r in runs),
             backward_s=sum(r.backward_s for r in runs), optimizer_s=t_end - t_opt,
             transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s)
@@ -313,20 +354,39 @@ class ChunkEngine:
                 self.store.restore_from_master(c)
 
     # ================================================================ state
+    def _scalar_state(self) -> dict:
+        return {"step": self.adam.step_count,
+                "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
+                "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0}
+
     def state_dict(self) -> dict:
-        """fp32 master weights, Adam states (per parameter fqn), step, loss scale."""
+        """fp32 master weights, Adam states (per parameter fqn), step, loss scale. Sharded (ZeRO):
+        this rank's shards and the layout they are cut from (``pscompile.consolidate`` joins the
+        ranks' dicts into the one-process form)."""
+        if self.comm is not None:
+            return shard_ckpt.shard_state_dict(self.store, self.layout, rank=self.rank, world=self.world,
+                                               extra=self._scalar_state())
         sd = {
             "master": {f: self.store.gather("master", f) for f in self.params},
             "exp_avg": {f: self.store.gather("exp_avg", f) for f in self.params},
             "exp_avg_sq": {f: self.store.gather("exp_avg_sq", f) for f in self.params},
-            "step": self.adam.step_count,
-            "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
-            "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0,
+            **self._scalar_state(),
         }
         self._count_outside_steps()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
+        """Load a one-process (or consolidated) state dict at any world size, or this rank's own
+        shard of a run with the same world size and layout."""
+        if shard_ckpt.is_shard(sd):
+            if self.comm is None:
+                raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; "
+                                 "load pscompile.consolidate(paths of every rank's state_dict) instead")
+            shard_ckpt.load_shard(self.store, self.layout, sd, rank=self.rank, world=self.world)
+            self._undo_all()
+            self._count_outside_steps()
+            self._load_scalars(sd)
+            return
         for key in ("master", "exp_avg", "exp_avg_sq"):
             missing = set(self.params) - set(sd[key])
             if missing:
@@ -340,6 +400,9 @@ class ChunkEngine:
                 self.store.scatter(key, f, sd[key][f])
         self._undo_all()       # param chunks = master cast to the compute dtype
         self._count_outside_steps()
+        self._load_scalars(sd)
+
+    def _load_scalars(self, sd: dict) -> None:
         self.adam.load_state_dict({"step": sd["step"]})
         if self.scaler is not None:
             self.scaler.scale = float(sd["loss_scale"])
@@ -348,6 +411,7 @@ class ChunkEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with fp32 master weights (tied names included), for export."""
         out: dict[str, torch.Tensor] = {}
+        full = self._full_masters() if self.comm is not None else None    # a collective
         sd_keys = self.model.state_dict(keep_vars=True)
         for key, value in sd_keys.items():
             try:
@@ -355,6 +419,6 @@ class ChunkEngine:
             except KeyError:
                 out[key] = value.detach().clone()
                 continue
-            out[key] = self.store.gather("master", entry.fqn)
+            out[key] = full[entry.fqn].clone() if full is not None else self.store.gather("master", entry.fqn)
         self._count_outside_steps()
         return out

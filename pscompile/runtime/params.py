@@ -51,15 +51,24 @@ def collect_params(model: nn.Module, batch: Any, run: Callable[[nn.Module, Any],
     return ModelParams(params, aliases, how)
 
 
-def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, keep_tensors_whole: bool) -> ChunkLayout:
+def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, keep_tensors_whole: bool,
+                  world: int = 1) -> ChunkLayout:
     """The chunk layout: ``config.chunk_size``, or with "auto" the least-waste size, at most an
-    eighth of the budget (``keep_tensors_whole``: never smaller than the largest tensor)."""
+    eighth of the budget (``keep_tensors_whole``: never smaller than the largest tensor).
+
+    ZeRO (``world > 1``): the layout's unit is a communication group of ``world`` chunks, one per
+    rank; an explicit ``chunk_size`` is per chunk (the group has ``world`` times as many elements),
+    and "auto" searches the group size (what the device holds at once) and rounds it up to a
+    multiple of ``world``."""
     numels = [p.numel() for p in mp.params.values()]
     cs = config.chunk_size
     elsize = torch.empty((), dtype=config.dtype).element_size()
     if cs == "auto":
         cap = None if budget is None else max(1024, budget // (elsize * 8))
         cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=keep_tensors_whole).chunk_size
+        cs = -(-cs // world) * world
+    else:
+        cs = cs * world
     if keep_tensors_whole and cs < max(numels):
         big = max(mp.params, key=lambda f: mp.params[f].numel())
         raise ValueError(

@@ -1,0 +1,76 @@
+"""What each rank of the multi-process tests runs (spawned by ``tests/test_dist.py``).
+
+Every function takes ``(rank, world, port, out_dir, ...)``, joins a gloo group on 127.0.0.1 with
+one thread, and writes what the parent checks into ``out_dir`` (``torch.save``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import pscompile
+from conftest import make_batches, make_model
+
+HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+STEPS = 3
+
+
+def join(rank: int, world: int, port: int, timeout_s: float = 120.0) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def split(batch, rank: int, world: int):
+    """This rank's part of a global batch (rows rank::world would do too; contiguous halves here)."""
+    def part(t):
+        n = t.shape[0] // world
+        return t[rank * n:(rank + 1) * n]
+    if isinstance(batch, dict):
+        return {k: part(v) for k, v in batch.items()}
+    return tuple(part(t) for t in batch)
+
+
+def config(mode: str, device_memory=None, **kw) -> pscompile.Config:
+    return pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=torch.float32,
+                            device_memory=device_memory, **kw)
+
+
+def tight_budget(kind: str, mode: str, rank: int, world: int) -> int:
+    """This model's sharded minimum plus one gathered group: every step must evict."""
+    batch = split(make_batches(kind, 1)[0], rank, world)
+    engine = pscompile.compile(make_model(kind), batch, optimizer=HP, config=config(mode))
+    engine.step(batch)
+    least = engine.min_device_memory + engine.store.param_chunk_bytes
+    engine.close()
+    return least
+
+
+def parity(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str]]) -> None:
+    """Train each (kind, mode) for STEPS steps on this rank's half of the global batches under a
+    budget that evicts; save the losses, per-step stats and this rank's state dict."""
+    join(rank, world, port)
+    for kind, mode in cases:
+        budget = tight_budget(kind, mode, rank, world)
+        batches = make_batches(kind, STEPS)
+        engine = pscompile.compile(make_model(kind), split(batches[0], rank, world), optimizer=HP,
+                                   config=config(mode, budget))
+        losses, stats = [], []
+        for b in batches:
+            losses.append(engine.step(split(b, rank, world)))
+            stats.append(engine.stats.as_dict())
+        plan = engine.last_plan if mode == "compiled" else None
+        torch.save({"losses": losses, "stats": stats, "budget": budget, "state": engine.state_dict(),
+                    "full": engine.full_state_dict(),
+                    "planned": None if plan is None else (plan.allgather_bytes, plan.reduce_scatter_bytes),
+                    "schedule": str(engine.schedule) if mode == "compiled" else None,
+                    "layout": (engine.layout.chunk_size, engine.layout.num_chunks),
+                    "host_model_bytes": engine.store.host_model_bytes()},
+                   os.path.join(out_dir, f"{kind}-{mode}-rank{rank}.pt"))
+        engine.close()
+    dist.destroy_process_group()
