@@ -115,7 +115,12 @@ def worst_tracking(engine, ref, initial: dict[str, torch.Tensor]) -> tuple[float
     whole step while the tensor agrees. A tensor or chunk that was never updated scores 1 whatever
     the learning rate, so a tolerance well below 1 catches it in bf16 too, where an absolute
     tolerance cannot. Returns (worst ratio, its name)."""
-    ours, theirs = engine.state_dict()["master"], ref.master_state()
+    return tracking_of(engine.state_dict()["master"], ref, initial)
+
+
+def tracking_of(ours: dict[str, torch.Tensor], ref, initial: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """``worst_tracking`` of fp32 masters given as a dict (e.g. consolidated from ZeRO shards)."""
+    theirs = ref.master_state()
     assert set(ours) == set(theirs) == set(initial)
     worst = (0.0, "")
     for k in theirs:

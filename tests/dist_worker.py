@@ -74,3 +74,66 @@ def parity(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
                    os.path.join(out_dir, f"{kind}-{mode}-rank{rank}.pt"))
         engine.close()
     dist.destroy_process_group()
+
+
+def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[str]) -> None:
+    """Two steps of 2 accumulated micro-batches per rank with clipping (the global norm), then
+    ``evaluate``, under a budget that evicts; save the losses and the full weights."""
+    join(rank, world, port)
+    hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.05)
+    for mode in modes:
+        budget = tight_budget("gpt", mode, rank, world)
+        batches = make_batches("gpt", 3, distinct=3)
+        micro = [[split(b, 2 * rank + m, 2 * world) for m in range(2)] for b in batches[:2]]
+        engine = pscompile.compile(make_model("gpt"), micro[0][0], optimizer=hp, config=config(mode, budget))
+        losses = [engine.step(mb) for mb in micro]
+        evaluation = engine.evaluate(split(batches[2], rank, world))
+        torch.save({"losses": losses, "eval": evaluation, "full": engine.full_state_dict()},
+                   os.path.join(out_dir, f"accum-{mode}-rank{rank}.pt"))
+        engine.close()
+    dist.destroy_process_group()
+
+
+def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str | None, steps: int) -> None:
+    """GPT under an evicting budget: load ``load`` (None: start fresh; "shard": this rank's file
+    of a 2-rank run; "full": the consolidated dict), run ``steps`` steps, save the losses; a fresh
+    run also saves every rank's state dict after its first ``steps // 2`` steps."""
+    join(rank, world, port)
+    budget = tight_budget("gpt", mode, rank, world)
+    batches = make_batches("gpt", steps, distinct=3)
+    engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP,
+                               config=config(mode, budget))
+    if load == "shard":
+        engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"), weights_only=True))
+    elif load == "full":
+        engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-full.pt"), weights_only=True))
+    losses = []
+    for i, b in enumerate(batches):
+        if load is None and i == steps // 2:
+            torch.save(engine.state_dict(), os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"))
+        if load is not None and i < steps // 2:
+            continue
+        losses.append(engine.step(split(b, rank, world)))
+    torch.save(losses, os.path.join(out_dir, f"resume-{mode}-{load}-rank{rank}.pt"))
+    engine.close()
+    dist.destroy_process_group()
+
+
+def dies(rank: int, world: int, port: int, out_dir: str, timeout_s: float) -> None:
+    """Rank 1 exits after compile; rank 0's next step must fail within the timeout, not hang."""
+    import time
+    join(rank, world, port, timeout_s=timeout_s)
+    batch = split(make_batches("gpt", 1)[0], rank, world)
+    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("compiled"))
+    engine.step(batch)
+    if rank == 1:
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        engine.step(batch)
+        engine.step(batch)
+        outcome = "no error"
+    except Exception as e:            # what the user sees
+        outcome = f"{type(e).__name__}: {e}"
+    torch.save({"outcome": outcome, "seconds": time.perf_counter() - start}, os.path.join(out_dir, "dies.pt"))
+    os._exit(0)

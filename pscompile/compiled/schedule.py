@@ -142,9 +142,9 @@ class Schedule:
         for i, n in enumerate(nodes):
             mem = get(n, "mem") if is_memory_node(n) else None
             if mem is not None and mem.slot is not None:
-                if mem.kind == MemKind.FETCH:
+                if mem.kind.arrives:
                     holds[mem.slot] = mem.chunk
-                elif mem.kind == MemKind.DROP:
+                elif mem.kind.leaves:
                     holds.pop(mem.slot, None)
             model_bytes = len(holds) * self.slot_bytes + self.os_device_bytes
             kind = _kind(n)
@@ -253,14 +253,22 @@ class Schedule:
         else:
             lines.append("non-model memory: static estimate from FakeTensor metadata "
                          "(replaced by the measured curve after the first step)")
-        fetches = counts.get(MemKind.FETCH, 0)
-        prefetched = sum(1 for r in mem_rows if r.mem.kind == MemKind.FETCH and r.mem.asynchronous)
+        if plan.world > 1:
+            lines.append(f"ZeRO: each chunk is a group of {plan.world} shards, rank r owns shard r; per iteration "
+                         f"{counts.get(MemKind.ALLGATHER, 0)} allgathers ({format_bytes(plan.allgather_bytes)} from the "
+                         f"other ranks), {counts.get(MemKind.REDUCE_SCATTER, 0)} reduce_scatters "
+                         f"({format_bytes(plan.reduce_scatter_bytes)} to them), "
+                         f"{counts.get(MemKind.RELEASE_REMOTE, 0)} release_remote")
+        fetches = sum(v for k, v in counts.items() if MemKind(k).arrives)
+        prefetched = sum(1 for r in mem_rows if r.mem.kind.arrives and r.mem.asynchronous)
         host_grads = sum(1 for r in mem_rows if r.mem.kind in (MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD)
                          and r.mem.slot is None)
         lines.append(f"planned traffic per iteration: h2d {format_bytes(plan.h2d_bytes)} ({fetches} fetches"
                      + (f", {prefetched} started early" if prefetched else "") + f"), d2h "
                      f"{format_bytes(plan.d2h_bytes)} ({counts.get(MemKind.WRITEBACK, 0)} writebacks, {host_grads} "
-                     f"gradient stores to the host), {counts.get(MemKind.DROP, 0)} evictions")
+                     f"gradient stores to the host"
+                     + (f", {counts.get(MemKind.REDUCE_SCATTER, 0)} reduced shards" if plan.world > 1 else "")
+                     + f"), {sum(v for k, v in counts.items() if MemKind(k).leaves)} evictions")
         total_s = sum(p.seconds for p in self.passes)
         lines.append(f"passes ({len(self.passes)}, {total_s:.3f} s):")
         width = max((len(p.name) for p in self.passes), default=0)
@@ -277,7 +285,9 @@ class Schedule:
         rows = self.rows
         placeholders = [n.name for n in nodes if n.op == "placeholder"]
         out = [self.header(), f"def iteration({_signature(placeholders)}):",
-               f"    # slot_k: device slots of {format_bytes(self.slot_bytes)}; host_c: the host copy of chunk c"]
+               f"    # slot_k: device slots of {format_bytes(self.slot_bytes)}; "
+               + ("host_c: the host copy of chunk c" if self.plan.world == 1 else
+                  f"host_c: this rank's shard of group c (1/{self.plan.world} of it)")]
         phase = None
         for n, r in zip(nodes, rows):
             if n.op == "placeholder":
@@ -377,7 +387,10 @@ class Schedule:
             ax.axhline(self.budget / mib, color="tab:red", linestyle="--", linewidth=1.2,
                        label=f"budget {format_bytes(self.budget)}")
         marks = {MemKind.FETCH: ("^", "tab:green", "fetch"), MemKind.DROP: ("v", "tab:red", "evict (drop)"),
-                 MemKind.WRITEBACK: ("s", "tab:purple", "writeback"), MemKind.WAIT: ("|", "tab:gray", "wait")}
+                 MemKind.WRITEBACK: ("s", "tab:purple", "writeback"), MemKind.WAIT: ("|", "tab:gray", "wait"),
+                 MemKind.ALLGATHER: ("^", "tab:cyan", "allgather"),
+                 MemKind.RELEASE_REMOTE: ("v", "tab:pink", "release_remote"),
+                 MemKind.REDUCE_SCATTER: ("D", "tab:olive", "reduce_scatter")}
         for kind, (marker, color, label) in marks.items():
             pts = [(r.idx, r.total_bytes / mib) for r in rows if r.mem is not None and r.mem.kind == kind]
             if pts:
@@ -448,8 +461,8 @@ def _slot_of(n: fx.Node) -> int | None:
 def _tier(n: fx.Node, mem: MemOp | None) -> str:
     if mem is None:
         return "device" if (get(n, "param") is not None or get(n, "reads")) else ""
-    if mem.kind == MemKind.DROP:
-        return "device (evict)"
+    if mem.kind.leaves:
+        return "device (evict)" if mem.kind == MemKind.DROP else "device (release remote)"
     if mem.kind == MemKind.WAIT:
         return "host->device (wait)"
     return f"{mem.src}->{mem.dst}"
@@ -461,7 +474,18 @@ def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
         early = ", started early (async)" if mem.asynchronous else ""
         return f"fetch chunk {mem.chunk} -> slot {mem.slot} ({mem.src}->{mem.dst}), {b}{early}"
     if mem.kind == MemKind.WAIT:
-        return f"wait for chunk {mem.chunk} in slot {mem.slot} (host->device, prefetched), 0 B"
+        what = "group" if mem.world > 1 else "chunk"
+        return f"wait for {what} {mem.chunk} in slot {mem.slot} (prefetched), 0 B"
+    if mem.kind == MemKind.ALLGATHER:
+        early = ", started early (async)" if mem.asynchronous else ""
+        return (f"allgather group {mem.chunk} -> slot {mem.slot}: own shard host->device {b}, "
+                f"{format_bytes(mem.comm_bytes)} from ranks 0-{mem.world - 1}{early}")
+    if mem.kind == MemKind.RELEASE_REMOTE:
+        return f"release group {mem.chunk} from slot {mem.slot} (remote shards dropped, slot freed), 0 B moved"
+    if mem.kind == MemKind.REDUCE_SCATTER:
+        where = "added into its fp32 accumulation shard" if mem.dst == "acc" else "to its host shard"
+        return (f"reduce_scatter group {mem.chunk} in slot {mem.slot}: sum over ranks 0-{mem.world - 1}, "
+                f"{format_bytes(mem.comm_bytes)} sent, own shard {where}, {b}")
     if mem.kind == MemKind.WRITEBACK:
         return f"writeback chunk {mem.chunk} <- slot {mem.slot} ({mem.src}->{mem.dst}), {b}"
     if mem.kind == MemKind.DROP:

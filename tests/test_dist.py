@@ -1,0 +1,147 @@
+"""ZeRO data parallelism by chunk with 2 processes (gloo on the CPU, one thread each).
+
+Each test spawns its ranks (``tests/dist_worker.py``) and checks what they saved against plain
+PyTorch on one process. The semantics are DDP's: each rank's loss is the mean over its part of the
+batch, and gradients and the returned loss are means over ranks -- so the yardstick is plain
+PyTorch accumulating the ranks' parts as micro-batches, ``(loss / k).backward()`` each.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import pscompile
+from conftest import TRACKING_TOL, fresh_masters, make_batches, make_model, tracking_of
+from pscompile.runtime.batching import call_model, extract_loss
+from pscompile.testing import ReferenceTrainer
+
+import dist_worker
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, *args, world: int = WORLD) -> None:
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def reference(kind: str, batches, hp=dist_worker.HP, parts: int = WORLD) -> tuple[list[float], ReferenceTrainer]:
+    ref = ReferenceTrainer(make_model(kind), optimizer=hp, dtype=torch.float32)
+    losses = [ref.step([dist_worker.split(b, r, parts) for r in range(parts)]) for b in batches]
+    return losses, ref
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def weight_error(full: dict[str, torch.Tensor], ref: ReferenceTrainer, kind: str = "gpt") -> float:
+    """The whole model's relative error ||ours - plain|| / ||plain||, after checking every tensor
+    tracks plain PyTorch (``tracking_of``: its error in units of how far plain PyTorch moved it)."""
+    worst, name = tracking_of({k: full[k] for k in ref.master_state()}, ref, fresh_masters(kind, torch.float32))
+    assert worst <= TRACKING_TOL, f"{name} tracks plain PyTorch only to {worst}"
+    theirs = ref.master_state()
+    diff = sum(((full[k] - v) ** 2).sum() for k, v in theirs.items()) ** 0.5
+    return (diff / sum((v ** 2).sum() for v in theirs.values()) ** 0.5).item()
+
+
+CASES = [("gpt", "compiled"), ("gpt", "hooks"), ("bert", "compiled"), ("bert", "hooks")]
+
+
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero")
+    spawn(dist_worker.parity, str(out), CASES)
+    return {(kind, mode): [torch.load(out / f"{kind}-{mode}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+            for kind, mode in CASES}
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_two_ranks_track_plain_pytorch_under_eviction(parity_runs, kind, mode):
+    ranks = parity_runs[(kind, mode)]
+    ref_losses, ref = reference(kind, make_batches(kind, dist_worker.STEPS))
+    for r, run in enumerate(ranks):
+        for i, (ours, plain) in enumerate(zip(run["losses"], ref_losses)):
+            assert rel(ours, plain) <= 1e-5, f"rank {r} step {i}: {ours} vs plain {plain}"
+        for i, s in enumerate(run["stats"]):
+            assert s["peak_device_bytes"] <= run["budget"], f"rank {r} step {i}: peak over its budget"
+            assert s["num_evictions"] > 0 and s["allgather_bytes"] > 0 and s["reduce_scatter_bytes"] > 0
+        if mode == "compiled":       # measured collective bytes == planned
+            assert (run["stats"][-1]["allgather_bytes"], run["stats"][-1]["reduce_scatter_bytes"]) == run["planned"]
+            assert "allgather" in run["schedule"] and "reduce_scatter" in run["schedule"]
+    consolidated = pscompile.consolidate([run["state"] for run in ranks])
+    assert weight_error(consolidated["master"], ref, kind) <= 1e-5
+    assert weight_error(ranks[0]["full"], ref, kind) <= 1e-5          # full_state_dict gathers the same
+    assert consolidated["step"] == dist_worker.STEPS
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_each_rank_holds_a_world_size_share_of_the_model_data(parity_runs, kind, mode):
+    single = pscompile.compile(make_model(kind), make_batches(kind, 1)[0], optimizer=dist_worker.HP,
+                               config=dist_worker.config(mode, process_group=False))
+    total = single.store.host_model_bytes() + single.store.dev_os_pool.bytes_in_use   # every chunk, all 4 lists
+    single.close()
+    group, groups = parity_runs[(kind, mode)][0]["layout"]
+    one_group = group * (4 + 12)               # compute dtype + master + exp_avg + exp_avg_sq
+    for run in parity_runs[(kind, mode)]:
+        assert run["host_model_bytes"] <= total / WORLD + one_group
+        assert run["host_model_bytes"] == groups * group // WORLD * 16
+
+
+def test_accumulation_clipping_and_evaluate_are_global(tmp_path):
+    spawn(dist_worker.accumulate_eval, str(tmp_path), ["compiled", "hooks"])
+    hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.05)
+    batches = make_batches("gpt", 3, distinct=3)
+    ref_losses, ref = reference("gpt", batches[:2], hp=hp, parts=2 * WORLD)
+    with torch.no_grad():
+        plain_eval = float(extract_loss(call_model(ref.model, batches[2]), batches[2], None))
+    for mode in ("compiled", "hooks"):
+        for r in range(WORLD):
+            run = torch.load(tmp_path / f"accum-{mode}-rank{r}.pt", weights_only=False)
+            for ours, plain in zip(run["losses"], ref_losses):
+                assert rel(ours, plain) <= 1e-5, (mode, r, ours, plain)
+            assert weight_error(run["full"], ref) <= 1e-5, mode
+            assert rel(run["eval"], plain_eval) <= 1e-5, (mode, run["eval"], plain_eval)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_a_two_rank_checkpoint_resumes_in_one_and_in_two_processes(tmp_path, mode):
+    steps = 4
+    spawn(dist_worker.resume, str(tmp_path), mode, None, steps)
+    fresh = torch.load(tmp_path / f"resume-{mode}-None-rank0.pt")
+    shards = [tmp_path / f"ckpt-{mode}-rank{r}.pt" for r in range(WORLD)]
+    torch.save(pscompile.consolidate(shards), tmp_path / f"ckpt-{mode}-full.pt")
+    spawn(dist_worker.resume, str(tmp_path), mode, "shard", steps)
+    again = torch.load(tmp_path / f"resume-{mode}-shard-rank0.pt")
+    assert again == fresh[steps // 2:], "two processes resumed from their shards"
+    spawn(dist_worker.resume, str(tmp_path), mode, "full", steps, world=1)
+    one = torch.load(tmp_path / f"resume-{mode}-full-rank0.pt")
+    assert len(one) == steps - steps // 2
+    for a, b in zip(one, fresh[steps // 2:]):
+        assert rel(a, b) <= 1e-5, f"one process resumed: {one} vs {fresh[steps // 2:]}"
+
+
+def test_a_dead_rank_surfaces_as_an_error_not_a_hang(tmp_path):
+    ctx = mp.spawn(dist_worker.dies, args=(WORLD, free_port(), str(tmp_path), 10.0), nprocs=WORLD, join=False)
+    while not ctx.join(timeout=120):
+        pass
+    result = torch.load(tmp_path / "dies.pt")
+    assert result["outcome"] != "no error"
+    assert result["seconds"] < 30, result
+
+
+def test_consolidate_refuses_an_incomplete_set(parity_runs):
+    ranks = parity_runs[("gpt", "compiled")]
+    with pytest.raises(ValueError, match="one shard of each of ranks"):
+        pscompile.consolidate([ranks[0]["state"]])
+    with pytest.raises(ValueError, match="sharded run"):
+        pscompile.consolidate([{"master": {}}])
