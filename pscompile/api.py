@@ -53,15 +53,18 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     trains with (``config.device_memory`` itself is ignored).
 
     Compiled mode plans it on fake tensors (nothing is allocated; the model may be on the meta
-    device). Hooks mode traces one forward and backward per chunk size it tries (``chunk_size=
+    device); with ZeRO (an initialized process group) it is one rank's minimum. Hooks mode traces one forward and backward per chunk size it tries (``chunk_size=
     "auto"`` sizes chunks by the budget), with the model's weights handed back afterwards."""
     optimizer, config = _check_arguments(model, optimizer, config)
     if config.mode == "compiled":
+        from pscompile.dist.comm import resolve_comm
         from pscompile.graph.pipeline import minimum_budget, plan_inputs
         batch = to_device(batch, config.torch_device)
-        layout, analyzed = plan_inputs(model, batch, config, loss_fn=loss_fn)
+        comm = resolve_comm(config.process_group)
+        world = comm.world if comm is not None else 1
+        layout, analyzed = plan_inputs(model, batch, config, loss_fn=loss_fn, world=world)
         slot_bytes = layout.chunk_size * config.dtype.itemsize
-        return minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot_bytes).nbytes
+        return minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot_bytes, world=world).nbytes
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]
 
 

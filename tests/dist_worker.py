@@ -119,14 +119,17 @@ def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str 
     dist.destroy_process_group()
 
 
-def dies(rank: int, world: int, port: int, out_dir: str, timeout_s: float) -> None:
-    """Rank 1 exits after compile; rank 0's next step must fail within the timeout, not hang."""
+def dies(rank: int, world: int, port: int, out_dir: str, timeout_s: float, how: str) -> None:
+    """Rank 1 exits (``how="exit"``) or stalls past the timeout (``"stall"``) after its first step;
+    rank 0's next step must fail within the timeout, not hang."""
     import time
     join(rank, world, port, timeout_s=timeout_s)
     batch = split(make_batches("gpt", 1)[0], rank, world)
     engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("compiled"))
     engine.step(batch)
     if rank == 1:
+        if how == "stall":
+            time.sleep(3 * timeout_s)
         os._exit(0)
     start = time.perf_counter()
     try:
@@ -135,5 +138,5 @@ def dies(rank: int, world: int, port: int, out_dir: str, timeout_s: float) -> No
         outcome = "no error"
     except Exception as e:            # what the user sees
         outcome = f"{type(e).__name__}: {e}"
-    torch.save({"outcome": outcome, "seconds": time.perf_counter() - start}, os.path.join(out_dir, "dies.pt"))
+    torch.save({"outcome": outcome, "seconds": time.perf_counter() - start}, os.path.join(out_dir, f"dies-{how}.pt"))
     os._exit(0)

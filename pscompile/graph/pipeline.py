@@ -273,39 +273,46 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
 
 
 def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
-                loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> tuple[ChunkLayout, AnalyzedGraph]:
+                loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                world: int = 1) -> tuple[ChunkLayout, AnalyzedGraph]:
     """The layout and the analyzed capture of ``model`` on ``batch`` under ``config``, as the
-    compiled engine makes them, without an engine (fake tensors: ``model`` may be on meta)."""
+    compiled engine makes them, without an engine (fake tensors: ``model`` may be on meta).
+    ``world``: the ranks a ZeRO engine would shard over (no process group is needed to plan)."""
     kind = RunKind(kind)
     mp = collect_params(model, batch, call_model)
-    layout = choose_layout(mp, config, config.device_memory, keep_tensors_whole=True)
+    layout = choose_layout(mp, config, config.device_memory, keep_tensors_whole=True, world=world)
     analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
                                    loss_fn=loss_fn)
     return layout, analyzed
 
 
 def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
-                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> tuple[ChunkLayout, Scheduled]:
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   world: int = 1, rank: int = 0) -> tuple[ChunkLayout, Scheduled]:
     """The layout and the schedule compiled mode would start with for ``model`` on ``batch`` under
     ``config`` (static non-model estimate, optimizer states placed by the same rule), without an
     engine: no chunk store is made and no parameter is materialized, so ``model`` may live on the
-    meta device. The budget is ``config.device_memory`` as given."""
+    meta device. The budget is ``config.device_memory`` as given; ``world``/``rank`` plan one rank of
+    a ZeRO run."""
     kind = RunKind(kind)
-    layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn)
-    return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind)
+    layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world)
+    return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind,
+                                  world=world, rank=rank)
 
 
 def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int | None, dtype: torch.dtype,
-                   kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None) -> Scheduled:
+                   kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None,
+                   world: int = 1, rank: int = 0) -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: optimizer states
-    placed by ``optim.placement`` for the curve's peak, then ``build_schedule``."""
+    placed by ``optim.placement`` for the curve's peak (on the host with ZeRO), then
+    ``build_schedule``."""
     nonmodel = analyzed.nonmodel if nonmodel is None else tuple(nonmodel)
     slot_bytes = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
     state_bytes = 3 * layout.chunk_size * 4                  # fp32 master, exp_avg, exp_avg_sq
     count = device_state_chunks(budget=budget, peak_nonmodel=max(nonmodel), num_chunks=layout.num_chunks,
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
-                                state_chunk_bytes=state_bytes)
-    memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes)
+                                state_chunk_bytes=state_bytes) if world == 1 else 0
+    memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank)
     return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
                           measured=nonmodel is not analyzed.nonmodel)
 
