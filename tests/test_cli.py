@@ -160,3 +160,25 @@ def test_bad_preset_lists_valid_names(tmp_path):
     assert r.returncode != 0
     assert "gpt-nope" in r.stderr and "gpt-tiny" in r.stderr and "gpt-mini" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_torchrun_two_ranks_trains_with_zero_and_rank_0_reports(tmp_path, mode):
+    """``torchrun --nproc_per_node 2 -m pscompile train``: both ranks train their half of each global
+    batch (gloo), rank 0 alone prints progress and the summary; the loss matches one process
+    training on the whole batch with the same ranks' halves as accumulated micro-batches."""
+    out = tmp_path / "zero.json"
+    flags = ["--model", "gpt-tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--no-progress",
+             "--device-memory", "3MiB", "--mode", mode, "--eval-batches", "1"]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "pscompile",
+                          "train", *flags, "--json", str(out)], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("| ZeRO ranks") == 1, "one summary, from rank 0"
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and r["dist_backend"] == "gloo" and r["within_budget"]
+    assert r["allgather_bytes_per_step"] > 0 and r["reduce_scatter_bytes_per_step"] > 0
+    one = run_train(TrainSettings(model="gpt-tiny", steps=4, batch_size=4, seq_len=32, progress=False, log_every=0,
+                                  device_memory="3MiB", mode=mode, eval_batches=1, grad_accum=2))
+    for a, b in zip(r["losses"], one["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (r["losses"], one["losses"])

@@ -13,6 +13,7 @@ because on CPUs without native bf16 matmuls (AVX2 only) bfloat16 backward is 10-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ from tabulate import tabulate
 from pscompile.api import compile as ps_compile
 from pscompile.config import AdamW, Config
 from pscompile.cli.data import Corpus
+from pscompile.dist.launch import init_from_env
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
 
@@ -203,8 +205,13 @@ class _Progress:
             self.bar.close()
 
 
-def run_train(s: TrainSettings) -> dict:
-    """Train as ``s`` says and return the summary (a JSON-ready dict)."""
+def run_train(s: TrainSettings, *, rank: int = 0, world: int = 1) -> dict:
+    """Train as ``s`` says and return the summary (a JSON-ready dict). Under ``torchrun`` (``world``
+    ranks, ZeRO by chunk) every rank draws the same global batch and trains on its share of the
+    rows, as with DDP; only rank 0 shows progress."""
+    if s.batch_size % (world * s.grad_accum):
+        raise ValueError(f"--batch-size={s.batch_size} is the global batch: it must split into {world} ranks x "
+                         f"--grad-accum={s.grad_accum} equal micro-batches")
     t0 = time.perf_counter()
     model = build_model(s)  # first: a bad preset name fails before any work
     cfg = model.config
@@ -214,8 +221,9 @@ def run_train(s: TrainSettings) -> dict:
     gen = torch.Generator().manual_seed(s.seed)
     val_gen = torch.Generator().manual_seed(s.seed + 1)
     val = [piece for _ in range(s.eval_batches)        # held-out batches, in micro-batch pieces
-           for piece in _pieces(corpus.batch("val", s.batch_size, s.seq_len, val_gen), s.grad_accum)]
-    batch = corpus.batch("train", s.batch_size, s.seq_len, gen)
+           for piece in _pieces(_share(corpus.batch("val", s.batch_size, s.seq_len, val_gen), rank, world),
+                                s.grad_accum)]
+    batch = _share(corpus.batch("train", s.batch_size, s.seq_len, gen), rank, world)
     engine = ps_compile(
         model, batch,
         optimizer=AdamW(lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0),
@@ -224,13 +232,16 @@ def run_train(s: TrainSettings) -> dict:
     t_compile = time.perf_counter()
     history: list[StepStats] = []
     evals: list[tuple[int, float]] = []           # (step, mean validation loss)
-    progress = _Progress(s)
+    progress = _Progress(s if rank == 0 else dataclasses.replace(s, progress=False, log_every=0))
+    if world > 1:
+        progress.note(f"ZeRO: {world} ranks, each owns {engine.layout.num_chunks} shards of "
+                      f"{engine.layout.chunk_size // world:,} elements; progress from rank 0")
     if s.mode == "compiled":                      # the plan, before anything runs
         progress.note(schedule_summary(engine, s))
     try:
         for step in range(1, s.steps + 1):
             if step > 1:
-                batch = corpus.batch("train", s.batch_size, s.seq_len, gen)
+                batch = _share(corpus.batch("train", s.batch_size, s.seq_len, gen), rank, world)
             engine.step(batch if s.grad_accum == 1 else _pieces(batch, s.grad_accum))
             history.append(engine.stats)
             progress.update(step, engine.stats, s.tokens_per_step / engine.stats.time_s)
@@ -244,7 +255,14 @@ def run_train(s: TrainSettings) -> dict:
     summary = _summarise(s, cfg, corpus, engine, history,
                          setup_s=t_compile - t0, data_s=t_data - t_model, train_s=t_end - t_compile)
     summary["val_losses"] = [{"step": st, "loss": v} for st, v in evals]
+    summary["world_size"] = world
+    summary["dist_backend"] = torch.distributed.get_backend() if world > 1 else None
     return summary
+
+
+def _share(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of a global batch (all of it on one process)."""
+    return batch if world == 1 else tuple(t.chunk(world)[rank].contiguous() for t in batch)
 
 
 def schedule_summary(engine, s: TrainSettings) -> str:
@@ -306,6 +324,9 @@ def _summarise(s: TrainSettings, cfg, corpus: Corpus, engine, history: list[Step
         "h2d_bytes_per_step": mean("h2d_bytes"),
         "d2h_bytes_per_step": mean("d2h_bytes"),
         "fetches_per_step": mean("num_fetches"),
+        "allgather_bytes_per_step": mean("allgather_bytes"),
+        "reduce_scatter_bytes_per_step": mean("reduce_scatter_bytes"),
+        "rank_model_bytes": engine.store.host_model_bytes() + engine.store.dev_os_pool.bytes_in_use,
         "evictions_per_step": mean("num_evictions"),
         "skipped_steps": sum(h.skipped for h in history),
         "setup_s": setup_s,
@@ -348,6 +369,13 @@ def summary_table(r: dict) -> str:
     if r["settings"]["grad_accum"] > 1:
         rows.insert(6, ("gradient accumulation", f"{r['settings']['grad_accum']} micro-batches of "
                                                  f"{r['settings']['batch_size'] // r['settings']['grad_accum']} per step"))
+    if r.get("world_size", 1) > 1:
+        rows[3] = ("chunks", f"{r['num_chunks']} groups x {r['chunk_size']:,} elements ({r['utilisation']:.1%} utilised), "
+                             f"each {r['world_size']} chunks of {r['chunk_size'] // r['world_size']:,}, one per rank")
+        rows.insert(4, ("ZeRO ranks", f"{r['world_size']} ({r['dist_backend']}), model data per rank "
+                                      f"{mib(r['rank_model_bytes'])}; "
+                                      f"per step all-gathered {mib(r['allgather_bytes_per_step'])}, reduce-scattered "
+                                      f"{mib(r['reduce_scatter_bytes_per_step'])} (rank 0)"))
     if r["skipped_steps"]:
         rows.append(("skipped steps (fp16 overflow)", str(r["skipped_steps"])))
     return tabulate(rows, tablefmt="outline")
@@ -355,7 +383,14 @@ def summary_table(r: dict) -> str:
 
 def train_command(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
-    result = run_train(s)
+    rank, world, joined = init_from_env(s.device)
+    try:
+        result = run_train(s, rank=rank, world=world)
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
+    if rank != 0:
+        return 0
     print(summary_table(result), flush=True)
     if s.json_path:
         with open(s.json_path, "w") as f:
