@@ -57,7 +57,7 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
 def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayout, *,
                       param_fqns: tuple[str, ...], grad_fqns: tuple[str, ...],
                       compute_dtype: torch.dtype, nonmodel: Sequence[int] | None = None,
-                      world: int = 1, rank: int = 0) -> fx.GraphModule:
+                      world: int = 1, rank: int = 0, per_chunk: bool = False) -> fx.GraphModule:
     """Return a new GraphModule: ``(slot_0.., host_0.., [acc_0..,] buffers.., batch..) -> (loss,)``
     (``acc_*`` placeholders only when the plan accumulates gradients).
 
@@ -79,7 +79,7 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     param_ph = {n: fqn for n, fqn in zip(placeholders, param_fqns)}
     cs = layout.chunk_size
 
-    home = cs // world         # elements of a chunk's home on this rank (its shard, with ZeRO)
+    home = cs if per_chunk else cs // world   # elements of a chunk's home here (its shard, with ZeRO by group)
 
     def buffer_placeholder(name: str, key: str, index: int, dtype: torch.dtype = compute_dtype,
                            numel: int = cs) -> fx.Node:
@@ -116,6 +116,21 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
             resident[a.chunk] = a.slot
             mem = MemOp(MemKind.ALLGATHER, a.chunk, a.slot, "host+ranks", "device", a.nbytes,
                         asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
+        elif a.kind == MemKind.BROADCAST:
+            owner = a.chunk % world
+            node = graph.call_function(torch.ops.pscompile.broadcast.default,
+                                       (slots[a.slot], hosts[a.chunk], owner, rank))
+            resident[a.chunk] = a.slot
+            mem = MemOp(MemKind.BROADCAST, a.chunk, a.slot, "host" if owner == rank else f"rank {owner}", "device",
+                        a.nbytes, asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
+        elif a.kind == MemKind.REDUCE:
+            owner = a.chunk % world
+            dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
+            node = graph.call_function(torch.ops.pscompile.reduce.default,
+                                       (dest, slots[a.slot], owner, rank, a.to_acc))
+            mem = MemOp(MemKind.REDUCE, a.chunk, a.slot, "device+ranks",
+                        ("acc" if a.to_acc else "host") if owner == rank else f"rank {owner}",
+                        a.nbytes, comm_bytes=a.comm_bytes, world=world)
         elif a.kind == MemKind.RELEASE_REMOTE:
             node = graph.call_function(torch.ops.pscompile.release_remote.default, (slots[a.slot],))
             del resident[a.chunk]

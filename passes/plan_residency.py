@@ -32,6 +32,11 @@ accumulation shard for a micro-batch) and released::
     before node i:  store_grad ... (the group's last gradients, into its slot)
                     reduce_scatter (group g)              slot -> own shard on the host, shard bytes
                     release_remote (group g)              the slot becomes free
+
+Per-chunk collectives (``per_chunk``; the memory-saving variant for many ranks): the unit is one
+chunk, owned by rank ``c % world``; it arrives by ``broadcast`` from its owner (only the owner's
+link carries it) and its gradients go by ``reduce`` to the owner, so a slot is one chunk, never a
+group. Bytes differ per rank, so the plan is ``rank``'s.
 """
 
 from __future__ import annotations
@@ -142,7 +147,8 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    start: Mapping[int, int] | None = None, keep_at_end: bool = False,
                    end: Mapping[int, int] | None = None,
                    describe_node=lambda i: f"node {i}",
-                   windows: Sequence[int] | None = None, world: int = 1) -> ResidencyPlan:
+                   windows: Sequence[int] | None = None, world: int = 1, rank: int = 0,
+                   per_chunk: bool = False) -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
     after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
     becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
@@ -193,6 +199,12 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     sharded = world > 1
     shard_bytes = slot_bytes // world
     remote_bytes = slot_bytes - shard_bytes
+
+    def owner_bytes(c: int) -> tuple[int, int]:
+        """(bytes over this rank's link, bytes with other ranks) of one collective on chunk/group c."""
+        if not per_chunk:
+            return shard_bytes, remote_bytes
+        return (slot_bytes, 0) if c % world == rank else (0, slot_bytes)
     grads_left = {}                                   # group -> gradients still to store (sharded)
     for gs in stores.values():
         for g in gs:
@@ -215,9 +227,11 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         slot = st.take_slot() if slot is None else slot
         st.resident[c] = slot
         if sharded:
-            actions.append(Action(before, MemKind.ALLGATHER, c, slot, shard_bytes, comm_bytes=remote_bytes))
-            h2d += shard_bytes
-            gathered += remote_bytes
+            link, comm = owner_bytes(c)
+            actions.append(Action(before, MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, c, slot, link,
+                                  comm_bytes=comm))
+            h2d += link
+            gathered += comm
         else:
             actions.append(Action(before, MemKind.FETCH, c, slot, slot_bytes))
             h2d += slot_bytes
@@ -225,10 +239,11 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
 
     def reduce_scatter(c: int, before: int) -> None:
         nonlocal d2h, scattered
-        actions.append(Action(before, MemKind.REDUCE_SCATTER, c, st.resident[c], shard_bytes,
-                              comm_bytes=remote_bytes, to_acc=accumulate))
-        d2h += shard_bytes
-        scattered += remote_bytes
+        link, comm = owner_bytes(c)
+        actions.append(Action(before, MemKind.REDUCE if per_chunk else MemKind.REDUCE_SCATTER, c, st.resident[c],
+                              link, comm_bytes=comm, to_acc=accumulate))
+        d2h += link
+        scattered += comm
         st.dirty.discard(c)
         evict(c, before)
 

@@ -51,7 +51,7 @@ class VerifyReport:
 def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int, budget: int | None,
                     initial: dict[int, int], os_device_chunks: frozenset[int] = frozenset(),
                     os_device_bytes: int = 0, final: dict[int, int] | None = None,
-                    world: int = 1, grad_fqns: tuple[str, ...] = ()) -> VerifyReport:
+                    world: int = 1, grad_fqns: tuple[str, ...] = (), per_chunk: bool = False) -> VerifyReport:
     """``initial``/``final``: chunk -> slot resident at the start / required at the end (default
     for the end: exactly the chunks whose optimizer states live on the device). ``world`` > 1:
     chunks are groups sharded over that many ranks; ``grad_fqns`` the gradients the graph makes
@@ -67,7 +67,9 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     pending: set[int] = set()       # slots whose asynchronous fetch has not been waited for
     reduced: set[int] = set()       # groups reduce-scattered (ZeRO)
     sharded = world > 1
-    arrive, leave = (MemKind.ALLGATHER, MemKind.RELEASE_REMOTE) if sharded else (MemKind.FETCH, MemKind.DROP)
+    arrive, leave = ((MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, MemKind.RELEASE_REMOTE) if sharded
+                     else (MemKind.FETCH, MemKind.DROP))
+    reduce_kind = MemKind.REDUCE if per_chunk else MemKind.REDUCE_SCATTER
     nonmodel = 0
     peak, peak_node, count = 0, "start", 0
 
@@ -83,11 +85,13 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             mem = gmeta.get(node, "mem")
             if mem is None:
                 fail(node, "memory node without its MemOp metadata")
-            if mem.kind in (MemKind.FETCH, MemKind.ALLGATHER, MemKind.DROP, MemKind.RELEASE_REMOTE) \
-                    and mem.kind not in (arrive, leave):
+            if (mem.kind.arrives or mem.kind.leaves or mem.kind.reduces) and mem.kind not in (arrive, leave, reduce_kind):
                 fail(node, f"{mem.kind} in a schedule {'sharded over ' + str(world) + ' ranks' if sharded else 'of one rank'}; "
-                           f"chunks arrive by {arrive} and leave by {leave} here")
+                           f"chunks arrive by {arrive}, leave by {leave} and reduce by {reduce_kind} here")
             if mem.kind.arrives:
+                if mem.kind == MemKind.BROADCAST and node.args[2] != mem.chunk % world:
+                    fail(node, f"broadcast of chunk {mem.chunk} from rank {node.args[2]}; its owner is rank "
+                               f"{mem.chunk % world}")
                 slot = slot_of_ph.get(node.args[0])
                 if slot in holds:
                     fail(node, f"fetch of chunk {mem.chunk} into slot {slot}, which still holds chunk {holds[slot]}")
@@ -109,15 +113,17 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                     fail(node, f"{mem.kind} of chunk {mem.chunk} loses gradients: no "
                                f"{'reduce_scatter' if sharded else 'writeback'} before it")
                 del holds[slot]
-            elif mem.kind == MemKind.REDUCE_SCATTER:
+            elif mem.kind.reduces:
                 slot = slot_of_ph.get(node.args[1])
                 if holds.get(slot) != mem.chunk:
-                    fail(node, f"reduce_scatter of group {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
+                    fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
                 target = acc_of_ph.get(node.args[0]) if node.args[4] else host_of_ph.get(node.args[0])
                 if target != mem.chunk:
-                    fail(node, f"reduce_scatter of group {mem.chunk} writes another chunk's shard")
+                    fail(node, f"{mem.kind} of chunk {mem.chunk} writes another chunk's home")
+                if per_chunk and node.args[2] != mem.chunk % world:
+                    fail(node, f"reduce of chunk {mem.chunk} to rank {node.args[2]}; its owner is rank {mem.chunk % world}")
                 if mem.chunk in reduced:
-                    fail(node, f"group {mem.chunk} is reduce-scattered twice (its gradients would count twice)")
+                    fail(node, f"chunk {mem.chunk} is reduced twice (its gradients would count twice)")
                 reduced.add(mem.chunk)
                 dirty.discard(mem.chunk)
             elif mem.kind == MemKind.WRITEBACK:
@@ -134,7 +140,7 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             elif mem.kind == MemKind.STORE_GRAD:
                 dest = node.args[0]
                 if sharded and mem.chunk in reduced:
-                    fail(node, f"gradient of {mem.fqn} stored after group {mem.chunk} was reduce-scattered: "
+                    fail(node, f"gradient of {mem.fqn} stored after chunk {mem.chunk} was reduced: "
                                "it would never reach its owner")
                 if sharded and dest not in slot_of_ph:
                     fail(node, f"gradient of {mem.fqn} stored outside its gathered group {mem.chunk}")
@@ -184,6 +190,6 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     if sharded and grad_fqns:
         expected = {c for f in grad_fqns for c in layout.entry(f).chunks}
         if expected != reduced:
-            raise ScheduleError(f"verify_schedule: groups {sorted(expected - reduced)} receive gradients that are "
-                                "never reduce-scattered")
+            raise ScheduleError(f"verify_schedule: chunks {sorted(expected - reduced)} receive gradients that are "
+                                "never reduced")
     return VerifyReport(count, peak, peak_node)

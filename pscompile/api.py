@@ -62,7 +62,8 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
         batch = to_device(batch, config.torch_device)
         comm = resolve_comm(config.process_group)
         world = comm.world if comm is not None else 1
-        layout, analyzed = plan_inputs(model, batch, config, loss_fn=loss_fn, world=world)
+        layout, analyzed = plan_inputs(model, batch, config, loss_fn=loss_fn, world=world,
+                                       per_chunk=config.collectives == "per_chunk")
         slot_bytes = layout.chunk_size * config.dtype.itemsize
         return minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot_bytes, world=world).nbytes
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]

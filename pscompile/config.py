@@ -17,6 +17,7 @@ from pscompile.units import parse_rate, parse_size
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("compiled", "hooks")
 _BACKENDS = ("inductor", "eager")
+_COLLECTIVES = ("group", "per_chunk")
 
 
 def available_host_bytes() -> int:
@@ -53,6 +54,10 @@ class Config:
     # ZeRO data parallelism by chunk: None shards over the default group when torch.distributed is
     # initialized with several ranks; a ProcessGroup shards over that group; False never shards
     process_group: Any = field(default=None, compare=False)
+    # ZeRO collectives: "group" all-gathers a communication group of world_size chunks into one
+    # slot and reduce-scatters it; "per_chunk" broadcasts each chunk from its owner and reduces its
+    # gradients to it (PatrickStar's choice for 16+ ranks: the device holds one chunk, not a group)
+    collectives: str = "group"
 
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
@@ -95,6 +100,8 @@ class Config:
                 raise ValueError(f"process_group={self.process_group!r} must be None (the default group when "
                                  "torch.distributed is initialized), False (no sharding) or a "
                                  "torch.distributed.ProcessGroup")
+        if self.collectives not in _COLLECTIVES:
+            raise ValueError(f"collectives={self.collectives!r} is not supported; use one of {_COLLECTIVES}")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):

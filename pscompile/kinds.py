@@ -30,11 +30,18 @@ class MemKind(StrEnum):
     ALLGATHER = "allgather"              # ZeRO: own shard host -> slot, the other shards from their owners
     RELEASE_REMOTE = "release_remote"    # ZeRO: the slot no longer holds the gathered group (no bytes move)
     REDUCE_SCATTER = "reduce_scatter"    # ZeRO: the group's gradients summed over ranks, own shard -> host
+    BROADCAST = "broadcast"              # ZeRO per chunk: the owner's chunk host -> its slot -> every rank
+    REDUCE = "reduce"                    # ZeRO per chunk: the chunk's gradients summed into its owner's home
 
     @property
     def arrives(self) -> bool:
         """A chunk (or gathered group) takes a slot."""
-        return self in (MemKind.FETCH, MemKind.ALLGATHER)
+        return self in (MemKind.FETCH, MemKind.ALLGATHER, MemKind.BROADCAST)
+
+    @property
+    def reduces(self) -> bool:
+        """ZeRO: the gradients of a gathered chunk or group go to their owners."""
+        return self in (MemKind.REDUCE_SCATTER, MemKind.REDUCE)
 
     @property
     def leaves(self) -> bool:

@@ -41,10 +41,10 @@ def config(mode: str, device_memory=None, **kw) -> pscompile.Config:
                             device_memory=device_memory, **kw)
 
 
-def tight_budget(kind: str, mode: str, rank: int, world: int) -> int:
+def tight_budget(kind: str, mode: str, rank: int, world: int, **kw) -> int:
     """This model's sharded minimum plus one gathered group: every step must evict."""
     batch = split(make_batches(kind, 1)[0], rank, world)
-    engine = pscompile.compile(make_model(kind), batch, optimizer=HP, config=config(mode))
+    engine = pscompile.compile(make_model(kind), batch, optimizer=HP, config=config(mode, **kw))
     engine.step(batch)
     least = engine.min_device_memory + engine.store.param_chunk_bytes
     engine.close()
@@ -140,3 +140,24 @@ def dies(rank: int, world: int, port: int, out_dir: str, timeout_s: float, how: 
         outcome = f"{type(e).__name__}: {e}"
     torch.save({"outcome": outcome, "seconds": time.perf_counter() - start}, os.path.join(out_dir, f"dies-{how}.pt"))
     os._exit(0)
+
+
+def collectives(rank: int, world: int, port: int, out_dir: str, mode: str) -> None:
+    """The same training with collectives="group" and "per_chunk" at one budget: losses, weights,
+    the device bytes of one slot, and the largest communication buffer each needed."""
+    join(rank, world, port)
+    batches = make_batches("gpt", STEPS)
+    out = {}
+    for kind in ("group", "per_chunk"):          # chunks of 16,384 elements (the largest tensor) in both
+        budget = tight_budget("gpt", mode, rank, world, collectives=kind, chunk_size=16384)
+        engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP,
+                                   config=config(mode, budget, collectives=kind, chunk_size=16384))
+        losses = [engine.step(split(b, rank, world)) for b in batches]
+        out[kind] = {"losses": losses, "full": engine.full_state_dict(), "budget": budget,
+                     "slot_bytes": engine.store.param_chunk_bytes, "chunk_elements": engine.layout.chunk_size,
+                     "peaks": engine.stats.peak_device_bytes, "min": engine.min_device_memory,
+                     "stats": engine.stats.as_dict(), "state": engine.state_dict(),
+                     "schedule": str(engine.schedule) if mode == "compiled" else None}
+        engine.close()
+    torch.save(out, os.path.join(out_dir, f"collectives-{mode}-rank{rank}.pt"))
+    dist.destroy_process_group()

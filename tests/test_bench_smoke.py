@@ -162,3 +162,20 @@ def test_whole_graph_experiment_runs():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "memory ops executed" in proc.stdout
+
+
+def test_zero_quick(tmp_path):
+    out = tmp_path / "z.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "zero.py"), "--quick", "--ranks", "1,2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["mode"], r["world"]) for r in runs) == [("compiled", 1), ("compiled", 2), ("hooks", 1), ("hooks", 2)]
+    for r in runs:
+        assert "error" not in r and r["within_budget"]
+        assert r["peak_device_bytes"] <= r["budget_bytes"]
+        if r["world"] == 2:
+            assert r["max_rel_loss_diff_vs_1_rank"] <= 1e-5
+            assert r["allgather_bytes_per_step"] > 0 and r["reduce_scatter_bytes_per_step"] > 0
+            one = next(x for x in runs if x["mode"] == r["mode"] and x["world"] == 1)
+            assert r["model_bytes_per_rank"] <= one["model_bytes_per_rank"] / 2 + 16 * r["chunk_elements"] * 2

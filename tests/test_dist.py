@@ -148,3 +148,26 @@ def test_consolidate_refuses_an_incomplete_set(parity_runs):
         pscompile.consolidate([ranks[0]["state"]])
     with pytest.raises(ValueError, match="sharded run"):
         pscompile.consolidate([{"master": {}}])
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_per_chunk_collectives_need_one_chunk_of_buffer_and_give_the_same_results(tmp_path, mode):
+    """collectives="per_chunk" (broadcast from the owner, reduce to it) against "group" (all-gather,
+    reduce-scatter) at the same chunk size: a collective's buffer is one chunk instead of a group of
+    world_size chunks, and the training is the same."""
+    spawn(dist_worker.collectives, str(tmp_path), mode)
+    ranks = [torch.load(tmp_path / f"collectives-{mode}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for run in ranks:
+        group, per_chunk = run["group"], run["per_chunk"]
+        assert per_chunk["slot_bytes"] * WORLD == group["slot_bytes"] == 16384 * 4 * WORLD
+        assert per_chunk["losses"] == pytest.approx(group["losses"], rel=1e-6)
+        for k, v in group["full"].items():
+            assert torch.allclose(per_chunk["full"][k], v, rtol=1e-6, atol=1e-7), k
+        assert per_chunk["stats"]["allgather_bytes"] > 0 and per_chunk["stats"]["reduce_scatter_bytes"] > 0
+        if mode == "compiled":
+            assert "pscompile.broadcast" in per_chunk["schedule"] and "pscompile.reduce(" in per_chunk["schedule"]
+            assert "allgather" not in per_chunk["schedule"].split("def iteration")[1]
+    full = pscompile.consolidate([run["per_chunk"]["state"] for run in ranks])
+    for k, v in ranks[0]["per_chunk"]["full"].items():
+        if k in full["master"]:
+            assert torch.equal(full["master"][k], v), k

@@ -178,7 +178,7 @@ class CompiledEngine(ChunkEngine):
         """The device as the pipeline sees it now."""
         os_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
         return DeviceMemory(self.budget, self.store.param_chunk_bytes, os_dev, self.store.dev_os_pool.bytes_in_use,
-                            world=self.world, rank=self.rank)
+                            world=self.world, rank=self.rank, per_chunk=self.per_chunk)
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None) -> Scheduled:
@@ -327,6 +327,21 @@ class CompiledEngine(ChunkEngine):
             self._slot_chunk[mem.slot] = mem.chunk
             if mem.asynchronous:
                 self._in_flight[mem.slot] = handle
+        elif mem.kind == MemKind.BROADCAST:
+            slot = args[0]
+            self._allocate_slot(mem.slot)
+            handle = store.broadcast_into(mem.chunk, slot, async_op=mem.asynchronous,
+                                          copy=lambda d, s_: q.submit(d, s_, "h2d").result())
+            self.link.traffic.num_fetches += 1
+            store.attach(mem.chunk, slot)
+            self._slot_chunk[mem.slot] = mem.chunk
+            if mem.asynchronous:
+                self._in_flight[mem.slot] = handle
+        elif mem.kind == MemKind.REDUCE:
+            dest, slot, _, _, accumulate = args
+            store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
+                                   copy=lambda d, s_: q.submit(d, s_, "d2h").result())
+            store.dirty[mem.chunk] = False
         elif mem.kind == MemKind.REDUCE_SCATTER:
             dest, slot, _, _, accumulate = args
             shard = store.home_numel

@@ -253,12 +253,17 @@ class Schedule:
         else:
             lines.append("non-model memory: static estimate from FakeTensor metadata "
                          "(replaced by the measured curve after the first step)")
-        if plan.world > 1:
+        if plan.world > 1 and counts.get(MemKind.BROADCAST) is None and counts.get(MemKind.ALLGATHER) is not None:
             lines.append(f"ZeRO: each chunk is a group of {plan.world} shards, rank r owns shard r; per iteration "
                          f"{counts.get(MemKind.ALLGATHER, 0)} allgathers ({format_bytes(plan.allgather_bytes)} from the "
                          f"other ranks), {counts.get(MemKind.REDUCE_SCATTER, 0)} reduce_scatters "
                          f"({format_bytes(plan.reduce_scatter_bytes)} to them), "
                          f"{counts.get(MemKind.RELEASE_REMOTE, 0)} release_remote")
+        elif plan.world > 1:
+            lines.append(f"ZeRO per chunk: chunk c is owned by rank c % {plan.world}; per iteration "
+                         f"{counts.get(MemKind.BROADCAST, 0)} broadcasts ({format_bytes(plan.allgather_bytes)} received "
+                         f"from owners), {counts.get(MemKind.REDUCE, 0)} reduces ({format_bytes(plan.reduce_scatter_bytes)} "
+                         f"sent to owners), {counts.get(MemKind.RELEASE_REMOTE, 0)} release_remote")
         fetches = sum(v for k, v in counts.items() if MemKind(k).arrives)
         prefetched = sum(1 for r in mem_rows if r.mem.kind.arrives and r.mem.asynchronous)
         host_grads = sum(1 for r in mem_rows if r.mem.kind in (MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD)
@@ -267,7 +272,8 @@ class Schedule:
                      + (f", {prefetched} started early" if prefetched else "") + f"), d2h "
                      f"{format_bytes(plan.d2h_bytes)} ({counts.get(MemKind.WRITEBACK, 0)} writebacks, {host_grads} "
                      f"gradient stores to the host"
-                     + (f", {counts.get(MemKind.REDUCE_SCATTER, 0)} reduced shards" if plan.world > 1 else "")
+                     + (f", {sum(v for k, v in counts.items() if MemKind(k).reduces)} reductions" if plan.world > 1
+                        else "")
                      + f"), {sum(v for k, v in counts.items() if MemKind(k).leaves)} evictions")
         total_s = sum(p.seconds for p in self.passes)
         lines.append(f"passes ({len(self.passes)}, {total_s:.3f} s):")
@@ -287,7 +293,8 @@ class Schedule:
         out = [self.header(), f"def iteration({_signature(placeholders)}):",
                f"    # slot_k: device slots of {format_bytes(self.slot_bytes)}; "
                + ("host_c: the host copy of chunk c" if self.plan.world == 1 else
-                  f"host_c: this rank's shard of group c (1/{self.plan.world} of it)")]
+                  "host_c: this rank's home of chunk c (ZeRO: its shard, or per chunk the whole chunk where "
+                  "it is the owner)")]
         phase = None
         for n, r in zip(nodes, rows):
             if n.op == "placeholder":
@@ -390,7 +397,8 @@ class Schedule:
                  MemKind.WRITEBACK: ("s", "tab:purple", "writeback"), MemKind.WAIT: ("|", "tab:gray", "wait"),
                  MemKind.ALLGATHER: ("^", "tab:cyan", "allgather"),
                  MemKind.RELEASE_REMOTE: ("v", "tab:pink", "release_remote"),
-                 MemKind.REDUCE_SCATTER: ("D", "tab:olive", "reduce_scatter")}
+                 MemKind.REDUCE_SCATTER: ("D", "tab:olive", "reduce_scatter"),
+                 MemKind.BROADCAST: ("^", "tab:blue", "broadcast"), MemKind.REDUCE: ("D", "tab:brown", "reduce")}
         for kind, (marker, color, label) in marks.items():
             pts = [(r.idx, r.total_bytes / mib) for r in rows if r.mem is not None and r.mem.kind == kind]
             if pts:
@@ -480,6 +488,13 @@ def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
         early = ", started early (async)" if mem.asynchronous else ""
         return (f"allgather group {mem.chunk} -> slot {mem.slot}: own shard host->device {b}, "
                 f"{format_bytes(mem.comm_bytes)} from ranks 0-{mem.world - 1}{early}")
+    if mem.kind == MemKind.BROADCAST:
+        early = ", started early (async)" if mem.asynchronous else ""
+        return (f"broadcast chunk {mem.chunk} -> slot {mem.slot} from its owner rank {mem.chunk % mem.world} "
+                f"({mem.src}->device), link {b}, {format_bytes(mem.comm_bytes)} received{early}")
+    if mem.kind == MemKind.REDUCE:
+        return (f"reduce chunk {mem.chunk} in slot {mem.slot} to its owner rank {mem.chunk % mem.world} "
+                f"(-> {mem.dst}), {format_bytes(mem.comm_bytes)} sent, link {b}")
     if mem.kind == MemKind.RELEASE_REMOTE:
         return f"release group {mem.chunk} from slot {mem.slot} (remote shards dropped, slot freed), 0 B moved"
     if mem.kind == MemKind.REDUCE_SCATTER:

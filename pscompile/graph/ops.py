@@ -19,6 +19,11 @@ ZeRO (a slot holds a communication group of ``world`` chunks; rank r owns shard 
     reduce_scatter(dest!, slot, rank, world, accumulate)
                                                  dest (<- or +=) sum over ranks of slot[r]
 
+ZeRO per chunk (a slot holds one chunk, owned by rank ``owner``):
+
+    broadcast(slot!, host, owner, rank)          slot <- the owner's host copy, on every rank
+    reduce(dest!, slot, owner, rank, accumulate) on the owner: dest (<- or +=) sum over ranks of slot
+
 Run eagerly, every op completes at once (``wait`` does nothing); the executor runs a fetch that
 has a ``wait`` asynchronously (prefetch) and blocks at the ``wait``.
 
@@ -148,11 +153,42 @@ def _(dest, slot, rank, world, accumulate):
     return None
 
 
+@torch.library.custom_op("pscompile::broadcast", mutates_args=("slot",))
+def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
+    """Eagerly on the default process group (the executor runs it on the engine's group)."""
+    if rank == owner:
+        slot.copy_(host)
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast(slot, src=owner)
+
+
+@broadcast.register_fake
+def _(slot, host, owner, rank):
+    return None
+
+
+@torch.library.custom_op("pscompile::reduce", mutates_args=("dest", "slot"))
+def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) -> None:
+    """Eagerly on the default process group (the executor runs it on the engine's group)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.reduce(slot, dst=owner)
+    if rank == owner:
+        dest.add_(slot) if accumulate else dest.copy_(slot)
+
+
+@reduce.register_fake
+def _(dest, slot, owner, rank, accumulate):
+    return None
+
+
 MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
               torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default,
               torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default,
               torch.ops.pscompile.allgather.default, torch.ops.pscompile.release_remote.default,
-              torch.ops.pscompile.reduce_scatter.default)
+              torch.ops.pscompile.reduce_scatter.default, torch.ops.pscompile.broadcast.default,
+              torch.ops.pscompile.reduce.default)
 for _op in MEMORY_OPS:
     torch.fx.has_side_effect(_op)
 

@@ -83,6 +83,7 @@ class DeviceMemory:
     os_device_bytes: int = 0               # their fp32 master + exp_avg + exp_avg_sq bytes
     world: int = 1                         # ZeRO: ranks each chunk (a communication group) is sharded over
     rank: int = 0                          # ... and which of them plans (its shard is its host home)
+    per_chunk: bool = False                # ZeRO collectives per chunk (broadcast/reduce), not per group
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,8 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
             reads, nonmodel, stores=stores, num_chunks=layout.num_chunks,
             slot_bytes=memory.slot_bytes, budget=budget, os_device_chunks=os_dev, os_device_bytes=os_bytes,
             accumulate=kind is RunKind.ACCUM, start=start, keep_at_end=warm, end=start,
-            describe_node=lambda i: describe_node(nodes[i]), windows=windows, world=world),
+            describe_node=lambda i: describe_node(nodes[i]), windows=windows, world=world, rank=memory.rank,
+            per_chunk=memory.per_chunk),
             lambda p: p.summary(budget))
     except ResidencyError as e:
         least = minimum_budget(analyzed, layout, nonmodel=nonmodel, slot_bytes=memory.slot_bytes, world=memory.world)
@@ -259,11 +261,12 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
                          lambda r: r[1].summary)
     gm = passes.run("insert_memory_ops", lambda: insert_memory_ops(
         captured.gm, plan, layout, param_fqns=captured.param_fqns, grad_fqns=captured.grad_fqns,
-        compute_dtype=dtype, nonmodel=nonmodel, world=memory.world, rank=memory.rank), lambda g: "")
+        compute_dtype=dtype, nonmodel=nonmodel, world=memory.world, rank=memory.rank,
+        per_chunk=memory.per_chunk), lambda g: "")
     report = passes.run("verify_schedule", lambda: verify_schedule(
         gm, layout, slot_bytes=memory.slot_bytes, budget=budget, initial=dict(plan.initial),
         os_device_chunks=os_dev, os_device_bytes=os_bytes, final=dict(plan.final) if warm else None,
-        world=memory.world, grad_fqns=captured.grad_fqns if kind.backward else ()),
+        world=memory.world, grad_fqns=captured.grad_fqns if kind.backward else (), per_chunk=memory.per_chunk),
         lambda r: r.summary(budget))
     timings = list(passes.timings)        # insert_memory_ops reports what verify_schedule counted
     i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")
@@ -274,13 +277,15 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
 
 def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                world: int = 1) -> tuple[ChunkLayout, AnalyzedGraph]:
+                world: int = 1, per_chunk: bool = False) -> tuple[ChunkLayout, AnalyzedGraph]:
     """The layout and the analyzed capture of ``model`` on ``batch`` under ``config``, as the
     compiled engine makes them, without an engine (fake tensors: ``model`` may be on meta).
-    ``world``: the ranks a ZeRO engine would shard over (no process group is needed to plan)."""
+    ``world``: the ranks a ZeRO engine would shard over (no process group is needed to plan);
+    ``per_chunk``: its collectives go per chunk, so the layout's unit stays one chunk."""
     kind = RunKind(kind)
     mp = collect_params(model, batch, call_model)
-    layout = choose_layout(mp, config, config.device_memory, keep_tensors_whole=True, world=world)
+    layout = choose_layout(mp, config, config.device_memory, keep_tensors_whole=True,
+                           world=1 if per_chunk else world)
     analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
                                    loss_fn=loss_fn)
     return layout, analyzed
@@ -288,21 +293,21 @@ def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind =
 
 def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   world: int = 1, rank: int = 0) -> tuple[ChunkLayout, Scheduled]:
+                   world: int = 1, rank: int = 0, per_chunk: bool = False) -> tuple[ChunkLayout, Scheduled]:
     """The layout and the schedule compiled mode would start with for ``model`` on ``batch`` under
     ``config`` (static non-model estimate, optimizer states placed by the same rule), without an
     engine: no chunk store is made and no parameter is materialized, so ``model`` may live on the
     meta device. The budget is ``config.device_memory`` as given; ``world``/``rank`` plan one rank of
     a ZeRO run."""
     kind = RunKind(kind)
-    layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world)
+    layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world, per_chunk=per_chunk)
     return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind,
-                                  world=world, rank=rank)
+                                  world=world, rank=rank, per_chunk=per_chunk)
 
 
 def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int | None, dtype: torch.dtype,
                    kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None,
-                   world: int = 1, rank: int = 0) -> Scheduled:
+                   world: int = 1, rank: int = 0, per_chunk: bool = False) -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: optimizer states
     placed by ``optim.placement`` for the curve's peak (on the host with ZeRO), then
     ``build_schedule``."""
@@ -312,7 +317,8 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
     count = device_state_chunks(budget=budget, peak_nonmodel=max(nonmodel), num_chunks=layout.num_chunks,
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
                                 state_chunk_bytes=state_bytes) if world == 1 else 0
-    memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank)
+    memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank,
+                          per_chunk=per_chunk)
     return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
                           measured=nonmodel is not analyzed.nonmodel)
 

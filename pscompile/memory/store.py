@@ -25,9 +25,11 @@ _HOST = torch.device("cpu")
 
 class ChunkStore:
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
-                 os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None):
+                 os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
+                 homes: frozenset[int] | None = None):
         """``home_numel``: elements of a chunk's home buffers (host copy and optimizer states); a
-        ZeRO store keeps only its shard of each chunk (``pscompile.dist.store``)."""
+        ZeRO store keeps only its shard of each chunk, or (``homes``) homes for the chunks it owns
+        only, the others getting empty placeholders (``pscompile.dist.store``)."""
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -40,12 +42,18 @@ class ChunkStore:
         self.dev_os_pool = SlotPool(Tier.DEVICE, device, torch.float32, hs)
         self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, hs, pin=pin)
         n = layout.num_chunks
-        self.host_param = [self.host_param_pool.acquire(zero=True) for _ in range(n)]
+        self.homes = frozenset(range(n)) if homes is None else homes
+        none = torch.empty(0, dtype=dtype)
+        self.host_param = [self.host_param_pool.acquire(zero=True) if c in self.homes else none for c in range(n)]
         self.dev_param: list[torch.Tensor | None] = [None] * n
         self.dirty = [False] * n
         self.os_tier = [Tier.DEVICE if c in os_on_device else Tier.HOST for c in range(n)]
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
         for c in range(n):
+            if c not in self.homes:
+                for lst in (self.master, self.exp_avg, self.exp_avg_sq):
+                    lst.append(torch.empty(0))
+                continue
             pool = self.dev_os_pool if self.os_tier[c] is Tier.DEVICE else self.host_os_pool
             self.master.append(pool.acquire(zero=True))
             self.exp_avg.append(pool.acquire(zero=True))
@@ -147,6 +155,10 @@ class ChunkStore:
     def chunk_of_storage(self, storage_ptr: int) -> int | None:
         """Chunk id whose device buffer has this storage pointer (None if not a device chunk)."""
         return self._slot_chunk.get(storage_ptr)
+
+    def owns(self, c: int) -> bool:
+        """Whether this store keeps chunk ``c``'s home and updates it (always, on one rank)."""
+        return c in self.homes
 
     def home_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``(offset, numel)`` ranges of a chunk, in the coordinates of its home buffers."""

@@ -27,7 +27,7 @@ from torch import nn
 from pscompile.config import AdamW, Config, available_host_bytes
 from pscompile.dist import checkpoint as shard_ckpt
 from pscompile.dist.comm import resolve_comm
-from pscompile.dist.store import ShardedStore
+from pscompile.dist.store import OwnedChunkStore, ShardedStore
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
@@ -73,6 +73,7 @@ class ChunkEngine:
         self.comm = resolve_comm(config.process_group, bandwidth=config.link_bandwidth)
         self.world = self.comm.world if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
+        self.per_chunk = self.comm is not None and config.collectives == "per_chunk"
         self.materialized = materialize_meta(model)
 
         # -- parameters, names, first-use order, layout -------------------------------------
@@ -81,12 +82,14 @@ class ChunkEngine:
         self.order_source = mp.order_source
         self._fqn_of: dict[int, str] = mp.fqn_of()
         self.layout = choose_layout(mp, config, self.budget, keep_tensors_whole=not self.splits_large_tensors,
-                                    world=self.world)
+                                    world=1 if self.per_chunk else self.world)
 
         # -- chunk store, optimizer, host budget --------------------------------------------
         elsize = torch.empty((), dtype=self.dtype).element_size()
         host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        host_need = self.layout.num_chunks * (self.layout.chunk_size // self.world) * (elsize + 12)
+        owned = (len(range(self.rank, self.layout.num_chunks, self.world)) * self.layout.chunk_size if self.per_chunk
+                 else self.layout.num_chunks * (self.layout.chunk_size // self.world))
+        host_need = owned * (elsize + 12)
         if host_need > host_budget:
             owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
             raise ValueError(
@@ -99,6 +102,8 @@ class ChunkEngine:
         self.setup_traffic = Traffic()
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
                       if self.comm is None else
+                      OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm)
+                      if self.per_chunk else
                       ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm))
         self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
         # Released parameters point at one NaN element broadcast to their shape: any use outside
@@ -121,8 +126,8 @@ class ChunkEngine:
     def _accumulation_chunks(self) -> list[torch.Tensor]:
         """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
         if self._acc is None:
-            self._acc = [torch.zeros(self.store.home_numel, dtype=torch.float32)
-                         for _ in range(self.layout.num_chunks)]
+            self._acc = [torch.zeros(self.store.home_numel if self.store.owns(c) else 0, dtype=torch.float32)
+                         for c in range(self.layout.num_chunks)]
         return self._acc
 
     def _run_model(self, model: nn.Module, batch: Any) -> Any:
@@ -222,7 +227,8 @@ class ChunkEngine:
         Returns True if the step was skipped."""
         store, n = self.store, self.layout.num_chunks
         sq = 0.0
-        has_grad = [any(e.fqn in written for e, _ in self.layout.chunk_members(c)) for c in range(n)]
+        has_grad = [store.owns(c) and any(e.fqn in written for e, _ in self.layout.chunk_members(c))
+                    for c in range(n)]
         for c in range(n):
             if not has_grad[c]:
                 continue
