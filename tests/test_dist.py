@@ -171,3 +171,13 @@ def test_per_chunk_collectives_need_one_chunk_of_buffer_and_give_the_same_result
     for k, v in ranks[0]["per_chunk"]["full"].items():
         if k in full["master"]:
             assert torch.equal(full["master"][k], v), k
+
+
+def test_readme_schedule_lines_are_real(parity_runs):
+    """The README's ZeRO schedule excerpt is what this run's rank 0 prints (GPT, 2 ranks, evicting)."""
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Data parallelism: ZeRO by chunk")[1].split("```text\n")[1].split("```")[0]
+    schedule = parity_runs[("gpt", "compiled")][0]["schedule"].splitlines()
+    for line in block.strip().splitlines():
+        assert line in schedule, line

@@ -80,3 +80,18 @@ def test_example_error_is_the_real_one():
         pscompile.compile(GPT(gpt_config("gpt-mini")), (idx, torch.roll(idx, -1, dims=1)), config=config)
     shown = " ".join(example.split()).removeprefix("pscompile.errors.BudgetError: ")
     assert shown == " ".join(str(err.value).split())
+
+
+def test_torchrun_command_runs(tmp_path):
+    """The README's ZeRO launch, as written (torchrun, or ``python -m torch.distributed.run`` where
+    the console script is not on PATH): two ranks train and rank 0 alone prints the summary."""
+    import shutil
+    (command,) = [line.split("#")[0].strip() for block in _blocks("bash") for line in block.splitlines()
+                  if line.startswith("torchrun ")]
+    argv = shlex.split(command)
+    launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
+    r = subprocess.run(launcher + argv[1:], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("| ZeRO ranks") == 1 and "2 (gloo)" in r.stdout
+    assert "OK" in r.stdout.split("| peak device")[1].splitlines()[0]
