@@ -161,3 +161,49 @@ def collectives(rank: int, world: int, port: int, out_dir: str, mode: str) -> No
         engine.close()
     torch.save(out, os.path.join(out_dir, f"collectives-{mode}-rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def inductor(rank: int, world: int, port: int, out_dir: str) -> None:
+    """GPT in compiled mode with the Inductor backend under an evicting budget: the ranks measure
+    their regions and must agree on the curve they plan from (or the collectives would differ)."""
+    join(rank, world, port)
+    batches = make_batches("gpt", STEPS)
+    budget = tight_budget("gpt", "compiled", rank, world)
+    cfg = pscompile.Config(mode="compiled", backend="inductor", device="cpu", dtype=torch.float32,
+                           device_memory=budget)
+    engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP, config=cfg)
+    losses, peaks = [], []
+    for b in batches:
+        losses.append(engine.step(split(b, rank, world)))
+        peaks.append(engine.stats.peak_device_bytes)
+    torch.save({"losses": losses, "peaks": peaks, "budget": budget, "full": engine.full_state_dict(),
+                "plan": engine.last_plan.actions},
+               os.path.join(out_dir, f"inductor-rank{rank}.pt"))
+    engine.close()
+    dist.destroy_process_group()
+
+
+def fp16_and_opt_out(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Hooks mode in float16 whose first loss scales overflow: every rank skips the same steps (the
+    weights stay) and lowers the same scale until a step goes through; then ``process_group=False``
+    under the initialized group gives a replicated one-rank engine."""
+    join(rank, world, port)
+    batches = make_batches("gpt", 8)
+    cfg = pscompile.Config(mode="hooks", device="cpu", dtype=torch.float16, initial_loss_scale=2.0 ** 24)
+    engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP, config=cfg)
+    before = engine.full_state_dict()
+    record, unchanged = [], None
+    for b in batches:
+        engine.step(split(b, rank, world))
+        record.append((engine.stats.skipped, engine.stats.loss_scale))
+        if len(record) == 1:
+            after = engine.full_state_dict()
+            unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    engine.close()
+    solo = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP,
+                             config=config("hooks", process_group=False))
+    torch.save({"record": record, "unchanged": unchanged, "solo_world": solo.world,
+                "solo_store": type(solo.store).__name__},
+               os.path.join(out_dir, f"fp16-rank{rank}.pt"))
+    solo.close()
+    dist.destroy_process_group()

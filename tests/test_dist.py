@@ -181,3 +181,27 @@ def test_readme_schedule_lines_are_real(parity_runs):
     schedule = parity_runs[("gpt", "compiled")][0]["schedule"].splitlines()
     for line in block.strip().splitlines():
         assert line in schedule, line
+
+
+def test_inductor_backend_two_ranks_agree_and_track_plain_pytorch(tmp_path):
+    spawn(dist_worker.inductor, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"inductor-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ref_losses, ref = reference("gpt", make_batches("gpt", dist_worker.STEPS))
+    assert ranks[0]["plan"] == ranks[1]["plan"], "the ranks planned different schedules"
+    for run in ranks:
+        for ours, plain in zip(run["losses"], ref_losses):
+            assert rel(ours, plain) <= 1e-5, (run["losses"], ref_losses)
+        assert max(run["peaks"]) <= run["budget"]
+    assert weight_error(ranks[0]["full"], ref) <= 1e-5
+
+
+def test_fp16_overflow_is_agreed_and_process_group_false_opts_out(tmp_path):
+    spawn(dist_worker.fp16_and_opt_out, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"fp16-rank{r}.pt") for r in range(WORLD)]
+    assert ranks[0]["record"] == ranks[1]["record"], "the ranks disagreed on an overflow"
+    record = ranks[0]["record"]
+    assert record[0] == (True, 2.0 ** 24), "the first step overflows at scale 2^24 and is skipped"
+    assert ranks[0]["unchanged"] and ranks[1]["unchanged"], "a skipped step changed the weights"
+    assert record[1][1] == 2.0 ** 23 and any(not skipped for skipped, _ in record), record
+    for r in ranks:
+        assert r["solo_world"] == 1 and r["solo_store"] == "ChunkStore"

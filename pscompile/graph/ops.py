@@ -135,7 +135,7 @@ def _(slot):
     return None
 
 
-@torch.library.custom_op("pscompile::reduce_scatter", mutates_args=("dest",))
+@torch.library.custom_op("pscompile::reduce_scatter", mutates_args=("dest", "slot"))
 def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     mine = _shard(slot, rank, world).clone()
