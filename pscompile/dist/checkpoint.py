@@ -1,0 +1,136 @@
+"""Sharded state dicts of a ZeRO engine, and ``consolidate`` (shards -> one full state dict).
+
+A rank's ``engine.state_dict()`` holds its own shard of every group (fp32 master, exp_avg,
+exp_avg_sq) and the layout they are cut from, as plain data::
+
+    {"format": "pscompile.zero-shard", "version": 1, "rank": r, "world_size": w,
+     "layout": {"chunk_size": ..., "num_chunks": ..., "entries": [[fqn, shape, [[group, offset,
+                tensor_offset, numel], ...]], ...]},
+     "master": [shard of group 0, ...], "exp_avg": [...], "exp_avg_sq": [...],
+     "step": ..., "loss_scale": ..., "loss_scale_good_steps": ...}
+
+``consolidate`` puts the shards of all ranks back together into the state dict a one-process
+engine returns (``{"master": {fqn: tensor}, ...}``), which ``load_state_dict`` accepts at any
+world size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import torch
+
+from pscompile.dist.store import own_pieces
+from pscompile.memory.layout import ChunkLayout, Piece, TensorEntry
+
+FORMAT = "pscompile.zero-shard"
+VERSION = 1
+_LISTS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def layout_record(layout: ChunkLayout) -> dict:
+    return {"chunk_size": layout.chunk_size, "num_chunks": layout.num_chunks,
+            "entries": [[e.fqn, list(e.shape), [[p.chunk, p.chunk_offset, p.tensor_offset, p.numel]
+                                                for p in e.pieces]] for e in layout.entries]}
+
+
+def _layout_of(record: dict) -> ChunkLayout:
+    entries = []
+    for fqn, shape, pieces in record["entries"]:
+        ps = tuple(Piece(*map(int, p)) for p in pieces)
+        entries.append(TensorEntry(fqn, tuple(shape), sum(p.numel for p in ps), ps))
+    return ChunkLayout(int(record["chunk_size"]), tuple(entries), int(record["num_chunks"]))
+
+
+def is_shard(sd: Any) -> bool:
+    return isinstance(sd, dict) and sd.get("format") == FORMAT
+
+
+def _per_chunk(store) -> bool:
+    return hasattr(store, "owner")
+
+
+def shard_state_dict(store, layout: ChunkLayout, *, rank: int, world: int, extra: dict) -> dict:
+    """A rank's shards (``collectives="per_chunk"``: its own chunks whole, empty tensors for the
+    others) and what they were cut from."""
+    sd = {"format": FORMAT, "version": VERSION, "rank": rank, "world_size": world, "layout": layout_record(layout),
+          "collectives": "per_chunk" if _per_chunk(store) else "group"}
+    for key in _LISTS:
+        sd[key] = [t.detach().to("cpu", copy=True) for t in getattr(store, key)]
+    sd.update(extra)
+    return sd
+
+
+def load_shard(store, layout: ChunkLayout, sd: dict, *, rank: int, world: int) -> None:
+    """Load a shard written by the same rank of the same world size and layout."""
+    if sd.get("version") != VERSION:
+        raise ValueError(f"state_dict has shard format version {sd.get('version')!r}; this pscompile reads {VERSION}")
+    if (sd["world_size"], sd["rank"]) != (world, rank):
+        raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; this is rank "
+                         f"{rank} of {world}: load pscompile.consolidate(paths) instead, which fits any world size")
+    if sd["layout"] != layout_record(layout) or sd.get("collectives", "group") != (
+            "per_chunk" if _per_chunk(store) else "group"):
+        raise ValueError("state_dict's shard was cut from another chunk layout (a different model, chunk_size or "
+                         "budget); load pscompile.consolidate(paths) instead")
+    for key in _LISTS:
+        for dst, src in zip(getattr(store, key), sd[key]):
+            dst.copy_(src)
+
+
+def consolidate(shards: Iterable[Any]) -> dict:
+    """One full state dict (``{"master": {fqn: fp32 tensor}, "exp_avg": ..., "exp_avg_sq": ...,
+    "step", "loss_scale", ...}``) from every rank's ``engine.state_dict()``: the dicts themselves,
+    or paths of files written with ``torch.save``. Loads into an engine of any world size."""
+    sds = []
+    for s in shards:
+        if isinstance(s, (str, os.PathLike)):
+            s = torch.load(s, map_location="cpu", weights_only=True)
+        if not is_shard(s):
+            raise ValueError("consolidate takes the state dicts (or their files) of a sharded run's ranks; got "
+                             f"{type(s).__name__} without format={FORMAT!r}")
+        sds.append(s)
+    if not sds:
+        raise ValueError("consolidate needs at least one shard")
+    world = sds[0]["world_size"]
+    ranks = sorted(s["rank"] for s in sds)
+    if ranks != list(range(world)):
+        raise ValueError(f"consolidate needs one shard of each of ranks 0..{world - 1}; got ranks {ranks}")
+    if any(s["layout"] != sds[0]["layout"] or s["world_size"] != world
+           or s.get("collectives") != sds[0].get("collectives") for s in sds):
+        raise ValueError("the shards come from different runs (their layouts or world sizes differ)")
+    by_rank = {s["rank"]: s for s in sds}
+    layout = _layout_of(sds[0]["layout"])
+    per_chunk = world if sds[0].get("collectives") == "per_chunk" else 0
+    shard = layout.chunk_size // world
+    out: dict = {key: {} for key in _LISTS}
+    for e in layout.entries:
+        for key in _LISTS:
+            flat = torch.empty(e.numel, dtype=torch.float32)
+            for r in range(world):
+                src = by_rank[r][key]
+                for g, so, to, n in own_pieces(e, shard, r, per_chunk_world=per_chunk):
+                    flat[to:to + n] = src[g][so:so + n]
+            out[key][e.fqn] = flat.view(e.shape)
+    for k, v in sds[0].items():
+        if k not in out and k not in ("format", "version", "rank", "world_size", "layout", "collectives"):
+            out[k] = v
+    return out
+
+
+def full_groups(store, comm) -> list[torch.Tensor]:
+    """Every group's (per chunk: chunk's) fp32 master, whole, on every rank: one all-gather of the
+    concatenated shards, or one broadcast per chunk from its owner."""
+    n = len(store.master)
+    if _per_chunk(store):
+        out = []
+        for c in range(n):
+            buf = store.master[c].clone() if store.owns(c) else torch.empty(store.shard)
+            comm.broadcast_plain(buf, store.owner(c))
+            out.append(buf)
+        return out
+    mine = torch.cat(store.master) if n else torch.empty(0)
+    everyone = torch.empty(comm.world * mine.numel(), dtype=torch.float32)
+    comm.all_gather_flat(everyone, mine)
+    parts = everyone.view(comm.world, n, store.shard)
+    return [parts[:, g].reshape(-1) for g in range(n)]

@@ -1,0 +1,230 @@
+"""ShardedStore: one rank's chunks under ZeRO data parallelism by chunk (PatrickStar section 6.2).
+
+The layout's unit is a *communication group* of ``world`` chunks: a group of ``world * s``
+elements whose r-th shard of ``s`` elements (chunk ``g * world + r``) is owned by rank r. A rank
+keeps, for every group, only its own shard: the compute-dtype home on the host and the fp32
+master, exp_avg and exp_avg_sq, which it alone updates. On the device a group exists only whole,
+gathered into one slot of ``world * s`` elements:
+
+    fetch(g)            allgather: own shard host -> slot[r], the other shards from their owners
+    drop(g)             release_remote: the slot goes back (every shard still has its home)
+    reduce_scatter(g)   the group's gradients (written into the slot) summed over ranks; the
+                        rank's shard of the sum goes to its host home (or is added into its fp32
+                        accumulation shard), and the slot is released
+
+A gathered group holding gradients cannot be evicted: its remote shards have no home here, so it
+stays until ``reduce_scatter`` (the planners keep it resident from its first gradient to its last).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import torch
+
+from pscompile.dist.comm import Comm
+from pscompile.memory.layout import ChunkLayout, TensorEntry
+from pscompile.memory.store import ChunkStore
+from pscompile.memory.tiers import Link
+
+_LISTS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def own_pieces(entry: TensorEntry, shard: int, rank: int, *,
+               per_chunk_world: int = 0) -> Iterator[tuple[int, int, int, int]]:
+    """(group, offset in the rank's shard, offset in the flat tensor, numel) of the parts of
+    ``entry`` that rank ``rank`` owns, shards being ``shard`` elements. ``per_chunk_world``: ZeRO
+    per chunk over that many ranks -- rank r owns whole chunks c with c % world == r."""
+    if per_chunk_world:
+        for p in entry.pieces:
+            if p.chunk % per_chunk_world == rank:
+                yield p.chunk, p.chunk_offset, p.tensor_offset, p.numel
+        return
+    lo, hi = rank * shard, (rank + 1) * shard
+    for p in entry.pieces:
+        a, b = max(p.chunk_offset, lo), min(p.chunk_offset + p.numel, hi)
+        if a < b:
+            yield p.chunk, a - lo, p.tensor_offset + (a - p.chunk_offset), b - a
+
+
+class ShardedStore(ChunkStore):
+    def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm):
+        if layout.chunk_size % comm.world:
+            raise ValueError(f"a group of {layout.chunk_size} elements does not split into {comm.world} shards")
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world
+        self.shard = layout.chunk_size // comm.world
+        super().__init__(layout, device=device, dtype=dtype, link=link, home_numel=self.shard)
+
+    def _mine(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.rank * self.shard:(self.rank + 1) * self.shard]
+
+    def home_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
+        out = []
+        for off, n in ranges:
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                out.append((a - lo, b - a))
+        return out
+
+    # ---- filling -------------------------------------------------------------------------
+    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        for fqn, value in params.items():
+            flat = value.detach().reshape(-1)
+            for g, so, to, n in own_pieces(self.layout.entry(fqn), self.shard, self.rank):
+                self.master[g][so:so + n].copy_(flat[to:to + n])
+                self.host_param[g][so:so + n].copy_(self.master[g][so:so + n])
+
+    # ---- collectives ---------------------------------------------------------------------
+    def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False):
+        """All-gather group ``c`` into ``buf`` (own shard crosses the link first); returns the
+        handle of an asynchronous all-gather."""
+        self.link.copy(self._mine(buf), self.host_param[c], "h2d")
+        return self.comm.all_gather(buf, async_op=async_op)
+
+    def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None) -> None:
+        """Sum group ``c``'s gradients in ``buf`` over ranks; this rank's shard of the sum goes to
+        its host home, or is added (fp32) into ``acc``."""
+        out = torch.empty(self.shard, dtype=buf.dtype, device=buf.device)
+        self.comm.reduce_scatter(out, buf)
+        if acc is None:
+            self.link.copy(self.host_param[c], out, "d2h")
+        else:
+            host = torch.empty(self.shard, dtype=buf.dtype)
+            self.link.copy(host, out, "d2h")
+            acc.add_(host)
+
+    # ---- residency (hooks mode drives these) ---------------------------------------------
+    def fetch(self, c: int) -> torch.Tensor:
+        assert self.dev_param[c] is None, f"group {c} is already on the device"
+        buf = self.dev_param_pool.acquire()
+        self.gather_into(c, buf)
+        self.link.traffic.num_fetches += 1
+        self.dev_param[c] = buf
+        self.dirty[c] = False
+        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
+        return buf
+
+    def evict(self, c: int) -> None:
+        assert not self.dirty[c], f"group {c} holds gradients not yet reduce-scattered; it cannot leave"
+        self.link.traffic.num_evictions += 1
+        self.drop(c)
+
+    def reduce_scatter(self, c: int, acc: torch.Tensor | None = None) -> None:
+        """The group's gradients are complete: reduce-scatter them home and release the group."""
+        self.reduce_into_home(c, self.dev_param[c], acc)
+        self.dirty[c] = False
+        self.link.traffic.num_evictions += 1
+        self.drop(c)
+
+    def current(self, c: int) -> torch.Tensor:
+        assert not self.dirty[c], f"group {c} holds gradients not yet reduce-scattered"
+        return self.host_param[c]
+
+    def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
+        assert self.resident(c), f"a gradient for group {c} arrived while it is not gathered"
+        super().write_piece(c, offset, src)
+
+    # ---- state ---------------------------------------------------------------------------
+    def gather(self, which: str, fqn: str) -> torch.Tensor:
+        raise AssertionError("a sharded store holds parts of each tensor; use pscompile.dist.checkpoint")
+
+    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
+        """Write this rank's parts of one full tensor into an optimizer-state list."""
+        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        flat = value.detach().reshape(-1)
+        for g, so, to, n in own_pieces(self.layout.entry(fqn), self.shard, self.rank):
+            lists[which][g][so:so + n].copy_(flat[to:to + n])
+
+
+class OwnedChunkStore(ChunkStore):
+    """ZeRO with per-chunk collectives (PatrickStar's memory-saving choice for many ranks): the unit
+    is one chunk, owned by rank ``c % world``, which alone keeps its home (host copy, fp32 master,
+    Adam states) and updates it. Fetching a chunk broadcasts it from its owner (only the owner's
+    link carries it); its gradients are reduced to the owner, which writes them home. The device
+    never holds more than the chunks in use: no group-sized buffer."""
+
+    def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm):
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world
+        self.shard = layout.chunk_size
+        super().__init__(layout, device=device, dtype=dtype, link=link,
+                         homes=frozenset(c for c in range(layout.num_chunks) if c % comm.world == comm.rank))
+
+    def owner(self, c: int) -> int:
+        return c % self.world
+
+    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        for fqn, value in params.items():
+            flat = value.detach().reshape(-1)
+            for c, off, to, n in own_pieces(self.layout.entry(fqn), 0, self.rank, per_chunk_world=self.world):
+                self.master[c][off:off + n].copy_(flat[to:to + n])
+                self.host_param[c][off:off + n].copy_(self.master[c][off:off + n])
+
+    def broadcast_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
+        """Chunk ``c`` into ``buf`` on every rank: the owner fills it from its home first
+        (``copy(dst, src)``, default the link)."""
+        if self.owner(c) == self.rank:
+            (copy or (lambda d, s_: self.link.copy(d, s_, "h2d")))(buf, self.host_param[c])
+        return self.comm.broadcast(buf, self.owner(c), async_op=async_op)
+
+    def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
+        """Sum chunk ``c``'s gradients in ``buf`` over ranks into its owner's home (or add them,
+        fp32, into the owner's accumulation chunk ``acc``)."""
+        self.comm.reduce(buf, self.owner(c))
+        if self.owner(c) != self.rank:
+            return
+        copy = copy or (lambda d, s_: self.link.copy(d, s_, "d2h"))
+        if acc is None:
+            copy(self.host_param[c], buf)
+        else:
+            host = torch.empty(buf.numel(), dtype=buf.dtype)
+            copy(host, buf)
+            acc.add_(host)
+
+    def fetch(self, c: int) -> torch.Tensor:
+        assert self.dev_param[c] is None, f"chunk {c} is already on the device"
+        buf = self.dev_param_pool.acquire()
+        self.broadcast_into(c, buf)
+        self.link.traffic.num_fetches += 1
+        self.dev_param[c] = buf
+        self.dirty[c] = False
+        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
+        return buf
+
+    def evict(self, c: int) -> None:
+        assert not self.dirty[c], f"chunk {c} holds gradients not yet reduced to its owner; it cannot leave"
+        self.link.traffic.num_evictions += 1
+        self.drop(c)
+
+    def reduce_scatter(self, c: int, acc: torch.Tensor | None = None) -> None:
+        """The chunk's gradients are complete: reduce them to the owner and release the chunk."""
+        self.reduce_into_home(c, self.dev_param[c], acc)
+        self.dirty[c] = False
+        self.link.traffic.num_evictions += 1
+        self.drop(c)
+
+    def current(self, c: int) -> torch.Tensor:
+        assert self.owns(c) and not self.dirty[c], f"chunk {c} is not this rank's, or holds unreduced gradients"
+        return self.host_param[c]
+
+    def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
+        assert self.resident(c), f"a gradient for chunk {c} arrived while it is not on the device"
+        super().write_piece(c, offset, src)
+
+    def restore_from_master(self, c: int) -> None:
+        if self.owns(c):
+            super().restore_from_master(c)
+        else:
+            self.dirty[c] = False
+            self.drop(c)
+
+    def gather(self, which: str, fqn: str) -> torch.Tensor:
+        raise AssertionError("a sharded store holds parts of each tensor; use pscompile.dist.checkpoint")
+
+    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
+        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        flat = value.detach().reshape(-1)
+        for c, off, to, n in own_pieces(self.layout.entry(fqn), 0, self.rank, per_chunk_world=self.world):
+            lists[which][c][off:off + n].copy_(flat[to:to + n])
