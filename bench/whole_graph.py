@@ -209,7 +209,7 @@ def graph_inputs(engine, batch) -> list[torch.Tensor]:
     sched = engine.schedule
     slots = [torch.empty_like(s) for s in engine._slots[:sched.plan.num_slots]]
     for c, k in sched.plan.initial:
-        slots[k].copy_(engine.store.host_param[c])
+        slots[k].copy_(engine.store.master[c])      # device-homed: the cast of its master
     hosts = [h.clone() for h in engine.store.host_param]
     return [*slots, *hosts, *[engine.model.get_buffer(f) for f in sched.captured.buffer_fqns],
             *sched.captured.flatten_batch(batch)]

@@ -281,9 +281,12 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         while (len(st.resident) + len(missing)) * slot_bytes > limit:
             victims = [c for c in st.resident if c not in need and c not in os_device_chunks]
             if not victims:
+                homed = len(os_device_chunks) * slot_bytes + os_device_bytes
                 raise ResidencyError(
-                    f"device_memory={budget} bytes cannot hold the chunks pinned at {describe_node(i)} "
-                    "(optimizer states kept on the device leave too little room)", i, -1)
+                    f"device_memory={budget} bytes cannot hold the chunks pinned at {describe_node(i)}: "
+                    f"{len(os_device_chunks)} chunk(s) living on the device with their optimizer states take "
+                    f"{homed} bytes, and {len(need)} chunk(s) read there + {window(i)} bytes of non-model data "
+                    "need the rest", i, -1)
             victim = farthest(victims, next_use, i, cyclic=keep_at_end, dirty=st.dirty)
             evict(victim, i)
         for c in missing:

@@ -266,7 +266,7 @@ def test_emulated_link_costs_bytes_over_bandwidth():
     b = gpt_batches(1)[0]
     bandwidth = 20e6
     engine = pscompile.compile(make_model("gpt"), b, config=pscompile.Config(
-        device_memory=6 * 2**20, link_bandwidth=bandwidth, **CFG))
+        device_memory=3 * 2**20 + 2**19, link_bandwidth=bandwidth, **CFG))   # evicts: bytes cross the link
     engine.step(b)
     s = engine.stats
     assert s.bytes_moved > 0

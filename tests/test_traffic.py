@@ -18,11 +18,13 @@ def _engine(mode: str, budget=None):
 
 
 def test_compiled_placement_bytes_are_counted():
-    """Unlimited budget: every chunk's optimizer states move to the device (3 fp32 buffers) and its
-    parameter chunk fills its fixed slot; exactly those bytes are counted, host to device."""
+    """Unlimited budget: every chunk's optimizer states move to the device (3 fp32 buffers), exactly
+    those bytes are counted, host to device; its parameter chunk, now homed on the device, is cast
+    from the master there and crosses nothing (its host copy is given back)."""
     engine, _ = _engine("compiled")
     n, cs = engine.layout.num_chunks, engine.layout.chunk_size
-    assert engine.setup_traffic.h2d_bytes == n * (3 * cs * 4 + cs * 4)
+    assert engine.setup_traffic.h2d_bytes == n * 3 * cs * 4
+    assert engine.store.host_model_bytes() == 0
     assert engine.setup_traffic.d2h_bytes == 0
 
 

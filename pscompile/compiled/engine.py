@@ -43,6 +43,7 @@ from pscompile.optim.placement import device_state_chunks
 from pscompile.passes.plan_residency import ResidencyPlan, arrivals
 from pscompile.runtime.batching import LossFn, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
+from pscompile.units import format_bytes
 
 __all__ = ["CompiledEngine", "Scheduled"]
 
@@ -147,10 +148,22 @@ class CompiledEngine(ChunkEngine):
         self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
         self.eval_bytes_moved: int | None = None
         try:
-            self._schedule_for(to_device(batch, self.device), RunKind.TRAIN)
+            try:
+                self._schedule_for(to_device(batch, self.device), RunKind.TRAIN)
+            except BudgetError as e:
+                if not self.min_device_homes:
+                    raise
+                raise BudgetError(self._homes_note(str(e))) from e
         except BaseException:
             self.close()
             raise
+
+    def _homes_note(self, why: str) -> str:
+        n, k = self.layout.num_chunks, self.min_device_homes
+        return (f"{why}; host_memory={format_bytes(self.config.host_memory)} holds only {n - k} of the {n} chunks "
+                f"(fp32 master, Adam states and the compute-dtype copy: "
+                f"{format_bytes(self.store.param_chunk_bytes + self.store.os_chunk_bytes)} each), so the other "
+                f"{k} live on the device; give more host_memory or device_memory, or a smaller chunk_size")
 
     # ================================================================ planning
     def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
@@ -198,15 +211,14 @@ class CompiledEngine(ChunkEngine):
         count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=n,
                                     chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
                                     state_chunk_bytes=self.store.os_chunk_bytes) if self.comm is None else 0
+        count = max(count, self.min_device_homes)       # what the host cannot hold lives on the device
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
             return
         on_device = set(range(count))
-        for k, c in list(self._slot_chunk.items()):     # states leaving the device: params go home
-            if c not in on_device:
-                if self.store.dirty[c]:
-                    self.link.copy(self.store.host_param[c], self._slots[k], "d2h")
-                self._release_slot(k)
+        for k, c in list(self._slot_chunk.items()):     # states leaving the device: between steps a
+            if c not in on_device:                      # param chunk is its master's cast, which
+                self._release_slot(k)                   # goes home with them (place_optimizer_states)
         self.store.place_optimizer_states(on_device)
         self._count_outside_steps()
         self._os_placed = True
@@ -241,7 +253,7 @@ class CompiledEngine(ChunkEngine):
                 continue                           # a warm start: the previous run left it there
             if self._slot_chunk.get(k) != c:
                 self._allocate_slot(k)
-                self.link.copy(self._slots[k], self.store.host_param[c], "h2d")
+                self._slots[k].copy_(self.store.master[c])   # device-homed: the cast of its master
                 self.store.attach(c, self._slots[k])
                 self._slot_chunk[k] = c
         self._count_outside_steps()

@@ -225,11 +225,13 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     for r in regions:
         r.input_metas = [TensorMeta.of(meta_value(a), device) for a in r.inputs]
         r.key = region_key(r.graph, r.input_metas)
-    # what the graph's tensor inputs must look like (compiled regions specialise on it)
+    # what the graph's tensor inputs that compiled regions read must look like (they specialise on
+    # it); inputs only memory ops touch (host chunks, accumulation buffers) may be anything
+    read = {a for r in regions for a in r.inputs}
     input_checks = tuple(
         (i, n.name, tuple(v.shape), tuple(v.stride()), v.dtype)
         for i, n in enumerate(placeholders)
-        if isinstance(v := n.meta.get("val"), torch.Tensor))
+        if n in read and isinstance(v := n.meta.get("val"), torch.Tensor))
 
     # ---- compile (or wrap) each region, through the cache
     t0 = time.perf_counter()

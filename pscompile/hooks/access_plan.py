@@ -25,6 +25,7 @@ class Moment:
     need: tuple[int, ...]     # chunks that must be on the device from here on (pinned)
     nonmodel_peak: int        # largest non-model bytes from this moment to the next
     pinned_bytes: int         # chunk bytes pinned on the device during this window (trace pass)
+    pinned: tuple[int, ...] = ()  # those chunks
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,14 @@ class AccessPlan:
     def peak_nonmodel(self) -> int:
         return max((m.nonmodel_peak for m in self.moments), default=0)
 
-    def min_device_bytes(self) -> tuple[int, int]:
-        """(bytes, moment index): the smallest budget this iteration can run in."""
+    def min_device_bytes(self, resident: Collection[int] = (), chunk_bytes: int = 0) -> tuple[int, int]:
+        """(bytes, moment index): the smallest budget this iteration can run in, with the chunks
+        ``resident`` (of ``chunk_bytes`` each) on the device at every moment besides those pinned."""
         best = (0, -1)
+        resident = set(resident)
         for i, m in enumerate(self.moments):
-            need = m.pinned_bytes + m.nonmodel_peak
+            extra = len(resident - set(m.pinned)) * chunk_bytes
+            need = m.pinned_bytes + m.nonmodel_peak + extra
             if need > best[0]:
                 best = (need, i)
         return best

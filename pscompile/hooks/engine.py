@@ -172,7 +172,8 @@ class HooksEngine(ChunkEngine):
                     if not store.resident(c):
                         store.fetch(c)
                 pinned = {c for c, n in ps.pins.items() if n > 0} | set(need)
-                ps.recorded.append(Moment(kind, label, need, 0, len(pinned) * store.param_chunk_bytes))
+                ps.recorded.append(Moment(kind, label, need, 0, len(pinned) * store.param_chunk_bytes,
+                                          tuple(sorted(pinned))))
             else:
                 plan = ps.plan
                 if i >= len(plan.moments) or (plan.moments[i].kind, plan.moments[i].label) != (kind, label):
@@ -205,15 +206,16 @@ class HooksEngine(ChunkEngine):
             store.evict(plan.farthest(victims, i, dirty={c for c in victims if store.dirty[c]}))
 
     def _evictable(self, c: int) -> bool:
-        if self._pass.pins[c] > 0:
-            return False
+        if self._pass.pins[c] > 0 or self.store.device_homed(c):   # a device-homed chunk stays once there:
+            return False                                          # its gradients have no other home
         states = [self.states[e.fqn] for e, _ in self.layout.chunk_members(c)]
         return chunk_placement(states) is not ChunkPlacement.COMPUTE_DEVICE
 
     @staticmethod
     def _close_window(ps: _Pass) -> None:
         last = ps.recorded[-1]
-        ps.recorded[-1] = Moment(last.kind, last.label, last.need, ps.tracker.window_peak, last.pinned_bytes)
+        ps.recorded[-1] = Moment(last.kind, last.label, last.need, ps.tracker.window_peak, last.pinned_bytes,
+                                 last.pinned)
 
     # ================================================================ forward hooks
     def _materialize(self, fqn: str) -> torch.Tensor:
@@ -493,7 +495,8 @@ class HooksEngine(ChunkEngine):
         moments = tuple(ps.recorded)
         if self.comm is not None:     # every rank replays the same decisions: the same collectives
             peaks = self.comm.agree_max([m.nonmodel_peak for m in moments])
-            moments = tuple(Moment(m.kind, m.label, m.need, p, m.pinned_bytes) for m, p in zip(moments, peaks))
+            moments = tuple(Moment(m.kind, m.label, m.need, p, m.pinned_bytes, m.pinned)
+                            for m, p in zip(moments, peaks))
         return AccessPlan(moments)
 
     def _place_optimizer_states(self) -> None:
@@ -504,6 +507,7 @@ class HooksEngine(ChunkEngine):
                                     chunk_size=self.layout.chunk_size,
                                     param_chunk_bytes=self.store.param_chunk_bytes,
                                     state_chunk_bytes=self.store.os_chunk_bytes) if self.comm is None else 0
+        count = max(count, self.min_device_homes)       # what the host cannot hold lives on the device
         self.store.place_optimizer_states(range(count))
         self._count_outside_steps()
         opt = self._optimizer_moments()
@@ -514,7 +518,7 @@ class HooksEngine(ChunkEngine):
         out = []
         for c in range(self.layout.num_chunks):
             if self.store.os_tier[c] is Tier.DEVICE:
-                out.append(Moment(MomentKind.OPT, f"chunk {c}", (c,), temp, self.store.param_chunk_bytes))
+                out.append(Moment(MomentKind.OPT, f"chunk {c}", (c,), temp, self.store.param_chunk_bytes, (c,)))
             else:
                 out.append(Moment(MomentKind.OPT, f"chunk {c}", (), 0, 0))
         return tuple(out)
@@ -522,11 +526,14 @@ class HooksEngine(ChunkEngine):
     def _check_budget(self, plan: AccessPlan) -> None:
         if self.budget is None:
             return
-        need, i = plan.min_device_bytes()
+        # device-homed chunks stay resident once fetched: count them next to every moment
+        homed = [c for c in range(self.layout.num_chunks) if self.store.device_homed(c)]
+        need, i = plan.min_device_bytes(homed, self.store.param_chunk_bytes)
         os_bytes = self.store.dev_os_pool.bytes_in_use
         if need + os_bytes > self.budget:
             m = plan.moments[i]
-            os_note = f" + {format_bytes(os_bytes)} of optimizer states kept on the device" if os_bytes else ""
+            os_note = (f" + {format_bytes(os_bytes)} of optimizer states kept on the device (with the "
+                       f"{len(homed)} chunks they update)" if os_bytes else "")
             detail = (f"at {plan.describe(i)}: {format_bytes(m.pinned_bytes)} of parameter chunks in use + "
                       f"{format_bytes(m.nonmodel_peak)} of non-model data{os_note}")
             raise BudgetError(

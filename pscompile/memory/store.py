@@ -1,7 +1,10 @@
 """ChunkStore: the four chunk lists of a model and where each chunk lives right now.
 
-- param chunks (compute dtype): every chunk has a home buffer on the HOST tier; the DEVICE tier
-  holds a cached copy while the chunk is resident. ``dirty`` marks a device copy that is newer
+- param chunks (compute dtype): a chunk's home is on the HOST tier, and the DEVICE tier holds a
+  cached copy while the chunk is resident -- except for chunks whose optimizer states live on the
+  device: their home is the device (no host copy at all, so the device adds capacity for model
+  data), and their param chunk is the compute-dtype cast of the fp32 master there, made again from
+  it whenever it is needed (``fetch`` costs no link bytes). ``dirty`` marks a device copy that is newer
   than the host copy (gradients were written into it, or the optimizer updated it there); evicting
   a clean chunk costs no copy. After a parameter's last backward use its gradient overwrites it in
   place (PatrickStar's grad-reuses-param-chunk trick).
@@ -44,7 +47,8 @@ class ChunkStore:
         n = layout.num_chunks
         self.homes = frozenset(range(n)) if homes is None else homes
         none = torch.empty(0, dtype=dtype)
-        self.host_param = [self.host_param_pool.acquire(zero=True) if c in self.homes else none for c in range(n)]
+        self.host_param = [self.host_param_pool.acquire(zero=True) if c in self.homes and c not in os_on_device
+                           else none for c in range(n)]
         self.dev_param: list[torch.Tensor | None] = [None] * n
         self.dirty = [False] * n
         self.os_tier = [Tier.DEVICE if c in os_on_device else Tier.HOST for c in range(n)]
@@ -69,6 +73,7 @@ class ChunkStore:
             want = Tier.DEVICE if c in on_device else Tier.HOST
             if self.os_tier[c] is want:
                 continue
+            self.drop(c)            # the param chunk is the master's cast: made again where it goes
             src_pool, dst_pool = ((self.host_os_pool, self.dev_os_pool) if want is Tier.DEVICE
                                   else (self.dev_os_pool, self.host_os_pool))
             for lst in (self.master, self.exp_avg, self.exp_avg_sq):
@@ -77,6 +82,12 @@ class ChunkStore:
                 src_pool.release(lst[c])
                 lst[c] = buf
             self.os_tier[c] = want
+            if want is Tier.DEVICE:              # the device is the chunk's home now
+                self.host_param_pool.release(self.host_param[c])
+                self.host_param[c] = torch.empty(0, dtype=self.dtype)
+            else:                                # a host home again, from the master that came over
+                self.host_param[c] = self.host_param_pool.acquire()
+                self.host_param[c].copy_(self.master[c])
 
     # ---- filling -------------------------------------------------------------------------
     def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -88,9 +99,12 @@ class ChunkStore:
             flat = value.detach().reshape(-1)
             for p in e.pieces:
                 src = flat[p.tensor_offset:p.tensor_offset + p.numel]
-                self.master[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(src)
-                self.host_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(
-                    self.master[p.chunk][p.chunk_offset:p.chunk_offset + p.numel])
+                master = self.master[p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
+                if self.device_homed(p.chunk):      # straight to its home on the device
+                    self.link.copy(master, src, "h2d")
+                else:
+                    master.copy_(src)
+                    self.host_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(master)
                 touched.add(p.chunk)
         for c in touched:
             self.drop(c)
@@ -102,22 +116,32 @@ class ChunkStore:
     def resident_chunks(self) -> list[int]:
         return [c for c, b in enumerate(self.dev_param) if b is not None]
 
+    def device_homed(self, c: int) -> bool:
+        """Chunk ``c`` lives on the device (its optimizer states do): no host copy."""
+        return self.os_tier[c] is Tier.DEVICE
+
     def fetch(self, c: int) -> torch.Tensor:
-        """Copy chunk ``c`` host -> device (it must not be resident)."""
+        """Copy chunk ``c`` host -> device (it must not be resident); a device-homed chunk is cast
+        from its fp32 master on the device instead (no bytes cross the link)."""
         assert self.dev_param[c] is None, f"chunk {c} is already on the device"
         buf = self.dev_param_pool.acquire()
-        self.link.copy(buf, self.host_param[c], "h2d")
-        self.link.traffic.num_fetches += 1
+        if self.device_homed(c):
+            buf.copy_(self.master[c])
+        else:
+            self.link.copy(buf, self.host_param[c], "h2d")
+            self.link.traffic.num_fetches += 1
         self.dev_param[c] = buf
         self.dirty[c] = False
         self._slot_chunk[buf.untyped_storage().data_ptr()] = c
         return buf
 
     def evict(self, c: int) -> None:
-        """Give up the device copy of ``c``, copying it home first only if it is dirty."""
+        """Give up the device copy of ``c``, copying it home first only if it is dirty (a
+        device-homed chunk is never copied: it is made again from its master, so it must not hold
+        gradients here -- both modes keep such chunks resident while they do)."""
         buf = self.dev_param[c]
         assert buf is not None, f"chunk {c} is not on the device"
-        if self.dirty[c]:
+        if self.dirty[c] and not self.device_homed(c):
             self.link.copy(self.host_param[c], buf, "d2h")
         self.link.traffic.num_evictions += 1
         self.drop(c)
@@ -187,6 +211,7 @@ class ChunkStore:
     def current(self, c: int) -> torch.Tensor:
         """The authoritative copy of param chunk ``c`` (device copy if resident)."""
         buf = self.dev_param[c]
+        assert buf is not None or not self.device_homed(c), f"device-homed chunk {c} is not on the device"
         return buf if buf is not None else self.host_param[c]
 
     def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
@@ -196,6 +221,7 @@ class ChunkStore:
             buf[offset:offset + src.numel()].copy_(src)
             self.dirty[c] = True
         else:
+            assert not self.device_homed(c), f"device-homed chunk {c} is not on the device"
             self.link.copy(self.host_param[c][offset:offset + src.numel()], src, "d2h")
 
     def bring_to_os_tier(self, c: int) -> torch.Tensor:
@@ -218,9 +244,7 @@ class ChunkStore:
             self.dirty[c] = True
             return
         self.drop(c)
-        if self.os_tier[c] is Tier.DEVICE:
-            self.link.copy(self.host_param[c], self.master[c], "d2h")
-        else:
+        if self.os_tier[c] is not Tier.DEVICE:     # a device-homed chunk is made from its master when needed
             self.host_param[c].copy_(self.master[c])
 
     def gather(self, which: str, fqn: str) -> torch.Tensor:

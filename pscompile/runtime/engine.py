@@ -26,6 +26,7 @@ from torch import nn
 
 from pscompile.config import AdamW, Config, available_host_bytes
 from pscompile.dist import checkpoint as shard_ckpt
+from pscompile.errors import BudgetError
 from pscompile.dist.comm import resolve_comm
 from pscompile.dist.store import OwnedChunkStore, ShardedStore
 from pscompile.memory.store import ChunkStore
@@ -90,17 +91,32 @@ class ChunkEngine:
         owned = (len(range(self.rank, self.layout.num_chunks, self.world)) * self.layout.chunk_size if self.per_chunk
                  else self.layout.num_chunks * (self.layout.chunk_size // self.world))
         host_need = owned * (elsize + 12)
+        # Chunks the host cannot hold live on the device (their optimizer states with them): the
+        # first ``min_device_homes`` chunks at least, whatever the placement rule says
+        self.min_device_homes = 0
         if host_need > host_budget:
-            owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
-            raise ValueError(
-                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned}: they need "
-                f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param); give "
-                f"host_memory >= {host_need} (the disk tier is not available yet)")
+            chunk_need = self.layout.chunk_size * (elsize + 12)
+            self.min_device_homes = self.layout.num_chunks - host_budget // chunk_need
+            device_need = self.min_device_homes * chunk_need
+            if self.world > 1 or (self.budget is not None and device_need > self.budget):
+                owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
+                where = ("" if self.world > 1 else
+                         f", and device_memory={format_bytes(self.budget)} cannot take the other "
+                         f"{self.min_device_homes} chunks ({format_bytes(device_need)} before any activation)")
+                detail = (f"to hold the {self.min_device_homes} chunks host_memory={format_bytes(host_budget)} "
+                          f"cannot ({format_bytes(device_need)} before any activation)")
+                error = ValueError if self.world > 1 else \
+                    lambda text: BudgetError(text, minimum=device_need, detail=detail)   # a search goes on from there
+                raise error(
+                    f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned}: they need "
+                    f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param){where}; give "
+                    f"host_memory >= {host_need} or more device_memory (the disk tier is not available yet)")
         self.link = Link(config.link_bandwidth)
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
-        self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link)
+        self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
+                                 os_on_device=frozenset(range(self.min_device_homes)))
                       if self.comm is None else
                       OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm)
                       if self.per_chunk else
