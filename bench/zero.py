@@ -93,7 +93,7 @@ def rank_main(rank: int, world: int, port: int, s: dict, mode: str, budget: int,
             h2d_bytes_per_step=mean("h2d_bytes"), d2h_bytes_per_step=mean("d2h_bytes"),
             allgather_bytes_per_step=mean("allgather_bytes"), reduce_scatter_bytes_per_step=mean("reduce_scatter_bytes"),
             peak_device_bytes=max(x.peak_device_bytes for x in stats),
-            model_bytes_per_rank=engine.store.host_model_bytes() + engine.store.dev_os_pool.bytes_in_use,
+            model_bytes_per_rank=sum(engine.model_data().values()),
             min_device_memory=engine.min_device_memory,
             chunk_elements=engine.layout.chunk_size // world, chunks=engine.layout.num_chunks * world)
         engine.close()

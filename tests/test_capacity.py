@@ -39,6 +39,9 @@ def _train_and_check(mode, device_memory, host_memory, steps=3):
                 (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
     n = engine.layout.num_chunks
     homed = sum(engine.store.device_homed(c) for c in range(n))
+    data = engine.model_data()             # every chunk counted once, on its home tier
+    assert data["device"] + data["host"] == n * (engine.store.param_chunk_bytes + engine.store.os_chunk_bytes)
+    assert data["host"] <= host_memory and f"{homed}/{n} chunks live on the device" in engine.describe()
     ours = engine.state_dict()["master"]
     theirs = ref.master_state()
     assert max((ours[k] - v).abs().max().item() for k, v in theirs.items()) <= 1e-4

@@ -88,7 +88,7 @@ def test_two_ranks_track_plain_pytorch_under_eviction(parity_runs, kind, mode):
 def test_each_rank_holds_a_world_size_share_of_the_model_data(parity_runs, kind, mode):
     single = pscompile.compile(make_model(kind), make_batches(kind, 1)[0], optimizer=dist_worker.HP,
                                config=dist_worker.config(mode, process_group=False))
-    total = single.store.host_model_bytes() + single.store.dev_os_pool.bytes_in_use   # every chunk, all 4 lists
+    total = sum(single.model_data().values())     # every chunk, all 4 lists, on its home tier
     single.close()
     group, groups = parity_runs[(kind, mode)][0]["layout"]
     one_group = group * (4 + 12)               # compute dtype + master + exp_avg + exp_avg_sq

@@ -326,7 +326,9 @@ def _summarise(s: TrainSettings, cfg, corpus: Corpus, engine, history: list[Step
         "fetches_per_step": mean("num_fetches"),
         "allgather_bytes_per_step": mean("allgather_bytes"),
         "reduce_scatter_bytes_per_step": mean("reduce_scatter_bytes"),
-        "rank_model_bytes": engine.store.host_model_bytes() + engine.store.dev_os_pool.bytes_in_use,
+        "rank_model_bytes": sum(engine.model_data().values()),
+        "model_data_device_bytes": engine.model_data()["device"],
+        "model_data_host_bytes": engine.model_data()["host"],
         "evictions_per_step": mean("num_evictions"),
         "skipped_steps": sum(h.skipped for h in history),
         "setup_s": setup_s,
@@ -350,6 +352,8 @@ def summary_table(r: dict) -> str:
                                                    else "") + f" on {r['settings']['device']}, {r['settings']['dtype']}"),
         ("chunks", f"{r['num_chunks']} x {r['chunk_size']:,} elements ({r['utilisation']:.1%} utilised)"),
         ("device budget", "none" if b is None else mib(b)),
+        ("model data", f"device {mib(r['model_data_device_bytes'])} (chunks living there), host "
+                       f"{mib(r['model_data_host_bytes'])}"),
         ("steps", f"{r['steps']} x {r['tokens_per_step']:,} tokens"),
         ("loss first / last", f"{r['loss_first']:.3f} / {r['loss_last']:.3f} "
                               f"(mean of last {min(10, r['steps'])}: {r['loss_last10_mean']:.3f})"),
@@ -362,20 +366,26 @@ def summary_table(r: dict) -> str:
         ("time", f"setup {r['setup_s']:.1f} s (corpus {r['corpus_s']:.1f} s), train {r['train_s']:.1f} s"
                  + ("" if r["process_s"] is None else f", {r['process_s']:.1f} s since process start")),
     ]
+    def insert_after(label: str, row: tuple[str, str]) -> None:
+        rows.insert(next(i for i, (name, _) in enumerate(rows) if name == label) + 1, row)
+
     if r.get("val_losses"):
         v = r["val_losses"]
-        rows.insert(7, ("validation loss", f"{v[-1]['loss']:.3f} after step {v[-1]['step']} "
+        insert_after("loss first / last", ("validation loss", f"{v[-1]['loss']:.3f} after step {v[-1]['step']} "
                                            f"({r['settings']['eval_batches']} held-out batches, evaluate())"))
     if r["settings"]["grad_accum"] > 1:
-        rows.insert(6, ("gradient accumulation", f"{r['settings']['grad_accum']} micro-batches of "
-                                                 f"{r['settings']['batch_size'] // r['settings']['grad_accum']} per step"))
+        insert_after("steps", ("gradient accumulation", f"{r['settings']['grad_accum']} micro-batches of "
+                                                        f"{r['settings']['batch_size'] // r['settings']['grad_accum']} "
+                                                        "per step"))
     if r.get("world_size", 1) > 1:
-        rows[3] = ("chunks", f"{r['num_chunks']} groups x {r['chunk_size']:,} elements ({r['utilisation']:.1%} utilised), "
-                             f"each {r['world_size']} chunks of {r['chunk_size'] // r['world_size']:,}, one per rank")
-        rows.insert(4, ("ZeRO ranks", f"{r['world_size']} ({r['dist_backend']}), model data per rank "
-                                      f"{mib(r['rank_model_bytes'])}; "
-                                      f"per step all-gathered {mib(r['allgather_bytes_per_step'])}, reduce-scattered "
-                                      f"{mib(r['reduce_scatter_bytes_per_step'])} (rank 0)"))
+        i = next(i for i, (name, _) in enumerate(rows) if name == "chunks")
+        rows[i] = ("chunks", f"{r['num_chunks']} groups x {r['chunk_size']:,} elements ({r['utilisation']:.1%} "
+                             f"utilised), each {r['world_size']} chunks of {r['chunk_size'] // r['world_size']:,}, "
+                             "one per rank")
+        insert_after("chunks", ("ZeRO ranks", f"{r['world_size']} ({r['dist_backend']}), model data per rank "
+                                              f"{mib(r['rank_model_bytes'])}; "
+                                              f"per step all-gathered {mib(r['allgather_bytes_per_step'])}, "
+                                              f"reduce-scattered {mib(r['reduce_scatter_bytes_per_step'])} (rank 0)"))
     if r["skipped_steps"]:
         rows.append(("skipped steps (fp16 overflow)", str(r["skipped_steps"])))
     return tabulate(rows, tablefmt="outline")

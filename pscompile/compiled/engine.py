@@ -610,6 +610,17 @@ class CompiledEngine(ChunkEngine):
         return max(minimum_budget(self._captures[key.capture], self.layout, nonmodel=s.nonmodel,
                                   slot_bytes=slot, world=self.world).nbytes for key, s in self._schedules.items())
 
+    def describe(self) -> str:
+        """A few lines on how the model was laid out and placed."""
+        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
+        return "\n".join([
+            f"compiled mode ({self.config.backend} backend) on {self.device}, compute dtype "
+            f"{str(self.dtype).replace('torch.', '')}, device_memory {budget} (minimum "
+            f"{format_bytes(self.min_device_memory)})",
+            f"layout: {self.layout.describe()}; order: {self.order_source}",
+            self.describe_tiers(),
+        ])
+
     @property
     def schedule(self) -> Schedule:
         """The training schedule most recently run by ``step`` (else the latest one planned):

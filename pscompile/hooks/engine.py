@@ -552,6 +552,7 @@ class HooksEngine(ChunkEngine):
             f"device_memory {budget} (minimum {format_bytes(self.min_device_memory)})",
             f"layout: {self.layout.describe()}; order: {self.order_source}",
             f"optimizer states: {on_dev}/{n} chunks on the device, {n - on_dev} on the host",
+            self.describe_tiers(),
         ])
 
     @property
