@@ -200,10 +200,16 @@ def fp16_and_opt_out(rank: int, world: int, port: int, out_dir: str) -> None:
             after = engine.full_state_dict()
             unchanged = all(torch.equal(before[k], after[k]) for k in before)
     engine.close()
+    group = dist.new_group(ranks=list(range(world)))       # an explicit group shards like the default one
+    named = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP,
+                              config=config("compiled", process_group=group))
+    named_loss = named.step(split(batches[0], rank, world))
+    named_store = type(named.store).__name__
+    named.close()
     solo = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP,
                              config=config("hooks", process_group=False))
     torch.save({"record": record, "unchanged": unchanged, "solo_world": solo.world,
-                "solo_store": type(solo.store).__name__},
+                "solo_store": type(solo.store).__name__, "named_store": named_store, "named_loss": named_loss},
                os.path.join(out_dir, f"fp16-rank{rank}.pt"))
     solo.close()
     dist.destroy_process_group()

@@ -195,7 +195,7 @@ def test_inductor_backend_two_ranks_agree_and_track_plain_pytorch(tmp_path):
     assert weight_error(ranks[0]["full"], ref) <= 1e-5
 
 
-def test_fp16_overflow_is_agreed_and_process_group_false_opts_out(tmp_path):
+def test_fp16_overflow_is_agreed_a_named_group_shards_and_process_group_false_opts_out(tmp_path):
     spawn(dist_worker.fp16_and_opt_out, str(tmp_path))
     ranks = [torch.load(tmp_path / f"fp16-rank{r}.pt") for r in range(WORLD)]
     assert ranks[0]["record"] == ranks[1]["record"], "the ranks disagreed on an overflow"
@@ -205,3 +205,6 @@ def test_fp16_overflow_is_agreed_and_process_group_false_opts_out(tmp_path):
     assert record[1][1] == 2.0 ** 23 and any(not skipped for skipped, _ in record), record
     for r in ranks:
         assert r["solo_world"] == 1 and r["solo_store"] == "ChunkStore"
+        assert r["named_store"] == "ShardedStore"
+    plain, _ = reference("gpt", make_batches("gpt", 1))
+    assert ranks[0]["named_loss"] == ranks[1]["named_loss"] and rel(ranks[0]["named_loss"], plain[0]) <= 1e-5
