@@ -102,7 +102,8 @@ def rank_main(rank: int, world: int, port: int, s: dict, mode: str, budget: int,
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    if world > 1:
+    if world > 1:                # every rank done with every collective before any tears down
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -53,19 +53,25 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     trains with (``config.device_memory`` itself is ignored).
 
     Compiled mode plans it on fake tensors (nothing is allocated; the model may be on the meta
-    device); with ZeRO (an initialized process group) it is one rank's minimum. Hooks mode traces one forward and backward per chunk size it tries (``chunk_size=
+    device); with ZeRO (an initialized process group) it is one rank's minimum; with a
+    ``host_memory`` smaller than the model it includes the chunks that must live on the device. Hooks mode traces one forward and backward per chunk size it tries (``chunk_size=
     "auto"`` sizes chunks by the budget), with the model's weights handed back afterwards."""
     optimizer, config = _check_arguments(model, optimizer, config)
     if config.mode == "compiled":
         from pscompile.dist.comm import resolve_comm
         from pscompile.graph.pipeline import minimum_budget, plan_inputs
+        from pscompile.optim.placement import host_shortfall_chunks
         batch = to_device(batch, config.torch_device)
         comm = resolve_comm(config.process_group)
         world = comm.world if comm is not None else 1
         layout, analyzed = plan_inputs(model, batch, config, loss_fn=loss_fn, world=world,
                                        per_chunk=config.collectives == "per_chunk")
         slot_bytes = layout.chunk_size * config.dtype.itemsize
-        return minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot_bytes, world=world).nbytes
+        state_bytes = 3 * 4 * layout.chunk_size
+        homes = 0 if config.host_memory is None or world > 1 else host_shortfall_chunks(
+            num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
+        return minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot_bytes, world=world,
+                              device_homes=homes, state_bytes=state_bytes).nbytes
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]
 
 

@@ -26,6 +26,12 @@ def join(rank: int, world: int, port: int, timeout_s: float = 120.0) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def leave() -> None:
+    """Every rank is done with every collective before any tears its side of the group down."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def split(batch, rank: int, world: int):
     """This rank's part of a global batch (rows rank::world would do too; contiguous halves here)."""
     def part(t):
@@ -73,7 +79,7 @@ def parity(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
                     "host_model_bytes": engine.store.host_model_bytes()},
                    os.path.join(out_dir, f"{kind}-{mode}-rank{rank}.pt"))
         engine.close()
-    dist.destroy_process_group()
+    leave()
 
 
 def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[str]) -> None:
@@ -91,7 +97,7 @@ def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[
         torch.save({"losses": losses, "eval": evaluation, "full": engine.full_state_dict()},
                    os.path.join(out_dir, f"accum-{mode}-rank{rank}.pt"))
         engine.close()
-    dist.destroy_process_group()
+    leave()
 
 
 def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str | None, steps: int) -> None:
@@ -116,7 +122,7 @@ def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str 
         losses.append(engine.step(split(b, rank, world)))
     torch.save(losses, os.path.join(out_dir, f"resume-{mode}-{load}-rank{rank}.pt"))
     engine.close()
-    dist.destroy_process_group()
+    leave()
 
 
 def dies(rank: int, world: int, port: int, out_dir: str, timeout_s: float, how: str) -> None:
@@ -160,7 +166,7 @@ def collectives(rank: int, world: int, port: int, out_dir: str, mode: str) -> No
                      "schedule": str(engine.schedule) if mode == "compiled" else None}
         engine.close()
     torch.save(out, os.path.join(out_dir, f"collectives-{mode}-rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 def inductor(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -180,7 +186,7 @@ def inductor(rank: int, world: int, port: int, out_dir: str) -> None:
                 "plan": engine.last_plan.actions},
                os.path.join(out_dir, f"inductor-rank{rank}.pt"))
     engine.close()
-    dist.destroy_process_group()
+    leave()
 
 
 def fp16_and_opt_out(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -212,4 +218,4 @@ def fp16_and_opt_out(rank: int, world: int, port: int, out_dir: str) -> None:
                 "solo_store": type(solo.store).__name__, "named_store": named_store, "named_loss": named_loss},
                os.path.join(out_dir, f"fp16-rank{rank}.pt"))
     solo.close()
-    dist.destroy_process_group()
+    leave()

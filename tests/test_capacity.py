@@ -4,6 +4,8 @@ memory together hold it, in both modes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -85,3 +87,24 @@ def test_too_little_memory_in_both_tiers_names_both():
     with pytest.raises(ValueError, match="host_memory=.*device_memory"):
         pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], optimizer=HP,
                           config=_config("hooks", 256 << 10, 64 << 10))
+
+
+@pytest.mark.parametrize("frac", [0.2, 0.5, 0.8])
+def test_compiled_minimum_counts_the_chunks_the_host_cannot_hold(frac):
+    """``pscompile.min_device_memory`` with a host smaller than the model: compile accepts exactly
+    that budget, and refuses one byte less."""
+    model, batch = make_model("gpt"), make_batches("gpt", 1)[0]
+    host = int(_model_bytes() * frac)
+    config = pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=torch.float32,
+                              host_memory=host, chunk_size=20480)
+    least = pscompile.min_device_memory(model, batch, config)
+    unlimited = pscompile.min_device_memory(model, batch, pscompile.Config(
+        mode="compiled", backend="eager", device="cpu", dtype=torch.float32, chunk_size=20480))
+    assert least > unlimited, "the chunks the host cannot hold must raise the minimum"
+    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP,
+                               config=dataclasses.replace(config, device_memory=least))
+    assert engine.store.host_model_bytes() <= host
+    engine.close()
+    with pytest.raises(ValueError, match="device_memory"):
+        pscompile.compile(make_model("gpt"), batch, optimizer=HP,
+                          config=dataclasses.replace(config, device_memory=least - 1))

@@ -394,11 +394,12 @@ def summary_table(r: dict) -> str:
 def train_command(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     rank, world, joined = init_from_env(s.device)
-    try:
-        result = run_train(s, rank=rank, world=world)
-    finally:
-        if joined:
-            torch.distributed.destroy_process_group()
+    # after a failure the error propagates without tearing the group down (the launcher stops the
+    # other ranks; destroying it under their collectives could hang them)
+    result = run_train(s, rank=rank, world=world)
+    if joined:             # every rank is done with every collective before any tears its side down
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     if rank != 0:
         return 0
     print(summary_table(result), flush=True)

@@ -608,7 +608,9 @@ class CompiledEngine(ChunkEngine):
         on the host), with the measured curve where there is one."""
         slot = self.store.param_chunk_bytes
         return max(minimum_budget(self._captures[key.capture], self.layout, nonmodel=s.nonmodel,
-                                  slot_bytes=slot, world=self.world).nbytes for key, s in self._schedules.items())
+                                  slot_bytes=slot, world=self.world, device_homes=self.min_device_homes,
+                                  state_bytes=self.store.os_chunk_bytes).nbytes
+                   for key, s in self._schedules.items())
 
     def describe(self) -> str:
         """A few lines on how the model was laid out and placed."""

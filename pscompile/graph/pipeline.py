@@ -158,17 +158,21 @@ class Minimum:
 
 
 def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
-                   slot_bytes: int, world: int = 1) -> Minimum:
+                   slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0) -> Minimum:
     """The smallest ``device_memory`` every schedule of ``analyzed`` fits in with this layout and
     curve: at every node, the chunks it reads next to its window (``node_windows``), optimizer
     states on the host. plan_residency succeeds at any budget from here up (it may evict everything
     else), and so do the passes after it, which keep its per-node bounds. Sharded (``world > 1``),
-    a group that holds some of its gradients counts as read until it holds all of them."""
+    a group that holds some of its gradients counts as read until it holds all of them.
+    ``device_homes``: the first chunks live on the device for the whole iteration (the host cannot
+    hold them), each with ``state_bytes`` of optimizer states."""
     reads = node_reads(analyzed.captured, layout, hold_grads=analyzed.grad_store_points if world > 1 else None)
     windows = node_windows(analyzed.captured, nonmodel)
     best = Minimum(0, 0, 0, slot_bytes, 0)
+    homes = set(range(device_homes))
     for i, (chunks, w) in enumerate(zip(reads, windows)):
-        need = len(chunks) * slot_bytes + w
+        chunks = set(chunks) | homes
+        need = len(chunks) * slot_bytes + w + device_homes * state_bytes
         if need > best.nbytes:
             best = Minimum(need, i, len(chunks), slot_bytes, w)
     return best

@@ -23,3 +23,9 @@ def device_state_chunks(*, budget: int | None, peak_nonmodel: int, num_chunks: i
     temp = UPDATE_TEMP_BYTES_PER_ELEMENT * chunk_size
     margin = budget - max(peak_nonmodel, temp) - num_chunks * param_chunk_bytes
     return max(0, min(num_chunks, margin // state_chunk_bytes))
+
+
+def host_shortfall_chunks(*, num_chunks: int, chunk_bytes: int, host_budget: int) -> int:
+    """How many chunks (the first ones) must live on the device because ``host_budget`` cannot
+    hold them (``chunk_bytes``: one chunk's compute-dtype copy, fp32 master and Adam states)."""
+    return max(0, num_chunks - host_budget // chunk_bytes)

@@ -33,6 +33,7 @@ from pscompile.memory.store import ChunkStore
 from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
+from pscompile.optim.placement import host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, to_device
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.params import choose_layout, collect_params
@@ -96,7 +97,8 @@ class ChunkEngine:
         self.min_device_homes = 0
         if host_need > host_budget:
             chunk_need = self.layout.chunk_size * (elsize + 12)
-            self.min_device_homes = self.layout.num_chunks - host_budget // chunk_need
+            self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
+                                                          host_budget=host_budget)
             device_need = self.min_device_homes * chunk_need
             if self.world > 1 or (self.budget is not None and device_need > self.budget):
                 owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
