@@ -328,43 +328,20 @@ class CompiledEngine(ChunkEngine):
                 self._in_flight[mem.slot] = fut
             else:
                 fut.result()
-        elif mem.kind == MemKind.ALLGATHER:
-            slot, host = args[:2]
-            self._allocate_slot(mem.slot)
-            shard = store.home_numel
-            q.submit(slot[self.rank * shard:(self.rank + 1) * shard], host, "h2d").result()
-            handle = self.comm.all_gather(slot, async_op=mem.asynchronous)
-            self.link.traffic.num_fetches += 1
-            store.attach(mem.chunk, slot)
-            self._slot_chunk[mem.slot] = mem.chunk
-            if mem.asynchronous:
-                self._in_flight[mem.slot] = handle
-        elif mem.kind == MemKind.BROADCAST:
+        elif mem.kind in (MemKind.ALLGATHER, MemKind.BROADCAST):    # ZeRO: the chunk/group arrives
             slot = args[0]
             self._allocate_slot(mem.slot)
-            handle = store.broadcast_into(mem.chunk, slot, async_op=mem.asynchronous,
-                                          copy=lambda d, s_: q.submit(d, s_, "h2d").result())
+            handle = store.gather_into(mem.chunk, slot, async_op=mem.asynchronous,
+                                       copy=lambda d, s_: q.submit(d, s_, "h2d").result())
             self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
             self._slot_chunk[mem.slot] = mem.chunk
             if mem.asynchronous:
                 self._in_flight[mem.slot] = handle
-        elif mem.kind == MemKind.REDUCE:
+        elif mem.kind.reduces:                                      # ZeRO: gradients to their owners
             dest, slot, _, _, accumulate = args
             store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
                                    copy=lambda d, s_: q.submit(d, s_, "d2h").result())
-            store.dirty[mem.chunk] = False
-        elif mem.kind == MemKind.REDUCE_SCATTER:
-            dest, slot, _, _, accumulate = args
-            shard = store.home_numel
-            mine = slot[self.rank * shard:(self.rank + 1) * shard]
-            self.comm.reduce_scatter(mine, slot)          # in place: the sum of our shard lands on it
-            if accumulate:
-                host = torch.empty(shard, dtype=slot.dtype)
-                q.submit(host, mine, "d2h").result()
-                dest.add_(host)                            # fp32 += compute dtype, on the host
-            else:
-                q.submit(dest, mine, "d2h").result()
             store.dirty[mem.chunk] = False
         elif mem.kind == MemKind.WAIT:
             pending = self._in_flight.pop(mem.slot)

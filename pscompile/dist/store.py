@@ -27,9 +27,6 @@ from pscompile.memory.layout import ChunkLayout, TensorEntry
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.tiers import Link
 
-_LISTS = ("master", "exp_avg", "exp_avg_sq")
-
-
 def own_pieces(entry: TensorEntry, shard: int, rank: int, *,
                per_chunk_world: int = 0) -> Iterator[tuple[int, int, int, int]]:
     """(group, offset in the rank's shard, offset in the flat tensor, numel) of the parts of
@@ -47,7 +44,92 @@ def own_pieces(entry: TensorEntry, shard: int, rank: int, *,
             yield p.chunk, a - lo, p.tensor_offset + (a - p.chunk_offset), b - a
 
 
-class ShardedStore(ChunkStore):
+class _ZeroStore(ChunkStore):
+    """What both ZeRO stores share: a chunk (or group) arrives on the device by a collective
+    (``gather_into``), leaves by a release that copies nothing, and, once it holds all its
+    gradients, sends them to their owners by a collective reduction (``reduce_into_home``). A
+    rank keeps homes only for what it owns (``_pieces``: the parts of a tensor it owns)."""
+
+    comm: Comm
+
+    def _pieces(self, entry: TensorEntry) -> Iterator[tuple[int, int, int, int]]:
+        raise NotImplementedError
+
+    def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
+        """Chunk ``c`` into the device buffer ``buf`` on every rank (``copy(dst, src)`` moves this
+        rank's part over its link; default the link itself); the handle of an asynchronous one."""
+        raise NotImplementedError
+
+    def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
+        """Sum chunk ``c``'s gradients in ``buf`` over ranks into their owners' homes (or add them,
+        fp32, into the accumulation buffer ``acc``)."""
+        raise NotImplementedError
+
+    def _copy(self, direction: str, copy):
+        return copy or (lambda dst, src: self.link.copy(dst, src, direction))
+
+    def _to_home(self, c: int, part: torch.Tensor, acc: torch.Tensor | None, copy) -> None:
+        if acc is None:
+            self._copy("d2h", copy)(self.host_param[c], part)
+        else:
+            host = torch.empty(part.numel(), dtype=part.dtype)
+            self._copy("d2h", copy)(host, part)
+            acc.add_(host)
+
+    # ---- filling -------------------------------------------------------------------------
+    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        for fqn, value in params.items():
+            flat = value.detach().reshape(-1)
+            for c, off, to, n in self._pieces(self.layout.entry(fqn)):
+                self.master[c][off:off + n].copy_(flat[to:to + n])
+                self.host_param[c][off:off + n].copy_(self.master[c][off:off + n])
+
+    # ---- residency (hooks mode drives these) ---------------------------------------------
+    def fetch(self, c: int) -> torch.Tensor:
+        assert self.dev_param[c] is None, f"chunk {c} is already on the device"
+        buf = self.dev_param_pool.acquire()
+        self.gather_into(c, buf)
+        self.link.traffic.num_fetches += 1
+        self.dev_param[c] = buf
+        self.dirty[c] = False
+        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
+        return buf
+
+    def evict(self, c: int) -> None:
+        assert not self.dirty[c], f"chunk {c} holds gradients not yet sent to their owners; it cannot leave"
+        self.link.traffic.num_evictions += 1
+        self.drop(c)
+
+    def reduce_scatter(self, c: int, acc: torch.Tensor | None = None) -> None:
+        """The chunk's gradients are complete: send them to their owners and release the chunk."""
+        self.reduce_into_home(c, self.dev_param[c], acc)
+        self.dirty[c] = False
+        self.link.traffic.num_evictions += 1
+        self.drop(c)
+
+    def current(self, c: int) -> torch.Tensor:
+        assert self.owns(c) and not self.dirty[c], f"chunk {c} is not this rank's, or holds unreduced gradients"
+        return self.host_param[c]
+
+    def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
+        assert self.resident(c), f"a gradient for chunk {c} arrived while it is not on the device"
+        super().write_piece(c, offset, src)
+
+    # ---- state ---------------------------------------------------------------------------
+    def gather(self, which: str, fqn: str) -> torch.Tensor:
+        raise AssertionError("a sharded store holds parts of each tensor; use pscompile.dist.checkpoint")
+
+    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
+        """Write this rank's parts of one full tensor into an optimizer-state list."""
+        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        flat = value.detach().reshape(-1)
+        for c, off, to, n in self._pieces(self.layout.entry(fqn)):
+            lists[which][c][off:off + n].copy_(flat[to:to + n])
+
+
+class ShardedStore(_ZeroStore):
+    """ZeRO by group (``collectives="group"``): see the module docstring."""
+
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm):
         if layout.chunk_size % comm.world:
             raise ValueError(f"a group of {layout.chunk_size} elements does not split into {comm.world} shards")
@@ -59,6 +141,9 @@ class ShardedStore(ChunkStore):
     def _mine(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[self.rank * self.shard:(self.rank + 1) * self.shard]
 
+    def _pieces(self, entry: TensorEntry) -> Iterator[tuple[int, int, int, int]]:
+        return own_pieces(entry, self.shard, self.rank)
+
     def home_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
         out = []
@@ -68,77 +153,20 @@ class ShardedStore(ChunkStore):
                 out.append((a - lo, b - a))
         return out
 
-    # ---- filling -------------------------------------------------------------------------
-    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
-        for fqn, value in params.items():
-            flat = value.detach().reshape(-1)
-            for g, so, to, n in own_pieces(self.layout.entry(fqn), self.shard, self.rank):
-                self.master[g][so:so + n].copy_(flat[to:to + n])
-                self.host_param[g][so:so + n].copy_(self.master[g][so:so + n])
-
-    # ---- collectives ---------------------------------------------------------------------
-    def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False):
-        """All-gather group ``c`` into ``buf`` (own shard crosses the link first); returns the
-        handle of an asynchronous all-gather."""
-        self.link.copy(self._mine(buf), self.host_param[c], "h2d")
+    def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
+        """All-gather group ``c`` in place into ``buf``: this rank's shard crosses its link first."""
+        self._copy("h2d", copy)(self._mine(buf), self.host_param[c])
         return self.comm.all_gather(buf, async_op=async_op)
 
-    def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None) -> None:
-        """Sum group ``c``'s gradients in ``buf`` over ranks; this rank's shard of the sum goes to
-        its host home, or is added (fp32) into ``acc``."""
-        out = torch.empty(self.shard, dtype=buf.dtype, device=buf.device)
-        self.comm.reduce_scatter(out, buf)
-        if acc is None:
-            self.link.copy(self.host_param[c], out, "d2h")
-        else:
-            host = torch.empty(self.shard, dtype=buf.dtype)
-            self.link.copy(host, out, "d2h")
-            acc.add_(host)
-
-    # ---- residency (hooks mode drives these) ---------------------------------------------
-    def fetch(self, c: int) -> torch.Tensor:
-        assert self.dev_param[c] is None, f"group {c} is already on the device"
-        buf = self.dev_param_pool.acquire()
-        self.gather_into(c, buf)
-        self.link.traffic.num_fetches += 1
-        self.dev_param[c] = buf
-        self.dirty[c] = False
-        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
-        return buf
-
-    def evict(self, c: int) -> None:
-        assert not self.dirty[c], f"group {c} holds gradients not yet reduce-scattered; it cannot leave"
-        self.link.traffic.num_evictions += 1
-        self.drop(c)
-
-    def reduce_scatter(self, c: int, acc: torch.Tensor | None = None) -> None:
-        """The group's gradients are complete: reduce-scatter them home and release the group."""
-        self.reduce_into_home(c, self.dev_param[c], acc)
-        self.dirty[c] = False
-        self.link.traffic.num_evictions += 1
-        self.drop(c)
-
-    def current(self, c: int) -> torch.Tensor:
-        assert not self.dirty[c], f"group {c} holds gradients not yet reduce-scattered"
-        return self.host_param[c]
-
-    def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
-        assert self.resident(c), f"a gradient for group {c} arrived while it is not gathered"
-        super().write_piece(c, offset, src)
-
-    # ---- state ---------------------------------------------------------------------------
-    def gather(self, which: str, fqn: str) -> torch.Tensor:
-        raise AssertionError("a sharded store holds parts of each tensor; use pscompile.dist.checkpoint")
-
-    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
-        """Write this rank's parts of one full tensor into an optimizer-state list."""
-        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        flat = value.detach().reshape(-1)
-        for g, so, to, n in own_pieces(self.layout.entry(fqn), self.shard, self.rank):
-            lists[which][g][so:so + n].copy_(flat[to:to + n])
+    def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
+        """Reduce-scatter group ``c`` in place (the sum of this rank's shard lands on its part of
+        ``buf``), then that shard goes home."""
+        mine = self._mine(buf)
+        self.comm.reduce_scatter(mine, buf)
+        self._to_home(c, mine, acc, copy)
 
 
-class OwnedChunkStore(ChunkStore):
+class OwnedChunkStore(_ZeroStore):
     """ZeRO with per-chunk collectives (PatrickStar's memory-saving choice for many ranks): the unit
     is one chunk, owned by rank ``c % world``, which alone keeps its home (host copy, fp32 master,
     Adam states) and updates it. Fetching a chunk broadcasts it from its owner (only the owner's
@@ -155,63 +183,20 @@ class OwnedChunkStore(ChunkStore):
     def owner(self, c: int) -> int:
         return c % self.world
 
-    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
-        for fqn, value in params.items():
-            flat = value.detach().reshape(-1)
-            for c, off, to, n in own_pieces(self.layout.entry(fqn), 0, self.rank, per_chunk_world=self.world):
-                self.master[c][off:off + n].copy_(flat[to:to + n])
-                self.host_param[c][off:off + n].copy_(self.master[c][off:off + n])
+    def _pieces(self, entry: TensorEntry) -> Iterator[tuple[int, int, int, int]]:
+        return own_pieces(entry, 0, self.rank, per_chunk_world=self.world)
 
-    def broadcast_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
-        """Chunk ``c`` into ``buf`` on every rank: the owner fills it from its home first
-        (``copy(dst, src)``, default the link)."""
+    def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
+        """Broadcast chunk ``c`` from its owner, which fills ``buf`` from its home first."""
         if self.owner(c) == self.rank:
-            (copy or (lambda d, s_: self.link.copy(d, s_, "h2d")))(buf, self.host_param[c])
+            self._copy("h2d", copy)(buf, self.host_param[c])
         return self.comm.broadcast(buf, self.owner(c), async_op=async_op)
 
     def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
-        """Sum chunk ``c``'s gradients in ``buf`` over ranks into its owner's home (or add them,
-        fp32, into the owner's accumulation chunk ``acc``)."""
+        """Reduce chunk ``c`` to its owner, which sends the sum home."""
         self.comm.reduce(buf, self.owner(c))
-        if self.owner(c) != self.rank:
-            return
-        copy = copy or (lambda d, s_: self.link.copy(d, s_, "d2h"))
-        if acc is None:
-            copy(self.host_param[c], buf)
-        else:
-            host = torch.empty(buf.numel(), dtype=buf.dtype)
-            copy(host, buf)
-            acc.add_(host)
-
-    def fetch(self, c: int) -> torch.Tensor:
-        assert self.dev_param[c] is None, f"chunk {c} is already on the device"
-        buf = self.dev_param_pool.acquire()
-        self.broadcast_into(c, buf)
-        self.link.traffic.num_fetches += 1
-        self.dev_param[c] = buf
-        self.dirty[c] = False
-        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
-        return buf
-
-    def evict(self, c: int) -> None:
-        assert not self.dirty[c], f"chunk {c} holds gradients not yet reduced to its owner; it cannot leave"
-        self.link.traffic.num_evictions += 1
-        self.drop(c)
-
-    def reduce_scatter(self, c: int, acc: torch.Tensor | None = None) -> None:
-        """The chunk's gradients are complete: reduce them to the owner and release the chunk."""
-        self.reduce_into_home(c, self.dev_param[c], acc)
-        self.dirty[c] = False
-        self.link.traffic.num_evictions += 1
-        self.drop(c)
-
-    def current(self, c: int) -> torch.Tensor:
-        assert self.owns(c) and not self.dirty[c], f"chunk {c} is not this rank's, or holds unreduced gradients"
-        return self.host_param[c]
-
-    def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
-        assert self.resident(c), f"a gradient for chunk {c} arrived while it is not on the device"
-        super().write_piece(c, offset, src)
+        if self.owner(c) == self.rank:
+            self._to_home(c, buf, acc, copy)
 
     def restore_from_master(self, c: int) -> None:
         if self.owns(c):
@@ -219,12 +204,3 @@ class OwnedChunkStore(ChunkStore):
         else:
             self.dirty[c] = False
             self.drop(c)
-
-    def gather(self, which: str, fqn: str) -> torch.Tensor:
-        raise AssertionError("a sharded store holds parts of each tensor; use pscompile.dist.checkpoint")
-
-    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
-        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        flat = value.detach().reshape(-1)
-        for c, off, to, n in own_pieces(self.layout.entry(fqn), 0, self.rank, per_chunk_world=self.world):
-            lists[which][c][off:off + n].copy_(flat[to:to + n])
