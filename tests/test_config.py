@@ -21,6 +21,8 @@ from pscompile.units import format_bytes, parse_rate, parse_size
     (dict(backend="tvm"), "backend"),
     (dict(device="cpu", link_bandwidth="fast"), "link_bandwidth"),
     (dict(initial_loss_scale=0), "initial_loss_scale"),
+    (dict(process_group="world"), "process_group"),
+    (dict(collectives="ring"), "collectives"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
