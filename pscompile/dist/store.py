@@ -85,15 +85,9 @@ class _ZeroStore(ChunkStore):
                 self.host_param[c][off:off + n].copy_(self.master[c][off:off + n])
 
     # ---- residency (hooks mode drives these) ---------------------------------------------
-    def fetch(self, c: int) -> torch.Tensor:
-        assert self.dev_param[c] is None, f"chunk {c} is already on the device"
-        buf = self.dev_param_pool.acquire()
+    def _fill(self, c: int, buf: torch.Tensor) -> bool:
         self.gather_into(c, buf)
-        self.link.traffic.num_fetches += 1
-        self.dev_param[c] = buf
-        self.dirty[c] = False
-        self._slot_chunk[buf.untyped_storage().data_ptr()] = c
-        return buf
+        return True
 
     def evict(self, c: int) -> None:
         assert not self.dirty[c], f"chunk {c} holds gradients not yet sent to their owners; it cannot leave"

@@ -125,15 +125,20 @@ class ChunkStore:
         from its fp32 master on the device instead (no bytes cross the link)."""
         assert self.dev_param[c] is None, f"chunk {c} is already on the device"
         buf = self.dev_param_pool.acquire()
-        if self.device_homed(c):
-            buf.copy_(self.master[c])
-        else:
-            self.link.copy(buf, self.host_param[c], "h2d")
+        if self._fill(c, buf):
             self.link.traffic.num_fetches += 1
         self.dev_param[c] = buf
         self.dirty[c] = False
         self._slot_chunk[buf.untyped_storage().data_ptr()] = c
         return buf
+
+    def _fill(self, c: int, buf: torch.Tensor) -> bool:
+        """Put chunk ``c``'s parameters into the device buffer ``buf``; True if they came over."""
+        if self.device_homed(c):
+            buf.copy_(self.master[c])
+            return False
+        self.link.copy(buf, self.host_param[c], "h2d")
+        return True
 
     def evict(self, c: int) -> None:
         """Give up the device copy of ``c``, copying it home first only if it is dirty (a
