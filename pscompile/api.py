@@ -59,7 +59,7 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     optimizer, config = _check_arguments(model, optimizer, config)
     if config.mode == "compiled":
         from pscompile.dist.comm import resolve_comm
-        from pscompile.graph.pipeline import minimum_budget, plan_inputs
+        from pscompile.graph.pipeline import least_budget, plan_inputs
         from pscompile.optim.placement import host_shortfall_chunks
         batch = to_device(batch, config.torch_device)
         comm = resolve_comm(config.process_group)
@@ -70,8 +70,8 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
         state_bytes = 3 * 4 * layout.chunk_size
         homes = 0 if config.host_memory is None or world > 1 else host_shortfall_chunks(
             num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
-        return minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot_bytes, world=world,
-                              device_homes=homes, state_bytes=state_bytes).nbytes
+        return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
+                            device_homes=homes, state_bytes=state_bytes).nbytes
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]
 
 

@@ -18,6 +18,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("compiled", "hooks")
 _BACKENDS = ("inductor", "eager")
 _COLLECTIVES = ("group", "per_chunk")
+_ACTIVATIONS = ("auto", "keep", "recompute")
 
 
 def available_host_bytes() -> int:
@@ -58,6 +59,10 @@ class Config:
     # slot and reduce-scatters it; "per_chunk" broadcasts each chunk from its owner and reduces its
     # gradients to it (PatrickStar's choice for 16+ ranks: the device holds one chunk, not a group)
     collectives: str = "group"
+    # compiled mode: which saved activations the backward recomputes instead of keeping. "auto"
+    # recomputes the fewest segments that let the schedule fit device_memory (none when it fits
+    # as is); "keep" never recomputes; "recompute" recomputes every segment it can
+    activations: str = "auto"
 
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
@@ -102,6 +107,11 @@ class Config:
                                  "torch.distributed.ProcessGroup")
         if self.collectives not in _COLLECTIVES:
             raise ValueError(f"collectives={self.collectives!r} is not supported; use one of {_COLLECTIVES}")
+        if self.activations not in _ACTIVATIONS:
+            raise ValueError(f"activations={self.activations!r} is not a policy; use one of {_ACTIVATIONS}")
+        if self.activations == "recompute" and self.mode != "compiled":
+            raise ValueError("activations='recompute' plans recomputation in compiled mode's graph; in mode='hooks' "
+                             "wrap the model's blocks in torch.utils.checkpoint instead, or use mode='compiled'")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):

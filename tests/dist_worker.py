@@ -127,12 +127,18 @@ def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str 
 
 def dies(rank: int, world: int, port: int, out_dir: str, timeout_s: float, how: str) -> None:
     """Rank 1 exits (``how="exit"``) or stalls past the timeout (``"stall"``) after its first step;
-    rank 0's next step must fail within the timeout, not hang."""
+    rank 0's next step must fail within the timeout, not hang. The engine's group has the short
+    timeout; the ranks line up on the default group (a long timeout) before each step, so that
+    only the step meant to fail can time out, however slowly this machine compiles."""
     import time
-    join(rank, world, port, timeout_s=timeout_s)
+    join(rank, world, port)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     batch = split(make_batches("gpt", 1)[0], rank, world)
-    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("compiled"))
+    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP,
+                               config=config("compiled", process_group=group))
+    dist.barrier()
     engine.step(batch)
+    dist.barrier()
     if rank == 1:
         if how == "stall":
             time.sleep(3 * timeout_s)

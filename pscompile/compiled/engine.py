@@ -34,7 +34,8 @@ from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
-                                      capture_and_analyze, executed_nodes, minimum_budget)
+                                      capture_and_analyze, choose_activations, executed_nodes,
+                                      minimum_budget)
 from pscompile.kinds import MemKind, RunKind
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
@@ -179,6 +180,9 @@ class CompiledEngine(ChunkEngine):
         if analyzed is None:
             analyzed = capture_and_analyze(self.model, batch, params=self.params, loss_fn=self.loss_fn,
                                            dtype=self.dtype, backward=key.kind.backward)
+            analyzed = choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
+                                          slot_bytes=self.store.param_chunk_bytes, world=self.world,
+                                          device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes)
             self._captures[key.capture] = analyzed
         measured = self._measured.get(key.capture)
         nonmodel = measured if measured is not None else analyzed.nonmodel
@@ -243,11 +247,8 @@ class CompiledEngine(ChunkEngine):
     def _ensure_slots(self, plan: ResidencyPlan) -> None:
         """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
         allocates it, a drop gives it back), with the device-updated chunks in their fixed slots."""
-        cs = self.layout.chunk_size
         while len(self._slots) < plan.num_slots:
-            slot = torch.empty(cs, dtype=self.dtype, device=self.device)
-            slot.untyped_storage().resize_(0)
-            self._slots.append(slot)
+            self._slots.append(self._empty_slot())
         for c, k in plan.initial:                  # device-updated chunks live in fixed slots
             if self.store.os_tier[c] is not Tier.DEVICE:
                 continue                           # a warm start: the previous run left it there
@@ -257,6 +258,11 @@ class CompiledEngine(ChunkEngine):
                 self.store.attach(c, self._slots[k])
                 self._slot_chunk[k] = c
         self._count_outside_steps()
+
+    def _empty_slot(self) -> torch.Tensor:
+        slot = torch.empty(self.layout.chunk_size, dtype=self.dtype, device=self.device)
+        slot.untyped_storage().resize_(0)
+        return slot
 
     def _allocate_slot(self, k: int) -> None:
         """Give slot ``k`` its chunk of device memory (a fetch into it is about to start)."""
@@ -453,7 +459,7 @@ class CompiledEngine(ChunkEngine):
             self._reading.clear()
         except BaseException:
             self._queue.flush()
-            self._in_flight.clear()
+            self._abandon_in_flight()
             self._reading.clear()
             self._recover(restore=acc is None)
             raise
@@ -565,6 +571,18 @@ class CompiledEngine(ChunkEngine):
             for other in list(self._schedules):
                 if other.capture == cap:
                     self._replan(other, previous, measured=True)
+
+    def _abandon_in_flight(self) -> None:
+        """After a failed run, collectives may still be running (a broken process group times out
+        the queued ones one by one) and write into their slots: such a slot is not freed but
+        replaced by a new empty one; the collective keeps the old memory until it ends."""
+        for k, pending in self._in_flight.items():
+            if getattr(pending, "running", lambda: False)():
+                storage = self._slots[k].untyped_storage()
+                self._slot_ptrs.discard(storage.data_ptr())
+                self._slot_bytes_allocated -= storage.nbytes()
+                self._slots[k] = self._empty_slot()
+        self._in_flight.clear()
 
     def _recover(self, *, restore: bool = True) -> None:
         """After a failed graph run: undo stored gradients (``restore``; accumulation leaves the

@@ -248,6 +248,8 @@ class Schedule:
         if plan.initial:
             pairs = ", ".join(f"chunk {c} in slot {k}" for c, k in plan.initial)
             lines.append(f"resident from the start (optimizer states on the device): {pairs}")
+        if self.scheduled.activations is not None:
+            lines.append(self.scheduled.activations.describe())
         if self.measured:
             lines.append("non-model memory: measured in the warm-up step (the static estimate was replaced)")
         else:
@@ -321,6 +323,9 @@ class Schedule:
             return f"param {fqn} ({where}" + (f" in slot {slot})" if slot is not None else ")")
         if n.op == "output":
             return "loss"
+        recomputed = get(n, "recomputes")
+        if recomputed is not None:
+            return f"recomputes {recomputed}"
         return ""
 
     def __str__(self) -> str:

@@ -40,6 +40,10 @@ class _Delayed:
         self.where = where
         self.deadline = time.perf_counter() + seconds
 
+    def running(self) -> bool:
+        """Whether the collective may still write into its buffer."""
+        return not self.work.is_completed()
+
     def wait(self) -> None:
         try:
             self.work.wait()

@@ -7,6 +7,11 @@ Two stages, each a frozen record with the provenance of every pass (name, second
         annotate_params    which node reads which parameter; last uses; phases
         estimate_nonmodel  static non-model bytes per node (gradients die at their store)
 
+    choose_activations(analyzed, layout, policy=, budget=, ...)           -> AnalyzedGraph
+        recompute_activations  the saved activations of the fewest segments that let the
+                               schedule fit the budget, recomputed in the backward (then the
+                               two analyses again, on the rewritten graph)
+
     build_schedule(analyzed, layout, nonmodel=, memory=DeviceMemory(...), kind=)  -> Scheduled
         plan_residency     Belady residency of every chunk at every node, static slots
         prefetch_fetches   fetches start as early as capacity allows, a wait where they were
@@ -24,7 +29,7 @@ read: each schedule's graph carries its own metadata.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -42,13 +47,14 @@ from pscompile.passes.estimate_nonmodel import estimate_nonmodel
 from pscompile.passes.insert_memory_ops import insert_memory_ops
 from pscompile.passes.plan_residency import GradStore, ResidencyPlan, arrival_windows, plan_residency
 from pscompile.passes.prefetch_fetches import prefetch_fetches
+from pscompile.passes.recompute_activations import ActivationPlan, find_segments, recompute_activations
 from pscompile.passes.verify_schedule import verify_schedule
 from pscompile.runtime.batching import call_model
 from pscompile.runtime.params import choose_layout, collect_params
 from pscompile.units import format_bytes
 
 __all__ = ["PassTiming", "AnalyzedGraph", "DeviceMemory", "Scheduled", "capture_and_analyze",
-           "build_schedule", "plan_at_budget", "schedule_model", "minimum_budget", "Minimum", "grad_store_points", "node_reads",
+           "build_schedule", "choose_activations", "least_budget", "plan_at_budget", "schedule_model", "minimum_budget", "Minimum", "grad_store_points", "node_reads",
            "node_windows", "executed_nodes"]
 
 
@@ -70,6 +76,7 @@ class AnalyzedGraph:
     nonmodel: tuple[int, ...]            # static estimate per node, gradients dying at their store
     grad_store_points: Mapping[str, int]  # fqn -> node after which its gradient takes the param's place
     passes: tuple[PassTiming, ...]
+    activations: ActivationPlan | None = None   # what recompute_activations chose (None: not asked)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ class Scheduled:
     passes: tuple[PassTiming, ...]
     kind: RunKind = RunKind.TRAIN
     os_device: frozenset[int] = frozenset()   # chunks whose optimizer states were on the device
+    activations: ActivationPlan | None = None  # the analyzed graph's recomputation
 
 
 class _Passes:
@@ -135,11 +143,65 @@ def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn
                           lambda: capture_joint(model, batch, params=dict(params), loss_fn=loss_fn,
                                                 param_dtype=dtype, backward=backward),
                           lambda c: c.summary)
+    return _analyze(captured, passes)
+
+
+def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPlan | None = None) -> AnalyzedGraph:
     uses = passes.run("annotate_params", lambda: annotate_params(captured), lambda u: u.summary)
     stores = grad_store_points(captured, uses)
     curve = passes.run("estimate_nonmodel", lambda: estimate_nonmodel(captured, uses, grads_stored_at=stores),
                        lambda c: c.summary)
-    return AnalyzedGraph(captured, uses, tuple(curve.without_outputs), stores, tuple(passes.timings))
+    return AnalyzedGraph(captured, uses, tuple(curve.without_outputs), stores, tuple(passes.timings), activations)
+
+
+def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
+                       slot_bytes: int, world: int = 1, device_homes: int = 0,
+                       state_bytes: int = 0) -> AnalyzedGraph:
+    """The analyzed graph to plan with under ``policy`` (``Config.activations``).
+
+    "keep": ``analyzed`` as it is. "recompute": every segment with saved activations recomputed.
+    "auto": none when the graph fits ``budget`` as it is (``minimum_budget`` on its static curve),
+    else the fewest segments, largest saved bytes first, that let it fit (found by bisection; if
+    the fewest found does not fit, all of them); if none does, all of them (the budget error then
+    names that graph's minimum)."""
+    if policy == "keep" or not analyzed.captured.backward:
+        return analyzed
+    segments = find_segments(analyzed.captured)
+    by_size = sorted(segments, key=lambda s: -s.saved_bytes)
+    cache: dict[int, AnalyzedGraph] = {}
+
+    def with_first(m: int) -> AnalyzedGraph:
+        if m not in cache:
+            chosen = by_size[:m]
+            passes = _Passes(analyzed.passes)
+            captured = passes.run("recompute_activations",
+                                  lambda: recompute_activations(analyzed.captured, chosen),
+                                  lambda c: f"recompute_activations: {m} of {len(segments)} segments, "
+                                            f"{format_bytes(sum(s.saved_bytes for s in chosen))} of saved "
+                                            f"activations recomputed")
+            plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in chosen)))
+            cache[m] = (replace(analyzed, activations=plan) if m == 0
+                        else _analyze(captured, passes, plan))
+        return cache[m]
+
+    def fits(m: int) -> bool:
+        a = with_first(m)
+        return budget is None or minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
+                                                device_homes=device_homes, state_bytes=state_bytes).nbytes <= budget
+
+    n = len(by_size)
+    if policy == "recompute":
+        return with_first(n)
+    if n == 0 or fits(0):
+        return with_first(0)
+    lo, hi = 1, n                      # the smallest m with fits(m), if fits(n)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return with_first(lo if fits(lo) else n)
 
 
 @dataclass(frozen=True)
@@ -176,6 +238,21 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
         if need > best.nbytes:
             best = Minimum(need, i, len(chunks), slot_bytes, w)
     return best
+
+
+def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, slot_bytes: int, world: int = 1,
+                 device_homes: int = 0, state_bytes: int = 0) -> Minimum:
+    """The smallest budget any graph ``choose_activations`` may pick under ``policy`` fits in:
+    ``analyzed``'s own minimum, or (unless "keep") that of the graph with every segment
+    recomputed, whichever is smaller."""
+    def least(a: AnalyzedGraph) -> Minimum:
+        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
+                              device_homes=device_homes, state_bytes=state_bytes)
+    keep = least(analyzed)
+    if policy == "keep" or not analyzed.captured.backward:
+        return keep
+    full = least(choose_activations(analyzed, layout, policy="recompute", budget=None, slot_bytes=slot_bytes))
+    return min(keep, full, key=lambda m: m.nbytes)
 
 
 def node_windows(captured: CapturedGraph, nonmodel: Sequence[int]) -> tuple[int, ...]:
@@ -276,7 +353,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")
     timings[i] = PassTiming("insert_memory_ops", timings[i].seconds,
                             f"insert_memory_ops: {report.num_memory_nodes} memory nodes")
-    return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev)
+    return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev, analyzed.activations)
 
 
 def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
@@ -305,6 +382,8 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
     a ZeRO run."""
     kind = RunKind(kind)
     layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world, per_chunk=per_chunk)
+    analyzed = choose_activations(analyzed, layout, policy=config.activations, budget=config.device_memory,
+                                  slot_bytes=layout.chunk_size * config.dtype.itemsize, world=world)
     return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind,
                                   world=world, rank=rank, per_chunk=per_chunk)
 

@@ -1,0 +1,262 @@
+"""recompute_activations: forward values the backward reads, recomputed in the backward instead of kept.
+
+In the captured joint graph (``capture.capture_joint``) a "saved activation" is simply a forward
+node with a backward user: it stays live from the forward to that use, and at the end of the
+forward all of them are live together, which is where the non-model curve peaks. This pass
+rewrites the graph so that chosen saved values die in the forward and are computed again, from a
+value that is kept, right before the backward first needs them (what ``torch.utils.checkpoint``
+does at run time, done here on the graph).
+
+**Segments.** A *cut* is a forward node through which all later forward computation passes: after
+it runs, no earlier forward value is still needed by a later forward node except the cut itself
+(and values that are never recomputed, below). In a transformer the cuts are the residual stream
+after each attention and each MLP sub-block. A *segment* is the forward between two cuts; its
+*saved* values are those the backward reads. Recomputing a segment clones the nodes its saved
+values depend on, starting from the cut before it (kept), and redirects the backward's uses to
+the clones. Parameters read by the clones are read again: the residency plan sees those reads,
+because it plans the rewritten graph.
+
+**Never recomputed, always kept** (*anchors*): random ops (``Tag.nondeterministic_seeded``, e.g.
+dropout's ``bernoulli``), so that a recomputed value sees the same random numbers as the forward;
+ops that mutate an argument; values whose storage a forward op mutates; anything that is not an
+ATen op. *Free* values, which depend on parameters, buffers or constants only (``t(weight)``, a
+causal mask), are referenced where they are, not cloned.
+
+The result equals the graph it came from: the same ops on the same values, random numbers drawn
+once, in the same order. Clones carry ``recomputes`` metadata (the node they recompute), which
+``print(engine.schedule)`` shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from pscompile.graph import meta as graph_meta
+from pscompile.graph.capture import CapturedGraph
+from pscompile.units import format_bytes
+
+log = logging.getLogger("pscompile")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The forward between two cuts, and what recomputing it buys."""
+
+    index: int
+    source: str | None          # the cut it is recomputed from (kept); None: from the inputs
+    end: str                    # the cut that ends it
+    saved: tuple[str, ...]      # its values the backward reads: recomputed when the segment is
+    saved_bytes: int            # their storages' bytes (what stops being live across the boundary)
+    nodes: int                  # nodes cloned to recompute them
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """What a graph keeps and what it recomputes; ``recomputed`` indexes ``segments``."""
+
+    policy: str                       # the Config.activations that chose it
+    segments: tuple[Segment, ...]
+    recomputed: tuple[int, ...] = ()
+
+    @property
+    def recomputed_bytes(self) -> int:
+        return sum(self.segments[i].saved_bytes for i in self.recomputed)
+
+    @property
+    def recomputed_nodes(self) -> int:
+        return sum(self.segments[i].nodes for i in self.recomputed)
+
+    def describe(self) -> str:
+        if not self.recomputed:
+            return f"activations {self.policy}: every saved activation kept ({len(self.segments)} segments could recompute)"
+        return (f"activations {self.policy}: {len(self.recomputed)} of {len(self.segments)} segments recomputed "
+                f"({format_bytes(self.recomputed_bytes)} of saved activations, {self.recomputed_nodes} nodes re-run)")
+
+
+def _is_random(n: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+def _mutates(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _storages(value) -> list[StorageWeakRef]:
+    if isinstance(value, torch.Tensor):
+        return [StorageWeakRef(value.untyped_storage())]
+    if isinstance(value, (tuple, list)):
+        return [s for v in value for s in _storages(v)]
+    return []
+
+
+def _nbytes(value) -> dict[StorageWeakRef, int]:
+    if isinstance(value, torch.Tensor):
+        return {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()}
+    out: dict[StorageWeakRef, int] = {}
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            out.update(_nbytes(v))
+    return out
+
+
+class _Forward:
+    """The forward of a captured joint graph, classified (see the module docstring)."""
+
+    def __init__(self, captured: CapturedGraph):
+        nodes = list(captured.gm.graph.nodes)
+        self.nodes = nodes
+        self.index = {n: i for i, n in enumerate(nodes)}
+        out = nodes[-1]
+        self.loss = out.args[0][0]
+        self.end = self.index[self.loss]          # forward: nodes up to the loss
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        n_model = len(captured.param_fqns) + len(captured.buffer_fqns)
+        self.batch = set(placeholders[n_model:])
+        fwd = [n for n in nodes[:self.end + 1] if n.op not in ("placeholder", "get_attr")]
+        mutated: set[StorageWeakRef] = set()
+        for n in fwd:
+            if _mutates(n):
+                for a in n.all_input_nodes:
+                    mutated.update(_storages(a.meta.get("val")))
+        self.anchor: set[fx.Node] = set()
+        self.active: set[fx.Node] = set()          # depends on the batch (or on an anchor)
+        for n in fwd:
+            if (n.op != "call_function" or _is_random(n) or _mutates(n)
+                    or not (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
+                    or any(s in mutated for s in _storages(n.meta.get("val")))):
+                self.anchor.add(n)
+            if any(a in self.batch or a in self.active or a in self.anchor for a in n.all_input_nodes):
+                self.active.add(n)
+        self.fwd = fwd
+        # recomputable activations: the values segments are made of
+        self.movable = [n for n in fwd if n in self.active and n not in self.anchor]
+
+    def backward_users(self, n: fx.Node) -> list[fx.Node]:
+        return [u for u in n.users if self.index[u] > self.end and u.op != "output"]
+
+    def is_free(self, n: fx.Node) -> bool:
+        return n.op in ("placeholder", "get_attr") or (n not in self.active and n not in self.anchor)
+
+
+def find_segments(captured: CapturedGraph) -> tuple[Segment, ...]:
+    """The segments of ``captured``'s forward that have saved values, in forward order."""
+    if not captured.backward:
+        return ()
+    f = _Forward(captured)
+    movable = set(f.movable)
+    last_fwd_use = {n: max((f.index[u] for u in n.users if f.index[u] <= f.end), default=f.index[n])
+                    for n in f.movable}
+    cuts: list[fx.Node] = []
+    pending: set[fx.Node] = set()
+    for n in f.fwd:
+        if n not in movable:
+            continue
+        i = f.index[n]
+        pending.add(n)
+        pending = {p for p in pending if last_fwd_use[p] > i or p is n}
+        if pending == {n}:
+            cuts.append(n)
+    kept = set(cuts) | f.anchor
+    kept_bytes: set[StorageWeakRef] = {s for k in kept for s in _storages(k.meta.get("val"))}
+    segments: list[Segment] = []
+    start = 0
+    bounds = [f.index[c] for c in cuts]
+    for k, c in enumerate(cuts):
+        lo, hi = start, bounds[k]
+        inner = [n for n in f.movable if lo < f.index[n] < hi or (k == 0 and f.index[n] < hi)]
+        saved = [n for n in inner if f.backward_users(n)]
+        start = hi
+        if not saved:
+            continue
+        sizes: dict[StorageWeakRef, int] = {}
+        for n in saved:
+            sizes.update(_nbytes(n.meta.get("val")))
+        nbytes = sum(b for s, b in sizes.items() if s not in kept_bytes)
+        if nbytes == 0:
+            continue
+        source = cuts[k - 1] if k > 0 else None
+        need = _needed(f, saved, source)
+        segments.append(Segment(len(segments), source.name if source is not None else None, c.name,
+                                tuple(n.name for n in saved), nbytes, len(need)))
+    return tuple(segments)
+
+
+def _needed(f: _Forward, saved: Sequence[fx.Node], source: fx.Node | None) -> list[fx.Node]:
+    """The forward nodes to clone to rebuild ``saved`` from ``source``, in graph order."""
+    need: set[fx.Node] = set()
+    stack = list(saved)
+    while stack:
+        n = stack.pop()
+        if n in need or n is source or n in f.anchor or f.is_free(n) or n in f.batch:
+            continue
+        need.add(n)
+        stack.extend(n.all_input_nodes)
+    return sorted(need, key=f.index.__getitem__)
+
+
+def recompute_activations(captured: CapturedGraph, segments: Iterable[Segment]) -> CapturedGraph:
+    """A copy of ``captured`` in which the saved values of ``segments`` are recomputed in the
+    backward (the input is not changed; its analyses stay valid)."""
+    chosen = list(segments)
+    gm = _copy(captured.gm)
+    if not chosen:
+        return replace(captured, gm=gm)
+    copy = replace(captured, gm=gm)
+    f = _Forward(copy)
+    by_name = {n.name: n for n in f.nodes}
+    mode = _fake_mode(f.nodes)
+    graph = gm.graph
+    for seg in chosen:
+        saved = [by_name[s] for s in seg.saved]
+        source = by_name[seg.source] if seg.source is not None else None
+        need = _needed(f, saved, source)
+        first = min((u for s in saved for u in f.backward_users(s)), key=f.index.__getitem__)
+        clones: dict[fx.Node, fx.Node] = {}
+        with graph.inserting_before(first):
+            for n in need:
+                c = graph.node_copy(n, lambda a: clones.get(a, a))
+                c.meta = {k: v for k, v in n.meta.items() if k not in (graph_meta.KEY, "val")}
+                graph_meta.put(c, "recomputes", n.name)
+                with mode:
+                    c.meta["val"] = c.target(*fx.map_arg(c.args, lambda a: a.meta["val"]),
+                                             **fx.map_arg(c.kwargs, lambda a: a.meta["val"]))
+                clones[n] = c
+        for s in saved:
+            for u in f.backward_users(s):
+                u.replace_input_with(s, clones[s])
+    graph.lint()
+    gm.recompile()
+    out = replace(captured, gm=gm)
+    log.info(f"recompute_activations: {len(chosen)} segments, "
+             f"{format_bytes(sum(s.saved_bytes for s in chosen))} of saved activations recomputed")
+    return out
+
+
+def _fake_mode(nodes: Sequence[fx.Node]):
+    for n in nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is not None:
+            return v.fake_mode
+    raise ValueError("recompute_activations needs the captured graph's fake tensor values (meta['val'])")
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy of ``gm`` (same node names and values, fresh pscompile metadata)."""
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output(out)
+    graph.output_node().meta = dict(gm.graph.output_node().meta)
+    for old, new in val_map.items():
+        new.meta = {k: v for k, v in old.meta.items() if k != graph_meta.KEY}
+    graph._codegen = gm.graph._codegen
+    new_gm = fx.GraphModule(gm, graph)
+    return new_gm
