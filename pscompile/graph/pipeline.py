@@ -155,34 +155,37 @@ def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPl
 
 
 def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
-                       slot_bytes: int, world: int = 1, device_homes: int = 0,
-                       state_bytes: int = 0) -> AnalyzedGraph:
+                       slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0,
+                       variants: dict[int, AnalyzedGraph] | None = None) -> AnalyzedGraph:
     """The analyzed graph to plan with under ``policy`` (``Config.activations``).
 
     "keep": ``analyzed`` as it is. "recompute": every segment with saved activations recomputed.
     "auto": none when the graph fits ``budget`` as it is (``minimum_budget`` on its static curve),
     else the fewest segments, largest saved bytes first, that let it fit (found by bisection; if
     the fewest found does not fit, all of them); if none does, all of them (the budget error then
-    names that graph's minimum)."""
+    names that graph's minimum). ``variants`` (m -> graph with the m largest segments recomputed,
+    initially empty) lets a caller that plans one capture at many budgets rewrite each graph once."""
     if policy == "keep" or not analyzed.captured.backward:
         return analyzed
     segments = find_segments(analyzed.captured)
     by_size = sorted(segments, key=lambda s: -s.saved_bytes)
-    cache: dict[int, AnalyzedGraph] = {}
+    cache: dict[int, AnalyzedGraph] = {} if variants is None else variants
 
     def with_first(m: int) -> AnalyzedGraph:
         if m not in cache:
             chosen = by_size[:m]
-            passes = _Passes(analyzed.passes)
-            captured = passes.run("recompute_activations",
-                                  lambda: recompute_activations(analyzed.captured, chosen),
-                                  lambda c: f"recompute_activations: {m} of {len(segments)} segments, "
-                                            f"{format_bytes(sum(s.saved_bytes for s in chosen))} of saved "
-                                            f"activations recomputed")
             plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in chosen)))
-            cache[m] = (replace(analyzed, activations=plan) if m == 0
-                        else _analyze(captured, passes, plan))
-        return cache[m]
+            if m == 0:
+                cache[m] = replace(analyzed, activations=plan)
+            else:
+                passes = _Passes(analyzed.passes)
+                captured = passes.run("recompute_activations",
+                                      lambda: recompute_activations(analyzed.captured, chosen),
+                                      lambda c: f"recompute_activations: {m} of {len(segments)} segments, "
+                                                f"{format_bytes(sum(s.saved_bytes for s in chosen))} of saved "
+                                                f"activations recomputed")
+                cache[m] = _analyze(captured, passes, plan)
+        return replace(cache[m], activations=replace(cache[m].activations, policy=policy))
 
     def fits(m: int) -> bool:
         a = with_first(m)

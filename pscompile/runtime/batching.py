@@ -12,7 +12,17 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+    """The batch's tensors on ``device``. A tensor already there that is a view into a larger
+    storage (a micro-batch sliced from a batch) is copied into its own memory, as a copy to the
+    device would be: the device holds what the step reads, which is what the planner counts."""
+    def move(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.to(device, non_blocking=True)
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        return t
+    return tree_map(move, batch)
 
 
 def signature(batch: Any) -> tuple:
