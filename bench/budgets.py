@@ -133,11 +133,14 @@ def sweep_compiled(arch: str, minimum: int, budgets: list[int]) -> Sweep:
     """Plan and verify a schedule at each budget from one capture."""
     t0 = time.perf_counter()
     model, batch = tiny_model(arch)
-    layout, analyzed = plan_inputs(model, batch, config("compiled"))
+    cfg = config("compiled")
+    layout, analyzed = plan_inputs(model, batch, cfg)
+    variants: dict = {}                                 # the activation choices' graphs, shared by the budgets
     verified, failures = 0, []
     for b in budgets:
         try:
-            sched = plan_at_budget(analyzed, layout, budget=b, dtype=torch.float32)
+            sched = plan_at_budget(analyzed, layout, budget=b, dtype=torch.float32, activations=cfg.activations,
+                                   variants=variants)
         except Exception as e:                          # noqa: BLE001 - every error is a finding
             failures.append(f"budget {b} ({b / minimum:.3f}x): {describe(e)}")
             continue
@@ -146,7 +149,8 @@ def sweep_compiled(arch: str, minimum: int, budgets: list[int]) -> Sweep:
             continue
         verified += 1
     try:
-        plan_at_budget(analyzed, layout, budget=minimum - 1, dtype=torch.float32)
+        plan_at_budget(analyzed, layout, budget=minimum - 1, dtype=torch.float32, activations=cfg.activations,
+                       variants=variants)
         below, msg = False, f"budget {minimum - 1} (minimum - 1) was planned, not refused"
     except pscompile.BudgetError:
         below, msg = True, None

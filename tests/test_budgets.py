@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pscompile
-from pscompile.graph.pipeline import choose_activations, plan_at_budget, plan_inputs
+from pscompile.graph.pipeline import plan_at_budget, plan_inputs
 from pscompile.testing import ARCHITECTURES, tiny_model
 
 HAVE_HF = importlib.util.find_spec("transformers") is not None
@@ -66,9 +66,8 @@ def test_compiled_every_budget_from_the_minimum_verifies(arch):
     variants: dict = {}          # one rewrite per number of recomputed segments, shared by the budgets
 
     def plan(budget: int):       # what the engine plans: the activation choice for the budget, then the schedule
-        chosen = choose_activations(analyzed, layout, policy=config.activations, budget=budget,
-                                    slot_bytes=layout.chunk_size * 4, variants=variants)
-        return plan_at_budget(chosen, layout, budget=budget, dtype=torch.float32)
+        return plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, activations=config.activations,
+                              variants=variants)
 
     budgets = sorted({minimum + 4096 * k for k in range(16)} | {int(minimum * (1 + 0.025 * k)) for k in range(41)})
     for budget in budgets:       # build_schedule runs verify_schedule: a broken schedule raises here

@@ -35,9 +35,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from pscompile.graph.checkpoints import fold_recomputation
 from pscompile.runtime.batching import LossFn, extract_loss
 
 log = logging.getLogger("pscompile")
+# torch.func.grad's refusals that tracing through autograd does not have: saved-tensor hooks
+# (non-reentrant torch.utils.checkpoint), autograd.Function without setup_context (reentrant
+# checkpoint), requires_grad_() inside the transform (Hugging Face's gradient checkpointing)
+_NEEDS_AUTOGRAD = ("saved tensor hooks", "functorch transform", "setup_context")
 _MODULE_PY = nn.modules.module.__file__
 
 
@@ -189,12 +194,32 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         trainable = {f: p_vals[f] for f in grad_fqns}
         if not backward:
             return (loss_of(trainable, frozen_vals, b_vals),)
+        if route == "autograd":
+            state = {"model." + alias: t for fqn, t in {**trainable, **frozen_vals}.items() for alias in aliases[fqn]}
+            state.update({"model." + k: v for k, v in b_vals.items()})
+            return torch.func.functional_call(_Differentiated(model, b, loss_fn, list(trainable.values())), state,
+                                              (), {}, tie_weights=True, strict=True)
         grads, loss = torch.func.grad_and_value(loss_of)(trainable, frozen_vals, b_vals)
         return (loss, *(grads[f] for f in grad_fqns))
 
+    route = "functorch"
     try:
-        with torch.random.fork_rng(devices=[]), _compiling_flag():
-            traced = make_fx(joint, tracing_mode="fake")(*fake_params, *fake_buffers, *fake_batch)
+        try:
+            with torch.random.fork_rng(devices=[]), _compiling_flag():
+                traced = make_fx(joint, tracing_mode="fake")(*fake_params, *fake_buffers, *fake_batch)
+        except RuntimeError as e:
+            if not any(m in str(e) for m in _NEEDS_AUTOGRAD):
+                raise
+            # the model checkpoints itself (or otherwise needs autograd, not torch.func): trace
+            # through autograd, which replays checkpointed regions in the backward, then fold the
+            # replays back into the forward
+            route = "autograd"
+            with mode:
+                fake_params = [p.detach().requires_grad_(f in grad_fqns) if p.is_floating_point() else p
+                               for f, p in zip(param_fqns, fake_params)]
+            with torch.random.fork_rng(devices=[]), _compiling_flag():
+                traced = make_fx(joint, tracing_mode="fake")(*fake_params, *fake_buffers, *fake_batch)
+            fold_recomputation(traced)
     except _LossError as e:
         raise e.error from None   # extract_loss's own message already says what would work
     except Exception as e:  # noqa: BLE001 - any tracing failure means: this model needs hooks mode
@@ -220,6 +245,29 @@ def _compiling_flag():
         yield
     finally:
         torch.compiler._is_compiling_flag = old
+
+
+class _Differentiated(nn.Module):
+    """The model's loss and its gradients with respect to ``wrt`` (leaves) in one forward, so that under
+    ``functional_call`` autograd's replay of a checkpointed region (which runs during the
+    backward) still sees the substituted parameters. Gradients of unused parameters are zeros,
+    as ``torch.func.grad`` gives them."""
+
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None, wrt: list[torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.batch, self.loss_fn, self.wrt = batch, loss_fn, wrt
+
+    def forward(self) -> tuple:
+        output = self.model(*_args(self.batch), **_kwargs(self.batch))
+        try:
+            loss = extract_loss(output, self.batch, self.loss_fn)
+        except ValueError as e:
+            raise _LossError(e) from e
+        for p in self.wrt:
+            p.grad = None
+        loss.backward()          # not autograd.grad: reentrant checkpoint refuses it
+        return (loss, *(torch.zeros_like(p) if p.grad is None else p.grad for p in self.wrt))
 
 
 class _LossError(Exception):

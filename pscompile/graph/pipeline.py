@@ -385,18 +385,22 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
     a ZeRO run."""
     kind = RunKind(kind)
     layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world, per_chunk=per_chunk)
-    analyzed = choose_activations(analyzed, layout, policy=config.activations, budget=config.device_memory,
-                                  slot_bytes=layout.chunk_size * config.dtype.itemsize, world=world)
     return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind,
-                                  world=world, rank=rank, per_chunk=per_chunk)
+                                  world=world, rank=rank, per_chunk=per_chunk, activations=config.activations)
 
 
 def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int | None, dtype: torch.dtype,
                    kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None,
-                   world: int = 1, rank: int = 0, per_chunk: bool = False) -> Scheduled:
-    """The schedule the compiled engine plans for ``analyzed`` at ``budget``: optimizer states
-    placed by ``optim.placement`` for the curve's peak (on the host with ZeRO), then
-    ``build_schedule``."""
+                   world: int = 1, rank: int = 0, per_chunk: bool = False, activations: str | None = None,
+                   variants: dict[int, AnalyzedGraph] | None = None) -> Scheduled:
+    """The schedule the compiled engine plans for ``analyzed`` at ``budget``: the activation
+    policy's choice for the budget (``activations``: a ``Config.activations`` value; None plans
+    ``analyzed`` as it is; ``variants`` as in ``choose_activations``), optimizer states placed by
+    ``optim.placement`` for the curve's peak (on the host with ZeRO), then ``build_schedule``."""
+    if activations is not None:
+        slot = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
+        analyzed = choose_activations(analyzed, layout, policy=activations, budget=budget, slot_bytes=slot,
+                                      world=world, variants=variants)
     nonmodel = analyzed.nonmodel if nonmodel is None else tuple(nonmodel)
     slot_bytes = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
     state_bytes = 3 * layout.chunk_size * 4                  # fp32 master, exp_avg, exp_avg_sq
