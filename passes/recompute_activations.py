@@ -232,6 +232,9 @@ def recompute_activations(captured: CapturedGraph, segments: Iterable[Segment]) 
         for s in saved:
             for u in f.backward_users(s):
                 u.replace_input_with(s, clones[s])
+    for n in reversed(list(graph.nodes)):       # the forward's element of a multi-output op (layer
+        if n.target is operator.getitem and not n.users:   # norm's saved mean) that only the backward read
+            graph.erase_node(n)
     graph.lint()
     gm.recompile()
     out = replace(captured, gm=gm)

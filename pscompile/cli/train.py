@@ -55,6 +55,7 @@ class TrainSettings:
     dtype: str = "float32"             # compute dtype name (see DTYPES)
     mode: str = "compiled"             # "compiled" (the planned schedule) | "hooks" (PatrickStar's runtime)
     backend: str = "eager"             # compiled mode: "eager" | "inductor" (cold compile 20-45 s on 2 cores)
+    activations: str = "auto"          # compiled mode: "auto" | "keep" | "recompute" (Config.activations)
     seed: int = 0                      # model init and batch sampling
     grad_accum: int = 1                # micro-batches per step (batch_size is split into them)
     eval_every: int = 0                # validation loss every N steps (0: only after the last step)
@@ -144,6 +145,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--backend", choices=("inductor", "eager"), default=d.backend,
                    help=f"compiled mode: compute regions eagerly or compiled by Inductor (default {d.backend}: "
                         "Inductor's cold compile, 20-45 s on a 2-core CPU, would not fit the one-minute demo)")
+    e.add_argument("--activations", choices=("auto", "keep", "recompute"), default=d.activations,
+                   help="compiled mode: recompute saved activations in the backward when the budget needs it "
+                        f"(auto), never (keep) or always (recompute) (default {d.activations})")
     o = p.add_argument_group("output")
     o.add_argument("--log-every", metavar="N", type=int, default=d.log_every,
                    help=f"print a progress line every N steps when no bar is shown (default {d.log_every}; 0 = never)")
@@ -228,7 +232,8 @@ def run_train(s: TrainSettings, *, rank: int = 0, world: int = 1) -> dict:
         model, batch,
         optimizer=AdamW(lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0),
         config=Config(mode=s.mode, backend=s.backend, device=s.device, device_memory=s.device_memory, host_memory=s.host_memory,
-                      dtype=DTYPES[s.dtype], chunk_size=s.chunk_size))
+                      dtype=DTYPES[s.dtype], chunk_size=s.chunk_size,
+                      activations=s.activations if s.mode == "compiled" else "auto"))
     t_compile = time.perf_counter()
     history: list[StepStats] = []
     evals: list[tuple[int, float]] = []           # (step, mean validation loss)
@@ -329,6 +334,7 @@ def _summarise(s: TrainSettings, cfg, corpus: Corpus, engine, history: list[Step
         "rank_model_bytes": sum(engine.model_data().values()),
         "model_data_device_bytes": engine.model_data()["device"],
         "model_data_host_bytes": engine.model_data()["host"],
+        "activations": _activations(engine),
         "evictions_per_step": mean("num_evictions"),
         "skipped_steps": sum(h.skipped for h in history),
         "setup_s": setup_s,
@@ -336,6 +342,14 @@ def _summarise(s: TrainSettings, cfg, corpus: Corpus, engine, history: list[Step
         "train_s": train_s,
         "process_s": seconds_since_process_start(),
     }
+
+
+def _activations(engine) -> str:
+    """What the engine does with saved activations (compiled mode plans it; hooks mode keeps what
+    the model's autograd keeps)."""
+    plan = getattr(engine, "schedule", None)
+    plan = plan.scheduled.activations if plan is not None else None
+    return plan.describe() if plan is not None else "kept as the model's autograd keeps them (hooks mode)"
 
 
 def summary_table(r: dict) -> str:
@@ -354,6 +368,7 @@ def summary_table(r: dict) -> str:
         ("device budget", "none" if b is None else mib(b)),
         ("model data", f"device {mib(r['model_data_device_bytes'])} (chunks living there), host "
                        f"{mib(r['model_data_host_bytes'])}"),
+        ("activations", r["activations"]),
         ("steps", f"{r['steps']} x {r['tokens_per_step']:,} tokens"),
         ("loss first / last", f"{r['loss_first']:.3f} / {r['loss_last']:.3f} "
                               f"(mean of last {min(10, r['steps'])}: {r['loss_last10_mean']:.3f})"),

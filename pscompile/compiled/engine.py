@@ -616,6 +616,7 @@ class CompiledEngine(ChunkEngine):
             f"{format_bytes(self.min_device_memory)})",
             f"layout: {self.layout.describe()}; order: {self.order_source}",
             self.describe_tiers(),
+            *([plan.describe()] if (plan := self.schedule.scheduled.activations) is not None else []),
         ])
 
     @property
