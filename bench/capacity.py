@@ -150,11 +150,11 @@ def _log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- section 1
-def section_tiers(s: dict) -> dict:
+def section_tiers(s: dict, systems: tuple[str, ...] = SYSTEMS) -> dict:
     rows = []
     for device_arg, host_arg in s["pairs"]:
         device, host = parse_size(device_arg, "device"), parse_size(host_arg, "host")
-        for system in SYSTEMS:
+        for system in systems:
             probes: dict[int, dict] = {}
 
             def ok(n: int) -> bool:
@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--sections", default="1,2", help="comma-separated subset of 1,2")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"section 1: a subset of {','.join(SYSTEMS)}")
     ap.add_argument("--markdown", action="store_true", help="also print GitHub-flavoured tables")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results path (default {DEFAULT_OUT})")
     ap.add_argument("--from-json", type=Path, default=None, help="only render tables from a results file")
@@ -317,7 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, Any] = {"settings": {k: settings[k] for k in ("s1", "s2")}, "quick": args.quick,
                                "torch": torch.__version__, "machine": platform.machine()}
         if "1" in sections:
-            res["s1"] = section_tiers(settings["s1"])
+            systems = tuple(x.strip() for x in args.systems.split(","))
+            unknown = set(systems) - set(SYSTEMS)
+            if unknown:
+                ap.error(f"--systems: unknown {sorted(unknown)}; use a subset of {','.join(SYSTEMS)}")
+            res["s1"] = section_tiers(settings["s1"], systems)
         if "2" in sections:
             res["s2"] = section_scale(settings["s2"])
         res["total_s"] = time.perf_counter() - t0

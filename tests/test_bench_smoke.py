@@ -179,3 +179,26 @@ def test_zero_quick(tmp_path):
             assert r["allgather_bytes_per_step"] > 0 and r["reduce_scatter_bytes_per_step"] > 0
             one = next(x for x in runs if x["mode"] == r["mode"] and x["world"] == 1)
             assert r["model_bytes_per_rank"] <= one["model_bytes_per_rank"] / 2 + 16 * r["chunk_elements"] * 2
+
+
+def test_capacity_quick(tmp_path):
+    """bench/capacity.py at tiny sizes: the tier search finds a depth that trains within both
+    budgets, recomputation reaches at least the depth of keeping everything, and every rung it
+    calls trained stayed within the budget."""
+    out = tmp_path / "c.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "capacity.py"), "--quick", "--systems",
+                           "compiled-keep,compiled-auto", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {r["system"]: r for r in res["s1"]["rows"]}
+    assert rows["compiled-auto"]["n_layer"] >= rows["compiled-keep"]["n_layer"] >= 1
+    for r in rows.values():
+        best = r["result"]
+        assert best["ok"] and best["peak_device_bytes"] <= r["device_bytes"]
+        assert 0 < r["fraction"] <= 1
+        assert best["model_data_host"] <= r["host_bytes"]
+    for r in res["s2"]["rows"]:
+        if r.get("result", {}).get("ok"):
+            assert r["result"]["peak_device_bytes"] <= res["s2"]["budget_bytes"]
+    assert "2b. largest GPT trained under the budget" in proc.stdout

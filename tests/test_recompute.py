@@ -27,8 +27,8 @@ HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 DROPOUT = 0.1
 
 
-def _config(policy: str, budget=None, **kw) -> pscompile.Config:
-    return pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=torch.float32,
+def _config(policy: str, budget=None, dtype=torch.float32, **kw) -> pscompile.Config:
+    return pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=dtype,
                             device_memory=budget, activations=policy, **kw)
 
 
@@ -97,12 +97,12 @@ def test_a_random_op_is_never_recomputed():
         assert torch.equal(a, b)
 
 
-def _train(kind: str, policy: str, budget: int | None, steps: int = 6):
-    ref = ReferenceTrainer(make_model(kind, dropout=DROPOUT), optimizer=HP, dtype=torch.float32)
-    initial = fresh_masters(kind, torch.float32, dropout=DROPOUT)
+def _train(kind: str, policy: str, budget: int | None, steps: int = 6, dtype=torch.float32):
+    ref = ReferenceTrainer(make_model(kind, dropout=DROPOUT), optimizer=HP, dtype=dtype)
+    initial = fresh_masters(kind, dtype, dropout=DROPOUT)
     batches = make_batches(kind, steps)
     engine = pscompile.compile(make_model(kind, dropout=DROPOUT), batches[0], optimizer=HP,
-                               config=_config(policy, budget))
+                               config=_config(policy, budget, dtype))
     worst_loss = 0.0
     for i, b in enumerate(batches):
         torch.manual_seed(100 + i)
@@ -130,6 +130,15 @@ def test_training_with_recomputation_tracks_plain_pytorch_below_the_keep_minimum
     assert plan is not None and plan.recomputed
     if policy == "auto":
         assert len(plan.recomputed) < len(plan.segments), "auto recomputes only what the budget needs"
+
+
+def test_bfloat16_training_with_recomputation_tracks_plain_pytorch():
+    """bf16 compute, fp32 masters: the per-tensor tracking tolerance of the parity tests."""
+    least = pscompile.min_device_memory(make_model("gpt", dropout=DROPOUT), make_batches("gpt", 1)[0],
+                                        _config("recompute", dtype=torch.bfloat16))
+    engine, worst_loss, (tracking, name) = _train("gpt", "recompute", least, steps=4, dtype=torch.bfloat16)
+    assert worst_loss <= 2e-2 and tracking <= TRACKING_TOL, (worst_loss, tracking, name)
+    assert engine.schedule.scheduled.activations.recomputed
 
 
 def test_auto_recomputes_nothing_when_the_graph_fits_and_keep_refuses_what_only_recomputation_reaches():
@@ -181,3 +190,25 @@ def test_evaluation_and_hooks_mode_are_left_alone():
         pscompile.Config(mode="hooks", activations="recompute")
     with pytest.raises(ValueError, match="activations='sometimes' is not a policy"):
         pscompile.Config(activations="sometimes")
+
+
+def test_inductor_regions_run_the_recomputed_graph():
+    """backend="inductor" compiles the rewritten graph's regions (not node by node) and keeps
+    parity and the budget; dropout runs with Inductor's fallback_random."""
+    batches = make_batches("gpt", 4)
+    least = _minimum("gpt", "recompute")
+    budget = int(least * 1.3)
+    ref = ReferenceTrainer(make_model("gpt", dropout=DROPOUT), optimizer=HP, dtype=torch.float32)
+    initial = fresh_masters("gpt", torch.float32, dropout=DROPOUT)
+    config = pscompile.Config(mode="compiled", backend="inductor", device="cpu", dtype=torch.float32,
+                              device_memory=budget, activations="recompute")
+    engine = pscompile.compile(make_model("gpt", dropout=DROPOUT), batches[0], optimizer=HP, config=config)
+    for i, b in enumerate(batches):
+        torch.manual_seed(100 + i)
+        want = ref.step(b)
+        torch.manual_seed(100 + i)
+        assert engine.step(b) == pytest.approx(want, rel=1e-5)
+        assert engine.stats.peak_device_bytes <= budget
+    assert not engine._node_by_node, "the regions fit the budget"
+    worst, name = tracking_of(engine.state_dict()["master"], ref, initial)
+    assert worst <= TRACKING_TOL, name
