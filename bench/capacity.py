@@ -11,8 +11,9 @@ Two sections, printed as tables and written with every raw number to JSON:
    non-model bytes. Depth is found by bisection; every probe runs in its own process.
 2. **Scale** -- a device budget only (256 MiB, vocab 8192, seq 128, batch 1: the setting of
    ``bench/foundation.py`` section 2): GPT rungs trained in compiled mode with ``"keep"`` and with
-   ``"auto"``, two steps each (the first measures, the second runs the re-planned schedule); the
-   largest that trains, against plain PyTorch's and hooks mode's largest from foundation's results.
+   ``"auto"``, and in hooks mode, two steps each (the first measures, the second runs the re-planned
+   schedule); the largest that trains per system. A rung is skipped for a system once a smaller
+   one (no deeper, no wider) failed for it.
 
 Compiled mode runs the eager backend here: this benchmark is about memory, and Inductor's compile
 time on 30-layer graphs would dominate. float32 throughout.
@@ -40,13 +41,13 @@ from pscompile.units import parse_size
 
 MiB = 2**20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "capacity.json"
-FOUNDATION = Path(__file__).resolve().parent / "results" / "foundation.json"
 SYSTEMS = ("plain", "hooks", "compiled-keep", "compiled-auto")
+SCALE_SYSTEMS = ("hooks", "compiled-keep", "compiled-auto")
 
 FULL = {
     "s1": dict(d=256, vocab=1024, seq=128, batch=1, pairs=(("32MiB", "96MiB"), ("64MiB", "192MiB")), max_layers=64),
     "s2": dict(vocab=8192, seq=128, batch=1, budget="256MiB",
-               rungs=((16, 1024), (8, 1536), (24, 1024), (32, 1024), (16, 1536), (40, 1024)),
+               rungs=((16, 1024), (8, 1536), (24, 1024), (32, 1024), (16, 1536), (40, 1024), (48, 1024)),
                max_host_gb=18.0, rung_time_limit_s=900.0),
 }
 QUICK = {
@@ -199,7 +200,7 @@ def section_scale(s: dict) -> dict:
     rows = []
     for n_layer, d in s["rungs"]:
         params = _model_params(n_layer, d, s["vocab"], s["seq"])
-        for system in ("compiled-keep", "compiled-auto"):
+        for system in SCALE_SYSTEMS:
             row: dict[str, Any] = {"n_layer": n_layer, "d_model": d, "params": params, "system": system}
             rows.append(row)
             if 28 * params > s["max_host_gb"] * 1e9:
@@ -215,14 +216,7 @@ def section_scale(s: dict) -> dict:
                         device=budget, host=None)
             row["result"] = _run_probe(spec, s["rung_time_limit_s"])
             _log(f"    -> {'ok' if row['result']['ok'] else row['result'].get('error', '?')[:160]}")
-    reference = None
-    if FOUNDATION.exists():
-        largest = json.loads(FOUNDATION.read_text()).get("s2", {}).get("largest")
-        if largest:
-            reference = {"source": "bench/results/foundation.json (section 2, same budget and model family)",
-                         **largest}
-    return {"budget_bytes": budget, "vocab": s["vocab"], "seq": s["seq"], "batch": s["batch"], "rows": rows,
-            "reference": reference}
+    return {"budget_bytes": budget, "vocab": s["vocab"], "seq": s["seq"], "batch": s["batch"], "rows": rows}
 
 
 def _model_params(n_layer: int, d: int, vocab: int, seq: int) -> int:
@@ -268,26 +262,20 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[Any]]]]:
                          "-" if x.get("host_peak_rss_bytes") is None else f"{x['host_peak_rss_bytes'] / 1e9:.1f}",
                          (r.get("skipped") or x.get("activations") or x.get("error") or "")[:90]])
         out.append((f"2. GPT rungs under device_memory={s2['budget_bytes'] / MiB:.0f} MiB (vocab {s2['vocab']}, seq "
-                    f"{s2['seq']}, batch {s2['batch']}, float32), compiled mode, two steps each",
+                    f"{s2['seq']}, batch {s2['batch']}, float32), two steps each (compiled mode with the eager backend)",
                     ["layers", "d_model", "params", "system", "trains", "peak MiB", "step s", "host RSS GB",
                      "activations / note"], rows))
         summary = []
-        ref = s2.get("reference") or {}
-        for name in ("plain", "hooks"):
-            if ref.get(name):
-                summary.append([f"{name} (bench/foundation.py)", _m(ref[name]["params"]), ref[name]["n_layer"],
-                                ref[name]["d_model"]])
-        for system in ("compiled-keep", "compiled-auto"):
+        for system in SCALE_SYSTEMS:
             ok = [r for r in s2["rows"] if r["system"] == system and r.get("result", {}).get("ok")]
             if ok:
                 b = max(ok, key=lambda r: r["params"])
-                summary.append([system, _m(b["params"]), b["n_layer"], b["d_model"]])
-        base = ref.get("hooks", {}).get("params") if ref.get("hooks") else None
+                summary.append([system, _m(b["params"]), b["n_layer"], b["d_model"], b["params"]])
+        base = next((row[4] for row in summary if row[0] == "hooks"), None)
         for row in summary:
-            p = float(row[1][:-1]) * 1e6
-            row.append("-" if not base else f"{p / base:.2f}")
+            row[4] = "-" if not base else f"{row[4] / base:.2f}"
         out.append(("2b. largest GPT trained under the budget, per system",
-                    ["system", "params", "layers", "d_model", "params / hooks'"], summary))
+                    ["system", "params", "layers", "d_model", "params / hooks mode's"], summary))
     return out
 
 

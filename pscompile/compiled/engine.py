@@ -600,7 +600,9 @@ class CompiledEngine(ChunkEngine):
     def min_device_memory(self) -> int:
         """The smallest budget every schedule planned so far fits in (``pipeline.minimum_budget``:
         at every node, the chunks it reads next to its window of non-model bytes, optimizer states
-        on the host), with the measured curve where there is one."""
+        on the host), with the measured curve where there is one. It is the minimum of the graphs
+        the activation policy chose for this budget; with more recomputation a smaller budget may
+        work (``pscompile.min_device_memory`` says how small)."""
         slot = self.store.param_chunk_bytes
         return max(minimum_budget(self._captures[key.capture], self.layout, nonmodel=s.nonmodel,
                                   slot_bytes=slot, world=self.world, device_homes=self.min_device_homes,
