@@ -15,6 +15,12 @@ placeholders and returns a flat tuple::
         ...
         return (loss, grad_p_wte_weight, grad_p_wpe_weight, ...)   # one grad per trainable param
 
+A model that checkpoints itself (``torch.utils.checkpoint``, Hugging Face's gradient
+checkpointing), which ``torch.func.grad`` refuses, is traced a second way: the model and
+``loss.backward()`` inside one ``functional_call``, so autograd's replay of each checkpointed
+region lands in the backward; ``graph.checkpoints.fold_recomputation`` then folds the replays back
+into the forward, and the result has the same form as above.
+
 See ``pscompile.graph.meta`` for the conventions the passes rely on.
 """
 
