@@ -82,6 +82,32 @@ def parity(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
     leave()
 
 
+def recompute(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Compiled mode with every activation segment recomputed, at this rank's minimum for that
+    graph (``pscompile.min_device_memory`` with the group) plus one gathered group."""
+    join(rank, world, port)
+    batches = make_batches("gpt", STEPS)
+    first = split(batches[0], rank, world)
+    least = pscompile.min_device_memory(make_model("gpt"), first, config("compiled", activations="recompute"))
+    engine = pscompile.compile(make_model("gpt"), first, optimizer=HP,
+                               config=config("compiled", activations="recompute"))
+    budget = least + engine.store.param_chunk_bytes
+    engine.close()
+    engine = pscompile.compile(make_model("gpt"), first, optimizer=HP,
+                               config=config("compiled", budget, activations="recompute"))
+    losses, stats = [], []
+    for b in batches:
+        losses.append(engine.step(split(b, rank, world)))
+        stats.append(engine.stats.as_dict())
+    plan = engine.last_plan
+    torch.save({"losses": losses, "stats": stats, "budget": budget, "full": engine.full_state_dict(),
+                "planned": (plan.allgather_bytes, plan.reduce_scatter_bytes),
+                "recomputed": len(engine.schedule.scheduled.activations.recomputed)},
+               os.path.join(out_dir, f"recompute-rank{rank}.pt"))
+    engine.close()
+    leave()
+
+
 def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[str]) -> None:
     """Two steps of 2 accumulated micro-batches per rank with clipping (the global norm), then
     ``evaluate``, under a budget that evicts; save the losses and the full weights."""

@@ -97,6 +97,22 @@ def test_each_rank_holds_a_world_size_share_of_the_model_data(parity_runs, kind,
         assert run["host_model_bytes"] == groups * group // WORLD * 16
 
 
+def test_recomputation_under_zero_tracks_plain_pytorch(tmp_path):
+    """activations="recompute" with two ranks: the clones' parameter reads all-gather their groups
+    again in the backward, and the training is plain PyTorch's over the global batch."""
+    spawn(dist_worker.recompute, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"recompute-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ref_losses, ref = reference("gpt", make_batches("gpt", dist_worker.STEPS))
+    for r, run in enumerate(ranks):
+        assert run["recomputed"] > 0
+        for i, (ours, plain) in enumerate(zip(run["losses"], ref_losses)):
+            assert rel(ours, plain) <= 1e-5, f"rank {r} step {i}: {ours} vs plain {plain}"
+        for s in run["stats"]:
+            assert s["peak_device_bytes"] <= run["budget"] and s["num_evictions"] > 0
+        assert (run["stats"][-1]["allgather_bytes"], run["stats"][-1]["reduce_scatter_bytes"]) == run["planned"]
+    assert weight_error(ranks[0]["full"], ref) <= 1e-5
+
+
 def test_accumulation_clipping_and_evaluate_are_global(tmp_path):
     spawn(dist_worker.accumulate_eval, str(tmp_path), ["compiled", "hooks"])
     hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.05)
