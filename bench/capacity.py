@@ -39,6 +39,8 @@ import pscompile
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.units import parse_size
 
+from foundation import _vm_hwm_bytes          # bench/ is the script's folder: peak RSS of this process
+
 MiB = 2**20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "capacity.json"
 SYSTEMS = ("plain", "hooks", "compiled-keep", "compiled-auto")
@@ -69,17 +71,6 @@ def _batch(vocab: int, seq: int, batch: int):
 
 def _hp() -> pscompile.AdamW:
     return pscompile.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-
-
-def _vm_hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # ---------------------------------------------------------------------------------- one probe (child process)

@@ -40,6 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pscompile.graph import meta as graph_meta
 from pscompile.graph.capture import CapturedGraph
+from pscompile.passes.annotate_params import tensor_storages
 from pscompile.units import format_bytes
 
 log = logging.getLogger("pscompile")
@@ -89,14 +90,6 @@ def _mutates(n: fx.Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
-def _storages(value) -> list[StorageWeakRef]:
-    if isinstance(value, torch.Tensor):
-        return [StorageWeakRef(value.untyped_storage())]
-    if isinstance(value, (tuple, list)):
-        return [s for v in value for s in _storages(v)]
-    return []
-
-
 def _nbytes(value) -> dict[StorageWeakRef, int]:
     if isinstance(value, torch.Tensor):
         return {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()}
@@ -125,13 +118,13 @@ class _Forward:
         for n in fwd:
             if _mutates(n):
                 for a in n.all_input_nodes:
-                    mutated.update(_storages(a.meta.get("val")))
+                    mutated.update(tensor_storages(a.meta.get("val")))
         self.anchor: set[fx.Node] = set()
         self.active: set[fx.Node] = set()          # depends on the batch (or on an anchor)
         for n in fwd:
             if (n.op != "call_function" or _is_random(n) or _mutates(n)
                     or not (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
-                    or any(s in mutated for s in _storages(n.meta.get("val")))):
+                    or any(s in mutated for s in tensor_storages(n.meta.get("val")))):
                 self.anchor.add(n)
             if any(a in self.batch or a in self.active or a in self.anchor for a in n.all_input_nodes):
                 self.active.add(n)
@@ -165,7 +158,7 @@ def find_segments(captured: CapturedGraph) -> tuple[Segment, ...]:
         if pending == {n}:
             cuts.append(n)
     kept = set(cuts) | f.anchor
-    kept_bytes: set[StorageWeakRef] = {s for k in kept for s in _storages(k.meta.get("val"))}
+    kept_bytes: set[StorageWeakRef] = {s for k in kept for s in tensor_storages(k.meta.get("val"))}
     segments: list[Segment] = []
     start = 0
     bounds = [f.index[c] for c in cuts]
