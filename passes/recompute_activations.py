@@ -230,10 +230,9 @@ def recompute_activations(captured: CapturedGraph, segments: Iterable[Segment]) 
             graph.erase_node(n)
     graph.lint()
     gm.recompile()
-    out = replace(captured, gm=gm)
     log.info(f"recompute_activations: {len(chosen)} segments, "
              f"{format_bytes(sum(s.saved_bytes for s in chosen))} of saved activations recomputed")
-    return out
+    return copy
 
 
 def _fake_mode(nodes: Sequence[fx.Node]):
