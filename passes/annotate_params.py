@@ -22,9 +22,10 @@ that parameter (``reads`` metadata: fqns in parameter order). ``last_use`` on th
 index (position in ``graph.nodes``) of the last reading node, so a Linear weight stays needed until
 its backward ``mm`` through ``t(t(w))`` — far later than its only direct user ``t(w)``.
 
-**Phase**: "fwd" for the loss node, its ancestors, and the ``getitem``s of forward multi-output ops
+**Phase**: "fwd" for the loss node, its ancestors, the ``getitem``s of forward multi-output ops
 (the statistics a forward op saves for the backward, e.g. layer-norm mean/rstd, are produced by
-that forward op even though the loss does not depend on them); "bwd" for every other node except
+that forward op even though the loss does not depend on them), and nodes before the loss computed
+from forward values only (a recomputed graph's bool copy of a dropout mask); "bwd" for every other node except
 placeholders and the output. Defined by data dependence, not by position (``fwd_is_prefix`` says
 whether the two also form a prefix/suffix of the node order; they do for GPT and BERT).
 """
@@ -188,6 +189,9 @@ def annotate_params(captured: CapturedGraph) -> ParamUses:
                 stack.append(a)
     for n in nodes:   # the other outputs of a forward op (layer-norm mean/rstd, dropout mask)
         if n.target is operator.getitem and n.args[0] in fwd:
+            fwd.add(n)
+    for n in nodes[:index[loss]]:   # what the forward computes for the backward only (a kept mask's bool)
+        if n.op not in ("placeholder", "get_attr") and all(a in fwd or a.op == "placeholder" for a in n.all_input_nodes):
             fwd.add(n)
     phase: list[str | None] = []
     for n in nodes:

@@ -22,6 +22,9 @@ ops that mutate an argument; values whose storage a forward op mutates; anything
 ATen op. *Free* values, which depend on parameters, buffers or constants only (``t(weight)``, a
 causal mask), are referenced where they are, not cloned.
 
+**Dropout masks** the backward reads are kept as one byte per element: ``ne(mask, 0)`` in the
+forward, the scaled mask rebuilt from it by the same division right before the backward needs it.
+
 The result equals the graph it came from: the same ops on the same values, random numbers drawn
 once, in the same order. Clones carry ``recomputes`` metadata (the node they recompute), which
 ``print(engine.schedule)`` shows.
@@ -133,7 +136,8 @@ class _Forward:
         self.movable = [n for n in fwd if n in self.active and n not in self.anchor]
 
     def backward_users(self, n: fx.Node) -> list[fx.Node]:
-        return [u for u in n.users if self.index[u] > self.end and u.op != "output"]
+        """Users after the loss (nodes added since, the clones, are all in the backward)."""
+        return [u for u in n.users if self.index.get(u, len(self.nodes)) > self.end and u.op != "output"]
 
     def is_free(self, n: fx.Node) -> bool:
         return n.op in ("placeholder", "get_attr") or (n not in self.active and n not in self.anchor)
@@ -225,6 +229,7 @@ def recompute_activations(captured: CapturedGraph, segments: Iterable[Segment]) 
         for s in saved:
             for u in f.backward_users(s):
                 u.replace_input_with(s, clones[s])
+    _compress_masks(f, graph, mode)
     for n in reversed(list(graph.nodes)):       # the forward's element of a multi-output op (layer
         if n.target is operator.getitem and not n.users:   # norm's saved mean) that only the backward read
             graph.erase_node(n)
@@ -233,6 +238,41 @@ def recompute_activations(captured: CapturedGraph, segments: Iterable[Segment]) 
     log.info(f"recompute_activations: {len(chosen)} segments, "
              f"{format_bytes(sum(s.saved_bytes for s in chosen))} of saved activations recomputed")
     return copy
+
+
+def _compress_masks(f: _Forward, graph: fx.Graph, mode) -> int:
+    """Dropout masks the backward reads, kept as one byte per element: a mask made by a random
+    ``bernoulli`` divided in place by the keep probability (values 0 and 1/keep) is kept as
+    ``ne(mask, 0)`` (bool) and rebuilt right before the backward's first use by the same division
+    of its 0/1 values, so the rebuilt mask is bit-identical. Returns how many were compressed."""
+    aten = torch.ops.aten
+    done = 0
+    for d in f.fwd:
+        if d.target is not aten.div_.Scalar or not isinstance(d.args[0], fx.Node) or not _is_random(d.args[0]):
+            continue
+        users = f.backward_users(d)
+        if not users:
+            continue
+        dtype = d.meta["val"].dtype
+        with graph.inserting_after(d):
+            flag = graph.call_function(aten.ne.Scalar, (d, 0))
+        first = min(users, key=lambda u: _position(graph, u))
+        with graph.inserting_before(first):
+            ones = graph.call_function(aten._to_copy.default, (flag,), {"dtype": dtype})
+            mask = graph.call_function(aten.div.Scalar, (ones, d.args[1]))
+        for new in (flag, ones, mask):
+            with mode:
+                new.meta["val"] = new.target(*fx.map_arg(new.args, lambda a: a.meta["val"]),
+                                             **fx.map_arg(new.kwargs, lambda a: a.meta["val"]))
+            graph_meta.put(new, "mask_of", d.name)
+        for u in users:
+            u.replace_input_with(d, mask)
+        done += 1
+    return done
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if n is node)
 
 
 def _fake_mode(nodes: Sequence[fx.Node]):

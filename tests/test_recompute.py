@@ -53,6 +53,10 @@ def test_the_rewritten_graph_computes_the_same_values_with_less_live_memory(kind
     assert len(want) == len(got) == 1 + len(params)
     for a, b in zip(want, got):            # the same ops on the same values: bit for bit
         assert torch.equal(a, b)
+    masks = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.div_.Scalar
+             and torch.Tag.nondeterministic_seeded in getattr(n.args[0].target, "tags", ())]
+    kept = [n for n in rewritten.gm.graph.nodes if n.target is torch.ops.aten.ne.Scalar and get(n, "mask_of")]
+    assert len(kept) == len(masks) >= 3 and all(n.meta["val"].dtype == torch.bool for n in kept)   # a byte each
     clones = [n for n in rewritten.gm.graph.nodes if get(n, "recomputes") is not None]
     assert len(clones) == sum(s.nodes for s in segments)
     assert not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in clones)

@@ -326,6 +326,9 @@ class Schedule:
         recomputed = get(n, "recomputes")
         if recomputed is not None:
             return f"recomputes {recomputed}"
+        mask = get(n, "mask_of")
+        if mask is not None:
+            return f"dropout mask {mask} kept as bool, rebuilt for the backward"
         return ""
 
     def __str__(self) -> str:
