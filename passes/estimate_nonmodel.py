@@ -9,6 +9,7 @@ cost nothing and a storage counts once, with its full ``nbytes``::
                                       node when S is returned)
     N[i] = sum of nbytes(S) over storages with c(S) <= i <= l(S)       "live while node i runs"
 
+- The value of an ``offload`` node (``offload_activations``) is a host copy: no device bytes.
 - Parameter storages (placeholders and their views: ``uses`` from ``annotate_params``) are model
   data and excluded.
 - Batch and buffer placeholders and constants (``get_attr``) are live throughout: the caller holds
@@ -35,6 +36,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pscompile.graph import meta as graph_meta
+import pscompile.graph.ops  # noqa: F401  (registers torch.ops.pscompile)
 from pscompile.graph.capture import CapturedGraph
 from pscompile.passes.annotate_params import ParamUses, tensor_storages
 from pscompile.units import format_bytes
@@ -93,8 +95,8 @@ def estimate_nonmodel(captured: CapturedGraph, uses: ParamUses, *,
 
     storages: dict[StorageWeakRef, _Storage] = {}
     for i, n in enumerate(nodes):
-        if n.op == "output":
-            continue
+        if n.op == "output" or n.target is torch.ops.pscompile.offload.default:
+            continue                  # an offloaded activation's copy lives on the host
         last = max((index[u] for u in n.users), default=i)
         last_nonoutput = max((index[u] for u in n.users if u.op != "output"), default=i)
         born = 0 if n.op in ("placeholder", "get_attr") else i

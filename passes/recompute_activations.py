@@ -59,15 +59,18 @@ class Segment:
     saved: tuple[str, ...]      # its values the backward reads: recomputed when the segment is
     saved_bytes: int            # their storages' bytes (what stops being live across the boundary)
     nodes: int                  # nodes cloned to recompute them
+    flops: int = 0              # floating-point operations of those nodes (matmuls, convolutions, attention)
 
 
 @dataclass(frozen=True)
 class ActivationPlan:
-    """What a graph keeps and what it recomputes; ``recomputed`` indexes ``segments``."""
+    """What a graph keeps, recomputes and offloads; ``recomputed`` and ``offloaded`` index ``segments``."""
 
     policy: str                       # the Config.activations that chose it
     segments: tuple[Segment, ...]
     recomputed: tuple[int, ...] = ()
+    offloaded: tuple[int, ...] = ()   # segments whose saved storages wait on the host (offload_activations)
+    offload_bytes: int = 0            # the bytes of those storages (each crosses the link twice)
 
     @property
     def recomputed_bytes(self) -> int:
@@ -78,10 +81,18 @@ class ActivationPlan:
         return sum(self.segments[i].nodes for i in self.recomputed)
 
     def describe(self) -> str:
-        if not self.recomputed:
-            return f"activations {self.policy}: every saved activation kept ({len(self.segments)} segments could recompute)"
-        return (f"activations {self.policy}: {len(self.recomputed)} of {len(self.segments)} segments recomputed "
-                f"({format_bytes(self.recomputed_bytes)} of saved activations, {self.recomputed_nodes} nodes re-run)")
+        if not self.recomputed and not self.offloaded:
+            return (f"activations {self.policy}: every saved activation kept ({len(self.segments)} segments could "
+                    f"recompute or offload)")
+        parts = []
+        if self.recomputed:
+            parts.append(f"{len(self.recomputed)} of {len(self.segments)} segments recomputed "
+                         f"({format_bytes(self.recomputed_bytes)} of saved activations, {self.recomputed_nodes} "
+                         f"nodes re-run)")
+        if self.offloaded:
+            parts.append(f"{len(self.offloaded)} of {len(self.segments)} segments offloaded "
+                         f"({format_bytes(self.offload_bytes)} of saved activations wait on the host)")
+        return f"activations {self.policy}: " + "; ".join(parts)
 
 
 def _is_random(n: fx.Node) -> bool:
@@ -148,21 +159,8 @@ def find_segments(captured: CapturedGraph) -> tuple[Segment, ...]:
     if not captured.backward:
         return ()
     f = _Forward(captured)
-    movable = set(f.movable)
-    last_fwd_use = {n: max((f.index[u] for u in n.users if f.index[u] <= f.end), default=f.index[n])
-                    for n in f.movable}
-    cuts: list[fx.Node] = []
-    pending: set[fx.Node] = set()
-    for n in f.fwd:
-        if n not in movable:
-            continue
-        i = f.index[n]
-        pending.add(n)
-        pending = {p for p in pending if last_fwd_use[p] > i or p is n}
-        if pending == {n}:
-            cuts.append(n)
-    kept = set(cuts) | f.anchor
-    kept_bytes: set[StorageWeakRef] = {s for k in kept for s in tensor_storages(k.meta.get("val"))}
+    cuts = forward_cuts(f)
+    kept_bytes = kept_storages(f, cuts)
     segments: list[Segment] = []
     start = 0
     bounds = [f.index[c] for c in cuts]
@@ -182,8 +180,43 @@ def find_segments(captured: CapturedGraph) -> tuple[Segment, ...]:
         source = cuts[k - 1] if k > 0 else None
         need = _needed(f, saved, source)
         segments.append(Segment(len(segments), source.name if source is not None else None, c.name,
-                                tuple(n.name for n in saved), nbytes, len(need)))
+                                tuple(n.name for n in saved), nbytes, len(need), sum(map(_flops, need))))
     return tuple(segments)
+
+
+def _flops(n: fx.Node) -> int:
+    """The floating-point operations of one node: ``torch.utils.flop_counter``'s formulas for
+    matmuls, convolutions and attention, one per output element for anything else."""
+    from torch.utils.flop_counter import flop_registry
+    fn = flop_registry.get(getattr(n.target, "overloadpacket", None))
+    if fn is None:
+        v = n.meta.get("val")
+        return sum(t.numel() for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor))
+    val = lambda a: a.meta["val"]      # noqa: E731
+    return int(fn(*fx.map_arg(n.args, val), **fx.map_arg(n.kwargs, val), out_val=n.meta["val"]))
+
+
+def forward_cuts(f: _Forward) -> list[fx.Node]:
+    """The cuts of the forward, in order (see the module docstring)."""
+    movable = set(f.movable)
+    last_fwd_use = {n: max((f.index[u] for u in n.users if f.index[u] <= f.end), default=f.index[n])
+                    for n in f.movable}
+    cuts: list[fx.Node] = []
+    pending: set[fx.Node] = set()
+    for n in f.fwd:
+        if n not in movable:
+            continue
+        i = f.index[n]
+        pending.add(n)
+        pending = {p for p in pending if last_fwd_use[p] > i or p is n}
+        if pending == {n}:
+            cuts.append(n)
+    return cuts
+
+
+def kept_storages(f: _Forward, cuts: Sequence[fx.Node]) -> set[StorageWeakRef]:
+    """Storages that stay on the device whatever is recomputed: those of the cuts and anchors."""
+    return {s for k in set(cuts) | f.anchor for s in tensor_storages(k.meta.get("val"))}
 
 
 def _needed(f: _Forward, saved: Sequence[fx.Node], source: fx.Node | None) -> list[fx.Node]:

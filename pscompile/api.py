@@ -70,8 +70,10 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
         state_bytes = 3 * 4 * layout.chunk_size
         homes = 0 if config.host_memory is None or world > 1 else host_shortfall_chunks(
             num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
+        room = None if config.host_memory is None else max(
+            0, config.host_memory - (layout.num_chunks - homes) * (slot_bytes + state_bytes))
         return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
-                            device_homes=homes, state_bytes=state_bytes).nbytes
+                            device_homes=homes, state_bytes=state_bytes, host_room=room).nbytes
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]
 
 

@@ -18,7 +18,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("compiled", "hooks")
 _BACKENDS = ("inductor", "eager")
 _COLLECTIVES = ("group", "per_chunk")
-_ACTIVATIONS = ("auto", "keep", "recompute")
+_ACTIVATIONS = ("auto", "keep", "recompute", "offload")
 
 
 def available_host_bytes() -> int:
@@ -59,9 +59,11 @@ class Config:
     # slot and reduce-scatters it; "per_chunk" broadcasts each chunk from its owner and reduces its
     # gradients to it (PatrickStar's choice for 16+ ranks: the device holds one chunk, not a group)
     collectives: str = "group"
-    # compiled mode: which saved activations the backward recomputes instead of keeping. "auto"
-    # recomputes the fewest segments that let the schedule fit device_memory (none when it fits
-    # as is); "keep" never recomputes; "recompute" recomputes every segment it can
+    # compiled mode: which saved activations leave the device between the forward and the backward.
+    # "auto" takes the fewest segments off that let the schedule fit device_memory (none when it
+    # fits as is), each the cheaper way for this machine: recomputed in the backward or offloaded to
+    # the host and reloaded (host_memory permitting); "keep" keeps all; "recompute" recomputes every
+    # segment it can; "offload" offloads every saved storage it can
     activations: str = "auto"
 
     def __post_init__(self):
@@ -109,9 +111,10 @@ class Config:
             raise ValueError(f"collectives={self.collectives!r} is not supported; use one of {_COLLECTIVES}")
         if self.activations not in _ACTIVATIONS:
             raise ValueError(f"activations={self.activations!r} is not a policy; use one of {_ACTIVATIONS}")
-        if self.activations == "recompute" and self.mode != "compiled":
-            raise ValueError("activations='recompute' plans recomputation in compiled mode's graph; in mode='hooks' "
-                             "wrap the model's blocks in torch.utils.checkpoint instead, or use mode='compiled'")
+        if self.activations in ("recompute", "offload") and self.mode != "compiled":
+            raise ValueError(f"activations={self.activations!r} is planned in compiled mode's graph; in mode='hooks' "
+                             "wrap the model's blocks in torch.utils.checkpoint (or torch.autograd.graph."
+                             "save_on_cpu) instead, or use mode='compiled'")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):

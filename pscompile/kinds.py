@@ -32,6 +32,8 @@ class MemKind(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"    # ZeRO: the group's gradients summed over ranks, own shard -> host
     BROADCAST = "broadcast"              # ZeRO per chunk: the owner's chunk host -> its slot -> every rank
     REDUCE = "reduce"                    # ZeRO per chunk: the chunk's gradients summed into its owner's home
+    OFFLOAD = "offload"                  # a saved activation: device -> host, after its last forward use
+    RELOAD = "reload"                    # ... and host -> device, before its first backward use
 
     @property
     def arrives(self) -> bool:

@@ -26,6 +26,8 @@ class StepStats:
     backward_s: float              # backward time (including its transfers)
     optimizer_s: float             # gradient reduction + clipping + update time
     transfer_s: float              # time spent inside chunk copies (all phases)
+    offload_bytes: int = 0         # saved activations device -> host (part of d2h_bytes)
+    reload_bytes: int = 0          # saved activations host -> device (part of h2d_bytes)
 
     @property
     def bytes_moved(self) -> int:

@@ -33,10 +33,12 @@ from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
+from pscompile.graph.ops import ActivationMove
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
                                       capture_and_analyze, choose_activations, executed_nodes,
                                       minimum_budget)
 from pscompile.kinds import MemKind, RunKind
+from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.memory.transfers import TransferQueue
@@ -148,6 +150,7 @@ class CompiledEngine(ChunkEngine):
         self.eval_plan: ResidencyPlan | None = None
         self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
         self.eval_bytes_moved: int | None = None
+        self._rates: Rates | None = None
         try:
             try:
                 self._schedule_for(to_device(batch, self.device), RunKind.TRAIN)
@@ -158,6 +161,18 @@ class CompiledEngine(ChunkEngine):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def rates(self) -> Rates:
+        """The compute and link rates the activation planner weighs (measured once; every rank of
+        a ZeRO run plans with the same, the largest measured)."""
+        if self._rates is None:
+            r = measure_rates(self.device, self.dtype, self.config.link_bandwidth)
+            if self.comm is not None:
+                flops, link = self.comm.agree_max((int(r.flops_per_s), int(r.link_bytes_per_s)))
+                r = Rates(float(flops), float(link))
+            self._rates = r
+        return self._rates
 
     def _homes_note(self, why: str) -> str:
         n, k = self.layout.num_chunks, self.min_device_homes
@@ -182,7 +197,9 @@ class CompiledEngine(ChunkEngine):
                                            dtype=self.dtype, backward=key.kind.backward)
             analyzed = choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
                                           slot_bytes=self.store.param_chunk_bytes, world=self.world,
-                                          device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes)
+                                          device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
+                                          rates=self.rates if self.config.activations == "auto" else None,
+                                          host_room=self.host_room)
             self._captures[key.capture] = analyzed
         measured = self._measured.get(key.capture)
         nonmodel = measured if measured is not None else analyzed.nonmodel
@@ -379,6 +396,19 @@ class CompiledEngine(ChunkEngine):
                 q.submit(target, grad, "d2h").result()
             self._written.add(mem.fqn)
 
+    def _move_activation(self, moves: ActivationMove, args: tuple) -> torch.Tensor:
+        """Offload a saved activation into a new host buffer, or reload it into a new device
+        tensor; both wait for their copy (the device copy dies, or is read, right after)."""
+        src = args[0]
+        if moves.kind == MemKind.OFFLOAD:
+            dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu",
+                                      pin_memory=self.device.type == "cuda")
+            self._queue.submit(dst, src, "d2h", activation=True).result()
+        else:
+            dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=self.device)
+            self._queue.submit(dst, src, "h2d", activation=True).result()
+        return dst
+
     def _model_bytes(self) -> int:
         """Model bytes the device holds now: the memory of every slot (allocated, whether or not
         a chunk sits in it yet) and the optimizer states kept there."""
@@ -439,10 +469,17 @@ class CompiledEngine(ChunkEngine):
             tracker.sample_with(extra.get(r.index, 0))
             return contextlib.nullcontext()
 
-        def run_memory(n: fx.Node, args: tuple) -> None:
+        def run_memory(n: fx.Node, args: tuple) -> torch.Tensor | None:
+            moves = get(n, "moves")
             with tracker.paused():
-                self._run_memory_node(get(n, "mem"), args)
+                if moves is None:
+                    made = self._run_memory_node(get(n, "mem"), args)
+                else:
+                    made = self._move_activation(moves, args)
+            if moves is not None and moves.kind == MemKind.RELOAD:
+                tracker.add_tensor(made)                 # back on the device (the host copy is not)
             tracker.sample_now()
+            return made
 
         def count(values) -> None:   # compiled code allocates outside Python dispatch
             for v in values:
@@ -465,10 +502,12 @@ class CompiledEngine(ChunkEngine):
             raise
         traffic = self.link.reset()
         moved = (traffic.h2d_bytes, traffic.d2h_bytes)
-        if moved != (sched.plan.h2d_bytes, sched.plan.d2h_bytes):
+        planned = (sched.plan.h2d_bytes + sched.offload_bytes, sched.plan.d2h_bytes + sched.offload_bytes)
+        if moved != planned or traffic.offload_bytes != sched.offload_bytes or traffic.reload_bytes != sched.offload_bytes:
             self._recover(restore=acc is None)
-            raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes, the schedule planned "
-                               f"{(sched.plan.h2d_bytes, sched.plan.d2h_bytes)}")
+            raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes (activations: {traffic.offload_bytes} offloaded, "
+                               f"{traffic.reload_bytes} reloaded), the schedule planned {planned} "
+                               f"({sched.offload_bytes} each way)")
         if self.comm is not None:
             comm = (self.comm.traffic.allgather_bytes - comm_before[0],
                     self.comm.traffic.reduce_scatter_bytes - comm_before[1])

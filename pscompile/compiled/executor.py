@@ -13,6 +13,8 @@ One executor serves every way compiled mode runs a schedule. It turns the schedu
 
 In both, a memory node is never run as an op: the executor calls ``run_memory(node, args)`` with
 its evaluated arguments, and the engine performs the copy on its transfer queue and counts it.
+Activation nodes (``offload`` / ``reload``) run the same way; what ``run_memory`` returns for them
+is their value.
 ``run`` has the semantics of ``gm(*inputs)`` otherwise: it returns the graph's outputs.
 
 Memory: ``split="nodes"`` frees exactly as ``fx.Interpreter(garbage_collect_values=True)`` does,
@@ -32,7 +34,7 @@ from torch import fx
 
 from pscompile.graph import meta as gmeta
 from pscompile.kinds import Phase, StrEnum
-from pscompile.graph.ops import is_memory_node
+from pscompile.graph.ops import is_memory_node, runs_as_transfer
 from pscompile.compiled.regions import (Region, RegionCache, TensorMeta, buffer_aliases, buffer_placeholders,
                                         check_region_args, compile_inductor, eager_fn, eval_chain, fusible_ops,
                                         graph_device, lifted_views, region_key)
@@ -84,6 +86,8 @@ class Step:
     def makes(self) -> Iterable[fx.Node]:
         if self.kind is StepKind.REGION:
             return self.region.outputs
+        if self.kind is StepKind.MEM:          # an activation's offload or reload makes a value
+            return (self.node,) if self.node.users else ()
         return (self.node,) if self.kind is StepKind.EVAL else ()
 
 
@@ -104,7 +108,7 @@ def _per_node(gm: fx.GraphModule) -> list[Step]:
             continue
         if n.op == "placeholder":
             program.append(Step(StepKind.INPUT, node=n))
-        elif is_memory_node(n):
+        elif runs_as_transfer(n):
             program.append(Step(StepKind.MEM, node=n))
         elif n.op in ("call_function", "get_attr"):
             program.append(Step(StepKind.EVAL, node=n))
@@ -138,7 +142,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
             continue
         if n in lifted:
             continue                                     # made by the executor when needed
-        if is_memory_node(n):
+        if runs_as_transfer(n):
             cur = None
             steps.append(Step(StepKind.MEM, node=n))
             mem_count += 1
@@ -347,7 +351,7 @@ class Executor:
              if (s.kind is StepKind.REGION and first_bwd in s.region.nodes) or s.node is first_bwd), None)
 
     # ------------------------------------------------------------------ running
-    def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], None], *,
+    def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], Any], *,
             on_outputs: Callable[[Sequence[Any]], None] | None = None, observer: NodeObserver | None = None,
             on_backward: Callable[[], None] | None = None,
             around_region: Callable[[Region], ContextManager] | None = None) -> tuple:
@@ -393,7 +397,14 @@ class Executor:
                 continue
             n = s.node
             if kind is StepKind.MEM:
-                run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
+                if observer is not None:
+                    observer.before(n)
+                made = run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
+                if n.users:                       # an activation's offload or reload
+                    env[n] = made
+                del made
+                if observer is not None:
+                    observer.after(n)
             elif kind is StepKind.EVAL:
                 if observer is not None:
                     observer.before(n)

@@ -276,7 +276,9 @@ class Schedule:
                      f"gradient stores to the host"
                      + (f", {sum(v for k, v in counts.items() if MemKind(k).reduces)} reductions" if plan.world > 1
                         else "")
-                     + f"), {sum(v for k, v in counts.items() if MemKind(k).leaves)} evictions")
+                     + f"), {sum(v for k, v in counts.items() if MemKind(k).leaves)} evictions"
+                     + (f"; activations {format_bytes(self.scheduled.offload_bytes)} offloaded and reloaded "
+                        f"(each way, on top of the chunks)" if self.scheduled.offload_bytes else ""))
         total_s = sum(p.seconds for p in self.passes)
         lines.append(f"passes ({len(self.passes)}, {total_s:.3f} s):")
         width = max((len(p.name) for p in self.passes), default=0)
@@ -323,6 +325,12 @@ class Schedule:
             return f"param {fqn} ({where}" + (f" in slot {slot})" if slot is not None else ")")
         if n.op == "output":
             return "loss"
+        moves = get(n, "moves")
+        if moves is not None:
+            return moves.describe()
+        reloaded = get(n, "reloads")
+        if reloaded is not None:
+            return f"view of the reloaded {reloaded}"
         recomputed = get(n, "recomputes")
         if recomputed is not None:
             return f"recomputes {recomputed}"

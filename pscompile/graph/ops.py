@@ -24,6 +24,15 @@ ZeRO per chunk (a slot holds one chunk, owned by rank ``owner``):
     broadcast(slot!, host, owner, rank)          slot <- the owner's host copy, on every rank
     reduce(dest!, slot, owner, rank, accumulate) on the owner: dest (<- or +=) sum over ranks of slot
 
+Activations (a saved forward value leaves the device and comes back for the backward):
+
+    offload(value) -> host             a host copy of a saved activation; the device copy dies
+    reload(host, device) -> value      a device copy of an offloaded activation, back for the backward
+
+Unlike the chunk ops they return tensors (new buffers, never aliases), so they stay in the graph
+while they have users; ``is_activation_node`` tells them apart and their ``moves`` metadata is an
+``ActivationMove``.
+
 Run eagerly, every op completes at once (``wait`` does nothing); the executor runs a fetch that
 has a ``wait`` asynchronously (prefetch) and blocks at the ``wait``.
 
@@ -183,6 +192,30 @@ def _(dest, slot, owner, rank, accumulate):
     return None
 
 
+@torch.library.custom_op("pscompile::offload", mutates_args=())
+def offload(value: Tensor) -> Tensor:
+    host = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+    return host.copy_(value)
+
+
+@offload.register_fake
+def _(value):
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+
+
+@torch.library.custom_op("pscompile::reload", mutates_args=())
+def reload(host: Tensor, device: torch.device) -> Tensor:
+    value = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    return value.copy_(host)
+
+
+@reload.register_fake
+def _(host, device):
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+
+
+ACTIVATION_OPS = (torch.ops.pscompile.offload.default, torch.ops.pscompile.reload.default)
+
 MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
               torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default,
               torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default,
@@ -216,5 +249,29 @@ class MemOp:
         return f"{self.kind} {unit} {self.chunk} ({self.src}->{self.dst}, {where}, {self.nbytes} B{comm}){extra}"
 
 
+@dataclass(frozen=True)
+class ActivationMove:
+    """What one offload or reload node moves: the saved value (by its captured name) and its bytes."""
+
+    kind: MemKind        # OFFLOAD (device -> host) or RELOAD (host -> device)
+    value: str           # the captured graph's node whose storage moves
+    nbytes: int
+
+    def describe(self) -> str:
+        way = "device->host" if self.kind == MemKind.OFFLOAD else "host->device"
+        return f"{self.kind} activation {self.value} ({way}, {self.nbytes} B)"
+
+
 def is_memory_node(node: torch.fx.Node) -> bool:
+    """A chunk memory node (fetch, writeback, drop, gradient stores, collectives)."""
     return node.op == "call_function" and node.target in MEMORY_OPS
+
+
+def is_activation_node(node: torch.fx.Node) -> bool:
+    """An offload or reload of a saved activation."""
+    return node.op == "call_function" and node.target in ACTIVATION_OPS
+
+
+def runs_as_transfer(node: torch.fx.Node) -> bool:
+    """Memory and activation nodes: the executor hands them to the engine, never to a compiled region."""
+    return node.op == "call_function" and (node.target in MEMORY_OPS or node.target in ACTIVATION_OPS)

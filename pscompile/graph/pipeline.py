@@ -47,6 +47,8 @@ from pscompile.passes.estimate_nonmodel import estimate_nonmodel
 from pscompile.passes.insert_memory_ops import insert_memory_ops
 from pscompile.passes.plan_residency import GradStore, ResidencyPlan, arrival_windows, plan_residency
 from pscompile.passes.prefetch_fetches import prefetch_fetches
+from pscompile.memory.rates import Rates, measure_rates
+from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import ActivationPlan, find_segments, recompute_activations
 from pscompile.passes.verify_schedule import verify_schedule
 from pscompile.runtime.batching import call_model
@@ -105,7 +107,8 @@ class Scheduled:
     passes: tuple[PassTiming, ...]
     kind: RunKind = RunKind.TRAIN
     os_device: frozenset[int] = frozenset()   # chunks whose optimizer states were on the device
-    activations: ActivationPlan | None = None  # the analyzed graph's recomputation
+    activations: ActivationPlan | None = None  # the analyzed graph's recomputation and offloading
+    offload_bytes: int = 0                     # saved activations the graph sends to the host (and back)
 
 
 class _Passes:
@@ -156,55 +159,100 @@ def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPl
 
 def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
                        slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0,
-                       variants: dict[int, AnalyzedGraph] | None = None) -> AnalyzedGraph:
+                       variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
+                       host_room: int | None = None) -> AnalyzedGraph:
     """The analyzed graph to plan with under ``policy`` (``Config.activations``).
 
     "keep": ``analyzed`` as it is. "recompute": every segment with saved activations recomputed.
-    "auto": none when the graph fits ``budget`` as it is (``minimum_budget`` on its static curve),
-    else the fewest segments, largest saved bytes first, that let it fit (found by bisection; if
-    the fewest found does not fit, all of them); if none does, all of them (the budget error then
-    names that graph's minimum). ``variants`` (m -> graph with the m largest segments recomputed,
-    initially empty) lets a caller that plans one capture at many budgets rewrite each graph once."""
+    "offload": every segment's offloadable storages (``offload_activations.find_offloads``) on the
+    host, the rest kept; ``ValueError`` if the host has no room for them (``host_room`` bytes besides
+    the chunks; None: unlimited). "auto": none when the graph fits ``budget`` as it is
+    (``minimum_budget`` on its static curve), else the fewest segments, largest saved bytes first,
+    that let it fit (by bisection), each taken off the device the cheaper way by ``rates``:
+    recomputed (its FLOPs at the device's rate) or offloaded (its bytes twice over the link; only
+    while the host has room; without ``rates`` never). If all of them that way do not fit, every
+    segment recomputed, or else every one offloaded, whichever fits (so the least budget does not
+    depend on the measured rates: ``least_budget``). ``variants`` (a dict, initially empty) lets a
+    caller that plans one capture at many budgets rewrite each graph once."""
     if policy == "keep" or not analyzed.captured.backward:
         return analyzed
     segments = find_segments(analyzed.captured)
+    offloads = find_offloads(analyzed.captured, segments)
     by_size = sorted(segments, key=lambda s: -s.saved_bytes)
-    cache: dict[int, AnalyzedGraph] = {} if variants is None else variants
+    cache: dict[tuple, AnalyzedGraph] = {} if variants is None else variants
 
-    def with_first(m: int) -> AnalyzedGraph:
-        if m not in cache:
-            chosen = by_size[:m]
-            plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in chosen)))
-            if m == 0:
-                cache[m] = replace(analyzed, activations=plan)
+    def offload_bytes(s) -> int:
+        return sum(o.nbytes for o in offloads.get(s.index, ()))
+
+    total_offload = sum(map(offload_bytes, segments))
+    host_fits_all = host_room is None or total_offload <= host_room
+    if policy == "offload" and not host_fits_all:
+        raise ValueError(f"activations='offload': the saved activations need {format_bytes(total_offload)} of host "
+                         f"memory besides the chunks and host_memory leaves {format_bytes(host_room)}; give more "
+                         f"host_memory, or activations='auto' (recomputes what the host cannot take)")
+    every = {"recompute": ["recompute"] * len(by_size),
+             "offload": ["offload" if s.index in offloads else "keep" for s in by_size]}
+    mixed, room = [], host_room           # auto: each segment the cheaper way, offloads while the host has room
+    for s in by_size:
+        cheaper = (rates is not None and s.index in offloads
+                   and rates.offload_s(offload_bytes(s)) < rates.recompute_s(s.flops)
+                   and (room is None or offload_bytes(s) <= room))
+        mixed.append("offload" if cheaper else "recompute")
+        if cheaper and room is not None:
+            room -= offload_bytes(s)
+
+    def with_first(m: int, how_each: Sequence[str]) -> AnalyzedGraph:
+        chosen = by_size[:m]
+        rec = [s for s, how in zip(chosen, how_each) if how == "recompute"]
+        off = [s for s, how in zip(chosen, how_each) if how == "offload"]
+        key = (tuple(s.index for s in rec), tuple(s.index for s in off))
+        if key not in cache:
+            plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in rec)),
+                                  tuple(sorted(s.index for s in off)), sum(map(offload_bytes, off)))
+            if not rec and not off:
+                cache[key] = replace(analyzed, activations=plan)
             else:
                 passes = _Passes(analyzed.passes)
-                captured = passes.run("recompute_activations",
-                                      lambda: recompute_activations(analyzed.captured, chosen),
-                                      lambda c: f"recompute_activations: {m} of {len(segments)} segments, "
-                                                f"{format_bytes(sum(s.saved_bytes for s in chosen))} of saved "
-                                                f"activations recomputed")
-                cache[m] = _analyze(captured, passes, plan)
-        return replace(cache[m], activations=replace(cache[m].activations, policy=policy))
+                captured = analyzed.captured
+                if rec:
+                    captured = passes.run("recompute_activations", lambda: recompute_activations(captured, rec),
+                                          lambda c: f"recompute_activations: {len(rec)} of {len(segments)} segments, "
+                                                    f"{format_bytes(sum(s.saved_bytes for s in rec))} of saved "
+                                                    f"activations recomputed")
+                if off:
+                    moves = [o for s in off for o in offloads[s.index]]
+                    captured = passes.run("offload_activations",
+                                          lambda: offload_activations(captured, moves),
+                                          lambda c: f"offload_activations: {len(off)} of {len(segments)} segments, "
+                                                    f"{len(moves)} storages, {format_bytes(plan.offload_bytes)} of "
+                                                    f"saved activations wait on the host")
+                cache[key] = _analyze(captured, passes, plan)
+        return replace(cache[key], activations=replace(cache[key].activations, policy=policy))
 
-    def fits(m: int) -> bool:
-        a = with_first(m)
+    def fits(m: int, how_each: Sequence[str] = mixed) -> bool:
+        a = with_first(m, how_each)
         return budget is None or minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
                                                 device_homes=device_homes, state_bytes=state_bytes).nbytes <= budget
 
     n = len(by_size)
-    if policy == "recompute":
-        return with_first(n)
+    if policy in every:
+        return with_first(n, every[policy])
     if n == 0 or fits(0):
-        return with_first(0)
-    lo, hi = 1, n                      # the smallest m with fits(m), if fits(n)
+        return with_first(0, mixed)
+    if not fits(n):                    # the mix falls short: all recomputed, or all offloaded
+        fallbacks = ["recompute"] + (["offload"] if host_fits_all and offloads else [])
+        for way in fallbacks:
+            if fits(n, every[way]):
+                return with_first(n, every[way])
+        return with_first(n, every["recompute"])
+    lo, hi = 1, n                      # the smallest m with fits(m)
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(mid):
             hi = mid
         else:
             lo = mid + 1
-    return with_first(lo if fits(lo) else n)
+    return with_first(lo if fits(lo) else n, mixed)
 
 
 @dataclass(frozen=True)
@@ -244,18 +292,28 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
 
 
 def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, slot_bytes: int, world: int = 1,
-                 device_homes: int = 0, state_bytes: int = 0) -> Minimum:
-    """The smallest budget any graph ``choose_activations`` may pick under ``policy`` fits in:
-    ``analyzed``'s own minimum, or (unless "keep") that of the graph with every segment
-    recomputed, whichever is smaller."""
+                 device_homes: int = 0, state_bytes: int = 0, host_room: int | None = None) -> Minimum:
+    """The smallest budget some graph ``choose_activations`` picks under ``policy`` fits in:
+    ``analyzed``'s own minimum, or (unless "keep") that of the graph with every segment taken off
+    the device the policy's way ("auto": all recomputed, or all offloaded where the host has room),
+    whichever is smallest. It does not depend on the measured rates, only the choice above it does."""
     def least(a: AnalyzedGraph) -> Minimum:
         return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
                               device_homes=device_homes, state_bytes=state_bytes)
     keep = least(analyzed)
     if policy == "keep" or not analyzed.captured.backward:
         return keep
-    full = least(choose_activations(analyzed, layout, policy="recompute", budget=None, slot_bytes=slot_bytes))
-    return min(keep, full, key=lambda m: m.nbytes)
+    options = [keep]
+    ways = (policy,) if policy != "auto" else ("recompute", "offload")     # what auto falls back to
+    for way in ways:
+        try:
+            options.append(least(choose_activations(analyzed, layout, policy=way, budget=0, slot_bytes=slot_bytes,
+                                                    world=world, device_homes=device_homes, state_bytes=state_bytes,
+                                                    host_room=host_room)))
+        except ValueError:
+            if policy != "auto":       # the host cannot take them: "offload" says so, auto recomputes
+                raise
+    return min(options, key=lambda m: m.nbytes)
 
 
 def node_windows(captured: CapturedGraph, nonmodel: Sequence[int]) -> tuple[int, ...]:
@@ -356,7 +414,10 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")
     timings[i] = PassTiming("insert_memory_ops", timings[i].seconds,
                             f"insert_memory_ops: {report.num_memory_nodes} memory nodes")
-    return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev, analyzed.activations)
+    offloaded = sum(get(n, "moves").nbytes for n in gm.graph.nodes
+                    if n.target is torch.ops.pscompile.offload.default)
+    return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev, analyzed.activations,
+                     offloaded)
 
 
 def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
@@ -385,14 +446,18 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
     a ZeRO run."""
     kind = RunKind(kind)
     layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world, per_chunk=per_chunk)
+    rates = measure_rates(config.torch_device, config.dtype, config.link_bandwidth) \
+        if config.activations == "auto" and config.device_memory is not None else None
     return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind,
-                                  world=world, rank=rank, per_chunk=per_chunk, activations=config.activations)
+                                  world=world, rank=rank, per_chunk=per_chunk, activations=config.activations,
+                                  rates=rates)
 
 
 def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int | None, dtype: torch.dtype,
                    kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None,
                    world: int = 1, rank: int = 0, per_chunk: bool = False, activations: str | None = None,
-                   variants: dict[int, AnalyzedGraph] | None = None) -> Scheduled:
+                   variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
+                   host_room: int | None = None) -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: the activation
     policy's choice for the budget (``activations``: a ``Config.activations`` value; None plans
     ``analyzed`` as it is; ``variants`` as in ``choose_activations``), optimizer states placed by
@@ -400,7 +465,7 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
     if activations is not None:
         slot = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
         analyzed = choose_activations(analyzed, layout, policy=activations, budget=budget, slot_bytes=slot,
-                                      world=world, variants=variants)
+                                      world=world, variants=variants, rates=rates, host_room=host_room)
     nonmodel = analyzed.nonmodel if nonmodel is None else tuple(nonmodel)
     slot_bytes = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
     state_bytes = 3 * layout.chunk_size * 4                  # fp32 master, exp_avg, exp_avg_sq

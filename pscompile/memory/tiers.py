@@ -86,10 +86,14 @@ class Traffic:
     num_fetches: int = 0
     num_evictions: int = 0
     transfer_s: float = 0.0
+    offload_bytes: int = 0      # the part of d2h_bytes that is saved activations going to the host
+    reload_bytes: int = 0       # the part of h2d_bytes that is saved activations coming back
 
     def add(self, other: "Traffic") -> None:
         self.h2d_bytes += other.h2d_bytes
         self.d2h_bytes += other.d2h_bytes
+        self.offload_bytes += other.offload_bytes
+        self.reload_bytes += other.reload_bytes
         self.num_fetches += other.num_fetches
         self.num_evictions += other.num_evictions
         self.transfer_s += other.transfer_s
@@ -107,7 +111,8 @@ class Link:
         self.bandwidth = bandwidth
         self.traffic = Traffic()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False) -> None:
+        """Copy ``src`` into ``dst`` and count it; ``activation``: a saved activation, not a chunk."""
         start = time.perf_counter()
         dst.copy_(src, non_blocking=False)
         nbytes = src.numel() * src.element_size()
@@ -117,8 +122,10 @@ class Link:
                 time.sleep(remaining)
         if direction == "h2d":
             self.traffic.h2d_bytes += nbytes
+            self.traffic.reload_bytes += nbytes if activation else 0
         elif direction == "d2h":
             self.traffic.d2h_bytes += nbytes
+            self.traffic.offload_bytes += nbytes if activation else 0
         else:
             raise AssertionError(f"unknown direction {direction}")
         self.traffic.transfer_s += time.perf_counter() - start

@@ -24,8 +24,8 @@ class TransferQueue:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pscompile-link")
         self._pending: list = []
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> Future:
-        fut = self._pool.submit(self.link.copy, dst, src, direction)
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False) -> Future:
+        fut = self._pool.submit(self.link.copy, dst, src, direction, activation)
         self._pending.append(fut)
         return fut
 

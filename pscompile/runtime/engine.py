@@ -95,10 +95,12 @@ class ChunkEngine:
         # Chunks the host cannot hold live on the device (their optimizer states with them): the
         # first ``min_device_homes`` chunks at least, whatever the placement rule says
         self.min_device_homes = 0
+        self.host_room = max(0, host_budget - host_need)    # host bytes besides the chunks (offloaded activations)
         if host_need > host_budget:
             chunk_need = self.layout.chunk_size * (elsize + 12)
             self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
                                                           host_budget=host_budget)
+            self.host_room = max(0, host_budget - (self.layout.num_chunks - self.min_device_homes) * chunk_need)
             device_need = self.min_device_homes * chunk_need
             if self.world > 1 or (self.budget is not None and device_need > self.budget):
                 owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
@@ -364,7 +366,9 @@ class ChunkEngine:
             reduce_scatter_bytes=comm.reduce_scatter_bytes if comm else 0, skipped=skipped, loss_scale=scale,
             time_s=t_end - t_start, forward_s=sum(r.forward_s for r in runs),
             backward_s=sum(r.backward_s for r in runs), optimizer_s=t_end - t_opt,
-            transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s)
+            transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s,
+            offload_bytes=sum(r.traffic.offload_bytes for r in runs),
+            reload_bytes=sum(r.traffic.reload_bytes for r in runs))
         return self.stats.loss
 
     def _prepare_step(self, batches: list, *, accumulate: bool) -> None:

@@ -1,0 +1,65 @@
+"""Rates: how fast the device computes and the link copies, for the activation planner's choice.
+
+Recomputing a segment costs its floating-point operations at the device's rate; offloading it
+costs its bytes twice (out and back) at the link's rate. ``measure_rates`` times both once on the
+machine at hand: a square matmul in the compute dtype, and a device->host copy (unless
+``link_bandwidth`` emulates the link, whose rate is then known).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Rates", "measure_rates"]
+
+
+@dataclass(frozen=True)
+class Rates:
+    flops_per_s: float        # the device's compute rate (matmul, compute dtype)
+    link_bytes_per_s: float   # device <-> host copies
+
+    def recompute_s(self, flops: int) -> float:
+        return flops / self.flops_per_s
+
+    def offload_s(self, nbytes: int) -> float:
+        """Out after the forward and back before the backward: twice over the link."""
+        return 2 * nbytes / self.link_bytes_per_s
+
+    def describe(self) -> str:
+        return f"{self.flops_per_s / 1e9:.1f} GFLOP/s compute, {self.link_bytes_per_s / 1e9:.2f} GB/s link"
+
+
+def _best_of(fn, repeats: int = 3) -> float:
+    fn()                                   # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def measure_rates(device: torch.device | str, dtype: torch.dtype, link_bandwidth: float | None = None,
+                  *, size: int = 256, copy_bytes: int = 16 << 20) -> Rates:
+    """Time a ``size``-cubed matmul and a ``copy_bytes`` device->host copy (best of three)."""
+    device = torch.device(device)
+    sync = torch.get_device_module(device).synchronize if device.type != "cpu" else (lambda: None)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+
+    def matmul():
+        torch.mm(a, b)
+        sync()
+    flops = 2 * size ** 3 / _best_of(matmul)
+    if link_bandwidth is not None:
+        return Rates(flops, float(link_bandwidth))
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def copy():
+        dst.copy_(src)
+        sync()
+    return Rates(flops, copy_bytes / _best_of(copy))
