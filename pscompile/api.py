@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from pscompile.config import AdamW, Config
+from pscompile.config import AdamW, Config, available_host_bytes
 from pscompile.errors import BudgetError
 from pscompile.hooks.engine import HooksEngine
 from pscompile.runtime.batching import LossFn, to_device
@@ -70,8 +70,11 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
         state_bytes = 3 * 4 * layout.chunk_size
         homes = 0 if config.host_memory is None or world > 1 else host_shortfall_chunks(
             num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
-        room = None if config.host_memory is None else max(
-            0, config.host_memory - (layout.num_chunks - homes) * (slot_bytes + state_bytes))
+        host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
+        n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
+        owned = (len(range(comm.rank, n, world)) * cs if config.collectives == "per_chunk" and world > 1
+                 else (n - homes) * (cs // world))
+        room = max(0, host - owned * (config.dtype.itemsize + 12))
         return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
                             device_homes=homes, state_bytes=state_bytes, host_room=room).nbytes
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]

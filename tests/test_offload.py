@@ -191,7 +191,7 @@ def test_the_schedule_shows_every_offload_and_reload():
                                config=_config("offload", budget))
     text = str(engine.schedule)
     plan = engine.schedule.scheduled.activations
-    assert f"# activations offload: 5 of 5 segments offloaded" in text
+    assert "# activations offload: 5 of 5 segments offloaded" in text
     forward, backward = text.split("def iteration")[1].split("# ---- backward ----")
     moves = sum(1 for n in engine.schedule.scheduled.gm.graph.nodes if n.target is OFFLOAD)
     assert moves >= 8 and sum(get(n, "moves").nbytes for n in engine.schedule.scheduled.gm.graph.nodes
@@ -224,3 +224,23 @@ def test_inductor_regions_run_the_offloaded_graph_as_the_kept_one():
     for name, w in runs["keep"][1].items():
         torch.testing.assert_close(runs["offload"][1][name], w, rtol=1e-5, atol=1e-5, msg=name)
     assert runs["offload"][2].offload_bytes > 0 == runs["keep"][2].offload_bytes
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("rates", [FAST_LINK, SLOW_LINK], ids=["fast-link", "slow-link"])
+def test_auto_plans_and_verifies_at_every_budget_from_its_minimum(kind, rates):
+    """The least budget ``min_device_memory`` names for "auto" holds whatever the rates make it
+    mix: every budget from there up plans a schedule that verifies; 1 byte below is refused."""
+    model, batch = make_model(kind, dropout=DROPOUT), make_batches(kind, 1)[0]
+    layout, analyzed = plan_inputs(model, batch, _config("auto"))
+    least, keep = _minimum(kind, "auto"), _minimum(kind, "keep")
+    variants: dict = {}
+    mixes = set()
+    for budget in sorted({least + 1024 * k for k in range(8)} | {least + (keep - least) * k // 24 for k in range(26)}):
+        sched = plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, activations="auto",
+                               variants=variants, rates=rates)
+        assert sched.plan.peak_device_bytes <= budget
+        mixes.add((sched.activations.recomputed, sched.activations.offloaded))
+    assert len(mixes) >= 3, mixes
+    with pytest.raises(pscompile.BudgetError, match=f"give device_memory >= {least}"):
+        plan_at_budget(analyzed, layout, budget=least - 1, dtype=torch.float32, activations="auto", rates=rates)

@@ -171,8 +171,9 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     that let it fit (by bisection), each taken off the device the cheaper way by ``rates``:
     recomputed (its FLOPs at the device's rate) or offloaded (its bytes twice over the link; only
     while the host has room; without ``rates`` never). If all of them that way do not fit, every
-    segment recomputed, or else every one offloaded, whichever fits (so the least budget does not
-    depend on the measured rates: ``least_budget``). ``variants`` (a dict, initially empty) lets a
+    segment recomputed, or else every one offloaded, whichever fits. Below the least budget of
+    those two it refuses (the graph it returns does not fit), even where a mix would fit: the least
+    budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
     caller that plans one capture at many budgets rewrite each graph once."""
     if policy == "keep" or not analyzed.captured.backward:
         return analyzed
@@ -239,12 +240,18 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
         return with_first(n, every[policy])
     if n == 0 or fits(0):
         return with_first(0, mixed)
-    if not fits(n):                    # the mix falls short: all recomputed, or all offloaded
-        fallbacks = ["recompute"] + (["offload"] if host_fits_all and offloads else [])
-        for way in fallbacks:
-            if fits(n, every[way]):
-                return with_first(n, every[way])
-        return with_first(n, every["recompute"])
+    fallbacks = ["recompute"] + (["offload"] if host_fits_all and offloads else [])
+
+    def least_of(way: str) -> int:
+        a = with_first(n, every[way])
+        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
+                              device_homes=device_homes, state_bytes=state_bytes).nbytes
+    smallest = min(fallbacks, key=least_of)
+    if budget < least_of(smallest) or not fits(n):
+        # below what all recomputed or all offloaded fits in, auto refuses (the least budget must
+        # not depend on the measured rates), whatever a mix might fit in; above it, when the mix
+        # does not fit, all of one way does
+        return with_first(n, every[next((w for w in fallbacks if fits(n, every[w])), smallest)])
     lo, hi = 1, n                      # the smallest m with fits(m)
     while lo < hi:
         mid = (lo + hi) // 2
