@@ -36,7 +36,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pscompile.graph import meta as graph_meta
-import pscompile.graph.ops  # noqa: F401  (registers torch.ops.pscompile)
+from pscompile.graph.ops import is_offload
 from pscompile.graph.capture import CapturedGraph
 from pscompile.passes.annotate_params import ParamUses, tensor_storages
 from pscompile.units import format_bytes
@@ -95,7 +95,7 @@ def estimate_nonmodel(captured: CapturedGraph, uses: ParamUses, *,
 
     storages: dict[StorageWeakRef, _Storage] = {}
     for i, n in enumerate(nodes):
-        if n.op == "output" or n.target is torch.ops.pscompile.offload.default:
+        if n.op == "output" or is_offload(n):
             continue                  # an offloaded activation's copy lives on the host
         last = max((index[u] for u in n.users), default=i)
         last_nonoutput = max((index[u] for u in n.users if u.op != "output"), default=i)

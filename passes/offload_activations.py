@@ -135,9 +135,10 @@ def _offload_of(f: _Forward, holders: list[fx.Node]) -> Offload | None:
     return Offload(root.name, tuple(views), root.meta["val"].untyped_storage().nbytes(), -1)
 
 
-def offload_activations(captured: CapturedGraph, offloads: Iterable[Offload]) -> CapturedGraph:
+def offload_activations(captured: CapturedGraph, offloads: Iterable[Offload], *, overlap: bool = False) -> CapturedGraph:
     """A copy of ``captured`` in which each of ``offloads`` goes to the host after its last forward
-    use and comes back before its first backward use (the input is not changed)."""
+    use and comes back before its first backward use (the input is not changed). ``overlap``: the
+    copies run while compute goes on (``_overlap``)."""
     chosen = list(offloads)
     gm = _copy(captured.gm)
     copy = replace(captured, gm=gm)
@@ -188,8 +189,56 @@ def offload_activations(captured: CapturedGraph, offloads: Iterable[Offload]) ->
         for m, users in bwd.items():
             for u in users:
                 u.replace_input_with(m, made[m])
+    if overlap:
+        _overlap(graph, f.loss)
     graph.lint()
     gm.recompile()
     log.info(f"offload_activations: {len(chosen)} storages, {format_bytes(sum(o.nbytes for o in chosen))} "
              f"of saved activations wait on the host")
     return copy
+
+
+def _overlap(graph: fx.Graph, loss: fx.Node) -> None:
+    """Make the copies asynchronous, one ahead, each with a ``wait_copy`` where it must have landed:
+
+    - offload j waits right before offload j+1 is issued (the last one right after the loss), and
+      its device value lives until then, so the forward goes on while it crosses the link;
+    - reload j (j >= 1, in backward order: by first reader) is issued right before the wait of reload j-1 (right
+      after reload 0, which stays where it is) and waited for right before its first reader, so it
+      crosses the link while the backward of the previous one runs.
+
+    Memory follows from the graph: an offloaded value lives until its wait, a reloaded one from its
+    issue, which the non-model analysis counts like any other value."""
+    wait_op = torch.ops.pscompile.wait_copy.default
+    nodes = list(graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    outs = [n for n in nodes if n.target is torch.ops.pscompile.offload.default]
+    first_read = {n: min(where[u] for u in n.users) for n in nodes if n.target is torch.ops.pscompile.reload.default}
+    backs = sorted(first_read, key=lambda n: (first_read[n], where[n]))     # backward order: by first reader
+
+    def wait(copy: fx.Node, source: fx.Node | None) -> fx.Node:
+        node = graph.call_function(wait_op, (copy,) if source is None else (copy, source))
+        node.meta["val"] = None
+        move = graph_meta.get(copy, "moves")
+        graph_meta.put(node, "moves", ActivationMove(MemKind.WAIT, move.value, 0))
+        graph_meta.put(copy, "moves", replace(move, asynchronous=True))
+        return node
+
+    for j, out in enumerate(outs):
+        if j + 1 < len(outs):
+            with graph.inserting_before(outs[j + 1]):
+                wait(out, out.args[0])
+        else:
+            with graph.inserting_after(max(out, loss, key=where.__getitem__)):
+                wait(out, out.args[0])
+    previous_wait: fx.Node | None = None
+    for j, back in enumerate(backs):
+        if j == 0:
+            continue                       # the first reload: read at once, nothing to overlap
+        first_reader = nodes[first_read[back]]
+        if previous_wait is None:
+            backs[0].append(back)          # right after reload 0
+        else:
+            previous_wait.prepend(back)    # issued before the previous reload is waited for
+        with graph.inserting_before(first_reader):
+            previous_wait = wait(back, None)

@@ -71,6 +71,7 @@ class ActivationPlan:
     recomputed: tuple[int, ...] = ()
     offloaded: tuple[int, ...] = ()   # segments whose saved storages wait on the host (offload_activations)
     offload_bytes: int = 0            # the bytes of those storages (each crosses the link twice)
+    overlapped: bool = False          # their copies run asynchronously, one ahead (offload_activations)
 
     @property
     def recomputed_bytes(self) -> int:
@@ -91,7 +92,8 @@ class ActivationPlan:
                          f"nodes re-run)")
         if self.offloaded:
             parts.append(f"{len(self.offloaded)} of {len(self.segments)} segments offloaded "
-                         f"({format_bytes(self.offload_bytes)} of saved activations wait on the host)")
+                         f"({format_bytes(self.offload_bytes)} of saved activations wait on the host, copies "
+                         f"{'overlapped with compute' if self.overlapped else 'waited for'})")
         return f"activations {self.policy}: " + "; ".join(parts)
 
 

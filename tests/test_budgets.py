@@ -4,7 +4,8 @@
   trains with (peak within it), 1% below it is refused, and the error for a too-small budget names
   the same number the first time;
 - compiled mode: every budget from the minimum to twice it (2.5% steps, and 4 KiB steps just above
-  the minimum) yields a schedule that verifies, planned from one capture; a sample of budgets trains;
+  the minimum) yields a schedule that verifies, planned from one capture, with activations
+  recomputed and (a fast link) offloaded wherever the plan likes; a sample of budgets trains;
 - hooks mode: a sample of budgets above the minimum trains.
 
 The whole sweep (finer steps, more budgets trained, Inductor) is ``bench/budgets.py``.
@@ -19,6 +20,7 @@ import torch
 
 import pscompile
 from pscompile.graph.pipeline import plan_at_budget, plan_inputs
+from pscompile.memory.rates import Rates
 from pscompile.testing import ARCHITECTURES, tiny_model
 
 HAVE_HF = importlib.util.find_spec("transformers") is not None
@@ -57,17 +59,22 @@ def test_the_minimum_is_named_the_first_time_and_accepted(arch, mode):
         _train(arch, mode, budget)
 
 
+# the activation planner's rates: None recomputes only; a fast link offloads wherever the host has room
+RATES = {"recompute": None, "offload": Rates(flops_per_s=1e12, link_bytes_per_s=1e12)}
+
+
+@pytest.mark.parametrize("rates", list(RATES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compiled_every_budget_from_the_minimum_verifies(arch):
+def test_compiled_every_budget_from_the_minimum_verifies(arch, rates):
     model, batch = tiny_model(arch)
     config = _config("compiled")
     minimum = pscompile.min_device_memory(model, batch, config)
     layout, analyzed = plan_inputs(model, batch, config)
-    variants: dict = {}          # one rewrite per number of recomputed segments, shared by the budgets
+    variants: dict = {}          # one rewrite per activation choice, shared by the budgets
 
     def plan(budget: int):       # what the engine plans: the activation choice for the budget, then the schedule
         return plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, activations=config.activations,
-                              variants=variants)
+                              variants=variants, rates=RATES[rates])
 
     budgets = sorted({minimum + 4096 * k for k in range(16)} | {int(minimum * (1 + 0.025 * k)) for k in range(41)})
     for budget in budgets:       # build_schedule runs verify_schedule: a broken schedule raises here
@@ -75,7 +82,8 @@ def test_compiled_every_budget_from_the_minimum_verifies(arch):
         assert sched.plan.peak_device_bytes <= budget
     with pytest.raises(pscompile.BudgetError):
         plan(minimum - 1)
-    _train(arch, "compiled", int(minimum * 1.013))
+    if rates == "recompute":     # the engine plans with the rates it measures
+        _train(arch, "compiled", int(minimum * 1.013))
 
 
 @pytest.mark.parametrize("mode", ["compiled", "hooks"])

@@ -244,3 +244,34 @@ def test_auto_plans_and_verifies_at_every_budget_from_its_minimum(kind, rates):
     assert len(mixes) >= 3, mixes
     with pytest.raises(pscompile.BudgetError, match=f"give device_memory >= {least}"):
         plan_at_budget(analyzed, layout, budget=least - 1, dtype=torch.float32, activations="auto", rates=rates)
+
+
+def test_copies_overlap_compute_where_the_budget_allows():
+    """Unlimited: every offload and reload but the first reload is asynchronous, with its
+    ``wait_copy`` after its issue and before its first reader (an offload's wait also holds its
+    device value, so the memory the plan counts is what the copy needs); trained over a slow link
+    it still tracks plain PyTorch and moves the planned bytes. At the least budget the copies that
+    do not fit overlapped are waited for where they are."""
+    engine, worst_loss, _ = _train("gpt", "offload", None, steps=2, link_bandwidth="50MB/s")
+    assert worst_loss <= 1e-5
+    sched = engine.schedule.scheduled
+    assert sched.activations.overlapped
+    nodes = list(sched.gm.graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    waits = {n.args[0]: n for n in nodes if n.target is torch.ops.pscompile.wait_copy.default}
+    copies = [n for n in nodes if n.target in (OFFLOAD, RELOAD)]
+    assert len(waits) == len(copies) - 1
+    for c in copies:
+        if c not in waits:                 # the first reload is read at once
+            assert c.target is RELOAD and not get(c, "moves").asynchronous
+            continue
+        w = waits[c]
+        assert get(c, "moves").asynchronous and where[c] < where[w]
+        assert all(where[w] < where[u] for u in c.users if u is not w)
+        if c.target is OFFLOAD:
+            assert w.args[1] is c.args[0]       # the source lives until its copy landed
+    least = _minimum("gpt", "offload")
+    tight = pscompile.compile(make_model("gpt", dropout=DROPOUT), make_batches("gpt", 1)[0],
+                              config=_config("offload", least))
+    assert not tight.schedule.scheduled.activations.overlapped
+    assert "copies waited for" in str(tight.schedule)

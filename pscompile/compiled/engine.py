@@ -136,6 +136,7 @@ class CompiledEngine(ChunkEngine):
         self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
         self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
+        self._copying: dict[int, Any] = {}         # id(activation copy) -> future of its asynchronous copy
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
         # id(scheduled gm) -> region index -> bytes the compiled region allocates beyond what is live
@@ -396,17 +397,24 @@ class CompiledEngine(ChunkEngine):
                 q.submit(target, grad, "d2h").result()
             self._written.add(mem.fqn)
 
-    def _move_activation(self, moves: ActivationMove, args: tuple) -> torch.Tensor:
+    def _move_activation(self, moves: ActivationMove, args: tuple) -> torch.Tensor | None:
         """Offload a saved activation into a new host buffer, or reload it into a new device
-        tensor; both wait for their copy (the device copy dies, or is read, right after)."""
+        tensor, on the transfer queue; waited for at once, or (asynchronous) at its ``wait_copy``."""
         src = args[0]
+        if moves.kind == MemKind.WAIT:
+            self._copying.pop(id(src)).result()
+            return None
         if moves.kind == MemKind.OFFLOAD:
             dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda")
-            self._queue.submit(dst, src, "d2h", activation=True).result()
+            fut = self._queue.submit(dst, src, "d2h", activation=True)
         else:
             dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=self.device)
-            self._queue.submit(dst, src, "h2d", activation=True).result()
+            fut = self._queue.submit(dst, src, "h2d", activation=True)
+        if moves.asynchronous:
+            self._copying[id(dst)] = fut          # a wait_copy of dst follows (the graph keeps src alive until it)
+        else:
+            fut.result()
         return dst
 
     def _model_bytes(self) -> int:
@@ -476,7 +484,7 @@ class CompiledEngine(ChunkEngine):
                     made = self._run_memory_node(get(n, "mem"), args)
                 else:
                     made = self._move_activation(moves, args)
-            if moves is not None and moves.kind == MemKind.RELOAD:
+            if moves is not None and moves.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
                 tracker.add_tensor(made)                 # back on the device (the host copy is not)
             tracker.sample_now()
             return made
@@ -498,6 +506,7 @@ class CompiledEngine(ChunkEngine):
             self._queue.flush()
             self._abandon_in_flight()
             self._reading.clear()
+            self._copying.clear()
             self._recover(restore=acc is None)
             raise
         traffic = self.link.reset()

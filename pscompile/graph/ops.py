@@ -28,6 +28,8 @@ Activations (a saved forward value leaves the device and comes back for the back
 
     offload(value) -> host             a host copy of a saved activation; the device copy dies
     reload(host, device) -> value      a device copy of an offloaded activation, back for the backward
+    wait_copy(copy, source=None)       an asynchronous offload or reload into ``copy`` has landed
+                                       (``source``, an offload's device value, lives until here)
 
 Unlike the chunk ops they return tensors (new buffers, never aliases), so they stay in the graph
 while they have users; ``is_activation_node`` tells them apart and their ``moves`` metadata is an
@@ -43,6 +45,7 @@ the tiers, and the bytes it moves. The executor counts what actually moves again
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -214,7 +217,19 @@ def _(host, device):
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
-ACTIVATION_OPS = (torch.ops.pscompile.offload.default, torch.ops.pscompile.reload.default)
+@torch.library.custom_op("pscompile::wait_copy", mutates_args=())
+def wait_copy(copy: Tensor, source: Optional[Tensor] = None) -> None:
+    return None
+
+
+@wait_copy.register_fake
+def _(copy, source=None):
+    return None
+
+
+ACTIVATION_OPS = (torch.ops.pscompile.offload.default, torch.ops.pscompile.reload.default,
+                  torch.ops.pscompile.wait_copy.default)
+torch.fx.has_side_effect(torch.ops.pscompile.wait_copy.default)
 
 MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
               torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default,
@@ -251,15 +266,20 @@ class MemOp:
 
 @dataclass(frozen=True)
 class ActivationMove:
-    """What one offload or reload node moves: the saved value (by its captured name) and its bytes."""
+    """What one offload, reload or wait_copy node does: the saved value (by its captured name), its
+    bytes, and whether the copy runs while compute goes on (a ``wait_copy`` marks where it must
+    have landed)."""
 
-    kind: MemKind        # OFFLOAD (device -> host) or RELOAD (host -> device)
+    kind: MemKind        # OFFLOAD (device -> host), RELOAD (host -> device), or WAIT (a copy has landed)
     value: str           # the captured graph's node whose storage moves
     nbytes: int
+    asynchronous: bool = False
 
     def describe(self) -> str:
+        if self.kind == MemKind.WAIT:
+            return f"wait: the copy of activation {self.value} has landed"
         way = "device->host" if self.kind == MemKind.OFFLOAD else "host->device"
-        return f"{self.kind} activation {self.value} ({way}, {self.nbytes} B)"
+        return f"{self.kind} activation {self.value} ({way}, {self.nbytes} B){' async' if self.asynchronous else ''}"
 
 
 def is_memory_node(node: torch.fx.Node) -> bool:
@@ -270,6 +290,11 @@ def is_memory_node(node: torch.fx.Node) -> bool:
 def is_activation_node(node: torch.fx.Node) -> bool:
     """An offload or reload of a saved activation."""
     return node.op == "call_function" and node.target in ACTIVATION_OPS
+
+
+def is_offload(node: torch.fx.Node) -> bool:
+    """An offload: its value is a host copy (no device bytes)."""
+    return node.op == "call_function" and node.target is torch.ops.pscompile.offload.default
 
 
 def runs_as_transfer(node: torch.fx.Node) -> bool:

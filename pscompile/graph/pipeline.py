@@ -39,6 +39,7 @@ from pscompile.config import Config
 from pscompile.errors import BudgetError, ResidencyError
 from pscompile.graph.capture import CapturedGraph, capture_joint
 from pscompile.graph.meta import get
+from pscompile.graph.ops import is_offload
 from pscompile.kinds import RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.optim.placement import device_state_chunks
@@ -202,14 +203,15 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
         if cheaper and room is not None:
             room -= offload_bytes(s)
 
-    def with_first(m: int, how_each: Sequence[str]) -> AnalyzedGraph:
+    def variant(m: int, how_each: Sequence[str], overlap: bool = False) -> AnalyzedGraph:
         chosen = by_size[:m]
         rec = [s for s, how in zip(chosen, how_each) if how == "recompute"]
         off = [s for s, how in zip(chosen, how_each) if how == "offload"]
-        key = (tuple(s.index for s in rec), tuple(s.index for s in off))
+        overlap = overlap and bool(off)
+        key = (tuple(s.index for s in rec), tuple(s.index for s in off), overlap)
         if key not in cache:
             plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in rec)),
-                                  tuple(sorted(s.index for s in off)), sum(map(offload_bytes, off)))
+                                  tuple(sorted(s.index for s in off)), sum(map(offload_bytes, off)), overlap)
             if not rec and not off:
                 cache[key] = replace(analyzed, activations=plan)
             else:
@@ -223,17 +225,26 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
                 if off:
                     moves = [o for s in off for o in offloads[s.index]]
                     captured = passes.run("offload_activations",
-                                          lambda: offload_activations(captured, moves),
+                                          lambda: offload_activations(captured, moves, overlap=overlap),
                                           lambda c: f"offload_activations: {len(off)} of {len(segments)} segments, "
                                                     f"{len(moves)} storages, {format_bytes(plan.offload_bytes)} of "
-                                                    f"saved activations wait on the host")
+                                                    f"saved activations wait on the host"
+                                                    + (", copies overlapped" if overlap else ""))
                 cache[key] = _analyze(captured, passes, plan)
         return replace(cache[key], activations=replace(cache[key].activations, policy=policy))
 
-    def fits(m: int, how_each: Sequence[str] = mixed) -> bool:
-        a = with_first(m, how_each)
+    def fits_graph(a: AnalyzedGraph) -> bool:
         return budget is None or minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
                                                 device_homes=device_homes, state_bytes=state_bytes).nbytes <= budget
+
+    def fits(m: int, how_each: Sequence[str] = mixed) -> bool:
+        return fits_graph(variant(m, how_each))
+
+    def with_first(m: int, how_each: Sequence[str]) -> AnalyzedGraph:
+        """The choice: offloads overlapped with compute where that still fits (a reload issued one
+        ahead holds its bytes longer), else waited for where they are."""
+        overlapped = variant(m, how_each, overlap=True)
+        return overlapped if fits_graph(overlapped) else variant(m, how_each)
 
     n = len(by_size)
     if policy in every:
@@ -243,7 +254,7 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     fallbacks = ["recompute"] + (["offload"] if host_fits_all and offloads else [])
 
     def least_of(way: str) -> int:
-        a = with_first(n, every[way])
+        a = variant(n, every[way])
         return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
                               device_homes=device_homes, state_bytes=state_bytes).nbytes
     smallest = min(fallbacks, key=least_of)
@@ -421,8 +432,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")
     timings[i] = PassTiming("insert_memory_ops", timings[i].seconds,
                             f"insert_memory_ops: {report.num_memory_nodes} memory nodes")
-    offloaded = sum(get(n, "moves").nbytes for n in gm.graph.nodes
-                    if n.target is torch.ops.pscompile.offload.default)
+    offloaded = sum(get(n, "moves").nbytes for n in gm.graph.nodes if is_offload(n))
     return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev, analyzed.activations,
                      offloaded)
 
