@@ -30,6 +30,16 @@ class StepStats:
     reload_bytes: int = 0          # saved activations host -> device (part of h2d_bytes)
 
     @property
+    def chunk_h2d_bytes(self) -> int:
+        """Host -> device bytes of model data (chunks), without reloaded activations."""
+        return self.h2d_bytes - self.reload_bytes
+
+    @property
+    def chunk_d2h_bytes(self) -> int:
+        """Device -> host bytes of model data (chunks), without offloaded activations."""
+        return self.d2h_bytes - self.offload_bytes
+
+    @property
     def bytes_moved(self) -> int:
         return self.h2d_bytes + self.d2h_bytes + self.disk_read_bytes + self.disk_write_bytes
 

@@ -35,10 +35,11 @@ def _train_and_check(mode, device_memory, host_memory, steps=3):
         ours, plain = engine.step(b), ref.step(b)
         assert abs(ours - plain) <= 1e-5 * abs(plain), f"step {i}: {ours} vs plain {plain}"
         assert engine.stats.peak_device_bytes <= device_memory
-        assert engine.store.host_model_bytes() <= host_memory
+        assert engine.store.host_model_bytes() + engine.stats.offload_bytes <= host_memory   # activations too
         if mode == "compiled":
-            assert (engine.stats.h2d_bytes, engine.stats.d2h_bytes) == \
+            assert (engine.stats.chunk_h2d_bytes, engine.stats.chunk_d2h_bytes) == \
                 (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
+            assert engine.stats.offload_bytes == engine.stats.reload_bytes == engine.schedule.scheduled.offload_bytes
     n = engine.layout.num_chunks
     homed = sum(engine.store.device_homed(c) for c in range(n))
     data = engine.model_data()             # every chunk counted once, on its home tier

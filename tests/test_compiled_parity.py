@@ -42,7 +42,7 @@ def test_compiled_parity(kind, dtype, budget):
         c = engine.step(b)
         assert abs(a - c) <= TOL[dtype] * abs(a), f"step {i}: plain {a} vs compiled {c}"
         s, plan = engine.stats, engine.last_plan
-        assert (s.h2d_bytes, s.d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes), "moved != planned"
+        assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes), "moved != planned"
         if device_memory is not None:
             assert s.peak_device_bytes <= device_memory
             assert s.num_evictions > 0
@@ -194,7 +194,7 @@ def test_inductor_backend_parity_under_eviction(kind, dtype, room):
         a, c = ref.step(b), engine.step(b)
         assert abs(a - c) <= TOL[dtype] * abs(a), f"step {i}: plain {a} vs inductor {c}"
         s, plan = engine.stats, engine.last_plan
-        assert (s.h2d_bytes, s.d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes)
+        assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes)
         assert s.peak_device_bytes <= budget and s.num_evictions > 0
     if room == "roomy":
         assert any(ex.split == "regions" for ex in engine._executors.values()), \

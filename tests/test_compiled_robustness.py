@@ -85,8 +85,9 @@ def test_a_second_batch_shape_gets_its_own_schedule():
         a, c = ref.step(b), engine.step(b)
         assert abs(a - c) <= 1e-5 * abs(a)
         assert engine.stats.peak_device_bytes <= budget
-        assert (engine.stats.h2d_bytes, engine.stats.d2h_bytes) == \
+        assert (engine.stats.chunk_h2d_bytes, engine.stats.chunk_d2h_bytes) == \
             (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
+        assert engine.stats.offload_bytes == engine.stats.reload_bytes == engine.schedule.scheduled.offload_bytes
     assert len({k.batch for k in engine._schedules}) == 2
 
 

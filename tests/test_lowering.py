@@ -348,7 +348,7 @@ def test_engine_with_inductor_backend_trains_like_eager():
             torch.manual_seed(i)
             losses[backend] = e.step(b)
             s = e.stats
-            assert (s.h2d_bytes, s.d2h_bytes) == (e.last_plan.h2d_bytes, e.last_plan.d2h_bytes)
+            assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (e.last_plan.h2d_bytes, e.last_plan.d2h_bytes)
             assert s.peak_device_bytes <= budget
         assert abs(losses["inductor"] - losses["eager"]) <= 1e-5 * abs(losses["eager"]), (i, losses)
     lowered = [ex for ex in engines["inductor"]._executors.values() if ex.split == "regions"]

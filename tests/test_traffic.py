@@ -48,5 +48,5 @@ def test_step_traffic_is_not_setup_traffic():
     setup = engine.setup_traffic.h2d_bytes + engine.setup_traffic.d2h_bytes
     engine.step(batch)
     s = engine.stats
-    assert (s.h2d_bytes, s.d2h_bytes) == (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes) != (0, 0)
+    assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes) != (0, 0)
     assert engine.setup_traffic.h2d_bytes + engine.setup_traffic.d2h_bytes == setup

@@ -55,7 +55,7 @@ class TrainSettings:
     dtype: str = "float32"             # compute dtype name (see DTYPES)
     mode: str = "compiled"             # "compiled" (the planned schedule) | "hooks" (PatrickStar's runtime)
     backend: str = "eager"             # compiled mode: "eager" | "inductor" (cold compile 20-45 s on 2 cores)
-    activations: str = "auto"          # compiled mode: "auto" | "keep" | "recompute" (Config.activations)
+    activations: str = "auto"          # compiled mode: "auto" | "keep" | "recompute" | "offload" (Config.activations)
     seed: int = 0                      # model init and batch sampling
     grad_accum: int = 1                # micro-batches per step (batch_size is split into them)
     eval_every: int = 0                # validation loss every N steps (0: only after the last step)
@@ -145,9 +145,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--backend", choices=("inductor", "eager"), default=d.backend,
                    help=f"compiled mode: compute regions eagerly or compiled by Inductor (default {d.backend}: "
                         "Inductor's cold compile, 20-45 s on a 2-core CPU, would not fit the one-minute demo)")
-    e.add_argument("--activations", choices=("auto", "keep", "recompute"), default=d.activations,
-                   help="compiled mode: recompute saved activations in the backward when the budget needs it "
-                        f"(auto), never (keep) or always (recompute) (default {d.activations})")
+    e.add_argument("--activations", choices=("auto", "keep", "recompute", "offload"), default=d.activations,
+                   help="compiled mode: take saved activations off the device when the budget needs it, "
+                        "recomputed or offloaded to the host, whichever costs less here (auto), never (keep), "
+                        f"all recomputed (recompute) or all offloaded (offload) (default {d.activations})")
     o = p.add_argument_group("output")
     o.add_argument("--log-every", metavar="N", type=int, default=d.log_every,
                    help=f"print a progress line every N steps when no bar is shown (default {d.log_every}; 0 = never)")

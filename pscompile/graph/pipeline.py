@@ -171,10 +171,10 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     (``minimum_budget`` on its static curve), else the fewest segments, largest saved bytes first,
     that let it fit (by bisection), each taken off the device the cheaper way by ``rates``:
     recomputed (its FLOPs at the device's rate) or offloaded (its bytes twice over the link; only
-    while the host has room; without ``rates`` never). If all of them that way do not fit, every
-    segment recomputed, or else every one offloaded, whichever fits. Below the least budget of
-    those two it refuses (the graph it returns does not fit), even where a mix would fit: the least
-    budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
+    while the host has room; without ``rates`` never). If all of them that way do not fit, the
+    fewest recomputed, or else offloaded, that fit. Below the least budget of all recomputed and
+    all offloaded it refuses (the graph it returns does not fit), even where a mix would fit: the
+    least budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
     caller that plans one capture at many budgets rewrite each graph once."""
     if policy == "keep" or not analyzed.captured.backward:
         return analyzed
@@ -258,19 +258,21 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
         return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
                               device_homes=device_homes, state_bytes=state_bytes).nbytes
     smallest = min(fallbacks, key=least_of)
-    if budget < least_of(smallest) or not fits(n):
-        # below what all recomputed or all offloaded fits in, auto refuses (the least budget must
-        # not depend on the measured rates), whatever a mix might fit in; above it, when the mix
-        # does not fit, all of one way does
-        return with_first(n, every[next((w for w in fallbacks if fits(n, every[w])), smallest)])
+    if budget < least_of(smallest):
+        # below what all recomputed or all offloaded fits in, auto refuses (the least budget must not
+        # depend on the measured rates), whatever a mix might fit in
+        return with_first(n, every[smallest])
+    # the fewest segments that fit, each the cheaper way; if even all of them that way do not fit,
+    # the fewest recomputed, or else offloaded (one of the two fits all: the budget is above its least)
+    how = next(h for h in (mixed, *(every[w] for w in fallbacks)) if fits(n, h))
     lo, hi = 1, n                      # the smallest m with fits(m)
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(mid):
+        if fits(mid, how):
             hi = mid
         else:
             lo = mid + 1
-    return with_first(lo if fits(lo) else n, mixed)
+    return with_first(lo if fits(lo, how) else n, how)
 
 
 @dataclass(frozen=True)
