@@ -1,7 +1,8 @@
 """Activations: keep, recompute or offload, and what "auto" picks, by the budget and the link.
 
 One GPT with dropout under one device budget that keeping every saved activation does not fit,
-trained in compiled mode with each activation policy, over links of three speeds (this machine's
+trained in compiled mode with each activation policy (and, for reference, keeping everything with
+no budget), over links of three speeds (this machine's
 memcpy, and the emulated ``link_bandwidth``). Per row: the policy's least budget, what the plan
 chose, the measured step time (median of the steps after the measuring one), the peak device bytes,
 and the activation and chunk bytes each step moved, which the engine checks against the plan. All
@@ -28,6 +29,7 @@ from tabulate import tabulate
 
 import pscompile
 from pscompile.models.gpt import GPT, GPTConfig
+from pscompile.passes.recompute_activations import ActivationPlan
 
 MiB = 2**20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "activations.json"
@@ -54,7 +56,7 @@ def config(policy: str, budget: int | None = None, link: str | None = None) -> p
 
 def run(p: dict, policy: str, budget: int, link: str | None) -> dict:
     model, batches = model_and_batches(p, p["steps"])
-    row = dict(policy=policy, link=link or "memcpy", budget=budget)
+    row = dict(policy=policy if budget is not None else f"{policy} (no budget)", link=link or "memcpy", budget=budget)
     try:
         engine = pscompile.compile(model, batches[0], config=config(policy, budget, link))
     except pscompile.BudgetError as e:
@@ -68,14 +70,17 @@ def run(p: dict, policy: str, budget: int, link: str | None) -> dict:
         if i:
             times.append(s.time_s)
     s = engine.stats
-    plan = engine.schedule.scheduled.activations
+    plan = engine.schedule.scheduled.activations       # None: "keep" (nothing chosen)
     engine.close()
+    chose = plan.describe().split(": ", 1)[1] if plan is not None else "every saved activation kept"
+    if plan is None:
+        plan = ActivationPlan(policy, ())
     return row | dict(
         ok=True, step_s=statistics.median(times) if times else s.time_s, peak=max(peaks),
-        within_budget=max(peaks) <= budget, offload_bytes=s.offload_bytes, reload_bytes=s.reload_bytes,
+        within_budget=budget is None or max(peaks) <= budget, offload_bytes=s.offload_bytes, reload_bytes=s.reload_bytes,
         chunk_bytes=s.h2d_bytes + s.d2h_bytes - s.offload_bytes - s.reload_bytes, transfer_s=s.transfer_s,
         recomputed=len(plan.recomputed), offloaded=len(plan.offloaded), segments=len(plan.segments),
-        overlapped=plan.overlapped, chose=plan.describe().split(": ", 1)[1], rates=engine.rates.describe())
+        overlapped=plan.overlapped, chose=chose, rates=engine.rates.describe())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
           + f"; device_memory {budget / MiB:.2f} MiB", flush=True)
     rows = []
     for link in p["links"]:
-        for policy in POLICIES:
-            r = run(p, policy, budget, link)
+        for policy, b in (("keep", None), *((pol, budget) for pol in POLICIES)):
+            r = run(p, policy, b, link)
             rows.append(r)
-            print(f"  {r['link']:>8} {policy:9s} " + (f"{r['step_s']:.3f} s/step, {r['chose']}" if r["ok"]
+            print(f"  {r['link']:>8} {r['policy']:18s} " + (f"{r['step_s']:.3f} s/step, {r['chose']}" if r["ok"]
                                                      else r["error"]), flush=True)
     fmt = "github" if args.markdown else "simple"
     table = []

@@ -82,19 +82,20 @@ def parity(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
     leave()
 
 
-def recompute(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Compiled mode with every activation segment recomputed, at this rank's minimum for that
-    graph (``pscompile.min_device_memory`` with the group) plus one gathered group."""
+def recompute(rank: int, world: int, port: int, out_dir: str, policy: str = "recompute") -> None:
+    """Compiled mode with every activation segment recomputed (or offloaded: ``policy``), at this
+    rank's minimum for that graph (``pscompile.min_device_memory`` with the group) plus one
+    gathered group."""
     join(rank, world, port)
     batches = make_batches("gpt", STEPS)
     first = split(batches[0], rank, world)
-    least = pscompile.min_device_memory(make_model("gpt"), first, config("compiled", activations="recompute"))
+    least = pscompile.min_device_memory(make_model("gpt"), first, config("compiled", activations=policy))
     engine = pscompile.compile(make_model("gpt"), first, optimizer=HP,
-                               config=config("compiled", activations="recompute"))
+                               config=config("compiled", activations=policy))
     budget = least + engine.store.param_chunk_bytes
     engine.close()
     engine = pscompile.compile(make_model("gpt"), first, optimizer=HP,
-                               config=config("compiled", budget, activations="recompute"))
+                               config=config("compiled", budget, activations=policy))
     losses, stats = [], []
     for b in batches:
         losses.append(engine.step(split(b, rank, world)))
@@ -102,8 +103,10 @@ def recompute(rank: int, world: int, port: int, out_dir: str) -> None:
     plan = engine.last_plan
     torch.save({"losses": losses, "stats": stats, "budget": budget, "full": engine.full_state_dict(),
                 "planned": (plan.allgather_bytes, plan.reduce_scatter_bytes),
-                "recomputed": len(engine.schedule.scheduled.activations.recomputed)},
-               os.path.join(out_dir, f"recompute-rank{rank}.pt"))
+                "recomputed": len(engine.schedule.scheduled.activations.recomputed),
+                "offloaded": len(engine.schedule.scheduled.activations.offloaded),
+                "offload_planned": engine.schedule.scheduled.offload_bytes},
+               os.path.join(out_dir, f"{policy}-rank{rank}.pt"))
     engine.close()
     leave()
 

@@ -202,3 +202,23 @@ def test_capacity_quick(tmp_path):
         if r.get("result", {}).get("ok"):
             assert r["result"]["peak_device_bytes"] <= res["s2"]["budget_bytes"]
     assert "2b. largest GPT trained under the budget" in proc.stdout
+
+
+def test_activations_quick(tmp_path):
+    """bench/activations.py at tiny sizes: keep is refused at the budget, every other policy trains
+    within it, moves as many activation bytes back as out, and "auto" recomputes over the slow link."""
+    out = tmp_path / "a.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "activations.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for r in res["rows"]:
+        if r["policy"] == "keep":
+            assert not r["ok"] and "BudgetError" in r["error"]
+            continue
+        assert r["ok"] and r["within_budget"] and r["offload_bytes"] == r["reload_bytes"], r
+        if r["policy"] == "offload":
+            assert r["offload_bytes"] > 0 and r["offloaded"] > 0
+        if r["policy"] == "auto" and r["link"] == "200MB/s":
+            assert r["recomputed"] > 0 and r["offloaded"] == 0, r
+

@@ -97,14 +97,18 @@ def test_each_rank_holds_a_world_size_share_of_the_model_data(parity_runs, kind,
         assert run["host_model_bytes"] == groups * group // WORLD * 16
 
 
-def test_recomputation_under_zero_tracks_plain_pytorch(tmp_path):
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+def test_recomputation_and_offloading_under_zero_track_plain_pytorch(tmp_path, policy):
     """activations="recompute" with two ranks: the clones' parameter reads all-gather their groups
-    again in the backward, and the training is plain PyTorch's over the global batch."""
-    spawn(dist_worker.recompute, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"recompute-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    again in the backward; "offload": each rank's activations go to its host and back, as planned.
+    The training is plain PyTorch's over the global batch."""
+    spawn(dist_worker.recompute, str(tmp_path), policy)
+    ranks = [torch.load(tmp_path / f"{policy}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
     ref_losses, ref = reference("gpt", make_batches("gpt", dist_worker.STEPS))
     for r, run in enumerate(ranks):
-        assert run["recomputed"] > 0
+        assert run["recomputed" if policy == "recompute" else "offloaded"] > 0
+        if policy == "offload":
+            assert all(s["offload_bytes"] == s["reload_bytes"] == run["offload_planned"] > 0 for s in run["stats"])
         for i, (ours, plain) in enumerate(zip(run["losses"], ref_losses)):
             assert rel(ours, plain) <= 1e-5, f"rank {r} step {i}: {ours} vs plain {plain}"
         for s in run["stats"]:

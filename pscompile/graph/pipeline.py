@@ -170,8 +170,9 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     the chunks; None: unlimited). "auto": none when the graph fits ``budget`` as it is
     (``minimum_budget`` on its static curve), else the fewest segments, largest saved bytes first,
     that let it fit (by bisection), each taken off the device the cheaper way by ``rates``:
-    recomputed (its FLOPs at the device's rate) or offloaded (its bytes twice over the link; only
-    while the host has room; without ``rates`` never). If all of them that way do not fit, the
+    recomputed (its FLOPs at the device's rate) or offloaded (its bytes twice over the link, less
+    what overlaps compute: ``Rates.offload_s``; only while the host has room; without ``rates``
+    never). If all of them that way do not fit, the
     fewest recomputed, or else offloaded, that fit. Below the least budget of all recomputed and
     all offloaded it refuses (the graph it returns does not fit), even where a mix would fit: the
     least budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
@@ -197,7 +198,7 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     mixed, room = [], host_room           # auto: each segment the cheaper way, offloads while the host has room
     for s in by_size:
         cheaper = (rates is not None and s.index in offloads
-                   and rates.offload_s(offload_bytes(s)) < rates.recompute_s(s.flops)
+                   and rates.offload_s(offload_bytes(s), s.flops) < rates.recompute_s(s.flops)
                    and (room is None or offload_bytes(s) <= room))
         mixed.append("offload" if cheaper else "recompute")
         if cheaper and room is not None:

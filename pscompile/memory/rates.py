@@ -1,7 +1,7 @@
 """Rates: how fast the device computes and the link copies, for the activation planner's choice.
 
 Recomputing a segment costs its floating-point operations at the device's rate; offloading it
-costs its bytes twice (out and back) at the link's rate. ``measure_rates`` times both once on the
+costs its bytes twice (out and back) at the link's rate, less what the copies overlap with compute. ``measure_rates`` times both once on the
 machine at hand: a square matmul in the compute dtype, and a device->host copy (unless
 ``link_bandwidth`` emulates the link, whose rate is then known).
 """
@@ -24,9 +24,15 @@ class Rates:
     def recompute_s(self, flops: int) -> float:
         return flops / self.flops_per_s
 
-    def offload_s(self, nbytes: int) -> float:
-        """Out after the forward and back before the backward: twice over the link."""
-        return 2 * nbytes / self.link_bytes_per_s
+    def offload_s(self, nbytes: int, overlap_flops: int = 0) -> float:
+        """The time offloading ``nbytes`` adds: out after the forward and back before the backward,
+        each copy hidden behind compute as far as it goes. Copies run one ahead (``offload_activations``),
+        so the way out overlaps about the next segment's forward and the way back the previous
+        segment's backward; ``overlap_flops`` (the segment's own forward, a stand-in for its
+        neighbour's) and twice that are the compute they hide behind."""
+        copy = nbytes / self.link_bytes_per_s
+        hidden = overlap_flops / self.flops_per_s
+        return max(0.0, copy - hidden) + max(0.0, copy - 2 * hidden)
 
     def describe(self) -> str:
         return f"{self.flops_per_s / 1e9:.1f} GFLOP/s compute, {self.link_bytes_per_s / 1e9:.2f} GB/s link"
