@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             r["chose"] if r["ok"] else r["error"][:60]])
     print(tabulate(table, headers=["link", "policy", "trains", "step s", "vs recompute", "peak MiB",
                                    "activations out (= back) MiB", "chunk MiB moved", "plan"], tablefmt=fmt))
-    print(f"\nleast budget per policy (MiB): " + ", ".join(f"{k} {v / MiB:.2f}" for k, v in least.items())
+    print("\nleast budget per policy (MiB): " + ", ".join(f"{k} {v / MiB:.2f}" for k, v in least.items())
           + f"; rates measured: {next((r['rates'] for r in rows if r['ok']), '-')}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(params=p, least=least, budget=budget, rows=rows, seconds=time.perf_counter() - t0,
