@@ -5,13 +5,14 @@ Two sections, printed as tables and written with every raw number to JSON:
 1. **Tiers** -- a device budget *and* a host budget (``host_memory``): the largest GPT of a
    fixed-width family (d=256, growing depth) that compiles and trains two steps within both, per
    system: plain PyTorch (everything on the device), hooks mode, compiled mode keeping every
-   activation (``activations="keep"``) and compiled mode choosing recomputation (``"auto"``). Its
+   activation (``activations="keep"``), offloading them all (``"offload"``) and choosing per
+   segment what to recompute or offload (``"auto"``). Its
    parameters are set against the physical limit ``(device + host - peak non-model) / 16 bytes``
    (fp32 master, two Adam states and the fp32 compute copy), with the run's own measured peak of
    non-model bytes. Depth is found by bisection; every probe runs in its own process.
 2. **Scale** -- a device budget only (256 MiB, vocab 8192, seq 128, batch 1: the setting of
-   ``bench/foundation.py`` section 2): GPT rungs trained in compiled mode with ``"keep"`` and with
-   ``"auto"``, and in hooks mode, two steps each (the first measures, the second runs the re-planned
+   ``bench/foundation.py`` section 2): GPT rungs trained in compiled mode with ``"keep"``,
+   ``"offload"`` and ``"auto"``, and in hooks mode, two steps each (the first measures, the second runs the re-planned
    schedule); the largest that trains per system. A rung is skipped for a system once a smaller
    one (no deeper, no wider) failed for it.
 
@@ -43,8 +44,8 @@ from foundation import _vm_hwm_bytes          # bench/ is the script's folder: p
 
 MiB = 2**20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "capacity.json"
-SYSTEMS = ("plain", "hooks", "compiled-keep", "compiled-auto")
-SCALE_SYSTEMS = ("hooks", "compiled-keep", "compiled-auto")
+SYSTEMS = ("plain", "hooks", "compiled-keep", "compiled-offload", "compiled-auto")
+SCALE_SYSTEMS = ("hooks", "compiled-keep", "compiled-offload", "compiled-auto")
 
 FULL = {
     "s1": dict(d=256, vocab=1024, seq=128, batch=1, pairs=(("32MiB", "96MiB"), ("64MiB", "192MiB")), max_layers=64),
@@ -116,6 +117,8 @@ def probe(spec: dict) -> dict:
                 plan = engine.schedule.scheduled.activations
                 out["activations"] = plan.describe() if plan is not None else None
                 out["recomputed_segments"] = len(plan.recomputed) if plan is not None else 0
+                out["offloaded_segments"] = len(plan.offloaded) if plan is not None else 0
+                out["offload_bytes"] = engine.stats.offload_bytes
             out["ok"] = max(peaks) <= device and loss == loss
             engine.close()
     except (ValueError, RuntimeError, MemoryError) as e:       # BudgetError is a ValueError
@@ -232,13 +235,15 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[Any]]]]:
                          "-" if r.get("peak_nonmodel_bytes") is None else f"{r['peak_nonmodel_bytes'] / MiB:.1f}",
                          "-" if best.get("model_data_device") is None else f"{best['model_data_device'] / MiB:.1f}",
                          "-" if best.get("model_data_host") is None else f"{best['model_data_host'] / MiB:.1f}",
-                         best.get("recomputed_segments", "-"),
+                         "-" if "recomputed_segments" not in best else
+                         f"{best['recomputed_segments']} / {best.get('offloaded_segments', 0)}",
                          (r.get("first_failure") or "-")[:70]])
         out.append((f"1. largest GPT (d={s1['d_model']}, growing depth, vocab {s1['vocab']}, seq {s1['seq']}, batch "
                     f"{s1['batch']}, float32) that trains two steps within a device and a host budget; limit = "
                     "(device + host - peak non-model) / 16 B",
                     ["device + host MiB", "system", "layers", "params", "limit", "of limit", "non-model MiB",
-                     "model data on device MiB", "on host MiB", "recomputed segments", "next depth fails with"],
+                     "model data on device MiB", "on host MiB", "segments recomputed / offloaded",
+                     "next depth fails with"],
                     rows))
     if "s2" in res:
         s2 = res["s2"]
