@@ -90,6 +90,13 @@ class Comm:
         done, self.traffic = self.traffic, CommTraffic()
         return done
 
+    def barrier(self) -> None:
+        """Every rank of the group has reached this point (checkpoint files are all in place)."""
+        try:
+            dist.barrier(group=self.group)
+        except Exception as e:
+            raise CollectiveError(f"pscompile ZeRO: barrier failed on rank {self.rank} of {self.world}: {e}") from e
+
     def _delay(self, nbytes: int) -> float:
         return nbytes / self.bandwidth if self.bandwidth else 0.0
 

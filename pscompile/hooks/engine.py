@@ -39,6 +39,7 @@ from pscompile.kinds import MomentKind
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT, device_state_chunks
+from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.batching import LossFn, extract_loss, signature, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.runtime.order import direct_params
@@ -472,8 +473,7 @@ class HooksEngine(ChunkEngine):
     def _trace(self, batch: Any, *, train: bool = True) -> AccessPlan:
         """Forward (+ backward when ``train``) keeping only COMPUTE chunks on the device; nothing
         is updated."""
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        rng = rng_state(self.device)     # the trace draws no numbers the step after it would see
         buffers = [b.detach().clone() for b in self.model.buffers()]
         ps = _Pass(tracing=True, tracker=self._new_tracker(batch, tracing=True), grads_left=self._grad_counts())
         try:
@@ -483,9 +483,7 @@ class HooksEngine(ChunkEngine):
                 else:
                     self._forward_only(ps, batch)
         finally:
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, self.device)
+            set_rng_state(self.device, rng)
             with torch.no_grad():
                 for b, saved in zip(self.model.buffers(), buffers):
                     b.copy_(saved)

@@ -53,8 +53,9 @@ def measure_rates(device: torch.device | str, dtype: torch.dtype, link_bandwidth
     """Time a ``size``-cubed matmul and a ``copy_bytes`` device->host copy (best of three)."""
     device = torch.device(device)
     sync = torch.get_device_module(device).synchronize if device.type != "cpu" else (lambda: None)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    g = torch.Generator().manual_seed(0)       # the global generators (dropout's) are left alone
+    a = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
 
     def matmul():
         torch.mm(a, b)

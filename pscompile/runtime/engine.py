@@ -36,6 +36,7 @@ from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad
 from pscompile.optim.placement import host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, to_device
 from pscompile.runtime.materialize import materialize_meta
+from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.params import choose_layout, collect_params
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
@@ -336,6 +337,7 @@ class ChunkEngine:
         if self.comm is not None:
             self.comm.reset()
         runs: list[MicroRun] = []
+        rng = rng_state(self.device)          # a failed step leaves the random numbers where they were
         try:
             for b in batches:
                 runs.append(self._run_micro(b, acc=acc, scale=scale, k=k))
@@ -343,6 +345,9 @@ class ChunkEngine:
             written = frozenset().union(*(r.written for r in runs))
             # ZeRO reduce-scatters sum over ranks: the mean gradient divides by the world size too
             skipped = self._update(runs[-1], written, self._grad_divisor(scale, k) * self.world, acc)
+        except BaseException:
+            set_rng_state(self.device, rng)
+            raise
         finally:
             if acc is not None:
                 for a in acc:

@@ -1,0 +1,176 @@
+"""``pscompile.save`` / ``pscompile.load``: checkpoints that resume a run exactly.
+
+A checkpoint holds what the next step depends on: the engine's ``state_dict()`` (fp32 masters,
+Adam states, step count, loss-scaler state; under ZeRO this rank's shards and their layout), the
+random number generators (dropout draws the same numbers after a load) and the configuration that
+must match. It is written with ``torch.save`` and read with ``torch.load(weights_only=True)``,
+inside an envelope that carries a format name, a version and the SHA-256 of the payload::
+
+    {"format": "pscompile.checkpoint", "version": 1, "sha256": "<hex>", "payload": <bytes>}
+
+The payload is itself a ``torch.save`` of ``{"state", "rng", "meta"}``. Writing is atomic: a
+temporary file in the target folder, flushed and fsynced, then renamed over the target (and the
+folder fsynced), so a crash leaves the old checkpoint or the new one, never half of one.
+
+One process writes one file at ``path``. Under ZeRO ``path`` is a folder: every rank writes
+``rank{r}.pt`` and rank 0 writes ``manifest.json`` (format, world size, the files) after all of
+them are in place.
+
+``load`` checks everything before it changes anything: the envelope (a truncated or corrupted file
+is refused, naming the file), the version, and the metadata against the engine (compute dtype, world
+size and rank, parameter names and shapes, the chunk layout where shards depend on it); every
+difference is listed in one ``ValueError``. Only then does it load the state and the RNG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from pscompile.runtime.rng import rng_state, set_rng_state
+
+FORMAT = "pscompile.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+__all__ = ["save", "load"]
+
+
+# ------------------------------------------------------------------------------ writing
+def _meta(engine) -> dict:
+    cfg = engine.config
+    return {"mode": cfg.mode, "dtype": str(engine.dtype).replace("torch.", ""), "world_size": engine.world,
+            "rank": engine.rank, "params": {f: list(p.shape) for f, p in engine.params.items()},
+            "chunk_size": engine.layout.chunk_size, "num_chunks": engine.layout.num_chunks,
+            "torch": str(torch.__version__)}
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:                                    # the rename itself survives a crash once the folder is synced
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _envelope(payload: dict) -> bytes:
+    inner = io.BytesIO()
+    torch.save(payload, inner)
+    body = inner.getvalue()
+    outer = io.BytesIO()
+    torch.save({"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(body).hexdigest(), "payload": body},
+               outer)
+    return outer.getvalue()
+
+
+def save(engine, path: str | os.PathLike) -> Path:
+    """Write ``engine``'s checkpoint to ``path`` (one process: a file; ZeRO: a folder of one file
+    per rank and a manifest; a collective, every rank calls it). Returns the path written."""
+    path = Path(path)
+    payload = {"state": engine.state_dict(), "rng": rng_state(engine.device), "meta": _meta(engine)}
+    data = _envelope(payload)
+    if engine.world == 1:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, data)
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path / f"rank{engine.rank}.pt", data)
+    engine.comm.barrier()
+    if engine.rank == 0:
+        manifest = {"format": FORMAT, "version": VERSION, "world_size": engine.world,
+                    "files": [f"rank{r}.pt" for r in range(engine.world)]}
+        _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
+    engine.comm.barrier()
+    return path
+
+
+# ------------------------------------------------------------------------------ reading
+def _read(file: Path) -> dict:
+    """The payload of one checkpoint file, verified; ``ValueError`` naming the file otherwise."""
+    if not file.is_file():
+        raise FileNotFoundError(f"pscompile.load: no checkpoint file at {file}")
+    try:
+        env = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:          # truncated, not a torch.save file, or not ours
+        raise ValueError(f"pscompile.load: {file} is not a complete pscompile checkpoint (truncated or "
+                         f"corrupted: {type(e).__name__}: {str(e)[:120]}); nothing was loaded") from e
+    if not isinstance(env, dict) or env.get("format") != FORMAT:
+        raise ValueError(f"pscompile.load: {file} is not a pscompile checkpoint (no format={FORMAT!r}; an "
+                         "engine.state_dict() file loads with engine.load_state_dict(torch.load(...)))")
+    if env.get("version") != VERSION:
+        raise ValueError(f"pscompile.load: {file} has checkpoint format version {env.get('version')!r}; this "
+                         f"pscompile reads version {VERSION}")
+    body = env.get("payload")
+    if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != env.get("sha256"):
+        raise ValueError(f"pscompile.load: {file} is corrupted (the SHA-256 of its payload differs from the one "
+                         "written with it); nothing was loaded")
+    return torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+
+
+def _differences(meta: dict, engine) -> list[str]:
+    want = _meta(engine)
+    out = []
+    for key, what in (("dtype", "compute dtype"), ("world_size", "world size"), ("rank", "rank")):
+        if meta.get(key) != want[key]:
+            out.append(f"{what}: checkpoint {meta.get(key)!r}, engine {want[key]!r}")
+    saved, ours = meta.get("params", {}), want["params"]
+    missing, extra = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+    if missing:
+        out.append(f"parameters the checkpoint lacks: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    if extra:
+        out.append(f"parameters the engine lacks: {extra[:4]}{' ...' if len(extra) > 4 else ''}")
+    for f in sorted(set(saved) & set(ours)):
+        if list(saved[f]) != list(ours[f]):
+            out.append(f"shape of {f}: checkpoint {tuple(saved[f])}, engine {tuple(ours[f])}")
+    if engine.world > 1 and (meta.get("chunk_size"), meta.get("num_chunks")) != (want["chunk_size"],
+                                                                                 want["num_chunks"]):
+        out.append(f"chunk layout (shards are cut from it): checkpoint {meta.get('num_chunks')} chunks of "
+                   f"{meta.get('chunk_size')}, engine {want['num_chunks']} of {want['chunk_size']}")
+    return out
+
+
+def load(engine, path: str | os.PathLike) -> None:
+    """Load the checkpoint at ``path`` into ``engine`` (built for the same model, dtype and world
+    size; a collective under ZeRO). Nothing changes unless every check passes."""
+    path = Path(path)
+    if engine.world > 1:
+        manifest_file = path / MANIFEST
+        if not manifest_file.is_file():
+            raise FileNotFoundError(f"pscompile.load: {path} has no {MANIFEST}: not a complete {engine.world}-rank "
+                                    "checkpoint (written by pscompile.save under torch.distributed)")
+        manifest = json.loads(manifest_file.read_text())
+        if manifest.get("world_size") != engine.world:
+            raise ValueError(f"pscompile.load: {path} was written by {manifest.get('world_size')} ranks, this run "
+                             f"has {engine.world}; load pscompile.consolidate of its state dicts instead")
+        file = path / f"rank{engine.rank}.pt"
+    else:
+        if path.is_dir():
+            raise ValueError(f"pscompile.load: {path} is a folder (a sharded checkpoint of "
+                             f"{json.loads((path / MANIFEST).read_text()).get('world_size', '?') if (path / MANIFEST).is_file() else '?'} "
+                             "ranks); one process loads a file")
+        file = path
+    payload = _read(file)
+    problems = _differences(payload["meta"], engine)
+    if problems:
+        raise ValueError(f"pscompile.load: {file} does not fit this engine; nothing was loaded:\n  - "
+                         + "\n  - ".join(problems))
+    engine.load_state_dict(payload["state"])
+    set_rng_state(engine.device, payload["rng"])

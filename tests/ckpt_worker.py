@@ -1,0 +1,38 @@
+"""Runs of tests/test_checkpoint.py, each in its own process (spawned): a checkpoint must resume in
+a process that shares nothing with the one that wrote it."""
+
+from __future__ import annotations
+
+import torch
+
+import pscompile
+from conftest import make_batches, make_model
+
+HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+DROPOUT = 0.1
+
+
+def config(mode: str, dtype: str, budget: int | None) -> pscompile.Config:
+    return pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=getattr(torch, dtype),
+                            device_memory=budget)
+
+
+def run(mode: str, dtype: str, budget: int | None, seed: int, steps: range, out: str,
+        save: str | None = None, load: str | None = None) -> None:
+    """Train ``steps`` (indices into the batch list) from a fresh engine seeded with ``seed``;
+    ``load`` a checkpoint first, ``save`` one after; write the losses and the state to ``out``."""
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    batches = make_batches("gpt", max(steps) + 1, distinct=3)
+    engine = pscompile.compile(make_model("gpt", dropout=DROPOUT), batches[steps[0]], optimizer=HP,
+                               config=config(mode, dtype, budget))
+    if load is not None:
+        pscompile.load(engine, load)
+    losses, evictions = [], []
+    for i in steps:
+        losses.append(engine.step(batches[i]))
+        evictions.append(engine.stats.num_evictions)
+    if save is not None:
+        pscompile.save(engine, save)
+    torch.save({"losses": losses, "evictions": evictions, "state": engine.state_dict()}, out)
+    engine.close()

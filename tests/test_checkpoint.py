@@ -1,0 +1,143 @@
+"""Checkpoints (``pscompile.save`` / ``pscompile.load``): exact resume, and nothing half-loaded.
+
+- 2N steps == N steps + save + a new process + load + N steps, bit for bit (losses, fp32 masters,
+  Adam states): GPT with dropout, both modes, fp32 and bf16, with a budget that evicts every step;
+- a truncated, corrupted or foreign file, and a checkpoint of another dtype or model, are refused
+  with an error that names the file or every difference, and the engine is left as it was;
+- the file is replaced atomically (no temporary is left behind);
+- a failed step leaves the random number generator where it was.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+import ckpt_worker
+import pscompile
+from conftest import make_batches, make_model
+
+N = 3
+
+
+def _spawn(*args, **kwargs) -> None:
+    p = mp.get_context("spawn").Process(target=ckpt_worker.run, args=args, kwargs=kwargs)
+    p.start()
+    p.join(300)
+    assert p.exitcode == 0, f"worker exited with {p.exitcode}"
+
+
+def _budget(mode: str, dtype: str) -> int:
+    """Between the minimum and what keeping everything resident needs: chunks move every step."""
+    least = pscompile.min_device_memory(make_model("gpt", dropout=ckpt_worker.DROPOUT), make_batches("gpt", 1)[0],
+                                        ckpt_worker.config(mode, dtype, None))
+    return int(least * 1.1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_save_then_load_in_a_new_process_resumes_bit_for_bit(tmp_path, mode, dtype):
+    budget = _budget(mode, dtype)
+    ckpt = tmp_path / "run.ckpt"
+    _spawn(mode, dtype, budget, 123, range(2 * N), str(tmp_path / "whole.pt"))
+    _spawn(mode, dtype, budget, 123, range(N), str(tmp_path / "first.pt"), save=str(ckpt))
+    _spawn(mode, dtype, budget, 999, range(N, 2 * N), str(tmp_path / "second.pt"), load=str(ckpt))
+    whole, first, second = (torch.load(tmp_path / f, weights_only=False) for f in ("whole.pt", "first.pt", "second.pt"))
+    assert first["losses"] == whole["losses"][:N]
+    assert second["losses"] == whole["losses"][N:], (second["losses"], whole["losses"][N:])   # dropout included
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        for f, t in whole["state"][key].items():
+            assert torch.equal(second["state"][key][f], t), (key, f)
+    assert second["state"]["step"] == whole["state"]["step"] == 2 * N
+    assert min(whole["evictions"] + second["evictions"]) > 0, "the budget must evict every step"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary left
+
+
+def _engine(dtype=torch.float32, **model_kw):
+    batch = make_batches("gpt", 1)[0]
+    return pscompile.compile(make_model("gpt", **model_kw), batch, config=pscompile.Config(
+        mode="compiled", backend="eager", device="cpu", dtype=dtype)), batch
+
+
+def _snapshot(engine) -> dict:
+    sd = engine.state_dict()
+    return {k: {f: t.clone() for f, t in v.items()} if isinstance(v, dict) else v for k, v in sd.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k][f], b[k][f]) for k in ("master", "exp_avg", "exp_avg_sq") for f in a[k]) \
+        and a["step"] == b["step"]
+
+
+def test_broken_or_foreign_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
+    engine, batch = _engine()
+    engine.step(batch)
+    path = pscompile.save(engine, tmp_path / "a.ckpt")
+    data = path.read_bytes()
+    other, _ = _engine()
+    before = _snapshot(other)
+    rng = torch.get_rng_state()
+    cases = {
+        "truncated": (data[: len(data) // 2], "not a complete pscompile checkpoint"),
+        "corrupted": (data[:-200] + bytes(b ^ 0xFF for b in data[-200:-100]) + data[-100:], "corrupted|not a complete"),
+        "empty": (b"", "not a complete pscompile checkpoint"),
+    }
+    for name, (content, message) in cases.items():
+        bad = tmp_path / f"{name}.ckpt"
+        bad.write_bytes(content)
+        with pytest.raises(ValueError, match=message) as err:
+            pscompile.load(other, bad)
+        assert str(bad) in str(err.value) and "nothing was loaded" in str(err.value), name
+    # a payload byte flipped inside an intact envelope: only the checksum can tell
+    env = torch.load(path, weights_only=True)
+    body = bytearray(env["payload"])
+    body[len(body) // 2] ^= 0x01
+    env["payload"] = bytes(body)
+    torch.save(env, tmp_path / "flipped.ckpt")
+    with pytest.raises(ValueError, match="is corrupted \\(the SHA-256"):
+        pscompile.load(other, tmp_path / "flipped.ckpt")
+    torch.save(engine.state_dict(), tmp_path / "plain.pt")                 # a state dict, not a checkpoint
+    with pytest.raises(ValueError, match="not a pscompile checkpoint"):
+        pscompile.load(other, tmp_path / "plain.pt")
+    with pytest.raises(FileNotFoundError, match="no checkpoint file"):
+        pscompile.load(other, tmp_path / "missing.ckpt")
+    wide, _ = _engine(d_model=96)                                         # another model
+    with pytest.raises(ValueError, match="does not fit this engine") as err:
+        pscompile.load(wide, path)
+    assert "shape of wte.weight: checkpoint (256, 64), engine (256, 96)" in str(err.value)
+    bf16, _ = _engine(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="compute dtype: checkpoint 'float32', engine 'bfloat16'"):
+        pscompile.load(bf16, path)
+    assert _same(_snapshot(other), before) and torch.equal(torch.get_rng_state(), rng)
+    pscompile.load(other, path)                                           # the good one loads
+    assert _same(_snapshot(other), _snapshot(engine))
+
+
+def test_save_replaces_the_file_atomically(tmp_path):
+    engine, batch = _engine()
+    path = tmp_path / "run.ckpt"
+    pscompile.save(engine, path)
+    first = path.read_bytes()
+    engine.step(batch)
+    pscompile.save(engine, path)
+    assert path.read_bytes() != first and sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt"]
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_a_failed_step_leaves_the_random_numbers_where_they_were(mode):
+    batch = make_batches("gpt", 1)[0]
+    engine = pscompile.compile(make_model("gpt", dropout=0.1), batch, config=pscompile.Config(
+        mode=mode, backend="eager", device="cpu", dtype=torch.float32))
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    bad = (batch[0][:, :32], batch[1])             # the targets no longer match the tokens
+    with pytest.raises(Exception):
+        engine.step(bad)
+    assert torch.equal(torch.get_rng_state(), rng)
+    loss = engine.step(batch)
+    fresh = pscompile.compile(make_model("gpt", dropout=0.1), batch, config=pscompile.Config(
+        mode=mode, backend="eager", device="cpu", dtype=torch.float32))
+    torch.manual_seed(5)
+    assert fresh.step(batch) == loss               # as if the failed step had never happened
