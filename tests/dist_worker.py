@@ -131,8 +131,9 @@ def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[
 
 def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str | None, steps: int) -> None:
     """GPT under an evicting budget: load ``load`` (None: start fresh; "shard": this rank's file
-    of a 2-rank run; "full": the consolidated dict), run ``steps`` steps, save the losses; a fresh
-    run also saves every rank's state dict after its first ``steps // 2`` steps."""
+    of a 2-rank run; "full": the consolidated dict; "pscompile": the ``pscompile.save`` folder),
+    run ``steps`` steps, save the losses; a fresh run also saves every rank's state dict and a
+    ``pscompile.save`` checkpoint after its first ``steps // 2`` steps."""
     join(rank, world, port)
     budget = tight_budget("gpt", mode, rank, world)
     batches = make_batches("gpt", steps, distinct=3)
@@ -142,10 +143,13 @@ def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str 
         engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"), weights_only=True))
     elif load == "full":
         engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-full.pt"), weights_only=True))
+    elif load == "pscompile":
+        pscompile.load(engine, os.path.join(out_dir, f"psckpt-{mode}"))
     losses = []
     for i, b in enumerate(batches):
         if load is None and i == steps // 2:
             torch.save(engine.state_dict(), os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"))
+            pscompile.save(engine, os.path.join(out_dir, f"psckpt-{mode}"))     # a folder: a file per rank
         if load is not None and i < steps // 2:
             continue
         losses.append(engine.step(split(b, rank, world)))

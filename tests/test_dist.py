@@ -143,6 +143,14 @@ def test_a_two_rank_checkpoint_resumes_in_one_and_in_two_processes(tmp_path, mod
     spawn(dist_worker.resume, str(tmp_path), mode, "shard", steps)
     again = torch.load(tmp_path / f"resume-{mode}-shard-rank0.pt")
     assert again == fresh[steps // 2:], "two processes resumed from their shards"
+    folder = tmp_path / f"psckpt-{mode}"
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "rank0.pt", "rank1.pt"]
+    spawn(dist_worker.resume, str(tmp_path), mode, "pscompile", steps)
+    again = torch.load(tmp_path / f"resume-{mode}-pscompile-rank0.pt")
+    assert again == fresh[steps // 2:], "two processes resumed from pscompile.save"
+    engine = pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], config=dist_worker.config(mode, None))
+    with pytest.raises(ValueError, match="is a folder \\(a sharded checkpoint of 2 ranks\\)"):
+        pscompile.load(engine, folder)       # one process cannot take a two-rank checkpoint folder
     spawn(dist_worker.resume, str(tmp_path), mode, "full", steps, world=1)
     one = torch.load(tmp_path / f"resume-{mode}-full-rank0.pt")
     assert len(one) == steps - steps // 2
