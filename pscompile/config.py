@@ -65,6 +65,10 @@ class Config:
     # the host and reloaded (host_memory permitting); "keep" keeps all; "recompute" recomputes every
     # segment it can; "offload" offloads every saved storage it can
     activations: str = "auto"
+    # a step whose gradients hold inf/NaN without loss scaling (float32, bfloat16) raises
+    # FloatingPointError; True skips it instead (weights and optimizer states untouched, as with
+    # float16's loss scaling)
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
@@ -115,6 +119,8 @@ class Config:
             raise ValueError(f"activations={self.activations!r} is planned in compiled mode's graph; in mode='hooks' "
                              "wrap the model's blocks in torch.utils.checkpoint (or torch.autograd.graph."
                              "save_on_cpu) instead, or use mode='compiled'")
+        if not isinstance(self.skip_nonfinite, bool):
+            raise ValueError(f"skip_nonfinite={self.skip_nonfinite!r} must be True or False")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):

@@ -288,12 +288,12 @@ class ChunkEngine:
             self.scaler.update(found_inf)
         undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
         if found_inf:
-            if self.scaler is None:
-                self._undo_all(undo)
+            self._undo_all(undo)
+            if self.scaler is None and not self.config.skip_nonfinite:
                 raise FloatingPointError(
                     f"the gradients contain inf/NaN in {self.dtype} without loss scaling (loss scaling is "
-                    "used with float16 only); the update was not applied")
-            self._undo_all(undo)
+                    "used with float16 only); the update was not applied (Config(skip_nonfinite=True) skips "
+                    "such steps instead)")
             return True
         factor = inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
             else inv_scale
