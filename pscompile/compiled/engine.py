@@ -114,9 +114,6 @@ class CompiledEngine(ChunkEngine):
 
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
-        if config.dtype == torch.float16:
-            raise NotImplementedError("dtype=torch.float16 (dynamic loss scaling) is not wired into compiled mode "
-                                      "yet; use dtype=torch.bfloat16 or mode='hooks'")
         if config.backend == "inductor":
             if not hasattr(importlib.import_module("torch._inductor"), "standalone_compile"):
                 raise ValueError(f"backend='inductor' needs torch._inductor.standalone_compile, which torch "
@@ -449,7 +446,7 @@ class CompiledEngine(ChunkEngine):
         return ex
 
     def _run_graph(self, key: ScheduleKey, sched: Scheduled, batch: Any,
-                   acc: list[torch.Tensor] | None) -> MicroRun:
+                   acc: list[torch.Tensor] | None, loss_scale: float = 1.0) -> MicroRun:
         """Run one scheduled graph (memory nodes as planned) and check the bytes it moved against
         the plan. On failure, stored gradients are undone and slots reset to the plan's start."""
         t_start = time.perf_counter()
@@ -462,6 +459,8 @@ class CompiledEngine(ChunkEngine):
         model_inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param, *accs]
         rest = [*[self.model.get_buffer(f) for f in sched.captured.buffer_fqns],
                 *sched.captured.flatten_batch(batch)]
+        if self.scaler is not None and sched.kind.backward:        # float16: the graph's loss-scale input
+            rest.append(torch.tensor(loss_scale, dtype=torch.float32, device=self.device))
         for t in rest:
             tracker.add_tensor(t)
         tracker.reset_peaks()
@@ -533,9 +532,11 @@ class CompiledEngine(ChunkEngine):
     # ---------------------------------------------------------------- the step (ChunkEngine.step)
     def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
         key, sched = self._runnable(batch, RunKind.TRAIN if acc is None else RunKind.ACCUM)
-        return self._run_graph(key, sched, batch, acc)
+        return self._run_graph(key, sched, batch, acc, loss_scale=scale / k)
 
     def _grad_divisor(self, scale: float, k: int) -> float:
+        if self.scaler is not None:
+            return scale                # float16: each micro-batch's loss was scaled by scale / k in the graph
         return scale * k                # the graph sums unscaled gradients over k micro-batches
 
     def _update(self, last: MicroRun, written: frozenset[str], divisor: float,

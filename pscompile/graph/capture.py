@@ -117,7 +117,8 @@ class CapturedGraph:
 
 def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Parameter],
                   loss_fn: LossFn | None = None, param_dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, backward: bool = True) -> CapturedGraph:
+                  device: torch.device | str | None = None, backward: bool = True,
+                  loss_scale: bool = False) -> CapturedGraph:
     """Trace ``loss = loss_fn(model(batch))`` and the gradients of all trainable parameters.
 
     With ``backward=False`` only the forward and the loss are traced (for evaluation): the graph
@@ -128,6 +129,10 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     parameters (``requires_grad=False``) are inputs without a gradient output. ``param_dtype``
     captures floating-point parameters in that dtype (the compute dtype) instead of their own.
     ``device`` is where the graph computes (default: the batch's device, else the CPU).
+    ``loss_scale`` (float16's dynamic loss scaling): the graph takes one more input after the
+    batch, a 0-dim float32 scale ``s``, and differentiates ``loss * s`` computed as eager computes a
+    loss times a Python float (in float32, rounded to the loss's dtype), so the gradients are
+    scaled exactly as ``(loss * s).backward()`` scales them; it still returns the unscaled loss.
     """
     t0 = time.perf_counter()
     names_of: dict[int, list[str]] = {}
@@ -175,6 +180,9 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
         fake_batch = [torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
                       for _, leaf in path_leaves if isinstance(leaf, torch.Tensor)]
+        if loss_scale and backward:
+            fake_batch.append(torch.empty((), dtype=torch.float32, device=device))
+            batch_names = [*batch_names, "loss_scale"]
     n_p, n_b = len(param_fqns), len(buffer_fqns)
 
     def joint(*flat):
@@ -182,6 +190,7 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         b_vals = dict(zip(buffer_fqns, flat[n_p:n_p + n_b]))
         tensors = iter(flat[n_p + n_b:])
         b = tree_unflatten([next(tensors) if s[0] == "tensor" else s[1] for s in spec_leaves], tree)
+        scale = next(tensors) if loss_scale and backward else None
         frozen_vals = {f: v for f, v in p_vals.items() if f not in grad_fqns}
 
         def loss_of(trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
@@ -203,9 +212,16 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         if route == "autograd":
             state = {"model." + alias: t for fqn, t in {**trainable, **frozen_vals}.items() for alias in aliases[fqn]}
             state.update({"model." + k: v for k, v in b_vals.items()})
-            return torch.func.functional_call(_Differentiated(model, b, loss_fn, list(trainable.values())), state,
-                                              (), {}, tie_weights=True, strict=True)
-        grads, loss = torch.func.grad_and_value(loss_of)(trainable, frozen_vals, b_vals)
+            return torch.func.functional_call(_Differentiated(model, b, loss_fn, list(trainable.values()), scale),
+                                              state, (), {}, tie_weights=True, strict=True)
+        if scale is None:
+            grads, loss = torch.func.grad_and_value(loss_of)(trainable, frozen_vals, b_vals)
+            return (loss, *(grads[f] for f in grad_fqns))
+
+        def scaled_loss_of(*args):
+            loss = loss_of(*args)
+            return scaled(loss, scale), loss
+        grads, (_, loss) = torch.func.grad_and_value(scaled_loss_of, has_aux=True)(trainable, frozen_vals, b_vals)
         return (loss, *(grads[f] for f in grad_fqns))
 
     route = "functorch"
@@ -259,10 +275,11 @@ class _Differentiated(nn.Module):
     backward) still sees the substituted parameters. Gradients of unused parameters are zeros,
     as ``torch.func.grad`` gives them."""
 
-    def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None, wrt: list[torch.Tensor]):
+    def __init__(self, model: nn.Module, batch: Any, loss_fn: LossFn | None, wrt: list[torch.Tensor],
+                 scale: torch.Tensor | None = None):
         super().__init__()
         self.model = model
-        self.batch, self.loss_fn, self.wrt = batch, loss_fn, wrt
+        self.batch, self.loss_fn, self.wrt, self.scale = batch, loss_fn, wrt, scale
 
     def forward(self) -> tuple:
         output = self.model(*_args(self.batch), **_kwargs(self.batch))
@@ -272,8 +289,15 @@ class _Differentiated(nn.Module):
             raise _LossError(e) from e
         for p in self.wrt:
             p.grad = None
-        loss.backward()          # not autograd.grad: reentrant checkpoint refuses it
+        (loss if self.scale is None else scaled(loss, self.scale)).backward()   # not autograd.grad: reentrant
+                                 # checkpoint refuses it
         return (loss, *(torch.zeros_like(p) if p.grad is None else p.grad for p in self.wrt))
+
+
+def scaled(loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``loss * scale`` as eager computes a tensor times a Python float: in float32, rounded to the
+    loss's dtype (so a float16 loss that overflows becomes inf here as it does there)."""
+    return (loss.float() * scale).to(loss.dtype)
 
 
 class _LossError(Exception):

@@ -141,11 +141,13 @@ def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn
                         dtype: torch.dtype, backward: bool = True,
                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> AnalyzedGraph:
     """Capture the iteration of ``model`` on ``batch`` (fake tensors: the model may live on the
-    meta device) and run the analyses every schedule of it shares."""
+    meta device) and run the analyses every schedule of it shares. float16 graphs take the loss
+    scale as their last input (``capture_joint(loss_scale=True)``)."""
     passes = _Passes()
     captured = passes.run("capture_joint" if backward else "capture_forward",
                           lambda: capture_joint(model, batch, params=dict(params), loss_fn=loss_fn,
-                                                param_dtype=dtype, backward=backward),
+                                                param_dtype=dtype, backward=backward,
+                                                loss_scale=dtype == torch.float16),
                           lambda c: c.summary)
     return _analyze(captured, passes)
 
