@@ -9,7 +9,6 @@ untouched, and the scale halves until they fit. Tiny GPT (float16 matmuls are sl
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import pscompile
