@@ -244,7 +244,10 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
             fold_recomputation(traced)
     except _LossError as e:
         raise e.error from None   # extract_loss's own message already says what would work
-    except Exception as e:  # noqa: BLE001 - any tracing failure means: this model needs hooks mode
+    except Exception as e:  # noqa: BLE001 - a tracing failure: the batch's fault, or this model needs hooks mode
+        rejected = _model_rejects(model, params, aliases, buffers, batch, loss_fn, dtype_of, device)
+        if rejected is not None:
+            raise rejected     # the model refuses this batch: its own exception, as eager PyTorch raises it
         raise _capture_error(model, e) from e
 
     gm = _flatten(traced, [f"p_{_ident(f)}" for f in param_fqns] + [f"b_{_ident(f)}" for f in buffer_fqns]
@@ -346,6 +349,38 @@ def _flatten(traced: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     gm = fx.GraphModule(traced, graph)
     gm.recompile()
     return gm
+
+
+# what fake tensors cannot do (values that only exist at run time): the capture's limits, not the batch's
+_FAKE_LIMITS = tuple(getattr(torch._subclasses.fake_tensor, name) for name in (
+    "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
+    "UnsupportedFakeTensorException") if hasattr(torch._subclasses.fake_tensor, name))
+
+
+def _model_rejects(model: nn.Module, params: dict[str, nn.Parameter], aliases: dict[str, list[str]],
+                   buffers: dict[str, torch.Tensor], batch: Any, loss_fn: LossFn | None, dtype_of,
+                   device: torch.device) -> BaseException | None:
+    """After a failed trace: run the model's forward once more on fake tensors, without tracing.
+    If it raises something other than a fake tensor's limit (a shape mismatch, a wrong argument, a
+    wrong dtype), the model rejects this batch and that exception is what the user must see, as
+    eager PyTorch would show it; None when the forward runs (the trace itself is the problem)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode, _compiling_flag(), torch.random.fork_rng(devices=[]):
+            fakes = {fqn: torch.empty(p.shape, dtype=dtype_of(p), device=device) for fqn, p in params.items()}
+            state = {alias: fakes[fqn] for fqn in params for alias in aliases[fqn]}   # tied: one tensor
+            state.update({k: torch.empty(b.shape, dtype=b.dtype, device=device) for k, b in buffers.items()})
+            fake_batch = tree_unflatten([torch.empty(t.shape, dtype=t.dtype, device=device)
+                                         if isinstance(t, torch.Tensor) else t for t in tree_flatten(batch)[0]],
+                                        tree_flatten(batch)[1])
+            output = torch.func.functional_call(model, state, _args(fake_batch), _kwargs(fake_batch),
+                                                tie_weights=True, strict=True)
+            extract_loss(output, fake_batch, loss_fn)
+    except _FAKE_LIMITS:
+        return None
+    except Exception as err:  # noqa: BLE001 - whatever the model raises is the answer
+        return err
+    return None
 
 
 def _capture_error(model: nn.Module, e: Exception) -> ValueError:
