@@ -189,12 +189,12 @@ def section_tiers(s: dict, systems: tuple[str, ...] = SYSTEMS) -> dict:
 
 
 # ---------------------------------------------------------------------------------- section 2
-def section_scale(s: dict) -> dict:
+def section_scale(s: dict, systems: tuple[str, ...] = SCALE_SYSTEMS) -> dict:
     budget = parse_size(s["budget"], "budget")
     rows = []
     for n_layer, d in s["rungs"]:
         params = _model_params(n_layer, d, s["vocab"], s["seq"])
-        for system in SCALE_SYSTEMS:
+        for system in systems:
             row: dict[str, Any] = {"n_layer": n_layer, "d_model": d, "params": params, "system": system}
             rows.append(row)
             if 28 * params > s["max_host_gb"] * 1e9:
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--sections", default="1,2", help="comma-separated subset of 1,2")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"section 1: a subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)} (section 2 runs those of them it has)")
     ap.add_argument("--markdown", action="store_true", help="also print GitHub-flavoured tables")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results path (default {DEFAULT_OUT})")
     ap.add_argument("--from-json", type=Path, default=None, help="only render tables from a results file")
@@ -301,14 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         res: dict[str, Any] = {"settings": {k: settings[k] for k in ("s1", "s2")}, "quick": args.quick,
                                "torch": torch.__version__, "machine": platform.machine()}
+        systems = tuple(x.strip() for x in args.systems.split(","))
+        unknown = set(systems) - set(SYSTEMS)
+        if unknown:
+            ap.error(f"--systems: unknown {sorted(unknown)}; use a subset of {','.join(SYSTEMS)}")
         if "1" in sections:
-            systems = tuple(x.strip() for x in args.systems.split(","))
-            unknown = set(systems) - set(SYSTEMS)
-            if unknown:
-                ap.error(f"--systems: unknown {sorted(unknown)}; use a subset of {','.join(SYSTEMS)}")
             res["s1"] = section_tiers(settings["s1"], systems)
         if "2" in sections:
-            res["s2"] = section_scale(settings["s2"])
+            res["s2"] = section_scale(settings["s2"], tuple(x for x in SCALE_SYSTEMS if x in systems))
         res["total_s"] = time.perf_counter() - t0
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1, default=str))

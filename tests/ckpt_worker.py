@@ -18,9 +18,10 @@ def config(mode: str, dtype: str, budget: int | None) -> pscompile.Config:
 
 
 def run(mode: str, dtype: str, budget: int | None, seed: int, steps: range, out: str,
-        save: str | None = None, load: str | None = None) -> None:
+        save: str | None = None, load: str | None = None, save_after: int | None = None) -> None:
     """Train ``steps`` (indices into the batch list) from a fresh engine seeded with ``seed``;
-    ``load`` a checkpoint first, ``save`` one after; write the losses and the state to ``out``."""
+    ``load`` a checkpoint first, ``save`` one after ``save_after`` steps (default: all of them);
+    write the losses and the state to ``out``."""
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     batches = make_batches("gpt", max(steps) + 1, distinct=3)
@@ -29,10 +30,12 @@ def run(mode: str, dtype: str, budget: int | None, seed: int, steps: range, out:
     if load is not None:
         pscompile.load(engine, load)
     losses, evictions = [], []
-    for i in steps:
+    for k, i in enumerate(steps):
+        if save is not None and k == save_after:
+            pscompile.save(engine, save)
         losses.append(engine.step(batches[i]))
         evictions.append(engine.stats.num_evictions)
-    if save is not None:
+    if save is not None and save_after is None:
         pscompile.save(engine, save)
     torch.save({"losses": losses, "evictions": evictions, "state": engine.state_dict()}, out)
     engine.close()

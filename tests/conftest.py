@@ -128,3 +128,22 @@ def tracking_of(ours: dict[str, torch.Tensor], ref, initial: dict[str, torch.Ten
         err = (ours[k] - theirs[k]).abs().mean().item()
         worst = max(worst, (err / max(moved, 1e-5), k))
     return worst
+
+
+def activations_config(policy: str, budget=None, dtype: torch.dtype = torch.float32, **kw) -> pscompile.Config:
+    """Compiled mode (eager backend) on the CPU with ``Config.activations=policy``."""
+    return pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=dtype,
+                            device_memory=budget, activations=policy, **kw)
+
+
+def assert_graphs_agree(captured, rewritten, params: dict, batch) -> None:
+    """Run both captured graphs on real tensors with one seed: bit-identical loss and gradients."""
+    inputs = [p.detach() for p in params.values()] + list(batch.values() if isinstance(batch, dict) else batch)
+    torch.manual_seed(7)
+    want = captured.gm(*inputs)
+    torch.manual_seed(7)
+    got = rewritten.gm(*inputs)
+    assert len(want) == len(got) == 1 + len(params)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+

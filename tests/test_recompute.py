@@ -21,7 +21,8 @@ from pscompile.graph.meta import get
 from pscompile.graph.pipeline import capture_and_analyze, choose_activations
 from pscompile.passes.recompute_activations import find_segments, recompute_activations
 from pscompile.testing import ReferenceTrainer
-from conftest import TRACKING_TOL, fresh_masters, make_batches, make_model, tracking_of
+from conftest import (TRACKING_TOL, activations_config, assert_graphs_agree, fresh_masters, make_batches,
+                      make_model, tracking_of)
 
 HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 DROPOUT = 0.1
@@ -30,8 +31,7 @@ DROPOUT = 0.1
 def _config(policy: str, budget=None, dtype=torch.float32, **kw) -> pscompile.Config:
     if policy == "auto":      # over a slow link "auto" recomputes rather than offloads (test_offload.py: the other way)
         kw.setdefault("link_bandwidth", "100MB/s")
-    return pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=dtype,
-                            device_memory=budget, activations=policy, **kw)
+    return activations_config(policy, budget, dtype, **kw)
 
 
 def _minimum(kind: str, policy: str) -> int:
@@ -47,14 +47,7 @@ def test_the_rewritten_graph_computes_the_same_values_with_less_live_memory(kind
     segments = find_segments(captured)
     assert len(segments) >= 4 and all(s.saved_bytes > 0 for s in segments)
     rewritten = recompute_activations(captured, segments)
-    inputs = [p.detach() for p in params.values()] + list(batch.values() if isinstance(batch, dict) else batch)
-    torch.manual_seed(7)
-    want = captured.gm(*inputs)
-    torch.manual_seed(7)
-    got = rewritten.gm(*inputs)
-    assert len(want) == len(got) == 1 + len(params)
-    for a, b in zip(want, got):            # the same ops on the same values: bit for bit
-        assert torch.equal(a, b)
+    assert_graphs_agree(captured, rewritten, params, batch)       # the same ops on the same values: bit for bit
     masks = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.div_.Scalar
              and torch.Tag.nondeterministic_seeded in getattr(n.args[0].target, "tags", ())]
     kept = [n for n in rewritten.gm.graph.nodes if n.target is torch.ops.aten.ne.Scalar and get(n, "mask_of")]
