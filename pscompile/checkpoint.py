@@ -163,9 +163,10 @@ def load(engine, path: str | os.PathLike) -> None:
         file = path / f"rank{engine.rank}.pt"
     else:
         if path.is_dir():
-            raise ValueError(f"pscompile.load: {path} is a folder (a sharded checkpoint of "
-                             f"{json.loads((path / MANIFEST).read_text()).get('world_size', '?') if (path / MANIFEST).is_file() else '?'} "
-                             "ranks); one process loads a file")
+            manifest_file = path / MANIFEST
+            ranks = json.loads(manifest_file.read_text()).get("world_size", "?") if manifest_file.is_file() else "?"
+            raise ValueError(f"pscompile.load: {path} is a folder (a sharded checkpoint of {ranks} ranks); one "
+                             "process loads a file")
         file = path
     payload = _read(file)
     problems = _differences(payload["meta"], engine)

@@ -236,9 +236,12 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
                 cache[key] = _analyze(captured, passes, plan)
         return replace(cache[key], activations=replace(cache[key].activations, policy=policy))
 
+    def least(a: AnalyzedGraph) -> int:
+        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
+                              device_homes=device_homes, state_bytes=state_bytes).nbytes
+
     def fits_graph(a: AnalyzedGraph) -> bool:
-        return budget is None or minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
-                                                device_homes=device_homes, state_bytes=state_bytes).nbytes <= budget
+        return budget is None or least(a) <= budget
 
     def fits(m: int, how_each: Sequence[str] = mixed) -> bool:
         return fits_graph(variant(m, how_each))
@@ -257,9 +260,7 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     fallbacks = ["recompute"] + (["offload"] if host_fits_all and offloads else [])
 
     def least_of(way: str) -> int:
-        a = variant(n, every[way])
-        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
-                              device_homes=device_homes, state_bytes=state_bytes).nbytes
+        return least(variant(n, every[way]))
     smallest = min(fallbacks, key=least_of)
     if budget < least_of(smallest):
         # below what all recomputed or all offloaded fits in, auto refuses (the least budget must not

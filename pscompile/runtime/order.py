@@ -17,6 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
 
+from pscompile.runtime.rng import rng_state, set_rng_state
+
 
 def direct_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """module name -> [(full fqn, parameter)] of the parameters it owns directly."""
@@ -57,10 +59,10 @@ def first_use_order(model: nn.Module, run: Callable[[nn.Module, Any], Any], batc
     for name, mod in model.named_modules(remove_duplicate=False):
         if name in owned:
             handles.append(mod.register_forward_pre_hook(record(name)))
-    rng = torch.get_rng_state()
     how = "first use (fake-tensor forward)"
     leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     device = leaves[0].device if leaves else torch.device("cpu")
+    rng = rng_state(device)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
@@ -75,7 +77,7 @@ def first_use_order(model: nn.Module, run: Callable[[nn.Module, Any], Any], batc
     finally:
         for h in handles:
             h.remove()
-        torch.set_rng_state(rng)
+        set_rng_state(device, rng)
     for p in model.parameters():      # unused parameters go last, in construction order
         seen.setdefault(id(p), p)
     return list(seen.values()), how
