@@ -5,7 +5,7 @@ The architecture is described in docs/design.md of the repository.
 
 from pscompile.api import compile, min_device_memory
 from pscompile.checkpoint import load, save
-from pscompile.config import AdamW, Config
+from pscompile.config import AdamW, Config, ParamGroup
 from pscompile.dist.checkpoint import consolidate
 from pscompile.errors import BudgetError, ScheduleError
 from pscompile.hooks.states import TensorState
@@ -13,6 +13,6 @@ from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
 from pscompile.memory.tiers import Tier
 from pscompile.stats import StepStats
 
-__all__ = ["compile", "min_device_memory", "save", "load", "consolidate", "Config", "AdamW", "StepStats", "BudgetError", "ScheduleError", "ChunkLayout",
+__all__ = ["compile", "min_device_memory", "save", "load", "consolidate", "Config", "AdamW", "ParamGroup", "StepStats", "BudgetError", "ScheduleError", "ChunkLayout",
            "build_layout", "search_chunk_size", "TensorState", "Tier"]
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -131,18 +131,79 @@ class Config:
         return torch.device(self.device)
 
 
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One parameter group of ``AdamW(param_groups=...)``: the parameters it holds and the
+    hyper-parameters it overrides (None: the ``AdamW`` value).
+
+    ``params`` is a list of parameter names (as ``model.named_parameters()`` gives them; a tied
+    parameter's other names work too) or a predicate ``f(name, param) -> bool``."""
+
+    params: tuple[str, ...] | Callable[[str, torch.Tensor], bool]
+    lr: float | None = None
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+
+    def overrides(self) -> dict:
+        return {k: getattr(self, k) for k in _GROUP_KEYS if getattr(self, k) is not None}
+
+
+def _param_group(i: int, group: Any) -> ParamGroup:
+    where = f"param_groups[{i}]"
+    if isinstance(group, ParamGroup):
+        group = {"params": group.params, **group.overrides()}
+    if not isinstance(group, dict):
+        raise ValueError(f"{where} is a {type(group).__name__}; give a dict like torch.optim.AdamW's, e.g. "
+                         "{'params': ['lm_head.bias'], 'weight_decay': 0.0}, or a pscompile.ParamGroup")
+    unknown = sorted(set(group) - {"params", *_GROUP_KEYS})
+    if unknown:
+        raise ValueError(f"{where} has keys {unknown} pscompile's AdamW does not take per group; use 'params' "
+                         f"and any of {list(_GROUP_KEYS)}")
+    if "params" not in group:
+        raise ValueError(f"{where} has no 'params': give a list of parameter names or a predicate "
+                         "f(name, param) -> bool")
+    params = group["params"]
+    if isinstance(params, str):
+        params = (params,)
+    if not callable(params):
+        if not isinstance(params, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in params):
+            raise ValueError(f"{where}['params'] must be parameter names (strings, as model.named_parameters() "
+                             "gives them) or a predicate f(name, param) -> bool; pscompile places the parameters "
+                             "itself, so it takes names rather than tensors")
+        params = tuple(sorted(params)) if isinstance(params, (set, frozenset)) else tuple(params)
+    # the overrides are validated like the AdamW fields they replace
+    checked = AdamW(**{k: group[k] for k in _GROUP_KEYS if k in group})
+    return ParamGroup(params, **{k: getattr(checked, k) for k in _GROUP_KEYS if k in group})
+
+
 @dataclass(frozen=True)
 class AdamW:
     """AdamW hyper-parameters with exactly ``torch.optim.AdamW`` semantics (decoupled weight
-    decay applied to every parameter, bias correction), run chunk by chunk on fp32 master weights."""
+    decay, bias correction), run chunk by chunk on fp32 master weights.
+
+    ``param_groups`` gives some parameters their own learning rate, betas, eps or weight decay,
+    in the form ``torch.optim.AdamW`` takes, with names (or a predicate) for parameters, e.g.
+    ``[{"params": lambda name, p: p.ndim < 2, "weight_decay": 0.0}]`` for no decay on biases and
+    norms. A parameter may be in one group only (as in torch.optim); the parameters no group names
+    form a last group with the values above."""
 
     lr: float = 1e-3                    # learning rate
     betas: tuple[float, float] = (0.9, 0.999)  # exp_avg / exp_avg_sq decay rates
     eps: float = 1e-8                   # denominator term
     weight_decay: float = 0.01          # decoupled weight decay (torch.optim.AdamW default)
     max_grad_norm: float | None = None  # clip the global gradient 2-norm to this value; None = no clipping
+    param_groups: tuple[ParamGroup, ...] = ()   # per-group overrides (dicts are converted)
 
     def __post_init__(self):
+        groups = self.param_groups
+        if isinstance(groups, dict) or not isinstance(groups, (list, tuple)):
+            raise ValueError(f"param_groups={groups!r} must be a list of dicts, e.g. "
+                             "[{'params': ['lm_head.bias'], 'weight_decay': 0.0}]")
+        object.__setattr__(self, "param_groups", tuple(_param_group(i, g) for i, g in enumerate(groups)))
         if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
             raise ValueError(f"lr={self.lr!r} must be a number >= 0, e.g. 3e-4")
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2

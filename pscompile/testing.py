@@ -17,6 +17,7 @@ from torch import nn
 from pscompile.runtime.batching import LossFn, call_model, extract_loss, micro_batches, to_device
 from pscompile.config import AdamW
 from pscompile.optim.adamw import LossScaler
+from pscompile.optim.groups import resolve_groups
 
 
 class ReferenceTrainer:
@@ -40,9 +41,22 @@ class ReferenceTrainer:
                 m.requires_grad_(True)
         hp = optimizer
         self.hp = hp
-        self.opt = torch.optim.AdamW(self.master, lr=hp.lr, betas=hp.betas, eps=hp.eps,
+        self.opt = torch.optim.AdamW(self._torch_groups(hp), lr=hp.lr, betas=hp.betas, eps=hp.eps,
                                      weight_decay=hp.weight_decay)
         self.scaler = LossScaler(initial_loss_scale, growth_interval) if dtype == torch.float16 else None
+
+    def _torch_groups(self, hp: AdamW) -> list[dict]:
+        """``hp.param_groups`` as torch.optim.AdamW's parameter groups of the master weights."""
+        named = dict(self.model.named_parameters())
+        master_of = {n: m for n, m in zip(named, self.master)}
+        aliases = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            first = next(f for f, q in named.items() if q is p)
+            if n != first:
+                aliases[n] = first
+        groups = resolve_groups(hp, named, aliases)
+        return [{"params": [master_of[n] for n in names], **{k: v for k, v in g.items() if k != "params"}}
+                for names, g in zip(groups.names, groups.describe())]
 
     def step(self, batch: Any) -> float:
         """One update; a list of micro-batches accumulates ``(loss / k).backward()`` over them."""

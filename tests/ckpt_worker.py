@@ -8,7 +8,16 @@ import torch
 import pscompile
 from conftest import make_batches, make_model
 
-HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+def no_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases and norms: the parameter group most training scripts exempt from weight decay."""
+    return param.ndim < 2
+
+
+# parameter groups as a training script sets them (lm_head.weight is wte.weight's tied name), so
+# every resume here exercises them
+HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                     param_groups=[{"params": no_decay, "weight_decay": 0.0}, {"params": ["lm_head.weight"], "lr": 5e-4}])
 DROPOUT = 0.1
 
 

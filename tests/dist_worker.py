@@ -15,7 +15,15 @@ import torch.distributed as dist
 import pscompile
 from conftest import make_batches, make_model
 
-HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+def no_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases and norms: the parameter group most training scripts exempt from weight decay."""
+    return param.ndim < 2
+
+
+# a parameter group as training scripts set it, so every sharded run here exercises groups
+HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                     param_groups=[{"params": no_decay, "weight_decay": 0.0}])
 STEPS = 3
 
 

@@ -210,6 +210,11 @@ class _Progress:
             self.bar.close()
 
 
+def _no_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases and norms train without weight decay, as GPT-2 and BERT training scripts do."""
+    return param.ndim < 2
+
+
 def run_train(s: TrainSettings, *, rank: int = 0, world: int = 1) -> dict:
     """Train as ``s`` says and return the summary (a JSON-ready dict). Under ``torchrun`` (``world``
     ranks, ZeRO by chunk) every rank draws the same global batch and trains on its share of the
@@ -231,7 +236,8 @@ def run_train(s: TrainSettings, *, rank: int = 0, world: int = 1) -> dict:
     batch = _share(corpus.batch("train", s.batch_size, s.seq_len, gen), rank, world)
     engine = ps_compile(
         model, batch,
-        optimizer=AdamW(lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0),
+        optimizer=AdamW(lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0,
+                        param_groups=[{"params": _no_decay, "weight_decay": 0.0}]),
         config=Config(mode=s.mode, backend=s.backend, device=s.device, device_memory=s.device_memory, host_memory=s.host_memory,
                       dtype=DTYPES[s.dtype], chunk_size=s.chunk_size,
                       activations=s.activations if s.mode == "compiled" else "auto"))

@@ -55,12 +55,17 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
 
 
 class ChunkAdamW:
-    """The update rule, applied to one chunk at a time; holds the step counter."""
+    """The update rule, applied to one chunk at a time; holds the step counter and the
+    hyper-parameters of each parameter group (``hps[g]``)."""
 
-    def __init__(self, hp: AdamW):
-        self.hp = hp
+    def __init__(self, hps: AdamW | list[AdamW]):
+        self.hps = [hps] if isinstance(hps, AdamW) else list(hps)
         self.step_count = 0
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def hp(self) -> AdamW:
+        return self.hps[-1]
 
     def begin_step(self) -> None:
         self.step_count += 1
@@ -75,23 +80,31 @@ class ChunkAdamW:
 
     def update_chunk(self, param: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, *, grad_factor: float,
-                     frozen: list[tuple[int, int]], grad: torch.Tensor | None = None) -> None:
+                     frozen: list[tuple[int, int]], grad: torch.Tensor | None = None,
+                     groups: list[tuple[int, list[tuple[int, int]] | None]] | None = None) -> None:
         """Update one chunk in place. ``param`` holds the gradient on entry (unless ``grad``, e.g.
         an fp32 accumulation chunk, is given), new params on exit.
 
         ``grad_factor`` multiplies the fp32 gradient (loss-scale inverse times clip coefficient).
         ``frozen`` lists (offset, numel) ranges of parameters without a gradient this step.
+        ``groups`` lists each group's index and its (offset, numel) ranges in this chunk (None: the
+        whole chunk); None updates the whole chunk with ``hp`` (the last group).
         """
         grad = (param if grad is None else grad).float()
         if grad_factor != 1.0:
             grad.mul_(grad_factor)
         saved = [(o, n, master[o:o + n].clone(), exp_avg[o:o + n].clone(), exp_avg_sq[o:o + n].clone())
                  for o, n in frozen]
-        hp = self.hp
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [],
-                            [self._step_tensor(master.device)], lr=hp.lr, beta1=hp.betas[0],
-                            beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
-                            amsgrad=False, maximize=False)
+        step = [self._step_tensor(master.device)]
+        if groups is None:
+            groups = [(len(self.hps) - 1, None)]
+        for g, ranges in groups:
+            hp = self.hps[g]
+            ranges = [(0, master.numel())] if ranges is None else ranges
+            pieces = [[t[o:o + n] for o, n in ranges] for t in (master, grad, exp_avg, exp_avg_sq)]
+            torch._fused_adamw_(*pieces, [], step * len(ranges), lr=hp.lr, beta1=hp.betas[0],
+                                beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
+                                amsgrad=False, maximize=False)
         for o, n, ms, ea, eas in saved:
             master[o:o + n].copy_(ms)
             exp_avg[o:o + n].copy_(ea)

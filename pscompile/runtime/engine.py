@@ -33,6 +33,7 @@ from pscompile.memory.store import ChunkStore
 from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
+from pscompile.optim.groups import resolve_groups
 from pscompile.optim.placement import host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, to_device
 from pscompile.runtime.materialize import materialize_meta
@@ -84,6 +85,9 @@ class ChunkEngine:
         self.params: dict[str, nn.Parameter] = mp.params
         self.order_source = mp.order_source
         self._fqn_of: dict[int, str] = mp.fqn_of()
+        aliases = {n: self._fqn_of[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+                   if id(p) in self._fqn_of and n != self._fqn_of[id(p)]}
+        self.groups = resolve_groups(optimizer, self.params, aliases)
         self.layout = choose_layout(mp, config, self.budget, keep_tensors_whole=not self.splits_large_tensors,
                                     world=1 if self.per_chunk else self.world)
 
@@ -132,7 +136,8 @@ class ChunkEngine:
         self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
         with torch.no_grad():
             self._load_into_chunks()
-        self.adam = ChunkAdamW(optimizer)
+        self.adam = ChunkAdamW(list(self.groups.hps))
+        self._chunk_groups_cache: dict[int, list] = {}
         self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
                        if self.dtype == torch.float16 else None)
         self._move_buffers()
@@ -242,12 +247,45 @@ class ChunkEngine:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the next update; assign to it to follow a schedule."""
+        """The learning rate of the next update (of the last parameter group: the parameters no
+        group named); assign to it to follow a schedule: every group gets the value."""
         return self.adam.hp.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.adam.hp = dataclasses.replace(self.adam.hp, lr=value)   # validates like AdamW(lr=...)
+        self.set_lr(value)
+
+    def set_lr(self, value: float, group: int | None = None) -> None:
+        """Set the learning rate of parameter group ``group`` (an index into ``param_groups``), or
+        of every group (None)."""
+        n = len(self.adam.hps)
+        if group is not None and not (isinstance(group, int) and -n <= group < n):
+            raise ValueError(f"group={group!r} is not a parameter group; this engine has {n} (0..{n - 1})")
+        hps = list(self.adam.hps)
+        for g in range(n) if group is None else [group % n]:
+            hps[g] = dataclasses.replace(hps[g], lr=value)    # validates like AdamW(lr=...)
+        self.adam.hps = hps
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The parameter groups in ``torch.optim.Optimizer.param_groups``' form, with parameter
+        names for ``params`` and the values the next update uses (a copy: change the learning
+        rate with ``lr`` or ``set_lr``)."""
+        return dataclasses.replace(self.groups, hps=tuple(self.adam.hps)).describe()
+
+    def _chunk_groups(self, c: int) -> list[tuple[int, list[tuple[int, int]] | None]]:
+        """Chunk ``c``'s parameter groups with their ranges in its home buffers (None: the whole
+        chunk, when one group holds all its parameters)."""
+        if c not in self._chunk_groups_cache:
+            ranges: dict[int, list[tuple[int, int]]] = {}
+            for e, p in self.layout.chunk_members(c):
+                ranges.setdefault(self.groups.index[e.fqn], []).append((p.chunk_offset, p.numel))
+            if len(ranges) <= 1:
+                out = [(next(iter(ranges), len(self.adam.hps) - 1), None)]
+            else:
+                out = [(g, home) for g, rs in ranges.items() if (home := self.store.home_ranges(rs))]
+            self._chunk_groups_cache[c] = out
+        return self._chunk_groups_cache[c]
 
     def _frozen_ranges(self, c: int, written: set[str]) -> list[tuple[int, int]]:
         """Ranges of chunk ``c``'s home buffers whose parameters got no gradient."""
@@ -313,7 +351,8 @@ class ChunkEngine:
                         grad = torch.empty_like(store.master[c])
                         self.link.copy(grad, grads[c], "h2d")
                 self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                       grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad)
+                                       grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
+                                       groups=self._chunk_groups(c))
                 store.mark_updated(c)
         return False
 
@@ -404,7 +443,7 @@ class ChunkEngine:
 
     # ================================================================ state
     def _scalar_state(self) -> dict:
-        return {"step": self.adam.step_count,
+        return {"step": self.adam.step_count, "param_groups": self.param_groups,
                 "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
                 "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0}
 
@@ -426,7 +465,9 @@ class ChunkEngine:
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a one-process (or consolidated) state dict at any world size, or this rank's own
-        shard of a run with the same world size and layout."""
+        shard of a run with the same world size and layout. The parameter groups must hold the
+        same parameters; their saved hyper-parameters (a scheduled learning rate) come back."""
+        hps = self._saved_groups(sd)
         if shard_ckpt.is_shard(sd):
             if self.comm is None:
                 raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; "
@@ -434,7 +475,7 @@ class ChunkEngine:
             shard_ckpt.load_shard(self.store, self.layout, sd, rank=self.rank, world=self.world)
             self._undo_all()
             self._count_outside_steps()
-            self._load_scalars(sd)
+            self._load_scalars(sd, hps)
             return
         for key in ("master", "exp_avg", "exp_avg_sq"):
             missing = set(self.params) - set(sd[key])
@@ -449,9 +490,27 @@ class ChunkEngine:
                 self.store.scatter(key, f, sd[key][f])
         self._undo_all()       # param chunks = master cast to the compute dtype
         self._count_outside_steps()
-        self._load_scalars(sd)
+        self._load_scalars(sd, hps)
 
-    def _load_scalars(self, sd: dict) -> None:
+    def _saved_groups(self, sd: dict) -> list[AdamW] | None:
+        """The hyper-parameters of ``sd``'s parameter groups (None for a state dict without them),
+        after checking they hold the parameters this engine's groups hold."""
+        saved = sd.get("param_groups")
+        if saved is None:
+            return None
+        ours = self.param_groups
+        if [list(g["params"]) for g in saved] != [g["params"] for g in ours]:
+            def show(groups):
+                return [f"{len(g['params'])} params ({', '.join(list(g['params'])[:2])}...)" for g in groups]
+            raise ValueError(f"state_dict['param_groups'] holds other parameters than this engine's groups: saved "
+                             f"{show(saved)}, engine {show(ours)}; build the engine with the same "
+                             "AdamW(param_groups=...)")
+        return [dataclasses.replace(hp, lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                                    weight_decay=g["weight_decay"]) for hp, g in zip(self.adam.hps, saved)]
+
+    def _load_scalars(self, sd: dict, hps: list[AdamW] | None = None) -> None:
+        if hps is not None:
+            self.adam.hps = hps
         self.adam.load_state_dict({"step": sd["step"]})
         if self.scaler is not None:
             self.scaler.scale = float(sd["loss_scale"])
