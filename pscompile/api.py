@@ -11,6 +11,7 @@ from pscompile.config import AdamW, Config, available_host_bytes
 from pscompile.errors import BudgetError
 from pscompile.hooks.engine import HooksEngine
 from pscompile.runtime.batching import LossFn, to_device
+from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
 
 # Probes of hooks mode's minimum before giving up (each probe is one traced forward + backward).
@@ -103,6 +104,7 @@ def _hooks_minimum(model: nn.Module, batch: Any, optimizer: AdamW, config: Confi
 def _check_arguments(model: nn.Module, optimizer: AdamW | None, config: Config | None) -> tuple[AdamW, Config]:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     optimizer = optimizer if optimizer is not None else AdamW()
     config = config if config is not None else Config()
     if not isinstance(optimizer, AdamW):

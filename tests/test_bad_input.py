@@ -1,11 +1,15 @@
-"""Bad batches get the model's own error, in both modes, and lose nothing.
+"""Bad batches get the right error, in both modes, and lose nothing.
 
-A batch the model rejects (float token ids, a sequence longer than the model allows, an extra
-argument, ``None``, a string) raises what eager PyTorch raises for it: the same exception type and
-message, in compiled mode too (where the capture runs the forward once more on fake tensors to tell
-the batch's fault from a model it cannot trace; a fake kernel may word a dtype differently). The weights, Adam states and the
-random number generator stay as they were, and the next good step gives what a clean engine gives.
-Models that cannot be captured keep the capture's own advice (``tests/test_capture.py``).
+A batch of the compiled form (the same arguments, tensors of the same dtypes) that the model
+rejects (a sequence longer than the model allows, a token id outside the vocabulary, ids of
+another rank) raises what eager PyTorch raises for it: the same exception type and message, in
+compiled mode too (where the capture runs the forward once more on fake tensors to tell the
+batch's fault from a model it cannot trace, or the step's own run meets it). A batch of another
+form (float token ids, an extra argument, a dict for a tuple, ``None``, a string) raises a
+``TypeError`` naming the argument and both forms before anything runs. Either way the weights,
+Adam states and the random number generator stay as they were, and the next good step gives what
+a clean engine gives. Models that cannot be captured keep the capture's own advice
+(``tests/test_capture.py``).
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ from pscompile.runtime.batching import call_model
 from conftest import make_batches, make_model
 
 GOOD = make_batches("gpt", 1)[0]
-BAD = {
-    "float token ids": (GOOD[0].float(), GOOD[1]),
+MODEL_REJECTS = {
     "longer than seq_len": (torch.cat([GOOD[0], GOOD[0]], 1), torch.cat([GOOD[1], GOOD[1]], 1)),
-    "an extra argument": (*GOOD, GOOD[0]),
-    "None": None,
-    "a string": "hello",
+    "a token id outside the vocabulary": (GOOD[0].clone().fill_(300), GOOD[1]),
+    "3-D token ids": (GOOD[0][..., None], GOOD[1]),
+}
+OTHER_FORM = {   # what the message must name
+    "float token ids": ((GOOD[0].float(), GOOD[1]), "batch[0] is float32 tensor where the compiled form has int64"),
+    "an extra argument": ((*GOOD, GOOD[0]), "batch[2] is new"),
+    "a dict for a tuple": ({"idx": GOOD[0], "targets": GOOD[1]}, "batch[0] is missing"),
+    "None": (None, "batch is new"),
+    "a string": ("hello", "batch is new"),
 }
 
 
@@ -43,7 +52,7 @@ def test_a_batch_the_model_rejects_raises_the_models_own_error_and_loses_nothing
         torch.manual_seed(1)
         e.step(GOOD)
     before = engine.state_dict()
-    for name, bad in BAD.items():
+    for name, bad in MODEL_REJECTS.items():
         with pytest.raises(Exception) as eager:
             call_model(make_model("gpt"), bad)
         rng = torch.get_rng_state()
@@ -54,6 +63,14 @@ def test_a_batch_the_model_rejects_raises_the_models_own_error_and_loses_nothing
         # ("torch.float32" for "torch.FloatTensor"): the same exception, the same words up to there
         assert a == b or (mode == "compiled" and a[:100] == b[:100]), (name, a, b)
         assert torch.equal(torch.get_rng_state(), rng), name
+    for name, (bad, names) in OTHER_FORM.items():
+        with pytest.raises(TypeError, match="The engine was compiled for batches of the form") as ours:
+            engine.step(bad)
+        assert names in str(ours.value), (name, str(ours.value))
+        with pytest.raises(TypeError, match=r"^evaluate\(\): "):
+            engine.evaluate(bad)
+        with pytest.raises(TypeError, match=r"^step\(\) \(micro-batch 1\): "):
+            engine.step([GOOD, bad] if isinstance(bad, tuple) else [GOOD, (bad,)])
     after = engine.state_dict()
     for key in ("master", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(before[key][f], after[key][f]) for f in before[key]), key
@@ -61,3 +78,112 @@ def test_a_batch_the_model_rejects_raises_the_models_own_error_and_loses_nothing
     want = clean.step(GOOD)
     torch.manual_seed(2)
     assert engine.step(GOOD) == want
+
+
+# ------------------------------------------------------------------------- the README's table
+# Every bad input tried, what it raises and words the message must hold; the README's table
+# ("Bad input and the error it gets") lists the same rows, so neither can drift from the code.
+def _hooks(**kw) -> pscompile.Config:
+    return pscompile.Config(**{"mode": "hooks", "device": "cpu", "dtype": torch.float32, **kw})
+
+
+def _stepped(mode: str = "hooks"):
+    engine = pscompile.compile(make_model("gpt"), GOOD, config=pscompile.Config(
+        mode=mode, backend="eager", device="cpu", dtype=torch.float32))
+    engine.step(GOOD)
+    return engine
+
+
+def _held_twice():
+    model = make_model("gpt")
+    pscompile.compile(model, GOOD, config=_hooks())
+    pscompile.compile(model, GOOD, config=_hooks())
+
+
+def _closed():
+    engine = _stepped()
+    engine.close()
+    engine.step(GOOD)
+
+
+def _nan_weights():
+    engine = _stepped()
+    engine.load_state_dict({**(sd := engine.state_dict()),
+                            "master": {**sd["master"], "wte.weight": torch.full_like(sd["master"]["wte.weight"], 1e38)}})
+    engine.step(GOOD)
+
+
+def _foreign_checkpoint(tmp):
+    engine = pscompile.compile(make_model("bert"), make_batches("bert", 1)[0], config=_hooks())
+    pscompile.save(engine, tmp / "bert.ckpt")
+    pscompile.load(_stepped(), tmp / "bert.ckpt")
+
+
+def _truncated_checkpoint(tmp):
+    engine = _stepped()
+    pscompile.save(engine, tmp / "t.ckpt")
+    data = (tmp / "t.ckpt").read_bytes()
+    (tmp / "t.ckpt").write_bytes(data[:len(data) // 2])
+    pscompile.load(engine, tmp / "t.ckpt")
+
+
+def _compile(**kw):
+    return lambda tmp: pscompile.compile(make_model("gpt"), GOOD, **kw)
+
+
+TABLE = [   # (input, what raises it, exception, words of its message)
+    ("token ids of another dtype (float)", lambda tmp: _stepped("compiled").step((GOOD[0].float(), GOOD[1])),
+     TypeError, "batch[0] is float32 tensor where the compiled form has int64 tensor"),
+    ("an extra argument", lambda tmp: _stepped().step((*GOOD, GOOD[0])), TypeError, "batch[2] is new"),
+    ("a dict where the engine was compiled with a tuple",
+     lambda tmp: _stepped().step({"idx": GOOD[0], "targets": GOOD[1]}), TypeError, "batch['idx'] is new"),
+    ("`None` or a string as the batch", lambda tmp: _stepped().step(None), TypeError, "batch[0] is missing"),
+    ("a sequence longer than the model's (the model's own error)", lambda tmp: _stepped("compiled").step(MODEL_REJECTS["longer than seq_len"]),
+     AssertionError, "sequence length 128 > seq_len 64"),
+    ("a token id outside the vocabulary (the model's own error)",
+     lambda tmp: _stepped("compiled").step(MODEL_REJECTS["a token id outside the vocabulary"]),
+     IndexError, "index out of range in self"),
+    ("an empty list of micro-batches", lambda tmp: _stepped().step([]), ValueError, "step() got an empty list"),
+    ("a model whose loss is not a scalar", _compile(config=_hooks(), loss_fn=lambda out, batch: torch.ones(3)),
+     ValueError, "the loss must be a scalar tensor, got (3,)"),
+    ("`device_memory` below the minimum", _compile(config=_hooks(device_memory="64KiB")),
+     pscompile.BudgetError, "is below the minimum"),
+    ("`device_memory=\"lots\"`", lambda tmp: _hooks(device_memory="lots"), ValueError, "device_memory='lots' is not a size"),
+    ("`host_memory` too small for the chunks", _compile(config=_hooks(host_memory="64KiB", device_memory="1MiB")),
+     pscompile.BudgetError, "the disk tier is not available yet"),
+    ("`dtype=torch.float64`", lambda tmp: _hooks(dtype=torch.float64), ValueError,
+     "use torch.float16, torch.bfloat16 or torch.float32"),
+    ("`mode=\"fast\"`", lambda tmp: _hooks(mode="fast"), ValueError, "mode='fast' is not a mode"),
+    ("`device=\"tpu\"`", lambda tmp: _hooks(device="tpu"), ValueError, "use 'cpu', 'cuda' or 'cuda:N'"),
+    ("`chunk_size=0`", lambda tmp: _hooks(chunk_size=0), ValueError, "must be a positive number of elements or 'auto'"),
+    ("`activations=\"offload\"` in hooks mode", lambda tmp: _hooks(activations="offload"), ValueError,
+     "wrap the model's blocks in torch.utils.checkpoint"),
+    ("`AdamW(lr=-1)`", lambda tmp: pscompile.AdamW(lr=-1), ValueError, "lr=-1 must be a number >= 0"),
+    ("`AdamW(betas=(0.9, 1.0))`", lambda tmp: pscompile.AdamW(betas=(0.9, 1.0)), ValueError,
+     "must be two numbers in [0, 1)"),
+    ("a parameter group naming a parameter the model lacks",
+     _compile(config=_hooks(), optimizer=pscompile.AdamW(param_groups=[{"params": ["lm_head.bias"]}])),
+     ValueError, "names 'lm_head.bias', which the model does not have"),
+    ("a `torch.optim.AdamW` as the optimizer",
+     _compile(optimizer=torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])), ValueError,
+     "optimizer must be pscompile.AdamW(...)"),
+    ("a model an open engine holds", lambda tmp: _held_twice(), ValueError, "model is held by an open pscompile engine"),
+    ("a step after `close()`", lambda tmp: _closed(), RuntimeError, "this engine was closed"),
+    ("inf/NaN gradients in fp32 or bf16", lambda tmp: _nan_weights(), FloatingPointError,
+     "the update was not applied"),
+    ("a checkpoint of another model", _foreign_checkpoint, ValueError, "does not fit this engine; nothing was loaded"),
+    ("a truncated checkpoint", _truncated_checkpoint, ValueError, "nothing was loaded"),
+]
+
+
+def test_every_bad_input_in_the_readme_table_gets_its_error(tmp_path):
+    import pathlib
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    rows = []
+    for what, make, error, words in TABLE:
+        with pytest.raises(error) as raised:
+            make(tmp_path)
+        assert words in str(raised.value), (what, str(raised.value))
+        rows.append(f"| {what} | `{error.__name__}` | {words.replace('|', '&#124;')} |")
+        assert rows[-1] in readme, f"the README's bad-input table lacks the row\n{rows[-1]}"
+    assert len(rows) >= 15

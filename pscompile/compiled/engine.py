@@ -561,6 +561,7 @@ class CompiledEngine(ChunkEngine):
         forward-only schedule (captured, planned, measured and lowered like a training step's, under
         the same budget). Like plain PyTorch, dropout follows the model's train()/eval() mode."""
         self._check_open()
+        self._check_batch(batch, None, "evaluate")
         batch = to_device(batch, self.device)
         key, sched = self._runnable(batch, RunKind.EVAL)
         with torch.no_grad():

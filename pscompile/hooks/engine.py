@@ -442,6 +442,7 @@ class HooksEngine(ChunkEngine):
         fetched and released by the same machinery, under the same budget (its own trace per batch
         shape). Like plain PyTorch, dropout follows the model's train()/eval() mode."""
         self._check_open()
+        self._check_batch(batch, None, "evaluate")
         batch = to_device(batch, self.device)
         key = signature(batch)
         plan = self._eval_plans.get(key)

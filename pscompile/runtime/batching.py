@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -30,6 +30,39 @@ def signature(batch: Any) -> tuple:
     leaves, spec = tree_flatten(batch)
     return (str(spec),) + tuple(
         (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+
+
+def structure(batch: Any) -> tuple[tuple[str, str], ...]:
+    """Each leaf's place in the batch and its kind (a tensor's dtype, else its type): what must not
+    change from step to step. Shapes may change (each gets its own schedule); values of
+    non-tensor leaves may too."""
+    leaves, _ = tree_flatten_with_path(batch)
+    return tuple((f"batch{keystr(path)}", _kind(leaf)) for path, leaf in leaves)
+
+
+def _kind(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"{str(leaf.dtype).replace('torch.', '')} tensor"
+    return type(leaf).__name__
+
+
+def structure_error(expected: tuple[tuple[str, str], ...], batch: Any) -> str | None:
+    """Why ``batch`` does not have the ``expected`` structure (naming each argument that differs
+    and both forms), or None when it has it (dict keys in another order are the same form)."""
+    got = structure(batch)
+    want, have = dict(expected), dict(got)
+    if want == have:
+        return None
+    parts = [f"{p} is missing" for p in want if p not in have]
+    parts += [f"{p} is new" for p in have if p not in want]
+    parts += [f"{p} is {have[p]} where the compiled form has {want[p]}" for p in want
+              if p in have and want[p] != have[p]]
+
+    def show(form):
+        return "(" + ", ".join(f"{p}: {k}" for p, k in form) + ")"
+    return (f"{'; '.join(parts)}. The engine was compiled for batches of the form {show(expected)}, this one "
+            f"is {show(got)}; pass batches of the compiled form (shapes may differ: each new shape gets its "
+            "own schedule), or compile an engine for this form")
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:

@@ -35,7 +35,7 @@ from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.placement import host_shortfall_chunks
-from pscompile.runtime.batching import LossFn, call_model, micro_batches, to_device
+from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.params import choose_layout, collect_params
@@ -73,6 +73,8 @@ class ChunkEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             self.budget = int(free * 0.9)
         batch = to_device(batch, self.device)
+        micro = micro_batches(batch)
+        self.batch_structure = structure(batch if micro is None else micro[0])   # every step's batch has it
         # ZeRO: the ranks this engine shards its chunks over (None: one process, or opted out)
         self.comm = resolve_comm(config.process_group, bandwidth=config.link_bandwidth)
         self.world = self.comm.world if self.comm is not None else 1
@@ -85,9 +87,7 @@ class ChunkEngine:
         self.params: dict[str, nn.Parameter] = mp.params
         self.order_source = mp.order_source
         self._fqn_of: dict[int, str] = mp.fqn_of()
-        aliases = {n: self._fqn_of[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
-                   if id(p) in self._fqn_of and n != self._fqn_of[id(p)]}
-        self.groups = resolve_groups(optimizer, self.params, aliases)
+        self.groups = resolve_groups(optimizer, self.params, mp.aliases)
         self.layout = choose_layout(mp, config, self.budget, keep_tensors_whole=not self.splits_large_tensors,
                                     world=1 if self.per_chunk else self.world)
 
@@ -113,7 +113,8 @@ class ChunkEngine:
                          f", and device_memory={format_bytes(self.budget)} cannot take the other "
                          f"{self.min_device_homes} chunks ({format_bytes(device_need)} before any activation)")
                 detail = (f"to hold the {self.min_device_homes} chunks host_memory={format_bytes(host_budget)} "
-                          f"cannot ({format_bytes(device_need)} before any activation)")
+                          f"cannot ({format_bytes(device_need)} before any activation; the disk tier is not "
+                          "available yet)")
                 error = ValueError if self.world > 1 else \
                     lambda text: BudgetError(text, minimum=device_need, detail=detail)   # a search goes on from there
                 raise error(
@@ -234,6 +235,15 @@ class ChunkEngine:
 
     def _detach_from_model(self) -> None:
         """Mode-specific: remove whatever the mode attached to the model."""
+
+    def _check_batch(self, batch: Any, micro: list | None, call: str = "step") -> None:
+        """A ``TypeError`` naming the argument when ``batch`` (or a micro-batch) is not of the form
+        the engine was compiled for; before anything runs, so nothing changes."""
+        for i, b in enumerate([batch] if micro is None else micro):
+            problem = structure_error(self.batch_structure, b)
+            if problem is not None:
+                which = "" if micro is None else f" (micro-batch {i})"
+                raise TypeError(f"{call}(){which}: {problem}")
 
     def _check_open(self) -> None:
         if self.closed:
@@ -367,6 +377,7 @@ class ChunkEngine:
         self._check_open()
         t_start = time.perf_counter()
         micro = micro_batches(batch)
+        self._check_batch(batch, micro)
         batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
         acc = self._accumulation_chunks() if micro is not None else None
         k = len(batches)

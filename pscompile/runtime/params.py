@@ -18,6 +18,25 @@ from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
 from pscompile.runtime.order import first_use_order
 
 
+def check_model(model: nn.Module) -> None:
+    """Refuse a model pscompile cannot take, naming the parameter: one an open engine holds (its
+    parameters are placeholders until ``close()``), or parameters on several devices."""
+    devices: dict[str, str] = {}
+    for name, p in model.named_parameters():
+        if p.numel() > 1 and all(s == 0 for s in p.stride()) and p.device.type != "meta" \
+                and p.untyped_storage().nbytes() == p.element_size() and bool(torch.isnan(p.reshape(-1)[0])):
+            raise ValueError(f"model is held by an open pscompile engine (parameter {name!r} is its placeholder); "
+                             "call that engine's close(), which gives the model its trained weights back, "
+                             "before compiling the model again, or compile another model")
+        devices.setdefault(p.device.type if p.device.type in ("meta", "cpu") else str(p.device), name)
+    real = {d: n for d, n in devices.items() if d != "meta"}
+    if len(real) > 1:
+        raise ValueError("model has parameters on several devices (" + ", ".join(
+            f"{n!r} on {d}" for d, n in real.items()) + "); pscompile places every parameter itself: move the "
+                         "model to one device (model.to('cpu')) or build it on the meta device, and name the "
+                         "compute device in Config(device=...)")
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """Every distinct parameter once, under its canonical (first) name, in first-use order."""
