@@ -502,7 +502,7 @@ class CompiledEngine(ChunkEngine):
             self._queue.flush()
             self._reading.clear()
         except BaseException:
-            self._queue.flush()
+            self._queue.drain()              # no copy is left running into memory the recovery frees
             self._abandon_in_flight()
             self._reading.clear()
             self._copying.clear()

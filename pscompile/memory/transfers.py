@@ -30,10 +30,23 @@ class TransferQueue:
         return fut
 
     def flush(self) -> None:
+        """Wait for every copy; then raise the first one's exception, if any failed."""
+        errors = self.drain()
+        if errors:
+            raise errors[0]
+
+    def drain(self) -> list[BaseException]:
+        """Wait for every copy (none is left running) and return the exceptions of those that
+        failed: after a failed step, so that its recovery runs whatever the copies did."""
         pending, self._pending = self._pending, []
+        errors = []
         for fut in pending:
-            fut.result()
+            try:
+                fut.result()
+            except BaseException as e:          # noqa: BLE001 -- collected, raised by flush
+                errors.append(e)
+        return errors
 
     def close(self) -> None:
-        self.flush()
+        self.drain()
         self._pool.shutdown(wait=True)

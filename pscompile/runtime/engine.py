@@ -36,6 +36,7 @@ from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.placement import host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
+from pscompile.runtime.interrupts import deferred_interrupts
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.params import choose_layout, collect_params
@@ -145,6 +146,7 @@ class ChunkEngine:
         self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
         self.stats = None
         self.closed = False
+        self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
 
     def _count_outside_steps(self) -> None:
         """Move what the link counted since the last reset into ``setup_traffic``."""
@@ -248,6 +250,8 @@ class ChunkEngine:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this engine was closed")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
 
     def __enter__(self):
         return self
@@ -311,9 +315,35 @@ class ChunkEngine:
         accumulated several micro-batches; the param chunks then still hold the parameters).
         Returns True if the step was skipped."""
         store, n = self.store, self.layout.num_chunks
-        sq = 0.0
         has_grad = [store.owns(c) and any(e.fqn in written for e, _ in self.layout.chunk_members(c))
                     for c in range(n)]
+        undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
+        try:
+            factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads)
+        except BaseException:
+            self._undo_all(undo)              # the chunks hold gradients: back to the parameters
+            raise
+        if factor is None:
+            return True
+        # The commit: masters and Adam states change chunk by chunk and cannot be undone. Ctrl-C
+        # waits until the update is done; any other failure leaves a partial update, which the
+        # engine refuses to train on or save until a checkpoint is loaded.
+        with deferred_interrupts():
+            try:
+                self._apply_update(written, factor, tracker, has_grad, before_update, grads)
+            except BaseException as e:
+                self._broken = (f"this engine failed inside the optimizer update ({type(e).__name__}: {e}); its "
+                                "weights and optimizer states are partly updated: load a checkpoint "
+                                "(pscompile.load or load_state_dict) before training or saving again")
+                raise
+        return False
+
+    def _unscale_and_clip(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
+                          undo: list[bool], grads: list[torch.Tensor] | None) -> float | None:
+        """The gradient norm over every rank; on inf/NaN, undo and skip (or raise). Returns the
+        factor the gradients are multiplied by in the update, None for a skipped step."""
+        store, n = self.store, self.layout.num_chunks
+        sq = 0.0
         for c in range(n):
             if not has_grad[c]:
                 continue
@@ -332,19 +362,23 @@ class ChunkEngine:
         inv_scale = 1.0 / scale
         total_norm = (sq ** 0.5) * inv_scale
         found_inf = not (sq < float("inf"))     # also catches NaN
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
         if found_inf:
-            self._undo_all(undo)
             if self.scaler is None and not self.config.skip_nonfinite:
                 raise FloatingPointError(
                     f"the gradients contain inf/NaN in {self.dtype} without loss scaling (loss scaling is "
                     "used with float16 only); the update was not applied (Config(skip_nonfinite=True) skips "
                     "such steps instead)")
-            return True
-        factor = inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
+            self._undo_all(undo)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            return None
+        return inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
             else inv_scale
+
+    def _apply_update(self, written: set[str], factor: float, tracker: NonModelTracker, has_grad: list[bool],
+                      before_update: Callable[[int], None], grads: list[torch.Tensor] | None) -> None:
+        store, n = self.store, self.layout.num_chunks
         self.adam.begin_step()
         for c in range(n):
             before_update(c)
@@ -364,7 +398,6 @@ class ChunkEngine:
                                        grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
                                        groups=self._chunk_groups(c))
                 store.mark_updated(c)
-        return False
 
     # ================================================================ the step
     def step(self, batch: Any) -> float:
@@ -462,6 +495,8 @@ class ChunkEngine:
         """fp32 master weights, Adam states (per parameter fqn), step, loss scale. Sharded (ZeRO):
         this rank's shards and the layout they are cut from (``pscompile.consolidate`` joins the
         ranks' dicts into the one-process form)."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         if self.comm is not None:
             return shard_ckpt.shard_state_dict(self.store, self.layout, rank=self.rank, world=self.world,
                                                extra=self._scalar_state())
@@ -520,6 +555,7 @@ class ChunkEngine:
                                     weight_decay=g["weight_decay"]) for hp, g in zip(self.adam.hps, saved)]
 
     def _load_scalars(self, sd: dict, hps: list[AdamW] | None = None) -> None:
+        self._broken = None                 # every chunk holds the loaded state now
         if hps is not None:
             self.adam.hps = hps
         self.adam.load_state_dict({"step": sd["step"]})
