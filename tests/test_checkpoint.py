@@ -53,6 +53,43 @@ def test_save_then_load_in_a_new_process_resumes_bit_for_bit(tmp_path, mode, dty
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary left
 
 
+def test_inductor_resume_is_exact_the_checkpoint_carries_the_measurements(tmp_path):
+    """A new engine would measure its first step in an eager run, whose kernels round differently
+    from the Inductor regions the uninterrupted run is using by then: the checkpoint carries the
+    measured curves and the optimizer-state placement, so the resumed engine runs those regions at
+    once. Inductor's CPU embedding backward adds with atomics: two identical runs differ in the
+    tied embedding unless deterministic algorithms are on, as for any bitwise reproducibility."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _inductor_resume(tmp_path)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _inductor_resume(tmp_path):
+    batches = make_batches("gpt", 2 * N)
+
+    def engine(budget=None):
+        return pscompile.compile(make_model("gpt", dropout=0.1), batches[0], optimizer=ckpt_worker.HP,
+                                 config=pscompile.Config(mode="compiled", backend="inductor", device="cpu",
+                                                         dtype=torch.float32, device_memory=budget))
+    budget = int(pscompile.min_device_memory(make_model("gpt", dropout=0.1), batches[0], engine().config) * 1.1)
+    torch.manual_seed(0)
+    whole = engine(budget)
+    losses = [whole.step(b) for b in batches]
+    torch.manual_seed(0)
+    first = engine(budget)
+    for b in batches[:N]:
+        first.step(b)
+    pscompile.save(first, tmp_path / "i.ckpt")
+    resumed = engine(budget)
+    pscompile.load(resumed, tmp_path / "i.ckpt")
+    assert [resumed.step(b) for b in batches[N:]] == losses[N:]
+    assert _same(_snapshot(resumed), _snapshot(whole))
+    assert whole.stats.num_evictions > 0
+
+
 def _engine(dtype=torch.float32, **model_kw):
     batch = make_batches("gpt", 1)[0]
     return pscompile.compile(make_model("gpt", **model_kw), batch, config=pscompile.Config(
@@ -61,7 +98,8 @@ def _engine(dtype=torch.float32, **model_kw):
 
 def _snapshot(engine) -> dict:
     sd = engine.state_dict()
-    return {k: {f: t.clone() for f, t in v.items()} if isinstance(v, dict) else v for k, v in sd.items()}
+    return {k: {f: t.clone() for f, t in v.items()} if k in ("master", "exp_avg", "exp_avg_sq") else v
+            for k, v in sd.items()}
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -143,6 +143,7 @@ class CompiledEngine(ChunkEngine):
         self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
         self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
         self._node_by_node: set[CaptureKey] = set()       # captures whose regions did not fit: run eagerly
+        self._restored: dict[str, dict] = {}      # repr(capture key) -> what a loaded checkpoint measured
         self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
         self.eval_plan: ResidencyPlan | None = None
@@ -199,6 +200,7 @@ class CompiledEngine(ChunkEngine):
                                           rates=self.rates if self.config.activations == "auto" else None,
                                           host_room=self.host_room)
             self._captures[key.capture] = analyzed
+        self._install_restored(key.capture)
         measured = self._measured.get(key.capture)
         nonmodel = measured if measured is not None else analyzed.nonmodel
         self._fit_optimizer_states(max(nonmodel))
@@ -234,13 +236,17 @@ class CompiledEngine(ChunkEngine):
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
             return
-        on_device = set(range(count))
+        self._place_states(set(range(count)))
+        self._os_placed = True
+
+    def _place_states(self, on_device: set[int]) -> None:
+        """Put the optimizer states of ``on_device``'s chunks on the device, the others on the
+        host, and plan every schedule again for the new placement."""
         for k, c in list(self._slot_chunk.items()):     # states leaving the device: between steps a
             if c not in on_device:                      # param chunk is its master's cast, which
                 self._release_slot(k)                   # goes home with them (place_optimizer_states)
         self.store.place_optimizer_states(on_device)
         self._count_outside_steps()
-        self._os_placed = True
         for key, s in list(self._schedules.items()):    # planned for the old placement
             self._replan(key, s.nonmodel, measured=s.measured)
 
@@ -621,6 +627,52 @@ class CompiledEngine(ChunkEngine):
             for other in list(self._schedules):
                 if other.capture == cap:
                     self._replan(other, previous, measured=True)
+
+    # ================================================================ checkpoints
+    def _context(self) -> dict:
+        """What the saved measurements are valid for."""
+        return {"budget": self.budget, "world": self.world, "chunk_size": self.layout.chunk_size,
+                "num_chunks": self.layout.num_chunks, "activations": self.config.activations,
+                "backend": self.config.backend, "dtype": str(self.dtype)}
+
+    def _mode_state(self) -> dict:
+        """What this engine measured (per capture: the non-model curve it plans with, the one
+        measured node by node, its region re-plans) and where the optimizer states live. A resumed
+        engine plans, cuts and compiles exactly the regions this one runs, instead of measuring
+        again in an eager run whose kernels round differently from Inductor's."""
+        captures = {repr(cap): {"static": list(self._captures[cap].nonmodel), "measured": list(curve),
+                                "node": list(self._node_curves.get(cap, curve)),
+                                "rounds": self._region_rounds.get(cap, 0), "node_by_node": cap in self._node_by_node}
+                    for cap, curve in self._measured.items() if cap in self._captures}
+        return {"compiled": {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
+                             "os_device": [c for c in range(self.layout.num_chunks)
+                                           if self.store.os_tier[c] is Tier.DEVICE]}}
+
+    def _load_mode_state(self, sd: dict) -> None:
+        saved = sd.get("compiled")
+        if saved is None or saved.get("context") != self._context():
+            return                         # another budget or layout: this engine measures its own
+        self._restored = dict(saved["captures"])
+        now = [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]
+        if saved["os_placed"] and list(saved["os_device"]) != now:
+            self._place_states(set(saved["os_device"]))
+        self._os_placed = self._os_placed or saved["os_placed"]
+        for cap in list(self._captures):
+            self._install_restored(cap)
+
+    def _install_restored(self, cap: CaptureKey) -> None:
+        """Plan ``cap`` with a loaded checkpoint's measurements, if it has them for this graph."""
+        entry = self._restored.pop(repr(cap), None)
+        if entry is None or list(self._captures[cap].nonmodel) != list(entry["static"]):
+            return
+        self._measured[cap] = tuple(entry["measured"])
+        self._node_curves[cap] = tuple(entry["node"])
+        self._region_rounds[cap] = int(entry["rounds"])
+        if entry["node_by_node"]:
+            self._node_by_node.add(cap)
+        for key in list(self._schedules):
+            if key.capture == cap:
+                self._replan(key, self._measured[cap], measured=True)
 
     def _abandon_in_flight(self) -> None:
         """After a failed run, collectives may still be running (a broken process group times out

@@ -487,7 +487,7 @@ class ChunkEngine:
 
     # ================================================================ state
     def _scalar_state(self) -> dict:
-        return {"step": self.adam.step_count, "param_groups": self.param_groups,
+        return {**self._mode_state(), "step": self.adam.step_count, "param_groups": self.param_groups,
                 "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
                 "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0}
 
@@ -554,8 +554,16 @@ class ChunkEngine:
         return [dataclasses.replace(hp, lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
                                     weight_decay=g["weight_decay"]) for hp, g in zip(self.adam.hps, saved)]
 
+    def _mode_state(self) -> dict:
+        """Mode hook: what the mode saves besides the model state (e.g. measurements)."""
+        return {}
+
+    def _load_mode_state(self, sd: dict) -> None:
+        """Mode hook: take back what ``_mode_state`` saved."""
+
     def _load_scalars(self, sd: dict, hps: list[AdamW] | None = None) -> None:
         self._broken = None                 # every chunk holds the loaded state now
+        self._load_mode_state(sd)
         if hps is not None:
             self.adam.hps = hps
         self.adam.load_state_dict({"step": sd["step"]})
