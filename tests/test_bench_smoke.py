@@ -222,3 +222,16 @@ def test_activations_quick(tmp_path):
         if r["policy"] == "auto" and r["link"] == "200MB/s":
             assert r["recomputed"] > 0 and r["offloaded"] == 0, r
 
+
+
+def test_soak_short_run(tmp_path):
+    """bench/soak.py in hooks mode for 150 steps: every step within budget, evicting, moving what it
+    should; the step-end occupancy and the threads the same at every sample (RSS is reported, not
+    held to flatness in so short a run)."""
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "soak.py"), "--steps", "150", "--modes", "hooks",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["steps"] == 150 and len(r["samples"]) == 3 and r["evictions_per_step"] > 0
+    assert r["checks"]["stats_consistent"] and r["checks"]["occupancy_flat"] and r["checks"]["threads_flat"], r["checks"]
