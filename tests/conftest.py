@@ -147,3 +147,16 @@ def assert_graphs_agree(captured, rewritten, params: dict, batch) -> None:
     for a, b in zip(want, got):
         assert torch.equal(a, b)
 
+
+
+def snapshot(engine) -> dict:
+    """A copy of the engine's state dict: its tensors cloned, the rest as is."""
+    sd = engine.state_dict()
+    return {k: {f: t.clone() for f, t in v.items()} if k in ("master", "exp_avg", "exp_avg_sq") else v
+            for k, v in sd.items()}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Two ``snapshot``s hold the same step and the same masters and Adam states, bit for bit."""
+    return a["step"] == b["step"] and all(torch.equal(a[k][f], b[k][f])
+                                          for k in ("master", "exp_avg", "exp_avg_sq") for f in a[k])

@@ -17,7 +17,7 @@ import torch
 
 import ckpt_worker
 import pscompile
-from conftest import make_batches, make_model
+from conftest import make_batches, make_model, same_state, snapshot
 
 N = 3
 
@@ -86,7 +86,7 @@ def _inductor_resume(tmp_path):
     resumed = engine(budget)
     pscompile.load(resumed, tmp_path / "i.ckpt")
     assert [resumed.step(b) for b in batches[N:]] == losses[N:]
-    assert _same(_snapshot(resumed), _snapshot(whole))
+    assert same_state(snapshot(resumed), snapshot(whole))
     assert whole.stats.num_evictions > 0
 
 
@@ -96,15 +96,6 @@ def _engine(dtype=torch.float32, **model_kw):
         mode="compiled", backend="eager", device="cpu", dtype=dtype)), batch
 
 
-def _snapshot(engine) -> dict:
-    sd = engine.state_dict()
-    return {k: {f: t.clone() for f, t in v.items()} if k in ("master", "exp_avg", "exp_avg_sq") else v
-            for k, v in sd.items()}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[k][f], b[k][f]) for k in ("master", "exp_avg", "exp_avg_sq") for f in a[k]) \
-        and a["step"] == b["step"]
 
 
 def test_broken_or_foreign_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
@@ -113,7 +104,7 @@ def test_broken_or_foreign_checkpoints_are_refused_and_nothing_is_loaded(tmp_pat
     path = pscompile.save(engine, tmp_path / "a.ckpt")
     data = path.read_bytes()
     other, _ = _engine()
-    before = _snapshot(other)
+    before = snapshot(other)
     rng = torch.get_rng_state()
     cases = {
         "truncated": (data[: len(data) // 2], "not a complete pscompile checkpoint"),
@@ -146,9 +137,9 @@ def test_broken_or_foreign_checkpoints_are_refused_and_nothing_is_loaded(tmp_pat
     bf16, _ = _engine(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="compute dtype: checkpoint 'float32', engine 'bfloat16'"):
         pscompile.load(bf16, path)
-    assert _same(_snapshot(other), before) and torch.equal(torch.get_rng_state(), rng)
+    assert same_state(snapshot(other), before) and torch.equal(torch.get_rng_state(), rng)
     pscompile.load(other, path)                                           # the good one loads
-    assert _same(_snapshot(other), _snapshot(engine))
+    assert same_state(snapshot(other), snapshot(engine))
 
 
 def test_save_replaces_the_file_atomically(tmp_path):

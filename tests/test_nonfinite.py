@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import pscompile
+from conftest import same_state, snapshot
 
 
 class _Weighted(nn.Module):
@@ -30,14 +31,6 @@ def _engine(mode: str, dtype: torch.dtype, **kw):
         mode=mode, backend="eager", device="cpu", dtype=dtype, **kw)), batch
 
 
-def _state(engine) -> dict:
-    sd = engine.state_dict()
-    return {k: {f: t.clone() for f, t in v.items()} if isinstance(v, dict) else v for k, v in sd.items()}
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a["step"] == b["step"] and all(torch.equal(a[k][f], b[k][f])
-                                          for k in ("master", "exp_avg", "exp_avg_sq") for f in a[k])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,16 +43,16 @@ def test_nonfinite_gradients_raise_or_skip_and_touch_nothing(mode, dtype):
         e.step(good)
     for bad_w in (float("inf"), float("nan")):
         bad = (good[0], torch.tensor(bad_w, dtype=dtype))
-        before = _state(engine)
+        before = snapshot(engine)
         with pytest.raises(FloatingPointError, match="inf/NaN .* the update was not applied"):
             engine.step(bad)
-        assert _equal(_state(engine), before)
-        before = _state(skipping)
+        assert same_state(snapshot(engine), before)
+        before = snapshot(skipping)
         skipping.step(bad)
-        assert skipping.stats.skipped and _equal(_state(skipping), before)
+        assert skipping.stats.skipped and same_state(snapshot(skipping), before)
     want = clean.step(good)                       # as if the bad steps had never happened
     assert engine.step(good) == want == skipping.step(good)
-    assert _equal(_state(engine), _state(clean)) and _equal(_state(skipping), _state(clean))
+    assert same_state(snapshot(engine), snapshot(clean)) and same_state(snapshot(skipping), snapshot(clean))
     assert not skipping.stats.skipped
 
 
