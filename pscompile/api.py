@@ -61,7 +61,8 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     if config.mode == "compiled":
         from pscompile.dist.comm import resolve_comm
         from pscompile.graph.pipeline import least_budget, plan_inputs
-        from pscompile.optim.placement import host_shortfall_chunks
+        from pscompile.memory.disk_states import STAGED_SETS
+        from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
         batch = to_device(batch, config.torch_device)
         comm = resolve_comm(config.process_group)
         world = comm.world if comm is not None else 1
@@ -69,13 +70,17 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
                                        per_chunk=config.collectives == "per_chunk")
         slot_bytes = layout.chunk_size * config.dtype.itemsize
         state_bytes = 3 * 4 * layout.chunk_size
-        homes = 0 if config.host_memory is None or world > 1 else host_shortfall_chunks(
+        disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
+        homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
             num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
         host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
         n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
         owned = (len(range(comm.rank, n, world)) * cs if config.collectives == "per_chunk" and world > 1
                  else (n - homes) * (cs // world))
         room = max(0, host - owned * (config.dtype.itemsize + 12))
+        if disk and room == 0:
+            room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,
+                                            staging_chunks=STAGED_SETS, host_budget=host)[1])
         return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
                             device_homes=homes, state_bytes=state_bytes, host_room=room).nbytes
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]
@@ -111,8 +116,4 @@ def _check_arguments(model: nn.Module, optimizer: AdamW | None, config: Config |
         raise ValueError(f"optimizer must be pscompile.AdamW(...), got {type(optimizer).__name__}")
     if not isinstance(config, Config):
         raise ValueError(f"config must be pscompile.Config(...), got {type(config).__name__}")
-    if config.disk_dir is not None:
-        raise NotImplementedError(
-            f"disk_dir={config.disk_dir!r}: the disk tier is not implemented yet; leave disk_dir=None "
-            "(chunks live on the device and in host memory)")
     return optimizer, config

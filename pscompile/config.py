@@ -44,7 +44,9 @@ class Config:
     device: str | None = None          # compute device: "cuda", "cuda:1", "cpu"; None = cuda if available
     device_memory: int | str | None = None  # budget for everything on the compute device; None = see DESIGN
     host_memory: int | str | None = None    # budget for chunks in host RAM; None = 80% of available RAM
-    disk_dir: str | None = None        # folder for the disk tier (not used by the foundation runtime yet)
+    # folder for the disk tier: the optimizer states host_memory cannot hold live in one file there
+    # (created and unlinked at once: nothing is left behind, even by a crash); None = no disk tier
+    disk_dir: str | None = None
     chunk_size: int | str = "auto"     # elements per chunk, or "auto" (least padding waste)
     dtype: torch.dtype = torch.bfloat16  # compute dtype; master weights and Adam states are fp32
     mode: str = "compiled"             # "compiled" (FX + passes + torch.compile) | "hooks" (runtime hooks)
@@ -88,6 +90,11 @@ class Config:
                 raise ValueError("device_memory=0 leaves no room for anything; give a budget like '256MiB' or None")
         if self.host_memory is not None:
             set_("host_memory", parse_size(self.host_memory, "host_memory"))
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.path.isdir(self.disk_dir):
+                raise ValueError(f"disk_dir={self.disk_dir!r} is not an existing folder; create it, or leave "
+                                 "disk_dir=None for no disk tier")
+            set_("disk_dir", os.fspath(self.disk_dir))
         if self.chunk_size != "auto":
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
                 raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive number of elements or 'auto'")

@@ -275,10 +275,9 @@ def test_emulated_link_costs_bytes_over_bandwidth():
     assert s.time_s >= s.transfer_s
 
 
-def test_disk_tier_is_refused_until_it_exists():
-    with pytest.raises(NotImplementedError, match="disk_dir"):
-        pscompile.compile(make_model("gpt"), gpt_batches(1)[0],
-                          config=pscompile.Config(disk_dir="/tmp/x", **CFG))
+def test_a_disk_dir_that_is_not_a_folder_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="disk_dir=.* is not an existing folder"):
+        pscompile.Config(disk_dir=str(tmp_path / "missing"), **CFG)
 
 
 def test_failed_compile_gives_the_model_back():

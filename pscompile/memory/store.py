@@ -9,7 +9,9 @@
   a clean chunk costs no copy. After a parameter's last backward use its gradient overwrites it in
   place (PatrickStar's grad-reuses-param-chunk trick).
 - optimizer-state chunks (fp32 master, exp_avg, exp_avg_sq): each chunk's three buffers live on
-  one tier for the whole run (device-aware placement), where that chunk's update runs.
+  one tier for the whole run (device-aware placement), where that chunk's update runs. With a
+  disk tier, the chunks the host cannot hold keep them on disk (``memory/disk_states.py``) and
+  update on the host, staged in and written back around their update.
 
 Every copy between tiers goes through ``Link`` and is counted.
 """
@@ -20,6 +22,8 @@ from typing import Mapping
 
 import torch
 
+from pscompile.memory.disk import DiskQueue
+from pscompile.memory.disk_states import LISTS, DiskStates
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Link, SlotPool, Tier
 
@@ -29,10 +33,12 @@ _HOST = torch.device("cpu")
 class ChunkStore:
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
                  os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
-                 homes: frozenset[int] | None = None):
+                 homes: frozenset[int] | None = None, os_on_disk: frozenset[int] = frozenset(),
+                 disk: DiskQueue | None = None):
         """``home_numel``: elements of a chunk's home buffers (host copy and optimizer states); a
         ZeRO store keeps only its shard of each chunk, or (``homes``) homes for the chunks it owns
-        only, the others getting empty placeholders (``pscompile.dist.store``)."""
+        only, the others getting empty placeholders (``pscompile.dist.store``). ``os_on_disk``:
+        chunks whose optimizer states live in ``disk``'s file."""
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -51,10 +57,12 @@ class ChunkStore:
                            else none for c in range(n)]
         self.dev_param: list[torch.Tensor | None] = [None] * n
         self.dirty = [False] * n
-        self.os_tier = [Tier.DEVICE if c in os_on_device else Tier.HOST for c in range(n)]
+        self.os_tier = [Tier.DEVICE if c in os_on_device else Tier.DISK if c in os_on_disk else Tier.HOST
+                        for c in range(n)]
+        self.disk = DiskStates(disk, sorted(os_on_disk), self.host_os_pool) if os_on_disk else None
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
         for c in range(n):
-            if c not in self.homes:
+            if c not in self.homes or self.os_tier[c] is Tier.DISK:     # (disk: staged when needed)
                 for lst in (self.master, self.exp_avg, self.exp_avg_sq):
                     lst.append(torch.empty(0))
                 continue
@@ -71,7 +79,7 @@ class ChunkStore:
         on_device = set(on_device)
         for c in range(self.layout.num_chunks):
             want = Tier.DEVICE if c in on_device else Tier.HOST
-            if self.os_tier[c] is want:
+            if self.os_tier[c] is want or self.os_tier[c] is Tier.DISK:    # disk homes stay
                 continue
             self.drop(c)            # the param chunk is the master's cast: made again where it goes
             src_pool, dst_pool = ((self.host_os_pool, self.dev_os_pool) if want is Tier.DEVICE
@@ -99,7 +107,7 @@ class ChunkStore:
             flat = value.detach().reshape(-1)
             for p in e.pieces:
                 src = flat[p.tensor_offset:p.tensor_offset + p.numel]
-                master = self.master[p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
+                master = self._states(p.chunk, write=True)[0][p.chunk_offset:p.chunk_offset + p.numel]
                 if self.device_homed(p.chunk):      # straight to its home on the device
                     self.link.copy(master, src, "h2d")
                 else:
@@ -108,6 +116,18 @@ class ChunkStore:
                 touched.add(p.chunk)
         for c in touched:
             self.drop(c)
+        if self.disk is not None:
+            self.disk.flush()
+
+    def _states(self, c: int, *, write: bool = False) -> list[torch.Tensor]:
+        """Chunk ``c``'s master, exp_avg and exp_avg_sq buffers, a disk home's through its cache
+        (``write``: the caller changes them)."""
+        if self.os_tier[c] is not Tier.DISK:
+            return [self.master[c], self.exp_avg[c], self.exp_avg_sq[c]]
+        bufs = self.disk.buffers(c)
+        if write:
+            self.disk.mark_dirty(c)
+        return bufs
 
     # ---- residency -----------------------------------------------------------------------
     def resident(self, c: int) -> bool:
@@ -230,17 +250,37 @@ class ChunkStore:
             self.link.copy(self.host_param[c][offset:offset + src.numel()], src, "d2h")
 
     def bring_to_os_tier(self, c: int) -> torch.Tensor:
-        """Make the param chunk available where its optimizer states live; return that buffer."""
+        """Make the param chunk available where its optimizer states live (a disk home's states
+        staged on the host); return that buffer."""
         if self.os_tier[c] is Tier.DEVICE:
             return self.dev_param[c] if self.resident(c) else self.fetch(c)
         if self.resident(c):
             self.evict(c)
+        if self.os_tier[c] is Tier.DISK:
+            self.master[c], self.exp_avg[c], self.exp_avg_sq[c] = self.disk.take(c)
         return self.host_param[c]
 
+    def stage(self, c: int) -> None:
+        """Start bringing a disk home's optimizer states to the host (its update comes soon)."""
+        if self.os_tier[c] is Tier.DISK:
+            self.disk.stage(c)
+
     def mark_updated(self, c: int) -> None:
-        """The optimizer wrote new params into the copy ``bring_to_os_tier`` returned."""
+        """The optimizer wrote new params into the copy ``bring_to_os_tier`` returned (and new
+        states: a disk home's go back to its file)."""
         if self.os_tier[c] is Tier.DEVICE:
             self.dirty[c] = True
+        elif self.os_tier[c] is Tier.DISK:
+            self.disk.write_back(c, [self.master[c], self.exp_avg[c], self.exp_avg_sq[c]])
+            self.master[c] = self.exp_avg[c] = self.exp_avg_sq[c] = torch.empty(0)
+
+    def settle_disk(self) -> None:
+        """Wait for the disk tier's transfers and give its staging buffers back."""
+        if self.disk is not None:
+            self.disk.settle()
+
+    def disk_model_bytes(self) -> int:
+        return 0 if self.disk is None else len(self.disk.slot_of) * self.os_chunk_bytes
 
     def restore_from_master(self, c: int) -> None:
         """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""
@@ -250,15 +290,14 @@ class ChunkStore:
             return
         self.drop(c)
         if self.os_tier[c] is not Tier.DEVICE:     # a device-homed chunk is made from its master when needed
-            self.host_param[c].copy_(self.master[c])
+            self.host_param[c].copy_(self._states(c)[0])
 
     def gather(self, which: str, fqn: str) -> torch.Tensor:
         """A CPU fp32 (or compute dtype for ``which='param'``) copy of one tensor from a chunk list."""
         e = self.layout.entry(fqn)
-        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         out = torch.empty(e.numel, dtype=self.dtype if which == "param" else torch.float32)
         for p in e.pieces:
-            src = self.current(p.chunk) if which == "param" else lists[which][p.chunk]
+            src = self.current(p.chunk) if which == "param" else self._states(p.chunk)[LISTS.index(which)]
             dst, piece = out[p.tensor_offset:p.tensor_offset + p.numel], src[p.chunk_offset:p.chunk_offset + p.numel]
             if src.device != dst.device or self._on_device(which, p.chunk):
                 self.link.copy(dst, piece, "d2h")          # a device tier's bytes cross to the host
@@ -272,10 +311,9 @@ class ChunkStore:
     def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
         """Write one tensor into an optimizer-state chunk list (used by load_state_dict)."""
         e = self.layout.entry(fqn)
-        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         flat = value.detach().reshape(-1)
         for p in e.pieces:
-            dst = lists[which][p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
+            dst = self._states(p.chunk, write=True)[LISTS.index(which)][p.chunk_offset:p.chunk_offset + p.numel]
             piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
             if self.os_tier[p.chunk] is Tier.DEVICE:
                 self.link.copy(dst, piece, "h2d")

@@ -29,3 +29,15 @@ def host_shortfall_chunks(*, num_chunks: int, chunk_bytes: int, host_budget: int
     """How many chunks (the first ones) must live on the device because ``host_budget`` cannot
     hold them (``chunk_bytes``: one chunk's compute-dtype copy, fp32 master and Adam states)."""
     return max(0, num_chunks - host_budget // chunk_bytes)
+
+
+def host_state_chunks(*, num_chunks: int, chunk_size: int, param_bytes: int, staging_chunks: int,
+                      host_budget: int) -> tuple[int, int]:
+    """With a disk tier: how many chunks (the first ones) keep their optimizer states on the host,
+    and the host bytes left over, when the host holds every compute-dtype chunk (``param_bytes``
+    per element), the staging buffers of ``staging_chunks`` disk chunks and those states. The
+    rest live on disk. A negative leftover means not even the fixed part fits."""
+    state = 12 * chunk_size
+    fixed = num_chunks * chunk_size * param_bytes + staging_chunks * state
+    on_host = max(0, min(num_chunks, (host_budget - fixed) // state))
+    return on_host, host_budget - fixed - on_host * state

@@ -29,12 +29,14 @@ from pscompile.dist import checkpoint as shard_ckpt
 from pscompile.errors import BudgetError
 from pscompile.dist.comm import resolve_comm
 from pscompile.dist.store import OwnedChunkStore, ShardedStore
+from pscompile.memory.disk import DiskQueue, SlotFile
+from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
 from pscompile.optim.groups import resolve_groups
-from pscompile.optim.placement import host_shortfall_chunks
+from pscompile.optim.placement import host_state_chunks, host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
 from pscompile.runtime.interrupts import deferred_interrupts
 from pscompile.runtime.materialize import materialize_meta
@@ -102,7 +104,11 @@ class ChunkEngine:
         # first ``min_device_homes`` chunks at least, whatever the placement rule says
         self.min_device_homes = 0
         self.host_room = max(0, host_budget - host_need)    # host bytes besides the chunks (offloaded activations)
-        if host_need > host_budget:
+        # With a disk tier, the optimizer states the host cannot hold live on disk instead
+        self.disk_chunks: frozenset[int] = frozenset()
+        if host_need > host_budget and config.disk_dir is not None:
+            self.disk_chunks = self._disk_homes(host_budget, elsize)
+        elif host_need > host_budget:
             chunk_need = self.layout.chunk_size * (elsize + 12)
             self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
                                                           host_budget=host_budget)
@@ -114,20 +120,24 @@ class ChunkEngine:
                          f", and device_memory={format_bytes(self.budget)} cannot take the other "
                          f"{self.min_device_homes} chunks ({format_bytes(device_need)} before any activation)")
                 detail = (f"to hold the {self.min_device_homes} chunks host_memory={format_bytes(host_budget)} "
-                          f"cannot ({format_bytes(device_need)} before any activation; the disk tier is not "
-                          "available yet)")
+                          f"cannot ({format_bytes(device_need)} before any activation; Config(disk_dir=...) "
+                          "keeps their optimizer states on disk instead)")
                 error = ValueError if self.world > 1 else \
                     lambda text: BudgetError(text, minimum=device_need, detail=detail)   # a search goes on from there
                 raise error(
                     f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned}: they need "
                     f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param){where}; give "
-                    f"host_memory >= {host_need} or more device_memory (the disk tier is not available yet)")
+                    f"host_memory >= {host_need}, more device_memory, or Config(disk_dir=...) to keep the "
+                    "optimizer states the host cannot hold on disk")
         self.link = Link(config.link_bandwidth)
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
+        disk = (DiskQueue(SlotFile(config.disk_dir, num_slots=3 * len(self.disk_chunks),
+                                   slot_bytes=4 * self.layout.chunk_size)) if self.disk_chunks else None)
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
-                                 os_on_device=frozenset(range(self.min_device_homes)))
+                                 os_on_device=frozenset(range(self.min_device_homes)), os_on_disk=self.disk_chunks,
+                                 disk=disk)
                       if self.comm is None else
                       OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm)
                       if self.per_chunk else
@@ -148,8 +158,36 @@ class ChunkEngine:
         self.closed = False
         self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
 
+    def _disk_homes(self, host_budget: int, elsize: int) -> frozenset[int]:
+        """The chunks (the last ones) whose optimizer states live on disk: the host keeps every
+        compute-dtype chunk, the staging buffers of two disk chunks and as many chunks' states
+        as fit. Sets ``host_room``."""
+        if self.world > 1:
+            raise ValueError(f"disk_dir={self.config.disk_dir!r}: the disk tier is not available under ZeRO yet; "
+                             "give host_memory for this rank's shard, or run one process")
+        n, cs = self.layout.num_chunks, self.layout.chunk_size
+        on_host, room = host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=elsize,
+                                          staging_chunks=STAGED_SETS, host_budget=host_budget)
+        if room < 0:
+            fixed = host_budget - room
+            raise ValueError(
+                f"host_memory={format_bytes(host_budget)} cannot hold this model's compute-dtype chunks and the disk "
+                f"tier's staging buffers ({format_bytes(fixed)}: {n} chunks x {elsize} bytes/param, plus "
+                f"{STAGED_SETS} chunks of optimizer states); give host_memory >= {fixed}")
+        self.host_room = room
+        return frozenset(range(on_host, n))
+
+    def _disk_bytes(self) -> tuple[int, int]:
+        """Bytes the disk tier has read and written so far."""
+        if self.store.disk is None:
+            return 0, 0
+        t = self.store.disk.queue.traffic
+        return t.read_bytes, t.write_bytes
+
     def _count_outside_steps(self) -> None:
-        """Move what the link counted since the last reset into ``setup_traffic``."""
+        """Finish the disk tier's transfers (written back, staging buffers returned) and move what
+        the link counted since the last reset into ``setup_traffic``."""
+        self.store.settle_disk()
         self.setup_traffic.add(self.link.reset())
 
     def _accumulation_chunks(self) -> list[torch.Tensor]:
@@ -187,9 +225,17 @@ class ChunkEngine:
 
     def close(self) -> None:
         """Detach from the model (hooks removed) and give it its parameters back, holding the fp32
-        master weights in each parameter's original dtype. The engine cannot step afterwards."""
+        master weights in each parameter's original dtype. The engine cannot step afterwards; the
+        disk tier's file is gone."""
         self._detach_from_model()
         self.closed = True
+        try:
+            self._give_back()
+        finally:
+            if self.store.disk is not None:
+                self.store.disk.close()
+
+    def _give_back(self) -> None:
         with torch.no_grad():
             if self.comm is not None:      # a collective: every rank closes its engine
                 full = self._full_masters()
@@ -332,6 +378,10 @@ class ChunkEngine:
             try:
                 self._apply_update(written, factor, tracker, has_grad, before_update, grads)
             except BaseException as e:
+                try:
+                    store.settle_disk()           # no transfer left running, staging buffers back
+                except BaseException:             # noqa: BLE001 -- the first failure is the one raised
+                    pass
                 self._broken = (f"this engine failed inside the optimizer update ({type(e).__name__}: {e}); its "
                                 "weights and optimizer states are partly updated: load a checkpoint "
                                 "(pscompile.load or load_state_dict) before training or saving again")
@@ -379,6 +429,7 @@ class ChunkEngine:
     def _apply_update(self, written: set[str], factor: float, tracker: NonModelTracker, has_grad: list[bool],
                       before_update: Callable[[int], None], grads: list[torch.Tensor] | None) -> None:
         store, n = self.store, self.layout.num_chunks
+        on_disk = [c for c in range(n) if has_grad[c] and store.os_tier[c] is Tier.DISK]
         self.adam.begin_step()
         for c in range(n):
             before_update(c)
@@ -388,6 +439,9 @@ class ChunkEngine:
                 if store.os_tier[c] is not Tier.DEVICE:
                     stack.enter_context(tracker.paused())       # the update runs on the host
                 buf = store.bring_to_os_tier(c)
+                later = [d for d in on_disk if d > c]
+                if later:
+                    store.stage(later[0])                       # the disk reads it while this one updates
                 grad = None
                 if grads is not None:
                     grad = grads[c]
@@ -398,6 +452,7 @@ class ChunkEngine:
                                        grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
                                        groups=self._chunk_groups(c))
                 store.mark_updated(c)
+        store.settle_disk()
 
     # ================================================================ the step
     def step(self, batch: Any) -> float:
@@ -417,6 +472,7 @@ class ChunkEngine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._prepare_step(batches, accumulate=acc is not None)
         self._count_outside_steps()
+        disk0 = self._disk_bytes()
         if self.comm is not None:
             self.comm.reset()
         runs: list[MicroRun] = []
@@ -444,7 +500,7 @@ class ChunkEngine:
             loss=loss,
             h2d_bytes=sum(r.traffic.h2d_bytes for r in runs) + opt.h2d_bytes,
             d2h_bytes=sum(r.traffic.d2h_bytes for r in runs) + opt.d2h_bytes,
-            disk_read_bytes=0, disk_write_bytes=0,
+            disk_read_bytes=self._disk_bytes()[0] - disk0[0], disk_write_bytes=self._disk_bytes()[1] - disk0[1],
             peak_device_bytes=max(r.tracker.peak_total for r in runs),
             peak_device_model_bytes=max(r.tracker.peak_model for r in runs),
             peak_nonmodel_bytes=max(r.tracker.peak_nonmodel for r in runs),

@@ -1,0 +1,83 @@
+"""The disk tier in both modes: a GPT whose model data exceeds device + host memory trains with
+``Config(disk_dir=...)`` step by step like plain PyTorch, the disk bytes are counted in the stats,
+and nothing is left in the folder.
+
+Device and host each get 30% of the model data in hooks mode. Compiled mode keeps every tensor in
+one chunk, so its chunks are as large as the largest tensor, and the host must hold every fp32
+param chunk (25% of the model data) plus two chunks of staged optimizer states: its host gets 45%
+until tensors may span chunks there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pscompile
+from pscompile.memory.tiers import Tier
+from pscompile.testing import ReferenceTrainer
+from conftest import make_batches, make_model, max_weight_diff, same_state, snapshot
+
+HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _config(mode: str, **kw) -> pscompile.Config:
+    return pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=torch.float32,
+                            chunk_size=8192 if mode == "hooks" else "auto", **kw)
+
+
+def _model():
+    return make_model("gpt", n_layer=4, d_model=128)          # model data well above its activations
+
+
+@pytest.mark.parametrize("mode, host_share", [("compiled", 0.45), ("hooks", 0.3)])
+def test_a_model_larger_than_device_and_host_trains_like_plain_pytorch(mode, host_share, tmp_path):
+    batches = make_batches("gpt", 6, batch=2, seq=32)
+    probe = pscompile.compile(_model(), batches[0], config=_config(mode))
+    model_bytes = probe.layout.num_chunks * probe.layout.chunk_size * 16      # 4 + 12 bytes per element
+    probe.close()
+    least = pscompile.min_device_memory(_model(), batches[0], _config(mode))
+    device, host = max(least, int(0.3 * model_bytes)), int(host_share * model_bytes)
+    assert device + host < model_bytes, (device, host, model_bytes)
+    engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
+        mode, device_memory=device, host_memory=host, disk_dir=str(tmp_path)))
+    on_disk = [c for c, t in enumerate(engine.store.os_tier) if t is Tier.DISK]
+    assert on_disk and engine.store.host_model_bytes() <= host
+    ref = ReferenceTrainer(_model(), optimizer=HP, dtype=torch.float32)
+    for b in batches:
+        a, c = ref.step(b), engine.step(b)
+        assert abs(a - c) <= 1e-5 * abs(a)
+        s = engine.stats
+        assert s.peak_device_bytes <= device
+        assert s.disk_read_bytes == s.disk_write_bytes == len(on_disk) * 3 * engine.layout.chunk_size * 4
+    assert max_weight_diff(engine, ref) <= 1e-4
+    assert list(tmp_path.iterdir()) == []          # the file was unlinked when it was made
+    engine.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_homes_save_load_and_undo_a_failed_step(tmp_path):
+    """State dicts read and write disk homes through their cache; a failed step restores the param
+    chunks from masters on disk; a checkpoint resumes exactly into another disk-tier engine."""
+    batches = make_batches("gpt", 3, batch=2, seq=32)
+    folder = tmp_path / "disk"
+    folder.mkdir()
+
+    def engine():
+        return pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
+            "hooks", host_memory=5 << 20, disk_dir=str(folder)))
+    a = engine()
+    assert sum(t is Tier.DISK for t in a.store.os_tier) > 0
+    a.step(batches[0])
+    before = snapshot(a)
+    with pytest.raises(IndexError):
+        a.step((batches[1][0].clone().fill_(999), batches[1][1]))      # fails in the embedding
+    assert same_state(snapshot(a), before)
+    pscompile.save(a, tmp_path / "d.ckpt")
+    b = engine()
+    pscompile.load(b, tmp_path / "d.ckpt")
+    for x in batches[1:]:
+        assert a.step(x) == b.step(x)
+    assert same_state(snapshot(a), snapshot(b))
+    a.close()
+    b.close()
+    assert list(folder.iterdir()) == []
