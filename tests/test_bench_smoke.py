@@ -235,3 +235,15 @@ def test_soak_short_run(tmp_path):
     (r,) = json.loads(out.read_text())["results"]
     assert r["steps"] == 150 and len(r["samples"]) == 3 and r["evictions_per_step"] > 0
     assert r["checks"]["stats_consistent"] and r["checks"]["occupancy_flat"] and r["checks"]["threads_flat"], r["checks"]
+
+
+def test_disk_quick(tmp_path):
+    """bench/disk.py --quick: states on disk in both I/O orders, identical losses."""
+    out = tmp_path / "disk.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "disk.py"), "--quick", "--dir", str(tmp_path),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["same_losses"] and [r["prefetch"] for r in res["results"]] == [False, True]
+    assert all(r["chunks_on_disk"] > 0 and r["disk_bytes_per_step"] > 0 for r in res["results"])
+    assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]

@@ -4,7 +4,7 @@ and nothing is left in the folder.
 
 Device and host each get 30% of the model data in hooks mode. Compiled mode keeps every tensor in
 one chunk, so its chunks are as large as the largest tensor, and the host must hold every fp32
-param chunk (25% of the model data) plus two chunks of staged optimizer states: its host gets 45%
+param chunk (25% of the model data) plus three chunks of staged optimizer states: its host gets 45%
 until tensors may span chunks there."""
 
 from __future__ import annotations

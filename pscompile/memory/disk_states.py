@@ -4,9 +4,11 @@ neither the device nor the host live in three slots each of the disk tier's file
 Their compute-dtype param chunk stays on the host (forward and backward fetch it as usual). The
 update of such a chunk *stages* its three buffers into host buffers (reads on the disk thread),
 updates there, and writes them back; the next disk chunk's reads are queued before this chunk's
-update starts, so the disk works while the CPU updates. At most two chunks are staged at once
-(the one updating and the one arriving) and written buffers go back to the host pool as soon as
-their writes land, so the host needs ``2 x 12`` bytes per chunk element for staging.
+update starts, so the disk works while the CPU updates. At most three chunks are staged at once
+(the one updating, the next one arriving and the last one leaving) and written buffers go back
+to the host pool as soon as their writes land, so the host needs ``3 x 12`` bytes per chunk
+element for staging. (With two, the next chunk's reads wait for the last one's writes: measured
+slower than reading each chunk when its update starts.)
 
 Reading or writing a few parameters (state dicts, undoing a failed step) goes through a one-chunk
 cache that is written back when another chunk is needed and at ``flush``.
@@ -22,7 +24,7 @@ from pscompile.memory.disk import DiskQueue
 from pscompile.memory.tiers import SlotPool
 
 LISTS = ("master", "exp_avg", "exp_avg_sq")
-STAGED_SETS = 2          # chunks staged at once: the one updating and the next one arriving
+STAGED_SETS = 3          # chunks staged at once: the one updating, the next arriving, the last leaving
 
 
 class DiskStates:

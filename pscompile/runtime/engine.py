@@ -157,10 +157,13 @@ class ChunkEngine:
         self.stats = None
         self.closed = False
         self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
+        # queue the next disk chunk's reads before this one's update (False: read each when its
+        # update starts; bench/disk.py compares the two)
+        self.disk_prefetch = True
 
     def _disk_homes(self, host_budget: int, elsize: int) -> frozenset[int]:
         """The chunks (the last ones) whose optimizer states live on disk: the host keeps every
-        compute-dtype chunk, the staging buffers of two disk chunks and as many chunks' states
+        compute-dtype chunk, the staging buffers of ``STAGED_SETS`` disk chunks and as many chunks' states
         as fit. Sets ``host_room``."""
         if self.world > 1:
             raise ValueError(f"disk_dir={self.config.disk_dir!r}: the disk tier is not available under ZeRO yet; "
@@ -440,7 +443,7 @@ class ChunkEngine:
                     stack.enter_context(tracker.paused())       # the update runs on the host
                 buf = store.bring_to_os_tier(c)
                 later = [d for d in on_disk if d > c]
-                if later:
+                if later and self.disk_prefetch:
                     store.stage(later[0])                       # the disk reads it while this one updates
                 grad = None
                 if grads is not None:

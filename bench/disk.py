@@ -1,0 +1,97 @@
+"""The disk tier: optimizer steps with states on disk, the disk's reads overlapped with the
+updates against serialized (each chunk read when its update starts).
+
+A GPT whose fp32 master and Adam states mostly live on disk (``host_memory`` holds the
+compute-dtype chunks, the staging buffers and a few chunks' states) trains in hooks mode with
+``Config(disk_dir=...)`` on a real file (``O_DIRECT`` where the file system allows it, so the page
+cache does not serve the reads). For each setting: the median optimizer time per step, the disk
+bytes per step and the rate they imply, and the loss after the steps (the two settings must agree
+exactly: only the order of I/O differs).
+
+    python bench/disk.py [--quick] [--dir FOLDER] [--markdown] [--out bench/results/disk.json]
+
+Float32, one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import pscompile
+from pscompile.memory.tiers import Tier
+from pscompile.models.gpt import GPT, GPTConfig
+from pscompile.units import format_bytes
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "disk.json"
+FULL = dict(n_layer=6, d=384, vocab=4096, seq=64, batch=2, steps=6, chunk=1 << 18)
+QUICK = dict(n_layer=2, d=128, vocab=512, seq=32, batch=2, steps=3, chunk=1 << 14)
+
+
+def model(s: dict) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=s["n_layer"], n_head=max(1, s["d"] // 64), d_model=s["d"], vocab_size=s["vocab"],
+                         seq_len=s["seq"]))
+
+
+def run(s: dict, folder: str, prefetch: bool) -> dict:
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
+    batch = (idx, torch.roll(idx, -1, dims=1))
+    m = model(s)
+    n_params = sum(p.numel() for p in m.parameters())
+    host = n_params * 4 + 5 * 12 * s["chunk"]     # chunks, 3 staging sets, ~2 chunks' states
+    engine = pscompile.compile(m, batch, config=pscompile.Config(
+        mode="hooks", device="cpu", dtype=torch.float32, host_memory=host, disk_dir=folder, chunk_size=s["chunk"]))
+    engine.disk_prefetch = prefetch
+    on_disk = sum(t is Tier.DISK for t in engine.store.os_tier)
+    times, losses = [], []
+    for _ in range(s["steps"]):
+        losses.append(engine.step(batch))
+        times.append(engine.stats.optimizer_s)
+    st = engine.stats
+    direct = engine.store.disk.queue.file.direct
+    engine.close()
+    opt = statistics.median(times[1:])
+    moved = st.disk_read_bytes + st.disk_write_bytes
+    return dict(prefetch=prefetch, params=n_params, chunks=engine.layout.num_chunks, chunks_on_disk=on_disk,
+                host_memory=host, direct=direct, optimizer_s=opt, disk_bytes_per_step=moved,
+                disk_rate=moved / opt if opt else 0.0, losses=losses)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--dir", default=None, help="folder for the disk tier's file (default: a temporary one)")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    s = QUICK if args.quick else FULL
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        results = [run(s, folder, prefetch) for prefetch in (False, True)]
+    serial, overlap = results
+    rows = [["serialized" if not r["prefetch"] else "overlapped", f"{r['params']:,}",
+             f"{r['chunks_on_disk']}/{r['chunks']}", "O_DIRECT" if r["direct"] else "buffered",
+             f"{r['optimizer_s'] * 1000:.0f}", format_bytes(r["disk_bytes_per_step"]),
+             f"{r['disk_rate'] / 1e6:.0f} MB/s", f"{serial['optimizer_s'] / r['optimizer_s']:.2f}x"]
+            for r in results]
+    print(tabulate(rows, headers=["disk reads", "params", "chunks on disk", "file", "optimizer ms/step",
+                                  "disk bytes/step", "rate", "speed-up"],
+                   tablefmt="github" if args.markdown else "simple"))
+    same = serial["losses"] == overlap["losses"]
+    print(f"losses identical in both settings: {same}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(settings=s, results=results, same_losses=same), indent=1))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
