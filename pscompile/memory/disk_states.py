@@ -7,8 +7,8 @@ updates there, and writes them back; the next disk chunk's reads are queued befo
 update starts, so the disk works while the CPU updates. At most three chunks are staged at once
 (the one updating, the next one arriving and the last one leaving) and written buffers go back
 to the host pool as soon as their writes land, so the host needs ``3 x 12`` bytes per chunk
-element for staging. (With two, the next chunk's reads wait for the last one's writes: measured
-slower than reading each chunk when its update starts.)
+element for staging. (With two, the next chunk's reads wait for the last one's writes, and
+queueing them early gained little over reading each chunk when its update starts.)
 
 Reading or writing a few parameters (state dicts, undoing a failed step) goes through a one-chunk
 cache that is written back when another chunk is needed and at ``flush``.
