@@ -15,7 +15,8 @@ import torch
 import pscompile
 from pscompile.memory.tiers import Tier
 from pscompile.testing import ReferenceTrainer
-from conftest import make_batches, make_model, max_weight_diff, same_state, snapshot
+from conftest import (TRACKING_TOL, initial_masters, make_batches, make_model, max_weight_diff, same_state, snapshot,
+                      worst_tracking)
 
 HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -81,3 +82,52 @@ def test_disk_homes_save_load_and_undo_a_failed_step(tmp_path):
     a.close()
     b.close()
     assert list(folder.iterdir()) == []
+
+
+def test_a_disk_failure_in_the_update_stops_the_engine_and_leaves_no_thread(tmp_path):
+    """A read failing on the I/O thread in the middle of the update: the step raises it, every
+    transfer has ended and every staging buffer is back, the engine refuses to go on until a load
+    (part of the states were written), and after ``close`` neither the thread nor the file remains."""
+    batches = make_batches("gpt", 2, batch=2, seq=32)
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
+        "hooks", host_memory=5 << 20, disk_dir=str(folder)))
+    engine.step(batches[0])
+    pscompile.save(engine, tmp_path / "good.ckpt")
+    file, calls = engine.store.disk.queue.file, [0]
+    real = file.read
+
+    def read(slot, dst):
+        calls[0] += 1
+        if calls[0] == 7:                       # the third disk chunk's first buffer
+            raise OSError(5, "injected I/O error")
+        return real(slot, dst)
+    file.read = read
+    with pytest.raises(OSError, match="injected I/O error"):
+        engine.step(batches[1])
+    del file.read
+    disk = engine.store.disk
+    assert disk.queue._pending == [] and not disk._reading and not disk._writing
+    assert engine.store.host_os_pool.in_use == sum(t is Tier.HOST for t in engine.store.os_tier) * 3
+    with pytest.raises(RuntimeError, match="failed inside the optimizer update"):
+        engine.step(batches[1])
+    pscompile.load(engine, tmp_path / "good.ckpt")
+    engine.step(batches[1])
+    thread = disk.queue._thread
+    engine.close()
+    assert not thread.is_alive() and list(folder.iterdir()) == []
+
+
+def test_bf16_with_states_on_disk_tracks_plain_pytorch(tmp_path):
+    batches = make_batches("gpt", 4, batch=2, seq=32)
+    engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=pscompile.Config(
+        mode="hooks", device="cpu", dtype=torch.bfloat16, chunk_size=8192, host_memory=4 << 20,
+        disk_dir=str(tmp_path)))
+    assert sum(t is Tier.DISK for t in engine.store.os_tier) > 0
+    ref = ReferenceTrainer(_model(), optimizer=HP, dtype=torch.bfloat16)
+    initial = initial_masters(ref)
+    for b in batches:
+        a, c = ref.step(b), engine.step(b)
+        assert abs(a - c) <= 2e-2 * abs(a)
+    assert worst_tracking(engine, ref, initial)[0] <= TRACKING_TOL

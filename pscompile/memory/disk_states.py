@@ -34,7 +34,7 @@ class DiskStates:
         self.slot_of = {c: 3 * i for i, c in enumerate(sorted(chunks))}   # + 0, 1, 2 for the three lists
         self._reading: dict[int, tuple[list[torch.Tensor], list[Future]]] = {}
         self._writing: list[tuple[list[torch.Tensor], list[Future]]] = []
-        self._taken = 0        # staged chunks handed out for their update, not yet written back
+        self._taken: dict[int, list[torch.Tensor]] = {}   # handed out for their update, not yet written back
         self._cache: tuple[int, list[torch.Tensor], bool] | None = None     # chunk, buffers, dirty
 
     # ---- the update: stage, update, write back ----------------------------------------------
@@ -43,7 +43,7 @@ class DiskStates:
         if c in self._reading:
             return
         self.flush()
-        while self._writing and len(self._writing) + len(self._reading) + self._taken >= STAGED_SETS:
+        while self._writing and len(self._writing) + len(self._reading) + len(self._taken) >= STAGED_SETS:
             self._release_oldest_write()
         bufs = [self.pool.acquire() for _ in LISTS]
         futs = [self.queue.read(self.slot_of[c] + k, b) for k, b in enumerate(bufs)]
@@ -53,7 +53,7 @@ class DiskStates:
         """Chunk ``c``'s three buffers on the host, read (staged first if it was not)."""
         self.stage(c)
         bufs, futs = self._reading.pop(c)
-        self._taken += 1
+        self._taken[c] = bufs                 # given back by write_back, or by settle after a failure
         for f in futs:
             f.result()
         return bufs
@@ -62,7 +62,7 @@ class DiskStates:
         """Queue the writes of chunk ``c``'s updated buffers; they return to the pool once written."""
         futs = [self.queue.write(self.slot_of[c] + k, b) for k, b in enumerate(bufs)]
         self._writing.append((bufs, futs))
-        self._taken -= 1
+        del self._taken[c]
 
     def _release_oldest_write(self) -> None:
         bufs, futs = self._writing.pop(0)
@@ -78,11 +78,12 @@ class DiskStates:
         or after a failure: then the first transfer error is raised after everything is back)."""
         self.flush()
         errors = self.queue.drain()
-        for bufs, _ in list(self._reading.values()) + self._writing:
+        for bufs, _ in list(self._reading.values()) + self._writing + [(b, None) for b in self._taken.values()]:
             for b in bufs:
                 self.pool.release(b)
         self._reading.clear()
         self._writing.clear()
+        self._taken.clear()
         if errors:
             raise errors[0]
 

@@ -277,7 +277,11 @@ class ChunkStore:
     def settle_disk(self) -> None:
         """Wait for the disk tier's transfers and give its staging buffers back."""
         if self.disk is not None:
-            self.disk.settle()
+            try:
+                self.disk.settle()
+            finally:                          # a failed update may have left staged buffers here
+                for c in self.disk.slot_of:
+                    self.master[c] = self.exp_avg[c] = self.exp_avg_sq[c] = torch.empty(0)
 
     def disk_model_bytes(self) -> int:
         return 0 if self.disk is None else len(self.disk.slot_of) * self.os_chunk_bytes
