@@ -15,6 +15,7 @@ A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from contextlib import ExitStack
@@ -442,9 +443,9 @@ class ChunkEngine:
                 if store.os_tier[c] is not Tier.DEVICE:
                     stack.enter_context(tracker.paused())       # the update runs on the host
                 buf = store.bring_to_os_tier(c)
-                later = [d for d in on_disk if d > c]
-                if later and self.disk_prefetch:
-                    store.stage(later[0])                       # the disk reads it while this one updates
+                k = bisect.bisect_right(on_disk, c)              # the next disk chunk after this one
+                if k < len(on_disk) and self.disk_prefetch:
+                    store.stage(on_disk[k])                     # the disk reads it while this one updates
                 grad = None
                 if grads is not None:
                     grad = grads[c]
@@ -495,6 +496,7 @@ class ChunkEngine:
                 for a in acc:
                     a.zero_()
         loss = self._global_mean(sum(r.loss for r in runs) / k)
+        disk1 = self._disk_bytes()
         t_end = time.perf_counter()
         opt = self.link.reset()
         comm = self.comm.reset() if self.comm is not None else None
@@ -503,7 +505,7 @@ class ChunkEngine:
             loss=loss,
             h2d_bytes=sum(r.traffic.h2d_bytes for r in runs) + opt.h2d_bytes,
             d2h_bytes=sum(r.traffic.d2h_bytes for r in runs) + opt.d2h_bytes,
-            disk_read_bytes=self._disk_bytes()[0] - disk0[0], disk_write_bytes=self._disk_bytes()[1] - disk0[1],
+            disk_read_bytes=disk1[0] - disk0[0], disk_write_bytes=disk1[1] - disk0[1],
             peak_device_bytes=max(r.tracker.peak_total for r in runs),
             peak_device_model_bytes=max(r.tracker.peak_model for r in runs),
             peak_nonmodel_bytes=max(r.tracker.peak_nonmodel for r in runs),
