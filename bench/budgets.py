@@ -5,9 +5,10 @@ The full sweep that ``tests/test_budgets.py`` samples. For each architecture of
 and each mode:
 
 - ``minimum = pscompile.min_device_memory(model, batch, config)``;
-- compiled mode (``backend="eager"``): one capture (``pipeline.plan_inputs``), then a schedule at
+- compiled mode (``backend="eager"``): one capture (``pipeline.BudgetSweep``), then a schedule at
   every budget from the minimum to twice it in 1% steps, plus 4 KiB steps over the first 64 KiB
-  above the minimum (``pipeline.plan_at_budget`` runs ``verify_schedule`` and raises on a broken
+  above the minimum, each with the layout the engine picks at that budget (paged, or keeping
+  tensors whole; ``BudgetSweep.plan`` runs ``verify_schedule`` and raises on a broken
   schedule; the planned peak must be within the budget); one byte below the minimum must be
   refused with ``BudgetError``;
 - both modes: a sample of budgets (the minimum, 1.1x, 1.5x, 2x) trains 3 steps with
@@ -42,7 +43,7 @@ import torch
 from tabulate import tabulate
 
 import pscompile
-from pscompile.graph.pipeline import plan_at_budget, plan_inputs
+from pscompile.graph.pipeline import BudgetSweep
 from pscompile.testing import ARCHITECTURES, HF_ARCHITECTURES, tiny_model
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "budgets.json"
@@ -134,13 +135,11 @@ def sweep_compiled(arch: str, minimum: int, budgets: list[int]) -> Sweep:
     t0 = time.perf_counter()
     model, batch = tiny_model(arch)
     cfg = config("compiled")
-    layout, analyzed = plan_inputs(model, batch, cfg)
-    variants: dict = {}                                 # the activation choices' graphs, shared by the budgets
+    sweep = BudgetSweep(model, batch, cfg)              # the activation choices' graphs shared by the budgets
     verified, failures = 0, []
     for b in budgets:
         try:
-            sched = plan_at_budget(analyzed, layout, budget=b, dtype=torch.float32, activations=cfg.activations,
-                                   variants=variants)
+            sched = sweep.plan(b)
         except Exception as e:                          # noqa: BLE001 - every error is a finding
             failures.append(f"budget {b} ({b / minimum:.3f}x): {describe(e)}")
             continue
@@ -149,8 +148,7 @@ def sweep_compiled(arch: str, minimum: int, budgets: list[int]) -> Sweep:
             continue
         verified += 1
     try:
-        plan_at_budget(analyzed, layout, budget=minimum - 1, dtype=torch.float32, activations=cfg.activations,
-                       variants=variants)
+        sweep.plan(minimum - 1)
         below, msg = False, f"budget {minimum - 1} (minimum - 1) was planned, not refused"
     except pscompile.BudgetError:
         below, msg = True, None

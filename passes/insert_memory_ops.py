@@ -12,6 +12,13 @@ of a slot outlives the residency it came from), and the plan's actions become no
     writeback   = pscompile.writeback(host_4, slot_1)              # dirty chunk 4 goes home
     drop        = pscompile.drop(slot_1)
 
+A parameter larger than a chunk spans several (its pages); its reader gets the pages concatenated,
+and its gradient is stored page by page (the last two arguments: first element and count)::
+
+    cat_2       = aten.cat([aten.slice(slot_0, 0, 9216, 16384), aten.slice(slot_3, 0, 0, 9216)])
+    wte         = aten.view(cat_2, [256, 64])                      # param wte.weight (chunks 0, 1)
+    store_grad  = pscompile.store_grad(slot_0, embedding_dense_backward, 9216, 0, 7168)
+
 The gradients leave the output (each is consumed by its store_grad); the graph returns the loss.
 A plan for a micro-batch of gradient accumulation adds its gradients into fp32 accumulation
 buffers on the host instead, which the graph takes as placeholders after the host chunks::
@@ -42,6 +49,11 @@ from pscompile.graph.ops import MemOp
 from .plan_residency import ResidencyPlan
 
 aten = torch.ops.aten
+
+
+def _page(g) -> tuple[int, ...]:
+    """The extra arguments of a store of one page of a gradient (none for a whole gradient)."""
+    return () if g.numel < 0 else (g.start, g.numel)
 
 
 def _view_chain(node: fx.Node) -> list[fx.Node]:
@@ -154,37 +166,52 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
         elif a.kind == MemKind.ACCUMULATE_GRAD:
             g = a.grad
             node = graph.call_function(torch.ops.pscompile.accumulate_grad.default,
-                                       (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset))
+                                       (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset, *_page(g)))
             mem = MemOp(MemKind.ACCUMULATE_GRAD, a.chunk, None, "device", "host", a.nbytes, g.fqn)
         else:
             g = a.grad
             grad = env[grad_node_of[g.fqn]]
             dest = slots[a.slot] if a.slot is not None else hosts[a.chunk]
-            node = graph.call_function(torch.ops.pscompile.store_grad.default, (dest, grad, g.offset))
+            node = graph.call_function(torch.ops.pscompile.store_grad.default, (dest, grad, g.offset, *_page(g)))
             mem = MemOp(MemKind.STORE_GRAD, a.chunk, a.slot, "device", "device" if a.slot is not None else "host",
                         a.nbytes, g.fqn)
         node.meta["val"] = None
         gmeta.put(node, "mem", mem)
 
-    def param_root(fqn: str) -> fx.Node:
-        e = layout.entry(fqn)
-        assert not e.spans, f"{fqn} spans chunks; insert_memory_ops needs chunk_size >= its numel"
-        p = e.pieces[0]
-        slot = slots[resident[p.chunk]]
-        flat = graph.call_function(aten.slice.Tensor, (slot, 0, p.chunk_offset, p.chunk_offset + p.numel))
+    def page(fqn: str, i: int, p) -> fx.Node:
+        flat = graph.call_function(aten.slice.Tensor, (slots[resident[p.chunk]], 0, p.chunk_offset,
+                                                       p.chunk_offset + p.numel))
         flat.meta["val"] = torch.empty(p.numel, dtype=compute_dtype, device="meta")
+        gmeta.put(flat, "page", (fqn, i))
+        return flat
+
+    def param_root(fqn: str) -> fx.Node:
+        """The parameter as a tensor: a view of its slot, or (a tensor spanning chunks) its pages
+        concatenated -- a gathered copy its reader holds, which the non-model curve counts."""
+        e = layout.entry(fqn)
+        pages = [page(fqn, i, p) for i, p in enumerate(e.pieces)]
+        flat = pages[0]
+        if e.spans:
+            flat = graph.call_function(aten.cat.default, (pages,))
+            flat.meta["val"] = torch.empty(e.numel, dtype=compute_dtype, device="meta")
+            gmeta.put(flat, "param", fqn)
+            gmeta.put(flat, "gather", fqn)
         view = graph.call_function(aten.view.default, (flat, list(e.shape)))
         view.meta["val"] = torch.empty(e.shape, dtype=compute_dtype, device="meta")
         gmeta.put(view, "param", fqn)
         return view
 
     def rebuild(arg: fx.Node, cache: dict) -> fx.Node:
-        """A fresh copy of the view chain behind ``arg``, rooted at the current slot."""
+        """A fresh copy of the view chain behind ``arg``, rooted at the current slot (one root per
+        parameter and reader: a tensor spanning chunks is gathered once for its reader)."""
         if arg in cache:
             return cache[arg]
         chain = _view_chain(arg)
         root_ph = chain[0].args[0] if chain else arg
-        cur = param_root(param_ph[root_ph])
+        fqn = param_ph[root_ph]
+        if ("root", fqn) not in cache:
+            cache[("root", fqn)] = param_root(fqn)
+        cur = cache[("root", fqn)]
         local = {root_ph: cur}
         for v in chain:
             cur = own_meta(graph.node_copy(v, lambda a: local.get(a, env.get(a))), v)

@@ -55,10 +55,14 @@ __all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "arrivals",
 
 @dataclass(frozen=True)
 class GradStore:
+    """One gradient (or one page of it, for a tensor that spans chunks) going into its chunk."""
+
     chunk: int
     fqn: str
-    offset: int      # element offset of the parameter inside the chunk
-    nbytes: int      # bytes of the gradient
+    offset: int      # element offset of the parameter (its page) inside the chunk
+    nbytes: int      # bytes of the gradient (its page)
+    start: int = 0   # first element of the page inside the flattened gradient
+    numel: int = -1  # elements of the page (-1: the whole gradient)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@
   store_grad touch the slot that holds their chunk; an accumulate_grad adds into its own chunk's
   accumulation buffer at the parameter's offset;
 - every parameter read is a view of the slot holding that parameter's chunk, at the parameter's
-  offset in the layout (so nothing is used after it was dropped, and nothing before it arrived);
+  offset in the layout (so nothing is used after it was dropped, and nothing before it arrived); a
+  parameter that spans chunks is its pages, each read from its own chunk's slot, concatenated in
+  order;
+- every gradient page is stored (or accumulated) exactly once, at its place in the layout;
 - no chunk with unsaved gradients is dropped;
 - planned device bytes (resident slots + device optimizer states + non-model bytes of the node)
   never exceed the budget;
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import fx
 
 from pscompile.errors import ScheduleError
@@ -75,6 +77,22 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
 
     def fail(node: fx.Node, why: str):
         raise ScheduleError(f"verify_schedule: node {node.name} ({node.format_node()[:120]}): {why}")
+
+    stored: dict[tuple[str, int], int] = {}     # (fqn, page) -> stores of that gradient page
+
+    def check_page(node: fx.Node, mem) -> None:
+        """A gradient store writes one page of its parameter, at the layout's place."""
+        entry = layout.entry(mem.fqn)
+        start, numel = node.args[3:5] if len(node.args) >= 5 else (0, -1)
+        k = next((k for k, p in enumerate(entry.pieces) if p.chunk == mem.chunk), None)
+        if k is None:
+            fail(node, f"gradient of {mem.fqn} goes to chunk {mem.chunk}, which holds none of it")
+        p = entry.pieces[k]
+        whole = (p.chunk_offset, 0, -1) if not entry.spans else (p.chunk_offset, p.tensor_offset, p.numel)
+        if (node.args[2], start, numel) != whole:
+            fail(node, f"gradient of {mem.fqn} stored at (offset, start, numel) {(node.args[2], start, numel)}, "
+                       f"layout says {whole}")
+        stored[(mem.fqn, k)] = stored.get((mem.fqn, k), 0) + 1
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":      # the batch and buffers are live from the start
@@ -134,9 +152,7 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             elif mem.kind == MemKind.ACCUMULATE_GRAD:
                 if acc_of_ph.get(node.args[0]) != mem.chunk:
                     fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
-                if node.args[2] != layout.entry(mem.fqn).pieces[0].chunk_offset:
-                    fail(node, f"gradient of {mem.fqn} added at offset {node.args[2]}, layout says "
-                               f"{layout.entry(mem.fqn).pieces[0].chunk_offset}")
+                check_page(node, mem)
             elif mem.kind == MemKind.STORE_GRAD:
                 dest = node.args[0]
                 if sharded and mem.chunk in reduced:
@@ -151,24 +167,28 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                     dirty.add(mem.chunk)
                 elif host_of_ph.get(dest) != mem.chunk:
                     fail(node, f"gradient of {mem.fqn} stored into the wrong host chunk")
-                entry = layout.entry(mem.fqn)
-                if node.args[2] != entry.pieces[0].chunk_offset:
-                    fail(node, f"gradient of {mem.fqn} stored at offset {node.args[2]}, layout says "
-                               f"{entry.pieces[0].chunk_offset}")
+                check_page(node, mem)
             continue
         fqn = gmeta.get(node, "param")
-        if fqn is not None and node.target is torch.ops.aten.view.default \
-                and node.args[0].target is torch.ops.aten.slice.Tensor:
-            sl = node.args[0]
-            slot = slot_of_ph.get(sl.args[0])
-            p = layout.entry(fqn).pieces[0]
+        page = gmeta.get(node, "page")
+        if page is not None:                  # one page of a parameter, read from its slot
+            pfqn, k = page
+            p = layout.entry(pfqn).pieces[k]
+            slot = slot_of_ph.get(node.args[0])
             if slot is None or holds.get(slot) != p.chunk:
-                fail(node, f"reads {fqn} from slot {slot}, which holds {holds.get(slot)}, not its chunk {p.chunk}")
+                fail(node, f"reads {pfqn} from slot {slot}, which holds {holds.get(slot)}, not its chunk {p.chunk}")
             if slot in pending:
-                fail(node, f"reads {fqn} from slot {slot} before the wait for its asynchronous fetch")
-            if tuple(sl.args[2:4]) != (p.chunk_offset, p.chunk_offset + p.numel):
-                fail(node, f"reads {fqn} at elements {tuple(sl.args[2:4])}, layout says "
+                fail(node, f"reads {pfqn} from slot {slot} before the wait for its asynchronous fetch")
+            if tuple(node.args[1:4]) != (0, p.chunk_offset, p.chunk_offset + p.numel):
+                fail(node, f"reads {pfqn} at elements {tuple(node.args[2:4])}, layout says "
                            f"{(p.chunk_offset, p.chunk_offset + p.numel)}")
+        if fqn is not None and isinstance(node.args[0], fx.Node) and (
+                gmeta.get(node.args[0], "page") is not None or gmeta.get(node.args[0], "gather") is not None):
+            src = node.args[0]                # the parameter's root: its one page, or all of them gathered
+            pages = list(src.args[0]) if gmeta.get(src, "gather") is not None else [src]
+            want = [(fqn, k) for k in range(len(layout.entry(fqn).pieces))]
+            if [gmeta.get(a, "page") for a in pages] != want:
+                fail(node, f"makes {fqn} from pages {[gmeta.get(a, 'page') for a in pages]}; the layout has {want}")
         if fqn is None:         # parameter views are rebuilt right before their reader: they allocate
             nonmodel = gmeta.get(node, "nonmodel", nonmodel)    # nothing and keep the reader's moment
         used = len(holds) * slot_bytes + os_device_bytes + nonmodel
@@ -187,6 +207,11 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     if dirty - set(os_device_chunks):
         raise ScheduleError(f"verify_schedule: chunks {sorted(dirty - set(os_device_chunks))} end dirty on the "
                             "device (their gradients never reach the host update)")
+    pages = {(f, k) for f in grad_fqns for k in range(len(layout.entry(f).pieces))}
+    if grad_fqns and (set(stored) != pages or any(v != 1 for v in stored.values())):
+        wrong = sorted(p for p in pages | set(stored) if stored.get(p, 0) != 1)
+        raise ScheduleError(f"verify_schedule: gradient pages (fqn, page) {wrong[:6]} are not stored exactly "
+                            "once")
     if sharded and grad_fqns:
         expected = {c for f in grad_fqns for c in layout.entry(f).chunks}
         if expected != reduced:

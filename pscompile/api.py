@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from pscompile.config import AdamW, Config, available_host_bytes
+from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.hooks.engine import HooksEngine
 from pscompile.runtime.batching import LossFn, to_device
@@ -29,22 +29,24 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
     model needs raises ``BudgetError`` naming the smallest budget that compile accepts.
     """
     optimizer, config = _check_arguments(model, optimizer, config)
-    if config.mode == "compiled":
-        from pscompile.compiled.engine import CompiledEngine
-        return CompiledEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
     try:
+        if config.mode == "compiled":
+            from pscompile.compiled.engine import CompiledEngine
+            return CompiledEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         return HooksEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
     except BudgetError as e:
         if e.minimum is None or config.chunk_size != "auto":
             raise
         # "auto" sizes chunks by the budget, so the minimum at this budget's chunk size may not hold
         # at the minimum's own: name the budget that really works
-        least, chunk_size = _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)
+        least, chunk_size = _least_budget(model, batch, optimizer, config, loss_fn)
+        if least == e.minimum:
+            raise
         raise BudgetError(
             f"device_memory={format_bytes(config.device_memory)} ({config.device_memory} bytes) is below the "
-            f"minimum {format_bytes(least)} ({least} bytes) this model needs in hooks mode (chunk_size='auto' "
-            f"picks {chunk_size:,} elements there); at this budget it needs {format_bytes(e.minimum)} "
-            f"{e.detail}; give device_memory >= {least}, a smaller batch or a smaller chunk_size",
+            f"minimum {format_bytes(least)} ({least} bytes) this model needs in {config.mode} mode (chunk_size="
+            f"'auto' picks {chunk_size:,} elements there); at this budget it needs {format_bytes(e.minimum)} "
+            f"{e.detail or ''}; give device_memory >= {least}, a smaller batch or a smaller chunk_size",
             minimum=least) from e
 
 
@@ -55,35 +57,60 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
 
     Compiled mode plans it on fake tensors (nothing is allocated; the model may be on the meta
     device); with ZeRO (an initialized process group) it is one rank's minimum; with a
-    ``host_memory`` smaller than the model it includes the chunks that must live on the device. Hooks mode traces one forward and backward per chunk size it tries (``chunk_size=
-    "auto"`` sizes chunks by the budget), with the model's weights handed back afterwards."""
+    ``host_memory`` smaller than the model it includes the chunks that must live on the device.
+    Hooks mode traces one forward and backward per chunk size it tries. With ``chunk_size="auto"``
+    the chunk size depends on the budget (at most an eighth of it), so both search for the least
+    budget whose own layout fits in it."""
     optimizer, config = _check_arguments(model, optimizer, config)
+    return _least_budget(model, batch, optimizer, config, loss_fn)[0]
+
+
+def _least_budget(model: nn.Module, batch: Any, optimizer: AdamW, config: Config,
+                  loss_fn: LossFn | None) -> tuple[int, int]:
+    """(the least budget B from 1 up whose layout's minimum is at most B; the chunk size there)."""
     if config.mode == "compiled":
-        from pscompile.dist.comm import resolve_comm
-        from pscompile.graph.pipeline import least_budget, plan_inputs
-        from pscompile.memory.disk_states import STAGED_SETS
-        from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
-        batch = to_device(batch, config.torch_device)
-        comm = resolve_comm(config.process_group)
-        world = comm.world if comm is not None else 1
-        layout, analyzed = plan_inputs(model, batch, config, loss_fn=loss_fn, world=world,
-                                       per_chunk=config.collectives == "per_chunk")
-        slot_bytes = layout.chunk_size * config.dtype.itemsize
-        state_bytes = 3 * 4 * layout.chunk_size
-        disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
-        homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
-            num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
-        host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
-        owned = (len(range(comm.rank, n, world)) * cs if config.collectives == "per_chunk" and world > 1
-                 else (n - homes) * (cs // world))
-        room = max(0, host - owned * (config.dtype.itemsize + 12))
-        if disk and room == 0:
-            room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,
-                                            staging_chunks=STAGED_SETS, host_budget=host)[1])
-        return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
-                            device_homes=homes, state_bytes=state_bytes, host_room=room).nbytes
-    return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)[0]
+        return _compiled_minimum(model, batch, config, loss_fn)
+    return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)
+
+
+def _compiled_minimum(model: nn.Module, batch: Any, config: Config, loss_fn: LossFn | None) -> tuple[int, int]:
+    """Compiled mode's search, on one capture. The engine weighs several layouts at a budget
+    (``pipeline.layout_candidates``, sized by the budget with "auto"); it accepts a budget when one
+    of them fits in it. From 1 up: the least budget over the candidates at the probed budget, until
+    that is no more than the probe."""
+    from pscompile.dist.comm import resolve_comm
+    from pscompile.graph.pipeline import capture_and_analyze, config_least, gather_bytes, layout_candidates, regather
+    from pscompile.runtime.batching import call_model
+    from pscompile.runtime.params import collect_params
+    batch = to_device(batch, config.torch_device)
+    comm = resolve_comm(config.process_group)
+    world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
+    per_chunk = config.collectives == "per_chunk"
+    mp = collect_params(model, batch, call_model)
+    analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, loss_fn=loss_fn)
+    leasts: dict[int, int] = {}             # chunk size -> least budget of its layout
+    variants: dict = {}                      # activation rewrites, shared by every layout
+
+    def least(budget: int | None) -> tuple[int, int]:
+        best = None
+        for layout in layout_candidates(mp, config, budget, world=world, per_chunk=per_chunk):
+            if layout.chunk_size not in leasts:
+                a = regather(analyzed, gather_bytes(layout, config.dtype))
+                leasts[layout.chunk_size] = config_least(a, layout, config, world=world, rank=rank,
+                                                         variants=variants)
+            if best is None or leasts[layout.chunk_size] < best[0]:
+                best = (leasts[layout.chunk_size], layout.chunk_size)
+        return best
+    if config.chunk_size != "auto":
+        return least(None)
+    budget = 1
+    for _ in range(_MAX_PROBES):
+        need, chunk_size = least(budget)
+        if need <= budget:
+            return budget, chunk_size
+        budget = need
+    raise BudgetError(f"no budget found in {_MAX_PROBES} probes for compiled mode with chunk_size='auto' (last "
+                      f"tried {budget} bytes); give chunk_size explicitly")
 
 
 def _hooks_minimum(model: nn.Module, batch: Any, optimizer: AdamW, config: Config, loss_fn: LossFn | None, *,

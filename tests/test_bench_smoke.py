@@ -247,3 +247,18 @@ def test_disk_quick(tmp_path):
     assert res["same_losses"] and [r["prefetch"] for r in res["results"]] == [False, True]
     assert all(r["chunks_on_disk"] > 0 and r["disk_bytes_per_step"] > 0 for r in res["results"])
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]
+
+
+def test_pages_quick(tmp_path):
+    """bench/pages.py --quick: both modes at two budgets, compiled mode moving no more than hooks
+    mode and at least its Belady bound; the chunk-size table marks the layout the engine picked."""
+    out = tmp_path / "pages.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "pages.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {(r["budget_name"], r["system"]): r for r in res["rows"]}
+    for b in ("tight", "mid"):
+        assert rows[(b, "compiled")]["moved"] <= rows[(b, "hooks")]["moved"]
+        assert rows[(b, "compiled")]["moved"] >= rows[(b, "compiled")]["bound"]
+    assert sum(r["what"].startswith("picked") for r in res["chunk_sizes"]) == 2

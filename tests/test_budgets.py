@@ -3,8 +3,9 @@
 - ``pscompile.min_device_memory(model, batch, config)`` names a budget that ``compile`` accepts and
   trains with (peak within it), 1% below it is refused, and the error for a too-small budget names
   the same number the first time;
-- compiled mode: every budget from the minimum to twice it (2.5% steps, and 4 KiB steps just above
-  the minimum) yields a schedule that verifies, planned from one capture, with activations
+- compiled mode: every budget from the minimum to twice it (4% steps, and 4 KiB steps just above
+  the minimum; ``bench/budgets.py`` sweeps in 1% steps) yields a schedule that verifies, planned from one capture with the layout the engine
+  picks at that budget (paged or keeping tensors whole: ``chunk_size="auto"``), with activations
   recomputed and (a fast link) offloaded wherever the plan likes; a sample of budgets trains;
 - hooks mode: a sample of budgets above the minimum trains.
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import pscompile
-from pscompile.graph.pipeline import plan_at_budget, plan_inputs
+from pscompile.graph.pipeline import BudgetSweep
 from pscompile.memory.rates import Rates
 from pscompile.testing import ARCHITECTURES, tiny_model
 
@@ -69,14 +70,12 @@ def test_compiled_every_budget_from_the_minimum_verifies(arch, rates):
     model, batch = tiny_model(arch)
     config = _config("compiled")
     minimum = pscompile.min_device_memory(model, batch, config)
-    layout, analyzed = plan_inputs(model, batch, config)
-    variants: dict = {}          # one rewrite per activation choice, shared by the budgets
+    sweep = BudgetSweep(model, batch, config)      # the engine's layout and schedule at each budget, one capture
 
-    def plan(budget: int):       # what the engine plans: the activation choice for the budget, then the schedule
-        return plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, activations=config.activations,
-                              variants=variants, rates=RATES[rates])
+    def plan(budget: int):
+        return sweep.plan(budget, rates=RATES[rates])
 
-    budgets = sorted({minimum + 4096 * k for k in range(16)} | {int(minimum * (1 + 0.025 * k)) for k in range(41)})
+    budgets = sorted({minimum + 4096 * k for k in range(12)} | {int(minimum * (1 + 0.04 * k)) for k in range(26)})
     if rates == "offload":       # the same range, a third as dense (the recompute sweep has the fine steps)
         budgets = budgets[::3] + [budgets[-1]]
     for budget in budgets:       # build_schedule runs verify_schedule: a broken schedule raises here

@@ -2,10 +2,9 @@
 ``Config(disk_dir=...)`` step by step like plain PyTorch, the disk bytes are counted in the stats,
 and nothing is left in the folder.
 
-Device and host each get 30% of the model data in hooks mode. Compiled mode keeps every tensor in
-one chunk, so its chunks are as large as the largest tensor, and the host must hold every fp32
-param chunk (25% of the model data) plus three chunks of staged optimizer states: its host gets 45%
-until tensors may span chunks there."""
+Device and host each get 30% of the model data, in both modes: the host holds every fp32 param
+chunk (25% of the model data) plus three chunks of staged optimizer states, which fits because
+chunks are small (tensors larger than a chunk span several, in compiled mode too)."""
 
 from __future__ import annotations
 
@@ -30,14 +29,14 @@ def _model():
     return make_model("gpt", n_layer=4, d_model=128)          # model data well above its activations
 
 
-@pytest.mark.parametrize("mode, host_share", [("compiled", 0.45), ("hooks", 0.3)])
-def test_a_model_larger_than_device_and_host_trains_like_plain_pytorch(mode, host_share, tmp_path):
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_a_model_larger_than_device_and_host_trains_like_plain_pytorch(mode, tmp_path):
     batches = make_batches("gpt", 6, batch=2, seq=32)
     probe = pscompile.compile(_model(), batches[0], config=_config(mode))
     model_bytes = probe.layout.num_chunks * probe.layout.chunk_size * 16      # 4 + 12 bytes per element
     probe.close()
     least = pscompile.min_device_memory(_model(), batches[0], _config(mode))
-    device, host = max(least, int(0.3 * model_bytes)), int(host_share * model_bytes)
+    device, host = max(least, int(0.3 * model_bytes)), int(0.3 * model_bytes)
     assert device + host < model_bytes, (device, host, model_bytes)
     engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
         mode, device_memory=device, host_memory=host, disk_dir=str(tmp_path)))

@@ -33,11 +33,12 @@ from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
-from pscompile.graph.ops import ActivationMove
+from pscompile.graph.ops import ActivationMove, flat_pieces
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
-                                      capture_and_analyze, choose_activations, executed_nodes,
-                                      minimum_budget)
+                                      capture_and_analyze, choose_activations, engine_layout, executed_nodes,
+                                      gather_bytes, minimum_budget, regather)
 from pscompile.kinds import MemKind, RunKind
+from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
@@ -45,6 +46,7 @@ from pscompile.memory.transfers import TransferQueue
 from pscompile.optim.placement import device_state_chunks
 from pscompile.passes.plan_residency import ResidencyPlan, arrivals
 from pscompile.runtime.batching import LossFn, to_device
+from pscompile.runtime.params import ModelParams
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.units import format_bytes
 
@@ -91,27 +93,33 @@ def _region_curve(executor: Executor, extra: dict[int, int], excess: dict[int, i
     before it live (that node's peak in ``measured``, the node-by-node measurement) plus what the
     outputs of the regions before it hold beyond their eager sizes (``excess``), and allocates at
     most ``extra`` inside; the chunks it reads all arrive before it starts, so they sit next to
-    that whole peak."""
+    that whole peak. The executor gathers every tensor spanning chunks that a region reads before
+    the region starts (``regions.lifted_views``), so all of them are live at once there, where the
+    node-by-node curve counted each at its own reader: they are added to the region's peak, and
+    to each node of an eager region next to its own measurement."""
     arrive = arrivals(measured, executed_nodes(sched.captured))
     curve, changed, wider = list(sched.nonmodel), False, 0
     for r in sorted(executor.regions, key=lambda r: r.index):
-        if r.index not in extra:
+        gathered = sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in r.inputs if get(a, "param") is not None and isinstance(a.args[0], fx.Node)
+                       and get(a.args[0], "gather") is not None)
+        if r.index not in extra and not gathered:
             continue
         # parameter views carry the index of their captured (forward) place, not of this region
         srcs = [get(n, "src_index") for n in r.nodes if get(n, "src_index") is not None and get(n, "param") is None]
         if not srcs:
             continue
-        peak = arrive[min(srcs)] + wider + extra[r.index]
-        wider += excess.get(r.index, 0)
-        for src in srcs:
+        if r.index in extra:
+            rises = {src: arrive[min(srcs)] + wider + extra[r.index] + gathered for src in srcs}
+            wider += excess.get(r.index, 0)
+        else:
+            rises = {src: measured[src] + gathered for src in srcs if src < len(measured)}
+        for src, peak in rises.items():
             if src < len(curve) and peak > curve[src]:
                 curve[src], changed = peak, True
     return tuple(curve) if changed else None
 
 
 class CompiledEngine(ChunkEngine):
-    splits_large_tensors = False
-
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         if config.backend == "inductor":
@@ -181,6 +189,24 @@ class CompiledEngine(ChunkEngine):
                 f"{k} live on the device; give more host_memory or device_memory, or a smaller chunk_size")
 
     # ================================================================ planning
+    def _choose_layout(self, mp: ModelParams, batch: Any) -> ChunkLayout:
+        """With ``chunk_size="auto"`` and a budget, two layouts may differ: the paged one (least
+        waste, at most an eighth of the budget; tensors larger than a chunk span several) and the
+        one keeping every tensor whole. Each reader of a spanning tensor holds a gathered copy of it,
+        so at a tight budget the whole one may fit where the paged one does not, and with room the
+        paged one usually moves less. ``pipeline.engine_layout`` plans both on the first batch's
+        capture (kept for the first schedule) and takes the one that moves the fewest bytes."""
+        self._first_capture: tuple[CaptureKey, AnalyzedGraph] | None = None
+
+        def analyze() -> AnalyzedGraph:
+            analyzed = capture_and_analyze(self.model, batch, params=mp.params, loss_fn=self.loss_fn,
+                                           dtype=self.dtype)
+            self._first_capture = (self._key(batch, RunKind.TRAIN).capture, analyzed)
+            return analyzed
+        layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
+                                                    rank=self.rank, per_chunk=self.per_chunk)
+        return layout
+
     def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
         return ScheduleKey.of(batch, kind, self.model.training)
 
@@ -192,8 +218,13 @@ class CompiledEngine(ChunkEngine):
             return sched
         analyzed = self._captures.get(key.capture)
         if analyzed is None:
-            analyzed = capture_and_analyze(self.model, batch, params=self.params, loss_fn=self.loss_fn,
-                                           dtype=self.dtype, backward=key.kind.backward)
+            first, self._first_capture = self._first_capture, None
+            if first is not None and first[0] == key.capture:      # captured to choose the layout
+                analyzed = regather(first[1], gather_bytes(self.layout, self.dtype))
+            else:
+                analyzed = capture_and_analyze(self.model, batch, params=self.params, loss_fn=self.loss_fn,
+                                               dtype=self.dtype, backward=key.kind.backward,
+                                               gathers=gather_bytes(self.layout, self.dtype))
             analyzed = choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
                                           slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                           device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
@@ -384,20 +415,23 @@ class CompiledEngine(ChunkEngine):
             self._release_slot(mem.slot)
             self.link.traffic.num_evictions += 1
         elif mem.kind == MemKind.ACCUMULATE_GRAD:
-            acc, grad, offset = args
-            target = acc[offset:offset + grad.numel()].view(grad.shape)
-            host = torch.empty(grad.shape, dtype=grad.dtype)            # the gradient crosses the link
-            q.submit(host, grad, "d2h").result()
-            target.add_(host)                                           # fp32 += compute dtype, on the host
+            acc, grad, offset, *page = args
+            for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
+                target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
+                host = torch.empty(piece.shape, dtype=piece.dtype)      # the gradient crosses the link
+                q.submit(host, piece, "d2h").result()
+                target.add_(host)                                       # fp32 += compute dtype, on the host
             self._written.add(mem.fqn)
         else:
-            dest, grad, offset = args
-            target = dest[offset:offset + grad.numel()].view(grad.shape)   # strided grads: no temporary
+            dest, grad, offset, *page = args
+            for piece, at in flat_pieces(grad, *page):                  # strided grads: no temporary
+                target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
+                if mem.slot is not None:
+                    target.copy_(piece)
+                else:            # waited for: the gradient dies here, as the plan assumes
+                    q.submit(target, piece, "d2h").result()
             if mem.slot is not None:
-                target.copy_(grad)
                 store.dirty[mem.chunk] = True
-            else:                # waited for: the gradient dies here, as the plan assumes
-                q.submit(target, grad, "d2h").result()
             self._written.add(mem.fqn)
 
     def _move_activation(self, moves: ActivationMove, args: tuple) -> torch.Tensor | None:

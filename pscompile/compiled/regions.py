@@ -141,15 +141,24 @@ def buffer_aliases(gm: fx.GraphModule, buffers: set[fx.Node]) -> set[fx.Node]:
 
 def lifted_views(gm: fx.GraphModule, buffers: set[fx.Node]) -> set[fx.Node]:
     """Parameter roots: ``slice(buffer, ...)`` and ``view(that slice, shape)`` (contiguous
-    parameter tensors that the executor makes and hands to regions as inputs)."""
+    parameter tensors that the executor makes and hands to regions as inputs), and for a tensor
+    spanning chunks ``cat`` of its page slices and the view of that: the executor gathers it, so a
+    region sees the same input whatever the tensor's pages (layers split differently into pages
+    still share one compiled region)."""
     out = set()
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        if n.op != "call_function" or not n.args:
             continue
         src = n.args[0]
+        if n.target is aten.cat.default and isinstance(src, (list, tuple)) and src \
+                and all(isinstance(a, fx.Node) and a in out and a.target is aten.slice.Tensor for a in src):
+            out.add(n)
+            continue
+        if not isinstance(src, fx.Node):
+            continue
         if n.target is aten.slice.Tensor and src in buffers:
             out.add(n)
-        elif n.target is aten.view.default and src in out and src.target is aten.slice.Tensor:
+        elif n.target is aten.view.default and src in out and src.target in (aten.slice.Tensor, aten.cat.default):
             out.add(n)
     return out
 

@@ -319,8 +319,13 @@ class Schedule:
         if mem is not None:
             return _memory_comment(mem, self.layout, n)
         fqn = get(n, "param")
+        if get(n, "gather") is not None:
+            e = self.layout.entry(fqn)
+            return (f"gathers the {len(e.pieces)} pages of {fqn} (chunks {', '.join(map(str, e.chunks))}): "
+                    f"a copy of {format_bytes(e.numel * n.meta['val'].element_size())} its reader holds")
         if fqn is not None and r.kind == "param_view":
-            where = f"chunk {r.chunks[0]}" if r.chunks else "chunk ?"
+            where = (f"chunks {', '.join(map(str, r.chunks))}" if len(r.chunks) > 1 else
+                     f"chunk {r.chunks[0]}" if r.chunks else "chunk ?")
             slot = _slot_of(n)
             return f"param {fqn} ({where}" + (f" in slot {slot})" if slot is not None else ")")
         if n.op == "output":

@@ -7,10 +7,16 @@ is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
     fetch(slot!, host)                 slot <- host            one chunk, host -> device
     writeback(host!, slot)             host <- slot            a dirty chunk goes home before its slot is reused
     drop(slot)                         (nothing moves)         the slot's chunk is no longer on the device
-    store_grad(dest!, grad, offset)    dest[offset:] <- grad   a gradient overwrites its parameter's chunk space
+    store_grad(dest!, grad, offset, start=0, numel=-1)
+                                       dest[offset:] <- grad   a gradient overwrites its parameter's chunk space
+                                                               (a page: elements start.. of the flattened
+                                                               gradient, ``numel`` of them, for a tensor
+                                                               that spans chunks)
     wait(slot)                         (nothing moves)         an asynchronous fetch into slot has landed
-    accumulate_grad(acc!, grad, offset) acc[offset:] += grad   a micro-batch's gradient is added into its
-                                                               chunk's fp32 accumulation buffer on the host
+    accumulate_grad(acc!, grad, offset, start=0, numel=-1)
+                                       acc[offset:] += grad    a micro-batch's gradient (or one page of it)
+                                                               is added into its chunk's fp32 accumulation
+                                                               buffer on the host
 
 ZeRO (a slot holds a communication group of ``world`` chunks; rank r owns shard r):
 
@@ -83,13 +89,47 @@ def _(slot):
     return None
 
 
+def flat_pieces(t: Tensor, start: int = 0, numel: int = -1) -> list[tuple[Tensor, int]]:
+    """Views of ``t`` that cover elements ``start .. start + numel`` of its row-major flattening,
+    each with its offset inside that range (``numel=-1``: to the end). A strided tensor is covered
+    without a temporary: a partial row, whole rows, a partial row, recursively by dimension."""
+    total = t.numel()
+    numel = total - start if numel < 0 else numel
+    if numel == 0:
+        return []
+    if start == 0 and numel == total:
+        return [(t, 0)]
+    if t.dim() <= 1:
+        return [(t.reshape(-1)[start:start + numel], 0)]
+    row = total // t.shape[0]
+    out: list[tuple[Tensor, int]] = []
+    pos, end = start, start + numel
+    while pos < end:
+        r, inner = divmod(pos, row)
+        if inner or end - pos < row:            # a part of one row
+            take = min(row - inner, end - pos)
+            out.extend((v, o + pos - start) for v, o in flat_pieces(t[r], inner, take))
+        else:                                   # whole rows
+            rows = (end - pos) // row
+            out.append((t[r:r + rows], pos - start))
+            take = rows * row
+        pos += take
+    return out
+
+
+def _into(dest: Tensor, grad: Tensor, offset: int, start: int, numel: int, op: str) -> None:
+    for piece, at in flat_pieces(grad, start, numel):    # strided grads: no temporary
+        target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
+        getattr(target, op)(piece)
+
+
 @torch.library.custom_op("pscompile::store_grad", mutates_args=("dest",))
-def store_grad(dest: Tensor, grad: Tensor, offset: int) -> None:
-    dest[offset:offset + grad.numel()].view(grad.shape).copy_(grad)   # strided grads: no temporary
+def store_grad(dest: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
+    _into(dest, grad, offset, start, numel, "copy_")
 
 
 @store_grad.register_fake
-def _(dest, grad, offset):
+def _(dest, grad, offset, start=0, numel=-1):
     return None
 
 
@@ -104,12 +144,12 @@ def _(slot):
 
 
 @torch.library.custom_op("pscompile::accumulate_grad", mutates_args=("acc",))
-def accumulate_grad(acc: Tensor, grad: Tensor, offset: int) -> None:
-    acc[offset:offset + grad.numel()].view(grad.shape).add_(grad)
+def accumulate_grad(acc: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
+    _into(acc, grad, offset, start, numel, "add_")
 
 
 @accumulate_grad.register_fake
-def _(acc, grad, offset):
+def _(acc, grad, offset, start=0, numel=-1):
     return None
 
 

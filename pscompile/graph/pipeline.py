@@ -53,11 +53,11 @@ from pscompile.passes.offload_activations import find_offloads, offload_activati
 from pscompile.passes.recompute_activations import ActivationPlan, find_segments, recompute_activations
 from pscompile.passes.verify_schedule import verify_schedule
 from pscompile.runtime.batching import call_model
-from pscompile.runtime.params import choose_layout, collect_params
+from pscompile.runtime.params import ModelParams, choose_layout, collect_params
 from pscompile.units import format_bytes
 
 __all__ = ["PassTiming", "AnalyzedGraph", "DeviceMemory", "Scheduled", "capture_and_analyze",
-           "build_schedule", "choose_activations", "least_budget", "plan_at_budget", "schedule_model", "minimum_budget", "Minimum", "grad_store_points", "node_reads",
+           "build_schedule", "choose_activations", "gather_bytes", "with_gathers", "grad_stores", "regather", "config_least", "pick_layout", "LayoutChoice", "engine_layout", "layout_candidates", "BudgetSweep", "plan_inputs", "least_budget", "plan_at_budget", "schedule_model", "minimum_budget", "Minimum", "grad_store_points", "node_reads",
            "node_windows", "executed_nodes"]
 
 
@@ -80,6 +80,7 @@ class AnalyzedGraph:
     grad_store_points: Mapping[str, int]  # fqn -> node after which its gradient takes the param's place
     passes: tuple[PassTiming, ...]
     activations: ActivationPlan | None = None   # what recompute_activations chose (None: not asked)
+    gathers: Mapping[str, int] | None = None    # fqn -> bytes of its gathered copy (tensors spanning chunks)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class Scheduled:
 
     captured: CapturedGraph
     plan: ResidencyPlan
-    gm: fx.GraphModule
+    gm: fx.GraphModule | None          # None: planned only (``build_schedule(plan_only=True)``)
     nonmodel: tuple[int, ...]          # per node of the captured graph, the curve planned with
     measured: bool                     # that curve was measured (else: the static estimate)
     passes: tuple[PassTiming, ...]
@@ -139,25 +140,67 @@ def grad_store_points(captured: CapturedGraph, uses: ParamUses) -> dict[str, int
 
 def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn.Parameter],
                         dtype: torch.dtype, backward: bool = True,
-                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> AnalyzedGraph:
+                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                        gathers: Mapping[str, int] | None = None) -> AnalyzedGraph:
     """Capture the iteration of ``model`` on ``batch`` (fake tensors: the model may live on the
     meta device) and run the analyses every schedule of it shares. float16 graphs take the loss
-    scale as their last input (``capture_joint(loss_scale=True)``)."""
+    scale as their last input (``capture_joint(loss_scale=True)``). ``gathers`` (``gather_bytes``
+    of the layout): each reader of a tensor that spans chunks holds a gathered copy of it, which
+    the non-model curve counts."""
     passes = _Passes()
     captured = passes.run("capture_joint" if backward else "capture_forward",
                           lambda: capture_joint(model, batch, params=dict(params), loss_fn=loss_fn,
                                                 param_dtype=dtype, backward=backward,
                                                 loss_scale=dtype == torch.float16),
                           lambda c: c.summary)
-    return _analyze(captured, passes)
+    return _analyze(captured, passes, gathers=gathers)
 
 
-def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPlan | None = None) -> AnalyzedGraph:
+def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPlan | None = None,
+             gathers: Mapping[str, int] | None = None) -> AnalyzedGraph:
     uses = passes.run("annotate_params", lambda: annotate_params(captured), lambda u: u.summary)
     stores = grad_store_points(captured, uses)
     curve = passes.run("estimate_nonmodel", lambda: estimate_nonmodel(captured, uses, grads_stored_at=stores),
                        lambda c: c.summary)
-    return AnalyzedGraph(captured, uses, tuple(curve.without_outputs), stores, tuple(passes.timings), activations)
+    nonmodel = with_gathers(curve.without_outputs, captured, gathers)
+    return AnalyzedGraph(captured, uses, nonmodel, stores, tuple(passes.timings), activations,
+                         dict(gathers) if gathers else None)
+
+
+def regather(analyzed: AnalyzedGraph, gathers: Mapping[str, int] | None) -> AnalyzedGraph:
+    """``analyzed`` for another layout: its curve with the gathered copies of ``gathers`` instead
+    of its own (the capture and every other analysis do not depend on the layout)."""
+    if dict(gathers or {}) == dict(analyzed.gathers or {}):
+        return analyzed
+    base = with_gathers(analyzed.nonmodel, analyzed.captured, {f: -b for f, b in (analyzed.gathers or {}).items()})
+    return replace(analyzed, nonmodel=with_gathers(base, analyzed.captured, gathers),
+                   gathers=dict(gathers) if gathers else None)
+
+
+def gather_bytes(layout: ChunkLayout, dtype: torch.dtype) -> dict[str, int]:
+    """fqn -> bytes of the gathered copy a reader of it holds, for every tensor that spans chunks
+    (its pages sit in separate slots; ``insert_memory_ops`` concatenates them for each reader)."""
+    elsize = torch.empty((), dtype=dtype).element_size()
+    return {e.fqn: e.numel * elsize for e in layout.entries if e.spans}
+
+
+def with_gathers(curve: Sequence[int], captured: CapturedGraph,
+                 gathers: Mapping[str, int] | None) -> tuple[int, ...]:
+    """``curve`` with each node's gathered copies added: a node that reads a tensor spanning chunks
+    runs while the copy made right before it is live (once per tensor it reads)."""
+    if not gathers:
+        return tuple(curve)
+    return tuple(b + sum(gathers.get(f, 0) for f in set(get(n, "reads", ())))
+                 for b, n in zip(curve, captured.gm.graph.nodes))
+
+
+def grad_stores(entry, elsize: int) -> list[GradStore]:
+    """The stores of one parameter's gradient: one per page (one in all when it fits a chunk)."""
+    if not entry.spans:
+        p = entry.pieces[0]
+        return [GradStore(p.chunk, entry.fqn, p.chunk_offset, entry.numel * elsize)]
+    return [GradStore(p.chunk, entry.fqn, p.chunk_offset, p.numel * elsize, p.tensor_offset, p.numel)
+            for p in entry.pieces]
 
 
 def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
@@ -233,8 +276,10 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
                                                     f"{len(moves)} storages, {format_bytes(plan.offload_bytes)} of "
                                                     f"saved activations wait on the host"
                                                     + (", copies overlapped" if overlap else ""))
-                cache[key] = _analyze(captured, passes, plan)
-        return replace(cache[key], activations=replace(cache[key].activations, policy=policy))
+                cache[key] = _analyze(captured, passes, plan, analyzed.gathers)
+        # one cache serves every layout: a rewrite is analyzed once, and carries this layout's gathers
+        got = regather(cache[key], analyzed.gathers)
+        return replace(got, activations=replace(got.activations, policy=policy))
 
     def least(a: AnalyzedGraph) -> int:
         return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
@@ -316,7 +361,8 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
 
 
 def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, slot_bytes: int, world: int = 1,
-                 device_homes: int = 0, state_bytes: int = 0, host_room: int | None = None) -> Minimum:
+                 device_homes: int = 0, state_bytes: int = 0, host_room: int | None = None,
+                 variants: dict[tuple, AnalyzedGraph] | None = None) -> Minimum:
     """The smallest budget some graph ``choose_activations`` picks under ``policy`` fits in:
     ``analyzed``'s own minimum, or (unless "keep") that of the graph with every segment taken off
     the device the policy's way ("auto": all recomputed, or all offloaded where the host has room),
@@ -333,11 +379,88 @@ def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, s
         try:
             options.append(least(choose_activations(analyzed, layout, policy=way, budget=0, slot_bytes=slot_bytes,
                                                     world=world, device_homes=device_homes, state_bytes=state_bytes,
-                                                    host_room=host_room)))
+                                                    host_room=host_room, variants=variants)))
         except ValueError:
             if policy != "auto":       # the host cannot take them: "offload" says so, auto recomputes
                 raise
     return min(options, key=lambda m: m.nbytes)
+
+
+def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *, world: int = 1,
+                 rank: int = 0, variants: dict[tuple, AnalyzedGraph] | None = None) -> int:
+    """The least budget of one layout under ``config``, as the engine counts it: ``least_budget``
+    with the chunks the host cannot hold on the device (their optimizer states with them) and the
+    host room offloaded activations may use. ``analyzed`` carries this layout's gathered copies."""
+    from pscompile.config import available_host_bytes
+    from pscompile.memory.disk_states import STAGED_SETS
+    from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
+    slot_bytes = layout.chunk_size * config.dtype.itemsize
+    state_bytes = 3 * 4 * layout.chunk_size
+    disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
+    homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
+        num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
+    host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
+    n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
+    owned = (len(range(rank, n, world)) * cs if config.collectives == "per_chunk" and world > 1
+             else (n - homes) * (cs // world))
+    room = max(0, host - owned * (config.dtype.itemsize + 12))
+    if disk and room == 0:
+        room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,
+                                        staging_chunks=STAGED_SETS, host_budget=host)[1])
+    return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
+                        device_homes=homes, state_bytes=state_bytes, host_room=room, variants=variants).nbytes
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """One candidate layout of ``pick_layout`` and what planning it at the budget gave."""
+
+    chunk_size: int
+    spans: int            # tensors spanning chunks
+    utilisation: float
+    least: int            # its least budget
+    moved: int | None     # bytes its plan moves per step at the budget (None: it does not fit)
+
+
+def pick_layout(analyzed: AnalyzedGraph, layouts: Sequence[ChunkLayout], config: Config, *, budget: int,
+                world: int = 1, rank: int = 0, variants: dict[tuple, AnalyzedGraph] | None = None,
+                leasts: dict[int, int] | None = None
+                ) -> tuple[ChunkLayout, tuple[LayoutChoice, ...], Scheduled | None]:
+    """Compiled mode's ``chunk_size="auto"``: of ``layouts`` (``layout_candidates``), the one whose
+    plan at ``budget`` moves the fewest bytes per step (static curve, activations recomputed where
+    they must leave: no measured rate, so every rank of a ZeRO run picks the same), where a larger
+    chunk within ``MOVED_TOLERANCE`` of the fewest wins (fewer, larger transfers); if none fits, the
+    one with the smallest least budget (so the error names it). Returns it, what was weighed, and its
+    plan (``plan_only``: no graph; None if it does not fit). ``variants`` (activation rewrites) and ``leasts`` (chunk
+    size -> least budget) are caches a caller planning many budgets may share."""
+    variants = {} if variants is None else variants
+    leasts = {} if leasts is None else leasts
+    rows, plans = [], []
+    for layout in layouts:
+        a = regather(analyzed, gather_bytes(layout, config.dtype))
+        if layout.chunk_size not in leasts:
+            leasts[layout.chunk_size] = config_least(a, layout, config, world=world, rank=rank, variants=variants)
+        least = leasts[layout.chunk_size]
+        sched = None
+        if least <= budget:
+            try:
+                sched = plan_at_budget(a, layout, budget=budget, dtype=config.dtype, world=world, rank=rank,
+                                       per_chunk=config.collectives == "per_chunk" and world > 1,
+                                       activations=config.activations, variants=variants, plan_only=True)
+            except BudgetError:
+                sched = None
+        plans.append(sched)
+        moved = None if sched is None else sched.plan.h2d_bytes + sched.plan.d2h_bytes + 2 * sched.offload_bytes
+        rows.append(LayoutChoice(layout.chunk_size, sum(e.spans for e in layout.entries), layout.utilisation,
+                                 least, moved))
+    fits = [i for i, r in enumerate(rows) if r.moved is not None]
+    if fits:
+        least_moved = min(rows[i].moved for i in fits)
+        near = [i for i in fits if rows[i].moved <= least_moved * (1 + MOVED_TOLERANCE)]
+        best = max(near, key=lambda i: (rows[i].chunk_size, rows[i].utilisation))
+    else:
+        best = min(range(len(rows)), key=lambda i: rows[i].least)
+    return layouts[best], tuple(rows), plans[best]
 
 
 def node_windows(captured: CapturedGraph, nonmodel: Sequence[int]) -> tuple[int, ...]:
@@ -383,8 +506,10 @@ def node_reads(captured: CapturedGraph, layout: ChunkLayout, *,
 
 def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
                    memory: DeviceMemory, dtype: torch.dtype, kind: RunKind = RunKind.TRAIN,
-                   measured: bool = False, start: Mapping[int, int] | None = None) -> Scheduled:
-    """Plan, rewrite and verify one schedule of ``analyzed`` under ``memory``.
+                   measured: bool = False, start: Mapping[int, int] | None = None,
+                   plan_only: bool = False) -> Scheduled:
+    """Plan, rewrite and verify one schedule of ``analyzed`` under ``memory`` (``plan_only``: stop
+    after planning, with ``gm=None``; for weighing plans by their traffic, ``pick_layout``).
 
     Accumulation and evaluation runs update nothing, so they keep clean chunks resident at the
     end for the next run; ``start`` (chunk -> slot) plans the warm variant, which starts from that
@@ -397,9 +522,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     elsize = torch.empty((), dtype=dtype).element_size()
     stores: dict[int, list[GradStore]] = {}
     for fqn, at in analyzed.grad_store_points.items():
-        e = layout.entry(fqn)
-        stores.setdefault(at, []).append(GradStore(e.pieces[0].chunk, fqn, e.pieces[0].chunk_offset,
-                                                   e.numel * elsize))
+        stores.setdefault(at, []).extend(grad_stores(layout.entry(fqn), elsize))
     budget, os_dev, os_bytes = memory.budget, memory.os_device_chunks, memory.os_device_bytes
     windows = node_windows(captured, nonmodel)
     warm = kind.keeps_warm
@@ -425,6 +548,9 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     plan, _ = passes.run("prefetch_fetches", lambda: prefetch_fetches(plan, nonmodel, budget=budget,
                                                                         os_device_bytes=os_bytes, windows=windows),
                          lambda r: r[1].summary)
+    if plan_only:
+        return Scheduled(captured, plan, None, nonmodel, measured, tuple(passes.timings), kind, os_dev,
+                         analyzed.activations, analyzed.activations.offload_bytes if analyzed.activations else 0)
     gm = passes.run("insert_memory_ops", lambda: insert_memory_ops(
         captured.gm, plan, layout, param_fqns=captured.param_fqns, grad_fqns=captured.grad_fqns,
         compute_dtype=dtype, nonmodel=nonmodel, world=memory.world, rank=memory.rank,
@@ -443,6 +569,40 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
                      offloaded)
 
 
+# "auto" in compiled mode: the paged least-waste layouts with chunks of at most these fractions of
+# the budget, and the one keeping every tensor whole (``engine_layout``)
+PAGED_FRACTIONS = (8, 16, 32)
+MOVED_TOLERANCE = 0.01     # a larger chunk that moves at most 1% more bytes is preferred
+
+
+def layout_candidates(mp: ModelParams, config: Config, budget: int | None, *, world: int = 1,
+                      per_chunk: bool = False) -> list[ChunkLayout]:
+    """The layouts compiled mode weighs at ``budget`` (distinct chunk sizes, largest first): with an
+    explicit ``chunk_size`` or no budget just ``choose_layout``'s; with "auto" the paged least-waste
+    layouts with chunks of at most 1/8, 1/16 and 1/32 of the budget, and the whole-tensor one."""
+    unit = 1 if per_chunk else world
+    first = choose_layout(mp, config, budget, world=unit)
+    if config.chunk_size != "auto" or budget is None:
+        return [first]
+    out = {first.chunk_size: first}
+    for layout in [choose_layout(mp, config, budget, world=unit, fraction=f) for f in PAGED_FRACTIONS[1:]] + \
+            [choose_layout(mp, config, budget, world=unit, pages=False)]:
+        out.setdefault(layout.chunk_size, layout)
+    return [out[k] for k in sorted(out, reverse=True)]
+
+
+def engine_layout(mp: ModelParams, config: Config, budget: int | None, *, analyze: Callable[[], AnalyzedGraph],
+                  world: int = 1, rank: int = 0, per_chunk: bool = False
+                  ) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
+    """The layout the compiled engine uses at ``budget``: the only candidate of
+    ``layout_candidates``, or the one ``pick_layout`` prefers after planning each on ``analyze()``
+    (the training capture, called only then)."""
+    layouts = layout_candidates(mp, config, budget, world=world, per_chunk=per_chunk)
+    if len(layouts) == 1:
+        return layouts[0], ()
+    return pick_layout(analyze(), layouts, config, budget=budget, world=world, rank=rank)[:2]
+
+
 def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                 world: int = 1, per_chunk: bool = False) -> tuple[ChunkLayout, AnalyzedGraph]:
@@ -452,11 +612,46 @@ def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind =
     ``per_chunk``: its collectives go per chunk, so the layout's unit stays one chunk."""
     kind = RunKind(kind)
     mp = collect_params(model, batch, call_model)
-    layout = choose_layout(mp, config, config.device_memory, keep_tensors_whole=True,
-                           world=1 if per_chunk else world)
     analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
                                    loss_fn=loss_fn)
-    return layout, analyzed
+    train = analyzed if kind.backward and kind is RunKind.TRAIN else None
+
+    def analyze() -> AnalyzedGraph:
+        return train if train is not None else capture_and_analyze(model, batch, params=mp.params,
+                                                                   dtype=config.dtype, loss_fn=loss_fn)
+    layout, _ = engine_layout(mp, config, config.device_memory, analyze=analyze, world=world, per_chunk=per_chunk)
+    return layout, regather(analyzed, gather_bytes(layout, config.dtype))
+
+
+class BudgetSweep:
+    """What the compiled engine plans for one model and batch at any budget, from one capture: the
+    layout it would choose there (``engine_layout``) and the schedule (``plan_at_budget``, which
+    verifies it). For sweeps over budgets in tests and benchmarks; the activation rewrites and each
+    layout's least budget are computed once for all budgets."""
+
+    def __init__(self, model: nn.Module, batch: Any, config: Config, *,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None):
+        self.config = config
+        self.mp = collect_params(model, batch, call_model)
+        self.analyzed = capture_and_analyze(model, batch, params=self.mp.params, dtype=config.dtype, loss_fn=loss_fn)
+        self._variants: dict[tuple, AnalyzedGraph] = {}
+        self._leasts: dict[int, int] = {}
+
+    def layout(self, budget: int | None) -> ChunkLayout:
+        return self._choose(budget)
+
+    def plan(self, budget: int | None, *, rates: Rates | None = None) -> Scheduled:
+        layout = self._choose(budget)
+        analyzed = regather(self.analyzed, gather_bytes(layout, self.config.dtype))
+        return plan_at_budget(analyzed, layout, budget=budget, dtype=self.config.dtype,
+                              activations=self.config.activations, rates=rates, variants=self._variants)
+
+    def _choose(self, budget: int | None) -> ChunkLayout:
+        layouts = layout_candidates(self.mp, self.config, budget)
+        if len(layouts) == 1:
+            return layouts[0]
+        return pick_layout(self.analyzed, layouts, self.config, budget=budget, variants=self._variants,
+                           leasts=self._leasts)[0]
 
 
 def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
@@ -480,7 +675,7 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
                    kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None,
                    world: int = 1, rank: int = 0, per_chunk: bool = False, activations: str | None = None,
                    variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
-                   host_room: int | None = None) -> Scheduled:
+                   host_room: int | None = None, plan_only: bool = False) -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: the activation
     policy's choice for the budget (``activations``: a ``Config.activations`` value; None plans
     ``analyzed`` as it is; ``variants`` as in ``choose_activations``), optimizer states placed by
@@ -498,7 +693,7 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
     memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank,
                           per_chunk=per_chunk)
     return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
-                          measured=nonmodel is not analyzed.nonmodel)
+                          measured=nonmodel is not analyzed.nonmodel, plan_only=plan_only)
 
 
 def describe_node(node: fx.Node) -> str:

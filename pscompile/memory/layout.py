@@ -173,7 +173,7 @@ def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = Non
     Ties go to the larger chunk (fewer, larger transfers). At most ``max_candidates`` sizes are
     tried (the step grows in multiples of ``step`` for very large models). With
     ``keep_tensors_whole`` no tensor may span chunks: candidates run from the largest tensor to
-    1.5 times it.
+    1.5 times it, whatever the bounds above.
     """
     total = sum(numels)
     if total == 0:

@@ -33,6 +33,7 @@ from pscompile.dist.store import OwnedChunkStore, ShardedStore
 from pscompile.memory.disk import DiskQueue, SlotFile
 from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.store import ChunkStore
+from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
@@ -42,7 +43,7 @@ from pscompile.runtime.batching import LossFn, call_model, micro_batches, struct
 from pscompile.runtime.interrupts import deferred_interrupts
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.rng import rng_state, set_rng_state
-from pscompile.runtime.params import choose_layout, collect_params
+from pscompile.runtime.params import ModelParams, choose_layout, collect_params
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
 
@@ -61,9 +62,6 @@ class MicroRun:
 
 
 class ChunkEngine:
-    # Whether a tensor larger than a chunk may span several chunks in this mode.
-    splits_large_tensors = True
-
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         self.config = config
@@ -92,8 +90,7 @@ class ChunkEngine:
         self.order_source = mp.order_source
         self._fqn_of: dict[int, str] = mp.fqn_of()
         self.groups = resolve_groups(optimizer, self.params, mp.aliases)
-        self.layout = choose_layout(mp, config, self.budget, keep_tensors_whole=not self.splits_large_tensors,
-                                    world=1 if self.per_chunk else self.world)
+        self.layout = self._choose_layout(mp, batch if micro is None else micro[0])
 
         # -- chunk store, optimizer, host budget --------------------------------------------
         elsize = torch.empty((), dtype=self.dtype).element_size()
@@ -200,6 +197,10 @@ class ChunkEngine:
             self._acc = [torch.zeros(self.store.home_numel if self.store.owns(c) else 0, dtype=torch.float32)
                          for c in range(self.layout.num_chunks)]
         return self._acc
+
+    def _choose_layout(self, mp: ModelParams, batch: Any) -> ChunkLayout:
+        """The chunk layout (``runtime.params.choose_layout``); compiled mode weighs candidates."""
+        return choose_layout(mp, self.config, self.budget, world=1 if self.per_chunk else self.world)
 
     def _run_model(self, model: nn.Module, batch: Any) -> Any:
         return call_model(model, batch)

@@ -70,10 +70,12 @@ def collect_params(model: nn.Module, batch: Any, run: Callable[[nn.Module, Any],
     return ModelParams(params, aliases, how)
 
 
-def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, keep_tensors_whole: bool,
-                  world: int = 1) -> ChunkLayout:
-    """The chunk layout: ``config.chunk_size``, or with "auto" the least-waste size, at most an
-    eighth of the budget (``keep_tensors_whole``: never smaller than the largest tensor).
+def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world: int = 1,
+                  pages: bool = True, fraction: int = 8) -> ChunkLayout:
+    """The chunk layout: ``config.chunk_size``, or with "auto" the least-waste size, at most
+    1/``fraction`` of the budget and a quarter of the model; a tensor larger than a chunk spans
+    several (pages). ``pages=False`` ("auto" only): the least-waste size no smaller than the largest
+    tensor, whatever the budget (compiled mode weighs several, ``pipeline.engine_layout``).
 
     ZeRO (``world > 1``): the layout's unit is a communication group of ``world`` chunks, one per
     rank; an explicit ``chunk_size`` is per chunk (the group has ``world`` times as many elements),
@@ -83,14 +85,9 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, keep_t
     cs = config.chunk_size
     elsize = torch.empty((), dtype=config.dtype).element_size()
     if cs == "auto":
-        cap = None if budget is None else max(1024, budget // (elsize * 8))
-        cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=keep_tensors_whole).chunk_size
+        cap = None if budget is None else max(1024, budget // (elsize * fraction))
+        cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=not pages).chunk_size
         cs = -(-cs // world) * world
     else:
         cs = cs * world
-    if keep_tensors_whole and cs < max(numels):
-        big = max(mp.params, key=lambda f: mp.params[f].numel())
-        raise ValueError(
-            f"chunk_size={cs} is smaller than parameter {big} ({max(numels)} elements); this mode keeps "
-            f"every tensor in one chunk: give chunk_size >= {max(numels)} or 'auto', or use mode='hooks'")
     return build_layout(((f, tuple(p.shape)) for f, p in mp.params.items()), cs, mp.aliases)
