@@ -204,7 +204,7 @@ class CompiledEngine(ChunkEngine):
             self._first_capture = (self._key(batch, RunKind.TRAIN).capture, analyzed)
             return analyzed
         layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
-                                                    rank=self.rank, per_chunk=self.per_chunk)
+                                                    per_chunk=self.per_chunk)
         return layout
 
     def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
