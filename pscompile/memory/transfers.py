@@ -25,9 +25,18 @@ class TransferQueue:
         self._pending: list = []
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False) -> Future:
-        fut = self._pool.submit(self.link.copy, dst, src, direction, activation)
+        # The tensors travel in a list the copy empties before it returns: the pool's work item
+        # outlives the future's result by a moment on the worker thread, and a tensor it still
+        # held (a gradient stored to the host, an offloaded activation) would outlive its planned
+        # death by that moment, which the memory tracker can see.
+        fut = self._pool.submit(self._copy, [dst, src, direction, activation])
         self._pending.append(fut)
         return fut
+
+    def _copy(self, job: list) -> None:
+        dst, src, direction, activation = job
+        job.clear()
+        self.link.copy(dst, src, direction, activation)
 
     def flush(self) -> None:
         """Wait for every copy; then raise the first one's exception, if any failed."""
