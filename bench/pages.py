@@ -127,8 +127,9 @@ def chunk_size_rows(s: dict) -> tuple[list[list], list[dict]]:
     for bname, budget in (("tight", int(1.1 * minimum)), ("mid", int(1.65 * minimum))):
         candidates = [x.chunk_size for x in layout_candidates(mp, config("compiled", budget), budget)]
         whole = choose_layout(mp, cfg, budget, pages=False).chunk_size
-        picked = pscompile.compile(make_model(n_layer, d, vocab, s["seq"]), data[0],
-                                   config=config("compiled", budget)).layout.chunk_size
+        engine = pscompile.compile(make_model(n_layer, d, vocab, s["seq"]), data[0], config=config("compiled", budget))
+        picked = engine.layout.chunk_size
+        engine.close()
         paged = choose_layout(mp, cfg, budget).chunk_size
         sizes = sorted(set(candidates) | {2 * paged})
         for cs in sizes:
