@@ -71,6 +71,11 @@ class Config:
     # FloatingPointError; True skips it instead (weights and optimizer states untouched, as with
     # float16's loss scaling)
     skip_nonfinite: bool = False
+    # ANGEL-PTM's lock-free updating: the optimizer runs on the host in its own thread while the
+    # next steps' forward and backward run; the parameters step t reads hold every update up to
+    # t - 1 - staleness and none after (docs/design.md, "Lock-free updating"). False: synchronous
+    lock_free: bool = False
+    staleness: int = 1                 # lock_free only: steps an update may lag (>= 1)
 
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
@@ -128,6 +133,18 @@ class Config:
                              "save_on_cpu) instead, or use mode='compiled'")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite={self.skip_nonfinite!r} must be True or False")
+        if not isinstance(self.lock_free, bool):
+            raise ValueError(f"lock_free={self.lock_free!r} must be True or False")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 1:
+            raise ValueError(f"staleness={self.staleness!r} must be an int >= 1 (the steps an update may lag in "
+                             "lock-free mode); lock_free=False is the synchronous step")
+        if self.lock_free and self.dtype == torch.float16:
+            raise ValueError("lock_free=True does not support dtype=torch.float16: a step that loss scaling skips "
+                             "would have to be known before the updates queued behind it start; use "
+                             "torch.bfloat16 or torch.float32, or lock_free=False")
+        if self.lock_free and self.disk_dir is not None:
+            raise ValueError("lock_free=True with disk_dir is not supported yet: the update thread works on "
+                             "optimizer states in host memory; give host_memory for them, or lock_free=False")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):

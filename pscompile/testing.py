@@ -23,7 +23,12 @@ from pscompile.optim.groups import resolve_groups
 class ReferenceTrainer:
     def __init__(self, model: nn.Module, *, optimizer: AdamW, dtype: torch.dtype,
                  device: str | torch.device = "cpu", loss_fn: LossFn | None = None,
-                 initial_loss_scale: float = 2.0**16, growth_interval: int = 2000, copy_model: bool = True):
+                 initial_loss_scale: float = 2.0**16, growth_interval: int = 2000, copy_model: bool = True,
+                 staleness: int = 0):
+        """``staleness`` > 0: lock-free updating's delayed gradients -- the update applied after
+        step ``t`` uses the gradients of step ``t - staleness`` (``flush`` applies the rest)."""
+        self.staleness = staleness
+        self._queued: list[list[torch.Tensor | None]] = []
         self.device = torch.device(device)
         self.dtype = dtype
         self.loss_fn = loss_fn
@@ -73,6 +78,12 @@ class ReferenceTrainer:
             for p, m in zip(self.params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
+        if self.staleness:
+            self._queued.append([None if m.grad is None else m.grad.clone() for m in self.master])
+            self.opt.zero_grad(set_to_none=True)
+            if len(self._queued) > self.staleness:
+                self._apply(self._queued.pop(0))
+            return float(loss.detach())
         grads = [m.grad for m in self.master if m.grad is not None]
         if self.scaler is not None:
             found_inf = not all(torch.isfinite(g).all() for g in grads)
@@ -82,6 +93,13 @@ class ReferenceTrainer:
                 return float(loss.detach())
             for g in grads:
                 g.mul_(1.0 / scale)
+        self._apply([m.grad for m in self.master])
+        return float(loss.detach())
+
+    def _apply(self, grads: list[torch.Tensor | None]) -> None:
+        """Clip (if asked), AdamW on the masters with ``grads``, cast into the parameters."""
+        for m, g in zip(self.master, grads):
+            m.grad = g
         if self.hp.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([m for m in self.master if m.grad is not None], self.hp.max_grad_norm)
         self.opt.step()
@@ -90,7 +108,12 @@ class ReferenceTrainer:
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
-        return float(loss.detach())
+
+    def flush(self) -> None:
+        """Delayed gradients: apply every queued update now (as a lock-free engine's
+        ``state_dict`` and ``close`` do)."""
+        while self._queued:
+            self._apply(self._queued.pop(0))
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """fqn -> fp32 master weight (tied parameters under their first name)."""

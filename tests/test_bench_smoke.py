@@ -262,3 +262,20 @@ def test_pages_quick(tmp_path):
         assert rows[(b, "compiled")]["moved"] <= rows[(b, "hooks")]["moved"]
         assert rows[(b, "compiled")]["moved"] >= rows[(b, "compiled")]["bound"]
     assert sum(r["what"].startswith("picked") for r in res["chunk_sizes"]) == 2
+
+
+def test_lock_free_quick(tmp_path):
+    """bench/lock_free.py --quick: the default run synchronous and lock-free, lock-free losing
+    exactly what plain PyTorch with delayed gradients loses; step times in both modes."""
+    out = tmp_path / "lock_free.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "lock_free.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    runs = {(r["run"], r["staleness"]): r for r in res["losses"]}
+    assert set(runs) == {("pscompile", 0), ("pscompile", 1), ("pscompile", 2), ("plain PyTorch", 1)}
+    lf, plain = runs[("pscompile", 1)], runs[("plain PyTorch", 1)]
+    assert abs(lf["loss_last10"] - plain["loss_last10"]) <= 1e-4 * plain["loss_last10"]
+    assert lf["loss_last10"] != runs[("pscompile", 0)]["loss_last10"]
+    assert {r["mode"] for r in res["timing"]} == {"compiled", "hooks"}
+    assert all(r["sync_step_s"] > 0 and r["lock_free_step_s"] > 0 for r in res["timing"])

@@ -95,7 +95,8 @@ def test_parser_has_train_with_documented_defaults():
                                            (["--d-model", "64", "--n-head", "3"], "--n-head"),
                                            (["--json", "/no-such-folder/out.json"], "--json"),
                                            (["--batch-size", "6", "--grad-accum", "4"], "--grad-accum"),
-                                           (["--eval-batches", "-1"], "--eval-batches")])
+                                           (["--eval-batches", "-1"], "--eval-batches"),
+                                           (["--lock-free", "--staleness", "0"], "--staleness")])
 def test_bad_flags_exit_2_naming_the_flag(flags, field, capsys):
     assert main(["train", "--model", "gpt-tiny", *flags]) == 2
     assert field in capsys.readouterr().err

@@ -56,6 +56,8 @@ class TrainSettings:
     mode: str = "compiled"             # "compiled" (the planned schedule) | "hooks" (PatrickStar's runtime)
     backend: str = "eager"             # compiled mode: "eager" | "inductor" (cold compile 20-45 s on 2 cores)
     activations: str = "auto"          # compiled mode: "auto" | "keep" | "recompute" | "offload" (Config.activations)
+    lock_free: bool = False            # the optimizer on its own host thread (Config.lock_free)
+    staleness: int = 1                 # lock-free: steps an update may lag (Config.staleness)
     seed: int = 0                      # model init and batch sampling
     grad_accum: int = 1                # micro-batches per step (batch_size is split into them)
     eval_every: int = 0                # validation loss every N steps (0: only after the last step)
@@ -68,7 +70,7 @@ class TrainSettings:
         for flag, value, low in (("--steps", self.steps, 1), ("--batch-size", self.batch_size, 1),
                                  ("--seq-len", self.seq_len, 2), ("--log-every", self.log_every, 0),
                                  ("--grad-accum", self.grad_accum, 1), ("--eval-every", self.eval_every, 0),
-                                 ("--eval-batches", self.eval_batches, 0)):
+                                 ("--eval-batches", self.eval_batches, 0), ("--staleness", self.staleness, 1)):
             if value < low:
                 raise ValueError(f"{flag}={value} must be >= {low}")
         for flag, value in (("--n-layer", self.n_layer), ("--d-model", self.d_model), ("--n-head", self.n_head)):
@@ -149,6 +151,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="compiled mode: take saved activations off the device when the budget needs it, "
                         "recomputed or offloaded to the host, whichever costs less here (auto), never (keep), "
                         f"all recomputed (recompute) or all offloaded (offload) (default {d.activations})")
+    e.add_argument("--lock-free", action="store_true",
+                   help="run the optimizer on its own host thread while the next steps' forward and backward "
+                        "run (ANGEL-PTM's lock-free updating); step t trains on weights missing the last "
+                        "--staleness updates")
+    e.add_argument("--staleness", metavar="S", type=int, default=d.staleness,
+                   help=f"with --lock-free: how many steps an update may lag (default {d.staleness})")
     o = p.add_argument_group("output")
     o.add_argument("--log-every", metavar="N", type=int, default=d.log_every,
                    help=f"print a progress line every N steps when no bar is shown (default {d.log_every}; 0 = never)")
@@ -210,7 +218,7 @@ class _Progress:
             self.bar.close()
 
 
-def _no_decay(name: str, param: torch.Tensor) -> bool:
+def no_decay(name: str, param: torch.Tensor) -> bool:
     """Biases and norms train without weight decay, as GPT-2 and BERT training scripts do."""
     return param.ndim < 2
 
@@ -237,10 +245,11 @@ def run_train(s: TrainSettings, *, rank: int = 0, world: int = 1) -> dict:
     engine = ps_compile(
         model, batch,
         optimizer=AdamW(lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0,
-                        param_groups=[{"params": _no_decay, "weight_decay": 0.0}]),
+                        param_groups=[{"params": no_decay, "weight_decay": 0.0}]),
         config=Config(mode=s.mode, backend=s.backend, device=s.device, device_memory=s.device_memory, host_memory=s.host_memory,
                       dtype=DTYPES[s.dtype], chunk_size=s.chunk_size,
-                      activations=s.activations if s.mode == "compiled" else "auto"))
+                      activations=s.activations if s.mode == "compiled" else "auto", lock_free=s.lock_free,
+                      staleness=s.staleness))
     t_compile = time.perf_counter()
     history: list[StepStats] = []
     evals: list[tuple[int, float]] = []           # (step, mean validation loss)
@@ -395,6 +404,9 @@ def summary_table(r: dict) -> str:
         v = r["val_losses"]
         insert_after("loss first / last", ("validation loss", f"{v[-1]['loss']:.3f} after step {v[-1]['step']} "
                                            f"({r['settings']['eval_batches']} held-out batches, evaluate())"))
+    if r["settings"].get("lock_free"):
+        insert_after("engine", ("optimizer", f"lock-free: on its own thread, updates lag "
+                                             f"{r['settings']['staleness']} step(s)"))
     if r["settings"]["grad_accum"] > 1:
         insert_after("steps", ("gradient accumulation", f"{r['settings']['grad_accum']} micro-batches of "
                                                         f"{r['settings']['batch_size'] // r['settings']['grad_accum']} "

@@ -262,7 +262,7 @@ class CompiledEngine(ChunkEngine):
         n = self.layout.num_chunks
         count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=n,
                                     chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
-                                    state_chunk_bytes=self.store.os_chunk_bytes) if self.comm is None else 0
+                                    state_chunk_bytes=self.store.os_chunk_bytes) if not self.states_on_host_only else 0
         count = max(count, self.min_device_homes)       # what the host cannot hold lives on the device
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
@@ -418,6 +418,9 @@ class CompiledEngine(ChunkEngine):
             acc, grad, offset, *page = args
             for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
                 target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
+                if self._fresh_acc:                                     # a zero buffer: 0 + g is g
+                    q.submit(target, piece, "d2h").result()
+                    continue
                 host = torch.empty(piece.shape, dtype=piece.dtype)      # the gradient crosses the link
                 q.submit(host, piece, "d2h").result()
                 target.add_(host)                                       # fp32 += compute dtype, on the host

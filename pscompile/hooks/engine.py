@@ -330,6 +330,8 @@ class HooksEngine(ChunkEngine):
                     piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
                     if ps.acc is None:       # the gradient takes its parameter's place in the chunk
                         self.store.write_piece(p.chunk, p.chunk_offset, piece)
+                    elif self._fresh_acc:    # a zero buffer (lock-free): 0 + g is g
+                        self.link.copy(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
                     else:                    # accumulate in fp32 on the host; the parameter stays
                         host = torch.empty(p.numel, dtype=piece.dtype)
                         self.link.copy(host, piece, "d2h")
@@ -505,7 +507,7 @@ class HooksEngine(ChunkEngine):
         count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=self.layout.num_chunks,
                                     chunk_size=self.layout.chunk_size,
                                     param_chunk_bytes=self.store.param_chunk_bytes,
-                                    state_chunk_bytes=self.store.os_chunk_bytes) if self.comm is None else 0
+                                    state_chunk_bytes=self.store.os_chunk_bytes) if not self.states_on_host_only else 0
         count = max(count, self.min_device_homes)       # what the host cannot hold lives on the device
         self.store.place_optimizer_states(range(count))
         self._count_outside_steps()

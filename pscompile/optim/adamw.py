@@ -78,18 +78,22 @@ class ChunkAdamW:
             t = self._step_tensors[device] = torch.tensor(float(self.step_count), device=device)
         return t
 
-    def update_chunk(self, param: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+    def update_chunk(self, param: torch.Tensor | None, master: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, *, grad_factor: float,
                      frozen: list[tuple[int, int]], grad: torch.Tensor | None = None,
-                     groups: list[tuple[int, list[tuple[int, int]] | None]] | None = None) -> None:
+                     groups: list[tuple[int, list[tuple[int, int]] | None]] | None = None,
+                     hps: tuple[AdamW, ...] | None = None) -> None:
         """Update one chunk in place. ``param`` holds the gradient on entry (unless ``grad``, e.g.
-        an fp32 accumulation chunk, is given), new params on exit.
+        an fp32 accumulation chunk, is given), new params on exit; None leaves the params to the
+        caller (lock-free updating publishes them later).
 
         ``grad_factor`` multiplies the fp32 gradient (loss-scale inverse times clip coefficient).
         ``frozen`` lists (offset, numel) ranges of parameters without a gradient this step.
         ``groups`` lists each group's index and its (offset, numel) ranges in this chunk (None: the
-        whole chunk); None updates the whole chunk with ``hp`` (the last group).
+        whole chunk); None updates the whole chunk with ``hp`` (the last group). ``hps`` replaces
+        the groups' hyper-parameters (a queued update keeps the values of the step it belongs to).
         """
+        hps = self.hps if hps is None else hps
         grad = (param if grad is None else grad).float()
         if grad_factor != 1.0:
             grad.mul_(grad_factor)
@@ -97,9 +101,9 @@ class ChunkAdamW:
                  for o, n in frozen]
         step = [self._step_tensor(master.device)]
         if groups is None:
-            groups = [(len(self.hps) - 1, None)]
+            groups = [(len(hps) - 1, None)]
         for g, ranges in groups:
-            hp = self.hps[g]
+            hp = hps[g]
             ranges = [(0, master.numel())] if ranges is None else ranges
             pieces = [[t[o:o + n] for o, n in ranges] for t in (master, grad, exp_avg, exp_avg_sq)]
             torch._fused_adamw_(*pieces, [], step * len(ranges), lr=hp.lr, beta1=hp.betas[0],
@@ -110,7 +114,8 @@ class ChunkAdamW:
             exp_avg[o:o + n].copy_(ea)
             exp_avg_sq[o:o + n].copy_(eas)
         del grad
-        param.copy_(master)
+        if param is not None:
+            param.copy_(master)
 
     def state_dict(self) -> dict:
         return {"step": self.step_count}

@@ -38,6 +38,7 @@ from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
 from pscompile.optim.groups import resolve_groups
+from pscompile.optim.lock_free import LockFreeUpdater, UpdateJob
 from pscompile.optim.placement import host_state_chunks, host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
 from pscompile.runtime.interrupts import deferred_interrupts
@@ -82,7 +83,14 @@ class ChunkEngine:
         self.world = self.comm.world if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
         self.per_chunk = self.comm is not None and config.collectives == "per_chunk"
+        if config.lock_free and self.comm is not None:
+            raise ValueError(f"lock_free=True is not supported under ZeRO yet ({self.world} ranks): every rank's "
+                             "update would need its collectives ordered against the next step's; use "
+                             "lock_free=False, or process_group=False to train one process")
         self.materialized = materialize_meta(model)
+        # optimizer states may move to the device only where the update can run there: not under
+        # ZeRO (updates run on the host shards), not with lock-free updating (a host thread runs them)
+        self.states_on_host_only = self.comm is not None or config.lock_free
 
         # -- parameters, names, first-use order, layout -------------------------------------
         mp = collect_params(model, self._run_model, batch)
@@ -97,7 +105,10 @@ class ChunkEngine:
         host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
         owned = (len(range(self.rank, self.layout.num_chunks, self.world)) * self.layout.chunk_size if self.per_chunk
                  else self.layout.num_chunks * (self.layout.chunk_size // self.world))
-        host_need = owned * (elsize + 12)
+        # lock-free updating keeps staleness + 1 fp32 gradient buffer sets and a second set of
+        # compute-dtype chunks (the next parameters, written by the update thread) on the host
+        grad_sets = config.staleness + 1 if config.lock_free else 0
+        host_need = owned * (elsize + 12 + (4 * grad_sets + elsize if config.lock_free else 0))
         # Chunks the host cannot hold live on the device (their optimizer states with them): the
         # first ``min_device_homes`` chunks at least, whatever the placement rule says
         self.min_device_homes = 0
@@ -106,6 +117,13 @@ class ChunkEngine:
         self.disk_chunks: frozenset[int] = frozenset()
         if host_need > host_budget and config.disk_dir is not None:
             self.disk_chunks = self._disk_homes(host_budget, elsize)
+        elif host_need > host_budget and config.lock_free:
+            raise ValueError(
+                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks with lock-free updating: "
+                f"they need {format_bytes(host_need)} ({self.layout.num_chunks} chunks x {elsize + 12} bytes/param, "
+                f"plus {grad_sets} fp32 gradient buffer sets for staleness={config.staleness} and a second "
+                f"compute-dtype copy, {elsize + 4 * grad_sets} bytes/param); the update thread "
+                f"works on host memory, so give host_memory >= {host_need}, a smaller staleness, or lock_free=False")
         elif host_need > host_budget:
             chunk_need = self.layout.chunk_size * (elsize + 12)
             self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
@@ -158,6 +176,17 @@ class ChunkEngine:
         # queue the next disk chunk's reads before this one's update (False: read each when its
         # update starts; bench/disk.py compares the two)
         self.disk_prefetch = True
+        # lock-free updating: the update thread and the gradient buffer sets it reads
+        self.updater = (LockFreeUpdater(staleness=config.staleness, run=self._run_update_job,
+                                        publish=self._publish_update,
+                                        sets=[[torch.zeros(self.store.home_numel, dtype=torch.float32)
+                                               for _ in range(self.layout.num_chunks)] for _ in range(grad_sets)])
+                        if config.lock_free else None)
+        # lock-free: the update thread casts new masters here; publishing swaps them in
+        self._next_params = ([self.store.host_param_pool.acquire() for _ in range(self.layout.num_chunks)]
+                             if config.lock_free else [])
+        self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
+        self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
 
     def _disk_homes(self, host_budget: int, elsize: int) -> frozenset[int]:
         """The chunks (the last ones) whose optimizer states live on disk: the host keeps every
@@ -231,7 +260,15 @@ class ChunkEngine:
     def close(self) -> None:
         """Detach from the model (hooks removed) and give it its parameters back, holding the fp32
         master weights in each parameter's original dtype. The engine cannot step afterwards; the
-        disk tier's file is gone."""
+        disk tier's file is gone. Lock-free: the queued updates are applied first."""
+        if self.closed:
+            return
+        if self.updater is not None:
+            try:
+                self._apply_queued_updates()
+            except BaseException:            # noqa: BLE001 -- closing goes on; the engine is broken
+                pass
+            self.updater.discard()           # (nothing left after a drain) no thread outlives close
         self._detach_from_model()
         self.closed = True
         try:
@@ -368,6 +405,8 @@ class ChunkEngine:
         store, n = self.store, self.layout.num_chunks
         has_grad = [store.owns(c) and any(e.fqn in written for e, _ in self.layout.chunk_members(c))
                     for c in range(n)]
+        if self.updater is not None:
+            return self._queue_update(written, scale, tracker, has_grad, before_update, grads)
         undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
         try:
             factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads)
@@ -387,11 +426,87 @@ class ChunkEngine:
                     store.settle_disk()           # no transfer left running, staging buffers back
                 except BaseException:             # noqa: BLE001 -- the first failure is the one raised
                     pass
-                self._broken = (f"this engine failed inside the optimizer update ({type(e).__name__}: {e}); its "
-                                "weights and optimizer states are partly updated: load a checkpoint "
-                                "(pscompile.load or load_state_dict) before training or saving again")
+                self._mark_update_failed(e)
                 raise
         return False
+
+    # ================================================================ lock-free updating
+    def _queue_update(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
+                      before_update: Callable[[int], None], grads: list[torch.Tensor]) -> bool:
+        """Lock-free: unscale, check and clip here (the step fails or skips before anything is
+        queued), then queue the update of ``grads`` (a buffer set) and let the updater publish
+        and start what the staleness bound says. Returns True for a skipped step."""
+        n = self.layout.num_chunks
+        factor = self._unscale_and_clip(written, scale, tracker, has_grad, [False] * n, grads)
+        for c in range(n):
+            before_update(c)                 # the mode's bookkeeping (hooks: its optimizer moments)
+        if factor is None:
+            for g in grads:
+                g.zero_()
+            return True
+        chunks = tuple(c for c in range(n) if has_grad[c])
+        job = UpdateJob(step=self._steps_run, grads=grads, chunks=chunks, factor=factor,
+                        frozen=tuple(self._frozen_ranges(c, written) for c in chunks),
+                        groups=tuple(self._chunk_groups(c) for c in chunks), hps=tuple(self.adam.hps))
+        with deferred_interrupts(), tracker.paused():     # queued and the bound kept, or neither
+            try:
+                self.updater.submit(job)
+            except BaseException as e:
+                self._mark_update_failed(e)
+                raise
+        return False
+
+    def _run_update_job(self, job: UpdateJob) -> None:
+        """On the update thread: AdamW on masters and Adam states from the job's gradients, which
+        it zeroes (the buffer set is free again); the compute-dtype chunks are not touched."""
+        store = self.store
+        self.adam.begin_step()
+        for c, frozen, groups in zip(job.chunks, job.frozen, job.groups):
+            self.adam.update_chunk(None, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
+                                   grad_factor=job.factor, frozen=frozen, grad=job.grads[c], groups=groups,
+                                   hps=job.hps)
+            job.grads[c].zero_()
+            self._next_params[c].copy_(store.master[c])
+
+    def _publish_update(self, job: UpdateJob) -> None:
+        """On the compute thread, between steps: the parameters the update thread cast from the
+        new masters take the place of the old (swapped; the device copies of the old ones are
+        dropped), whose buffers take the next update's."""
+        store, nxt = self.store, self._next_params
+        for c in job.chunks:
+            store.drop(c)
+            store.host_param[c], nxt[c] = nxt[c], store.host_param[c]
+
+    def _abandon_step(self, grads: list[torch.Tensor]) -> None:
+        """A lock-free step failed: its gradients are dropped and no update thread is left
+        running (the one in flight finishes; it is published at the next step)."""
+        for g in grads:
+            g.zero_()
+        try:
+            self.updater.join()
+        except BaseException as e:          # noqa: BLE001 -- the step's own failure is the one raised
+            self._mark_update_failed(e)
+
+    def _mark_update_failed(self, e: BaseException) -> None:
+        self._broken = (f"this engine failed inside the optimizer update ({type(e).__name__}: {e}); its "
+                        "weights and optimizer states are partly updated: load a checkpoint "
+                        "(pscompile.load or load_state_dict) before training or saving again")
+
+    def _apply_queued_updates(self) -> None:
+        """Lock-free: apply every queued update now (state dicts and ``close`` see them all)."""
+        if self.updater is None or self._broken is not None:
+            return
+        try:
+            with deferred_interrupts():
+                self.updater.drain()
+        except BaseException as e:
+            self._mark_update_failed(e)
+            raise
+
+    @property
+    def queued_updates(self) -> int:
+        """Lock-free: steps whose update is not in the parameters yet (0 otherwise)."""
+        return 0 if self.updater is None else self.updater.queued
 
     def _unscale_and_clip(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
                           undo: list[bool], grads: list[torch.Tensor] | None) -> float | None:
@@ -472,7 +587,9 @@ class ChunkEngine:
         micro = micro_batches(batch)
         self._check_batch(batch, micro)
         batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
-        acc = self._accumulation_chunks() if micro is not None else None
+        # lock-free: every step's gradients go to a free buffer set, which its queued update reads
+        acc = (self.updater.free_set() if self.updater is not None else
+               self._accumulation_chunks() if micro is not None else None)
         k = len(batches)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._prepare_step(batches, accumulate=acc is not None)
@@ -483,19 +600,24 @@ class ChunkEngine:
         runs: list[MicroRun] = []
         rng = rng_state(self.device)          # a failed step leaves the random numbers where they were
         try:
-            for b in batches:
+            for i, b in enumerate(batches):
+                self._fresh_acc = self.updater is not None and i == 0    # (lock-free buffers are zero)
                 runs.append(self._run_micro(b, acc=acc, scale=scale, k=k))
+            self._fresh_acc = False
             t_opt = time.perf_counter()
             written = frozenset().union(*(r.written for r in runs))
             # ZeRO reduce-scatters sum over ranks: the mean gradient divides by the world size too
             skipped = self._update(runs[-1], written, self._grad_divisor(scale, k) * self.world, acc)
         except BaseException:
             set_rng_state(self.device, rng)
+            if self.updater is not None:
+                self._abandon_step(acc)
             raise
         finally:
-            if acc is not None:
+            if acc is not None and self.updater is None:
                 for a in acc:
                     a.zero_()
+        self._steps_run += 1
         loss = self._global_mean(sum(r.loss for r in runs) / k)
         disk1 = self._disk_bytes()
         t_end = time.perf_counter()
@@ -556,7 +678,8 @@ class ChunkEngine:
     def state_dict(self) -> dict:
         """fp32 master weights, Adam states (per parameter fqn), step, loss scale. Sharded (ZeRO):
         this rank's shards and the layout they are cut from (``pscompile.consolidate`` joins the
-        ranks' dicts into the one-process form)."""
+        ranks' dicts into the one-process form). Lock-free: every queued update is applied first."""
+        self._apply_queued_updates()
         if self._broken is not None:
             raise RuntimeError(self._broken)
         if self.comm is not None:
@@ -576,6 +699,8 @@ class ChunkEngine:
         shard of a run with the same world size and layout. The parameter groups must hold the
         same parameters; their saved hyper-parameters (a scheduled learning rate) come back."""
         hps = self._saved_groups(sd)
+        if self.updater is not None:        # what the queued updates would change is loaded over
+            self.updater.discard()
         if shard_ckpt.is_shard(sd):
             if self.comm is None:
                 raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; "
@@ -634,7 +759,9 @@ class ChunkEngine:
             self.scaler.good_steps = int(sd.get("loss_scale_good_steps", 0))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict with fp32 master weights (tied names included), for export."""
+        """The model's state_dict with fp32 master weights (tied names included), for export
+        (lock-free: after every queued update)."""
+        self._apply_queued_updates()
         out: dict[str, torch.Tensor] = {}
         full = self._full_masters() if self.comm is not None else None    # a collective
         sd_keys = self.model.state_dict(keep_vars=True)
