@@ -253,9 +253,7 @@ def test_pages_quick(tmp_path):
     """bench/pages.py --quick: both modes at two budgets, compiled mode moving no more than hooks
     mode and at least its Belady bound; the chunk-size table marks the layout the engine picked."""
     out = tmp_path / "pages.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "pages.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run("pages.py", "--quick", "--out", str(out), timeout=300)
     res = json.loads(out.read_text())
     rows = {(r["budget_name"], r["system"]): r for r in res["rows"]}
     for b in ("tight", "mid"):
@@ -268,9 +266,7 @@ def test_lock_free_quick(tmp_path):
     """bench/lock_free.py --quick: the default run synchronous and lock-free, lock-free losing
     exactly what plain PyTorch with delayed gradients loses; step times in both modes."""
     out = tmp_path / "lock_free.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "lock_free.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run("lock_free.py", "--quick", "--out", str(out), timeout=300)
     res = json.loads(out.read_text())
     runs = {(r["run"], r["staleness"]): r for r in res["losses"]}
     assert set(runs) == {("pscompile", 0), ("pscompile", 1), ("pscompile", 2), ("plain PyTorch", 1)}
