@@ -38,7 +38,8 @@ writeback carries a chunk's padding, or when its evictions are not farthest-next
 has its own access order (moments) and non-model curve, so the bound of compiled mode at the same
 budget is only a reference for it: hooks mode may move less.
 
-    python bench/compare.py [--quick] [--markdown] [--out bench/results/compare.json]
+    python bench/compare.py [--quick] [--markdown] [--inductor] [--links 100MB/s,v100]
+                            [--out bench/results/compare.json]
 
 Float32, one torch thread (see bench/foundation.py for why).
 """
@@ -60,6 +61,7 @@ import pscompile
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.testing import ReferenceTrainer
 from pscompile.graph import meta
+from pscompile.memory.rates import LINK_PRESETS, calibrated_link
 from pscompile.units import format_bytes
 
 MiB = 2**20
@@ -265,10 +267,28 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--inductor", action="store_true", help="also run compiled mode with backend='inductor'")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default: the settings')")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default: the settings')")
+    ap.add_argument("--links", default=None,
+                    help="comma-separated emulated links to run besides none, rates or GPU presets "
+                         "(e.g. 100MB/s,v100; default: the settings' link; 'none': no link rows); a preset "
+                         "is calibrated once, here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    s = QUICK if args.quick else FULL
+    s = dict(QUICK if args.quick else FULL)
+    s.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
     data = batches(s, 1 + s["warmup"] + s["steps"])
+    links: list[tuple[str, float | str]] = []      # (label, link_bandwidth)
+    for name in (args.links or s["link"]).split(","):
+        name = name.strip()
+        if name.lower() == "none":
+            continue
+        if name.lower() in LINK_PRESETS:
+            bw = calibrated_link(name, "cpu", torch.float32)
+            links.append((f"{name} {bw / 1e6:.1f}MB/s", bw))
+        else:
+            links.append((name, name))
+    s["links"] = [label for label, _ in links]
     rows, raw = [], []
     for n_layer, d in s["sizes"]:
         params = make_model(n_layer, d, s).config.num_params()
@@ -291,10 +311,10 @@ def main(argv=None) -> int:
         if args.inductor:
             systems.append(("compiled inductor", dict(mode="compiled", backend="inductor")))
         for bname, budget in budgets:
-            for link in (None, s["link"]):
+            for link, bw in [(None, None), *links]:
                 for sname, kw in systems:
                     cfg = pscompile.Config(device="cpu", dtype=torch.float32, device_memory=budget,
-                                           chunk_size=chunk, link_bandwidth=link, **kw)
+                                           chunk_size=chunk, link_bandwidth=bw, **kw)
                     row = run_system(sname, cfg, link, n_layer, d, data, s, base)
                     row["budget_name"] = bname
                     raw.append(row)

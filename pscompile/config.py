@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from pscompile.memory.rates import LINK_PRESETS, calibrated_link
 from pscompile.units import parse_rate, parse_size
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,7 +52,8 @@ class Config:
     dtype: torch.dtype = torch.bfloat16  # compute dtype; master weights and Adam states are fp32
     mode: str = "compiled"             # "compiled" (FX + passes + torch.compile) | "hooks" (runtime hooks)
     backend: str = "inductor"          # compiled mode only: "inductor" | "eager"
-    link_bandwidth: int | str | None = None  # CPU only: emulate a slow device<->host link, e.g. "50MB/s"
+    link_bandwidth: int | str | None = None  # CPU only: emulate a slow device<->host link, e.g. "50MB/s", or
+    #   "v100" / "a100" / "h100": as slow, relative to this machine's measured matmul rate, as that GPU's PCIe link
     initial_loss_scale: float = 2.0**16      # float16 only: starting dynamic loss scale
     loss_scale_growth_interval: int = 2000   # float16 only: steps without overflow before doubling
     # ZeRO data parallelism by chunk: None shards over the default group when torch.distributed is
@@ -112,7 +114,14 @@ class Config:
         if self.link_bandwidth is not None:
             if dev.type != "cpu":
                 raise ValueError("link_bandwidth emulates a slow link on the CPU only; leave it None on CUDA")
-            set_("link_bandwidth", parse_rate(self.link_bandwidth, "link_bandwidth"))
+            if isinstance(self.link_bandwidth, str) and self.link_bandwidth.strip().lower() in LINK_PRESETS:
+                # an accelerator's compute-to-link ratio on this machine: measured once, here
+                set_("link_bandwidth", calibrated_link(self.link_bandwidth.strip(), dev, self.dtype))
+            else:
+                try:
+                    set_("link_bandwidth", parse_rate(self.link_bandwidth, "link_bandwidth"))
+                except ValueError as e:
+                    raise ValueError(f"{e}; or a GPU preset, one of {sorted(LINK_PRESETS)}") from None
         if self.process_group is not None and self.process_group is not False:
             try:
                 import torch.distributed as dist

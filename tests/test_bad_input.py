@@ -157,6 +157,8 @@ TABLE = [   # (input, what raises it, exception, words of its message)
     ("a `disk_dir` that is not a folder", lambda tmp: _hooks(disk_dir=str(tmp / "missing")), ValueError,
      "is not an existing folder"),
     ("`device=\"tpu\"`", lambda tmp: _hooks(device="tpu"), ValueError, "use 'cpu', 'cuda' or 'cuda:N'"),
+    ("`link_bandwidth=\"v200\"`", lambda tmp: _hooks(link_bandwidth="v200"), ValueError,
+     "or a GPU preset, one of ['a100', 'h100', 'v100']"),
     ("`lock_free=True, staleness=0`", lambda tmp: _hooks(lock_free=True, staleness=0), ValueError,
      "staleness=0 must be an int >= 1"),
     ("`lock_free=True` with float16", lambda tmp: _hooks(lock_free=True, dtype=torch.float16), ValueError,

@@ -99,12 +99,15 @@ def test_loops_quick(tmp_path):
 
 
 def test_compare_quick(tmp_path):
-    """bench/compare.py --quick: every pscompile system ran at every budget and link setting without
-    error, matched plain PyTorch, stayed within its budget, and compiled mode moved at least the
-    lower bound the script computes independently of the planner (with no more Belady fetches in the
-    bound than the plan made)."""
+    """``python -m pscompile bench --quick`` (bench/compare.py): every pscompile system ran at every
+    budget and link setting without error, matched plain PyTorch, stayed within its budget, and
+    compiled mode moved at least the lower bound the script computes independently of the planner
+    (with no more Belady fetches in the bound than the plan made)."""
     out = tmp_path / "compare.json"
-    proc = _run("compare.py", "--quick", "--out", str(out))
+    proc = subprocess.run([sys.executable, "-m", "pscompile", "bench", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compiled eager" in proc.stdout and "hooks" in proc.stdout
     res = json.loads(out.read_text())
     s, rows = res["settings"], res["rows"]
     assert res["failed"] == 0
@@ -183,8 +186,8 @@ def test_zero_quick(tmp_path):
 
 def test_capacity_quick(tmp_path):
     """bench/capacity.py at tiny sizes: the tier search finds a depth that trains within both
-    budgets, recomputation reaches at least the depth of keeping everything, and every rung it
-    calls trained stayed within the budget."""
+    budgets, recomputation reaches deeper than keeping everything (keep's first failure is a
+    budget error), and every rung it calls trained stayed within the budget."""
     out = tmp_path / "c.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "capacity.py"), "--quick", "--systems",
                            "compiled-keep,compiled-auto", "--out", str(out)],
@@ -192,7 +195,8 @@ def test_capacity_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = {r["system"]: r for r in res["s1"]["rows"]}
-    assert rows["compiled-auto"]["n_layer"] >= rows["compiled-keep"]["n_layer"] >= 1
+    assert rows["compiled-auto"]["n_layer"] > rows["compiled-keep"]["n_layer"] >= 1
+    assert "BudgetError" in rows["compiled-keep"]["first_failure"]
     for r in rows.values():
         best = r["result"]
         assert best["ok"] and best["peak_device_bytes"] <= r["device_bytes"]

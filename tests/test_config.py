@@ -54,3 +54,18 @@ def test_compile_rejects_wrong_argument_types():
         pscompile.compile(m, (torch.randn(1, 2),), optimizer=torch.optim.SGD(m.parameters(), lr=1))
     with pytest.raises(ValueError, match="nn.Module"):
         pscompile.compile(lambda x: x, (torch.randn(1, 2),))
+
+
+def test_link_preset_is_calibrated_to_this_machine():
+    """link_bandwidth="v100": the emulated link is as slow, relative to this machine's measured
+    fp32 matmul rate, as a V100's PCIe 3 link is to a V100 (7,000 FLOP per byte); an unknown name
+    is refused with the presets listed."""
+    from pscompile.memory.rates import LINK_PRESETS, measure_rates
+    c = pscompile.Config(device="cpu", dtype=torch.float32, link_bandwidth="V100")
+    assert isinstance(c.link_bandwidth, float)
+    assert LINK_PRESETS["v100"][1] == 7000.0
+    flops = max(measure_rates("cpu", torch.float32, 1.0, size=512).flops_per_s for _ in range(3))
+    ratio = flops / c.link_bandwidth
+    assert 7000 / 3 < ratio < 7000 * 3, ratio      # timings vary; the calibration is the same order
+    with pytest.raises(ValueError, match="v100"):
+        pscompile.Config(device="cpu", link_bandwidth="v200")

@@ -85,6 +85,12 @@ class _RunRecord:
 
 _MAX_REGION_ROUNDS = 3
 
+# A copy of at most this many bytes between CPU tensors, with no emulated link and no copy in
+# flight, runs on the calling thread: handing it to the copy thread and waiting costs more
+# (tens of microseconds) than the memcpy itself. Larger copies, and all copies over an emulated
+# link, run on the copy thread and overlap compute.
+INLINE_COPY_BYTES = 256 * 1024
+
 
 def _region_curve(executor: Executor, extra: dict[int, int], excess: dict[int, int], sched: Scheduled,
                   measured: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -138,7 +144,8 @@ class CompiledEngine(ChunkEngine):
         self._slot_bytes_allocated = 0             # their bytes (the tracker reads it after every op)
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._os_placed = False
-        self._queue = TransferQueue(self.link)     # the copy engine: transfers overlap compute
+        # the copy engine: transfers overlap compute (small copies on the CPU run inline, see INLINE_COPY_BYTES)
+        self._queue = TransferQueue(self.link, inline_bytes=INLINE_COPY_BYTES)
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
         self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
         self._copying: dict[int, Any] = {}         # id(activation copy) -> future of its asynchronous copy
@@ -147,6 +154,7 @@ class CompiledEngine(ChunkEngine):
         # id(scheduled gm) -> region index -> bytes the compiled region allocates beyond what is live
         # when it starts (measured once with the profiler; the tracker cannot see inside)
         self._region_extra: dict[int, tuple[fx.GraphModule, dict[int, int]]] = {}
+        self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
         self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
         self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
         self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
@@ -476,12 +484,15 @@ class CompiledEngine(ChunkEngine):
                           cache=self._region_cache)
             if regions:
                 extra, excess = measure_allocations([r for r in ex.regions if r.compute], self.device)
+                # regions too small to compile run eagerly; steps after measurement sample at region
+                # boundaries only (no dispatch mode), so what they allocate inside is measured too
+                inside, _ = measure_allocations([r for r in ex.regions if not r.compute], self.device)
                 curve = _region_curve(ex, extra, excess, sched, self._node_curves.get(key.capture, sched.nonmodel))
                 if self.comm is not None:      # the ranks decide together (their plans must match)
                     agreed = self.comm.agree_max(curve if curve is not None else sched.nonmodel)
                     curve = agreed if agreed != tuple(sched.nonmodel) else None
                 if curve is None:
-                    self._region_extra[id(sched.gm)] = (sched.gm, extra)
+                    self._region_extra[id(sched.gm)] = (sched.gm, {**inside, **extra})
                 else:                       # the regions need more than this plan gives them: run node
                     self._pending_curves[key.capture] = curve     # by node until it is planned again
                     ex = Executor(sched.gm, split="nodes")
@@ -519,9 +530,15 @@ class CompiledEngine(ChunkEngine):
             tracker.sample_with(extra.get(r.index, 0))
             return contextlib.nullcontext()
 
+        # node by node, the tracker sees every operator (a dispatch mode); regions are sampled at
+        # every step boundary instead: live storages plus what each region allocates inside
+        # (measured once, ``measure_allocations``), so steps after measurement pay no per-operator cost
+        dispatching = executor.split == "nodes" or self._sample_every_op
+        pause = tracker.paused if dispatching else contextlib.nullcontext
+
         def run_memory(n: fx.Node, args: tuple) -> torch.Tensor | None:
             moves = get(n, "moves")
-            with tracker.paused():
+            with pause():
                 if moves is None:
                     made = self._run_memory_node(get(n, "mem"), args)
                 else:
@@ -532,12 +549,10 @@ class CompiledEngine(ChunkEngine):
             return made
 
         def count(values) -> None:   # compiled code allocates outside Python dispatch
-            for v in values:
-                if isinstance(v, torch.Tensor):
-                    tracker.add_tensor(v)
+            tracker.add_tensors(values)
 
         try:
-            with tracker:
+            with tracker if dispatching else contextlib.nullcontext():
                 (loss,) = executor.run(inputs, run_memory, observer=observer,
                                        on_outputs=count if executor.split == "regions" else None,
                                        on_backward=lambda: t_bwd.append(time.perf_counter()),

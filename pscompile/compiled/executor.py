@@ -37,7 +37,7 @@ from pscompile.kinds import Phase, StrEnum
 from pscompile.graph.ops import is_memory_node, runs_as_transfer
 from pscompile.compiled.regions import (Region, RegionCache, TensorMeta, buffer_aliases, buffer_placeholders,
                                         check_region_args, compile_inductor, eager_fn, eval_chain, fusible_ops,
-                                        graph_device, lifted_views, region_key)
+                                        graph_device, is_view_op, lifted_views, region_key)
 
 __all__ = ["Executor", "LoweringReport", "NodeObserver", "Step", "StepKind", "lower_regions"]
 
@@ -77,6 +77,7 @@ class Step:
     node: fx.Node | None = None
     free: tuple[fx.Node, ...] = ()        # values released after this step
     dead: tuple[fx.Node, ...] = ()        # values this step makes that nobody reads
+    allocates: bool = True                 # EVAL: the value may be new memory (not a view, not an item)
 
     def reads(self) -> Iterable[fx.Node]:
         if self.kind is StepKind.REGION:
@@ -265,7 +266,8 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
                 continue
             for x in eval_chain(a, eager_nodes):
                 if x not in produced:
-                    program.append(Step(StepKind.EVAL, node=x))
+                    program.append(Step(StepKind.EVAL, node=x, allocates=not (
+                        is_view_op(x) or x.op != "call_function" or x.target is operator.getitem)))
                     produced.add(x)
 
     for s in steps:
@@ -355,8 +357,8 @@ class Executor:
             on_outputs: Callable[[Sequence[Any]], None] | None = None, observer: NodeObserver | None = None,
             on_backward: Callable[[], None] | None = None,
             around_region: Callable[[Region], ContextManager] | None = None) -> tuple:
-        """Run the graph. ``on_outputs(values)`` sees each region's outputs as they appear (storages
-        allocated inside compiled code bypass Python dispatch); ``observer`` sees every node of
+        """Run the graph. ``on_outputs(values)`` sees each region's outputs and each evaluated
+        node's value as they appear (storages allocated inside compiled code bypass Python dispatch); ``observer`` sees every node of
         ``split="nodes"``; ``on_backward()`` is called once, when the first backward step starts;
         ``around_region(region)`` is a context entered around each region's call."""
         if len(inputs) != len(self.placeholders):
@@ -413,6 +415,8 @@ class Executor:
                 else:
                     env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__),
                                       **fx.node.map_arg(n.kwargs, env.__getitem__))
+                    if on_outputs is not None and s.allocates:   # (a gathered parameter, not a view)
+                        on_outputs((env[n],))
                 if observer is not None:
                     observer.after(n)
             elif observer is not None:         # StepKind.INPUT: already in env

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Rates", "measure_rates"]
+__all__ = ["LINK_PRESETS", "Rates", "calibrated_link", "measure_rates"]
+
+# FLOP of compute per byte over the device<->host link, per accelerator: its dense 16-bit tensor
+# peak over its PCIe x16 bandwidth. ``link_bandwidth="v100"`` gives the CPU an emulated link with
+# the same ratio to this machine's measured matmul rate (``calibrated_link``).
+LINK_PRESETS: dict[str, tuple[str, float]] = {
+    "v100": ("V100 PCIe: 112 TFLOP/s over PCIe 3.0 x16, 16 GB/s", 112e12 / 16e9),     # 7,000
+    "a100": ("A100: 312 TFLOP/s over PCIe 4.0 x16, 32 GB/s", 312e12 / 32e9),          # 9,750
+    "h100": ("H100 SXM: 989 TFLOP/s over PCIe 5.0 x16, 64 GB/s", 989e12 / 64e9),      # 15,453
+}
 
 
 @dataclass(frozen=True)
@@ -70,3 +79,15 @@ def measure_rates(device: torch.device | str, dtype: torch.dtype, link_bandwidth
         dst.copy_(src)
         sync()
     return Rates(flops, copy_bytes / _best_of(copy))
+
+
+def calibrated_link(preset: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """Bytes/s of a link as slow, relative to this machine's measured matmul rate (``dtype``, the
+    current torch thread count), as ``preset``'s PCIe link is relative to its accelerator: the rate
+    divided by the preset's FLOP per byte (``LINK_PRESETS``). A 512-cubed matmul, best of three."""
+    key = preset.lower()
+    if key not in LINK_PRESETS:
+        raise ValueError(f"link_bandwidth={preset!r} is not a rate or a preset; use e.g. '50MB/s' or one of "
+                         f"{sorted(LINK_PRESETS)}")
+    flops = measure_rates(device, dtype, link_bandwidth=1.0, size=512).flops_per_s
+    return flops / LINK_PRESETS[key][1]

@@ -53,6 +53,13 @@ class NonModelTracker(TorchDispatchMode):
         self._add(t)
         self._sample()
 
+    def add_tensors(self, values) -> None:
+        """Count every tensor among ``values`` (a region's outputs), then take one sample."""
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                self._add(v)
+        self._sample()
+
     def _add(self, t: torch.Tensor) -> None:
         if t.device != self.device or t.is_meta:
             return
@@ -74,17 +81,17 @@ class NonModelTracker(TorchDispatchMode):
         for k in dead:
             self.live_bytes -= self._live.pop(k)[2]
 
-    def _sample(self) -> None:
+    def _sample(self, extra: int = 0) -> None:
         model = self.model_bytes()
         if self._cuda:
-            nonmodel = torch.cuda.memory_allocated(self.device) - model
+            nonmodel = torch.cuda.memory_allocated(self.device) - model + extra
         else:
-            nonmodel = self.live_bytes
+            nonmodel = self.live_bytes + extra
             # live_bytes may still count storages that died since the last sweep, so it is an upper
             # bound; sweep (exact) only when that bound could set a new peak.
             if self.exact_windows or nonmodel > self.peak_nonmodel or nonmodel + model > self.peak_total:
                 self._sweep()
-                nonmodel = self.live_bytes
+                nonmodel = self.live_bytes + extra
         self.window_peak = max(self.window_peak, nonmodel)
         self.peak_nonmodel = max(self.peak_nonmodel, nonmodel)
         self.peak_model = max(self.peak_model, model)
@@ -100,7 +107,7 @@ class NonModelTracker(TorchDispatchMode):
     def sample_with(self, extra: int) -> None:
         """Record a sample of the live non-model bytes plus ``extra`` bytes this tracker cannot see
         (what a compiled region allocates inside, measured once)."""
-        self.note(self.current() + extra, self.model_bytes())
+        self._sample(extra)
 
     def note(self, nonmodel: int, model: int) -> None:
         """Record a sample measured by other means (e.g. a profiler, after the fact)."""
@@ -114,7 +121,6 @@ class NonModelTracker(TorchDispatchMode):
 
     def sample_now(self) -> None:
         """Record a sample outside any operator (after a move changed the model bytes)."""
-        self._sweep()
         self._sample()
 
     def reset_peaks(self) -> None:
