@@ -172,8 +172,17 @@ def test_hooks_step_loses_nothing_wherever_it_fails(point):
 
 
 # ------------------------------------------------------------------------------ the update
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler, even where the shell started pytest with SIGINT ignored
+    (a background job of a shell without job control inherits SIG_IGN, and so does CI)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("mode", ["compiled", "hooks"])
-def test_ctrl_c_during_the_update_finishes_it_then_interrupts(mode):
+def test_ctrl_c_during_the_update_finishes_it_then_interrupts(mode, python_sigint):
     faulty, clean = _pair(mode)
     real, calls = faulty.adam.update_chunk, [0]
 
@@ -183,8 +192,6 @@ def test_ctrl_c_during_the_update_finishes_it_then_interrupts(mode):
             signal.raise_signal(signal.SIGINT)     # Ctrl-C while the second chunk updates
         return real(*args, **kwargs)
     faulty.adam.update_chunk = update
-    for e in (faulty, clean):
-        torch.manual_seed(5)
     torch.manual_seed(5)
     with pytest.raises(KeyboardInterrupt):
         faulty.step(BATCHES[1])
