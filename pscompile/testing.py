@@ -24,9 +24,10 @@ class ReferenceTrainer:
     def __init__(self, model: nn.Module, *, optimizer: AdamW, dtype: torch.dtype,
                  device: str | torch.device = "cpu", loss_fn: LossFn | None = None,
                  initial_loss_scale: float = 2.0**16, growth_interval: int = 2000, copy_model: bool = True,
-                 staleness: int = 0):
+                 staleness: int = 0, fused: bool = False):
         """``staleness`` > 0: lock-free updating's delayed gradients -- the update applied after
-        step ``t`` uses the gradients of step ``t - staleness`` (``flush`` applies the rest)."""
+        step ``t`` uses the gradients of step ``t - staleness`` (``flush`` applies the rest).
+        ``fused``: ``torch.optim.AdamW(fused=True)`` (a speed baseline; the same math)."""
         self.staleness = staleness
         self._queued: list[list[torch.Tensor | None]] = []
         self.device = torch.device(device)
@@ -47,7 +48,7 @@ class ReferenceTrainer:
         hp = optimizer
         self.hp = hp
         self.opt = torch.optim.AdamW(self._torch_groups(hp), lr=hp.lr, betas=hp.betas, eps=hp.eps,
-                                     weight_decay=hp.weight_decay)
+                                     weight_decay=hp.weight_decay, fused=fused or None)
         self.scaler = LossScaler(initial_loss_scale, growth_interval) if dtype == torch.float16 else None
 
     def _torch_groups(self, hp: AdamW) -> list[dict]:

@@ -62,6 +62,7 @@ def test_foundation_quick(tmp_path):
     assert s3["copy_bandwidth"]["bytes_per_s"] > 0
     methods = [r["method"] for r in s3["rows"]]
     assert any(m.startswith("pscompile ChunkAdamW") for m in methods)
+    assert any("param chunk = master" in m for m in methods)     # the fp32 update as the engine runs it
     assert any("foreach=True" in m for m in methods) and any("per-tensor" in m for m in methods)
     assert not [r for r in s3["rows"] if r["method"].startswith("pscompile") and "error" in r], s3["rows"]
     for r in s3["rows"]:
@@ -117,11 +118,16 @@ def test_compare_quick(tmp_path):
         assert sorted(r["system"] for r in plain) == ["plain PyTorch", "plain torch.compile"]
         assert all(r["step_s"] > 0 for r in plain)
     keys = sorted((tuple(r["size"]), r["system"], r["budget_name"], r["link"] or "") for r in rows if "budget" in r)
-    assert keys == sorted((tuple(size), system, b, link) for size in s["sizes"]
-                          for system in ("hooks", "compiled eager") for b in ("tight", "mid")
-                          for link in ("", s["link"]))
+    assert keys == sorted([(tuple(size), system, b, link) for size in s["sizes"]
+                           for system in ("hooks", "compiled eager") for b in ("tight", "mid")
+                           for link in ("", s["link"])] +
+                          [(tuple(size), system, "none", "") for size in s["sizes"]
+                           for system in ("hooks", "compiled eager")])
     for r in rows:
         if "budget" not in r:
+            continue
+        if r["budget"] is None:              # everything on the device: nothing crosses the link
+            assert r["moved"] == 0 and r["max_dloss"] < 1e-4, r
             continue
         assert r["peak"] <= r["budget"] and r["within_budget"], r
         assert r["max_dloss"] < 1e-4 and r["step_s"] > 0, r
@@ -279,3 +285,17 @@ def test_lock_free_quick(tmp_path):
     assert lf["loss_last10"] != runs[("pscompile", 0)]["loss_last10"]
     assert {r["mode"] for r in res["timing"]} == {"compiled", "hooks"}
     assert all(r["sync_step_s"] > 0 and r["lock_free_step_s"] > 0 for r in res["timing"])
+
+
+def test_first_step_quick(tmp_path):
+    """bench/first_step.py --quick --backend eager: every system ran its first and second step in a
+    fresh process with its own empty Inductor cache, and they start from the same loss."""
+    out = tmp_path / "first_step.json"
+    _run("first_step.py", "--quick", "--backend", "eager", "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert [r["system"] for r in rows] == ["plain torch.compile", "pscompile compiled, no budget",
+                                           "pscompile compiled, tight"]
+    assert all(r["first_step_s"] > 0 and r["second_step_s"] > 0 for r in rows), rows
+    assert rows[0]["budget"] is None and rows[2]["budget"] > 0
+    assert max(abs(r["first_loss"] - rows[0]["first_loss"]) for r in rows) < 1e-4

@@ -384,9 +384,9 @@ class CompiledEngine(ChunkEngine):
         accumulate_grad wait for their copy, so the gradient dies where the plan says."""
         store, q = self.store, self._queue
         if mem.kind == MemKind.FETCH:
-            slot, host = args
+            slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
             self._allocate_slot(mem.slot)
-            fut = q.submit(slot, host, "h2d")
+            fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d")
             self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
             self._slot_chunk[mem.slot] = mem.chunk
@@ -413,8 +413,8 @@ class CompiledEngine(ChunkEngine):
             pending = self._in_flight.pop(mem.slot)
             pending.wait() if hasattr(pending, "wait") else pending.result()
         elif mem.kind == MemKind.WRITEBACK:
-            host, slot = args
-            self._reading[mem.slot] = q.submit(host, slot, "d2h")
+            _, slot = args                  # host_c: the chunk's home; its gradient's own buffer there
+            self._reading[mem.slot] = q.submit(store.home_for_device_data(mem.chunk, whole=True), slot, "d2h")
             store.dirty[mem.chunk] = False
         elif mem.kind.leaves:
             pending = self._reading.pop(mem.slot, None)
@@ -435,6 +435,8 @@ class CompiledEngine(ChunkEngine):
             self._written.add(mem.fqn)
         else:
             dest, grad, offset, *page = args
+            if mem.slot is None:                                        # home: the gradient's buffer there
+                dest = store.home_for_device_data(mem.chunk, whole=False)
             for piece, at in flat_pieces(grad, *page):                  # strided grads: no temporary
                 target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
                 if mem.slot is not None:

@@ -105,6 +105,9 @@ class _ZeroStore(ChunkStore):
         assert self.owns(c) and not self.dirty[c], f"chunk {c} is not this rank's, or holds unreduced gradients"
         return self.host_param[c]
 
+    def gradient(self, c: int) -> torch.Tensor:
+        return self.current(c)          # reduced into this rank's home, over the parameters
+
     def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
         assert self.resident(c), f"a gradient for chunk {c} arrived while it is not on the device"
         super().write_piece(c, offset, src)

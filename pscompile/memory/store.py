@@ -13,6 +13,11 @@
   disk tier, the chunks the host cannot hold keep them on disk (``memory/disk_states.py``) and
   update on the host, staged in and written back around their update.
 
+With fp32 compute on one process (``master_is_param``) a host-homed chunk's param chunk *is* its
+fp32 master (the same values, so one buffer), and its gradients go home into a buffer of their own
+(``grad_home``) instead of over the parameters: the update writes the new parameters where it
+writes the new master and leaves no cast to copy back. Host bytes are the same (16 B/param).
+
 Every copy between tiers goes through ``Link`` and is counted.
 """
 
@@ -34,11 +39,14 @@ class ChunkStore:
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
                  os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
                  homes: frozenset[int] | None = None, os_on_disk: frozenset[int] = frozenset(),
-                 disk: DiskQueue | None = None):
+                 disk: DiskQueue | None = None, master_is_param: bool = False):
         """``home_numel``: elements of a chunk's home buffers (host copy and optimizer states); a
         ZeRO store keeps only its shard of each chunk, or (``homes``) homes for the chunks it owns
         only, the others getting empty placeholders (``pscompile.dist.store``). ``os_on_disk``:
-        chunks whose optimizer states live in ``disk``'s file."""
+        chunks whose optimizer states live in ``disk``'s file. ``master_is_param`` (float32
+        only): host-homed chunks share one buffer for their param chunk and master."""
+        if master_is_param and dtype != torch.float32:
+            raise ValueError(f"master_is_param needs float32 chunks, not {dtype}")
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -72,6 +80,64 @@ class ChunkStore:
             self.exp_avg_sq.append(pool.acquire(zero=True))
         self._slot_chunk: dict[int, int] = {}   # device buffer storage ptr -> chunk id
         self._attached: set[int] = set()        # chunks whose device buffer belongs to the caller
+        self.master_is_param = master_is_param
+        self._grad_home: dict[int, torch.Tensor] = {}   # shared chunks: where their gradients go home
+        self._home_copy: set[int] = set()    # shared chunks whose gradient buffer is their home copy now
+        for c in range(n):
+            self._share_master(c)
+
+    # ---- one buffer for the param chunk and the master (fp32) ------------------------------
+    def shares_master(self, c: int) -> bool:
+        """Chunk ``c``'s host param chunk is its fp32 master (its gradients have a home of their own)."""
+        return c in self._grad_home
+
+    def _share_master(self, c: int) -> None:
+        """Make the host param chunk the master (where the store shares them and ``c`` is host-homed)."""
+        if not self.master_is_param or self.os_tier[c] is not Tier.HOST or c not in self.homes \
+                or self.shares_master(c):
+            return
+        self.host_param[c].copy_(self.master[c])      # (equal already: the param chunk is its cast)
+        self.host_os_pool.release(self.master[c])
+        self.master[c] = self.host_param[c]
+        self._grad_home[c] = self.host_param_pool.acquire(zero=True)
+
+    def _unshare_master(self, c: int) -> None:
+        """Give chunk ``c`` a master of its own again (before its optimizer states move)."""
+        if not self.shares_master(c):
+            return
+        self._home_copy.discard(c)
+        self.host_param_pool.release(self._grad_home.pop(c))
+        self.master[c] = self.host_os_pool.acquire()
+        self.master[c].copy_(self.host_param[c])
+
+    def grad_home(self, c: int) -> torch.Tensor:
+        """Where chunk ``c``'s gradient is at home: its own buffer for a shared chunk, else over the
+        parameters in the host param chunk."""
+        buf = self._grad_home.get(c)
+        return self.host_param[c] if buf is None else buf
+
+    def home_for_device_data(self, c: int, *, whole: bool) -> torch.Tensor:
+        """Where chunk ``c``'s device data goes home during a backward (a dirty chunk, ``whole``, or
+        one gradient). Without sharing, that is over the parameters, and a later fetch of ``c``
+        brings the gradients back with the parameters still live. With sharing it is the gradient
+        buffer, which from then on is ``c``'s home copy: a gradient alone first copies the
+        parameters in beside it, and ``fetch_source`` reads from there until the update."""
+        buf = self._grad_home.get(c)
+        if buf is None:
+            return self.host_param[c]
+        if c not in self._home_copy:
+            if not whole:
+                buf.copy_(self.host_param[c])
+            self._home_copy.add(c)
+        return buf
+
+    def fetch_source(self, c: int) -> torch.Tensor:
+        """The host buffer a fetch of chunk ``c`` copies from (see ``home_for_device_data``)."""
+        return self._grad_home[c] if c in self._home_copy else self.host_param[c]
+
+    def forget_home_copies(self) -> None:
+        """A new step: every shared chunk's home copy is its parameters again."""
+        self._home_copy.clear()
 
     def place_optimizer_states(self, on_device) -> None:
         """Device-aware placement: the optimizer states of the chunks in ``on_device`` live on the
@@ -81,6 +147,7 @@ class ChunkStore:
             want = Tier.DEVICE if c in on_device else Tier.HOST
             if self.os_tier[c] is want or self.os_tier[c] is Tier.DISK:    # disk homes stay
                 continue
+            self._unshare_master(c)
             self.drop(c)            # the param chunk is the master's cast: made again where it goes
             src_pool, dst_pool = ((self.host_os_pool, self.dev_os_pool) if want is Tier.DEVICE
                                   else (self.dev_os_pool, self.host_os_pool))
@@ -96,6 +163,7 @@ class ChunkStore:
             else:                                # a host home again, from the master that came over
                 self.host_param[c] = self.host_param_pool.acquire()
                 self.host_param[c].copy_(self.master[c])
+                self._share_master(c)
 
     # ---- filling -------------------------------------------------------------------------
     def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -112,7 +180,8 @@ class ChunkStore:
                     self.link.copy(master, src, "h2d")
                 else:
                     master.copy_(src)
-                    self.host_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(master)
+                    if not self.shares_master(p.chunk):
+                        self.host_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(master)
                 touched.add(p.chunk)
         for c in touched:
             self.drop(c)
@@ -157,7 +226,7 @@ class ChunkStore:
         if self.device_homed(c):
             buf.copy_(self.master[c])
             return False
-        self.link.copy(buf, self.host_param[c], "h2d")
+        self.link.copy(buf, self.fetch_source(c), "h2d")
         return True
 
     def evict(self, c: int) -> None:
@@ -167,7 +236,7 @@ class ChunkStore:
         buf = self.dev_param[c]
         assert buf is not None, f"chunk {c} is not on the device"
         if self.dirty[c] and not self.device_homed(c):
-            self.link.copy(self.host_param[c], buf, "d2h")
+            self.link.copy(self.home_for_device_data(c, whole=True), buf, "d2h")
         self.link.traffic.num_evictions += 1
         self.drop(c)
 
@@ -239,6 +308,12 @@ class ChunkStore:
         assert buf is not None or not self.device_homed(c), f"device-homed chunk {c} is not on the device"
         return buf if buf is not None else self.host_param[c]
 
+    def gradient(self, c: int) -> torch.Tensor:
+        """Chunk ``c``'s gradient after a backward: the device copy if resident, else its home."""
+        buf = self.dev_param[c]
+        assert buf is not None or not self.device_homed(c), f"device-homed chunk {c} is not on the device"
+        return buf if buf is not None else self.grad_home(c)
+
     def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
         """Write ``src`` (flat, compute dtype, on the device) into chunk ``c`` where it lives."""
         buf = self.dev_param[c]
@@ -247,18 +322,18 @@ class ChunkStore:
             self.dirty[c] = True
         else:
             assert not self.device_homed(c), f"device-homed chunk {c} is not on the device"
-            self.link.copy(self.host_param[c][offset:offset + src.numel()], src, "d2h")
+            self.link.copy(self.home_for_device_data(c, whole=False)[offset:offset + src.numel()], src, "d2h")
 
     def bring_to_os_tier(self, c: int) -> torch.Tensor:
-        """Make the param chunk available where its optimizer states live (a disk home's states
-        staged on the host); return that buffer."""
+        """Make the chunk's gradient available where its optimizer states live (a disk home's
+        states staged on the host); return that buffer (the param chunk, unless ``shares_master``)."""
         if self.os_tier[c] is Tier.DEVICE:
             return self.dev_param[c] if self.resident(c) else self.fetch(c)
         if self.resident(c):
             self.evict(c)
         if self.os_tier[c] is Tier.DISK:
             self.master[c], self.exp_avg[c], self.exp_avg_sq[c] = self.disk.take(c)
-        return self.host_param[c]
+        return self.grad_home(c)
 
     def stage(self, c: int) -> None:
         """Start bringing a disk home's optimizer states to the host (its update comes soon)."""
@@ -268,6 +343,7 @@ class ChunkStore:
     def mark_updated(self, c: int) -> None:
         """The optimizer wrote new params into the copy ``bring_to_os_tier`` returned (and new
         states: a disk home's go back to its file)."""
+        self._home_copy.discard(c)
         if self.os_tier[c] is Tier.DEVICE:
             self.dirty[c] = True
         elif self.os_tier[c] is Tier.DISK:
@@ -288,13 +364,14 @@ class ChunkStore:
 
     def restore_from_master(self, c: int) -> None:
         """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""
+        self._home_copy.discard(c)
         if self.os_tier[c] is Tier.DEVICE and self.resident(c):
             self.dev_param[c].copy_(self.master[c])
             self.dirty[c] = True
             return
         self.drop(c)
-        if self.os_tier[c] is not Tier.DEVICE:     # a device-homed chunk is made from its master when needed
-            self.host_param[c].copy_(self._states(c)[0])
+        if self.os_tier[c] is not Tier.DEVICE and not self.shares_master(c):   # (shared: never overwritten;
+            self.host_param[c].copy_(self._states(c)[0])                       # device-homed: made when needed)
 
     def gather(self, which: str, fqn: str) -> torch.Tensor:
         """A CPU fp32 (or compute dtype for ``which='param'``) copy of one tensor from a chunk list."""

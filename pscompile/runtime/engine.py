@@ -153,7 +153,7 @@ class ChunkEngine:
                                    slot_bytes=4 * self.layout.chunk_size)) if self.disk_chunks else None)
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
                                  os_on_device=frozenset(range(self.min_device_homes)), os_on_disk=self.disk_chunks,
-                                 disk=disk)
+                                 disk=disk, master_is_param=self.dtype == torch.float32 and not config.lock_free)
                       if self.comm is None else
                       OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm)
                       if self.per_chunk else
@@ -517,7 +517,7 @@ class ChunkEngine:
         for c in range(n):
             if not has_grad[c]:
                 continue
-            buf = store.current(c) if grads is None else grads[c]
+            buf = store.gradient(c) if grads is None else grads[c]
             frozen = self._frozen_ranges(c, written)
             with ExitStack() as stack:
                 if grads is not None or not store.resident(c):
@@ -568,6 +568,8 @@ class ChunkEngine:
                     if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
                         grad = torch.empty_like(store.master[c])
                         self.link.copy(grad, grads[c], "h2d")
+                if store.shares_master(c):          # the new master is the new param chunk: no cast back
+                    buf, grad = None, buf if grad is None else grad
                 self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
                                        grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
                                        groups=self._chunk_groups(c))
@@ -592,6 +594,7 @@ class ChunkEngine:
                self._accumulation_chunks() if micro is not None else None)
         k = len(batches)
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        self.store.forget_home_copies()       # (each update or undo forgets its chunk's already)
         self._prepare_step(batches, accumulate=acc is not None)
         self._count_outside_steps()
         disk0 = self._disk_bytes()
