@@ -78,3 +78,30 @@ def test_clip_coefficient():
     assert clip_coefficient(10.0, None) == 1.0
     assert clip_coefficient(0.5, 1.0) == 1.0
     assert clip_coefficient(4.0, 1.0) == pytest.approx(0.25, rel=1e-6)
+
+
+def test_blocked_16bit_update_equals_one_block(monkeypatch):
+    """A 16-bit gradient is updated block by block (``UPDATE_BLOCK``); the kernel is elementwise,
+    so any block size gives the same bits, and every element of the param chunk -- frozen ranges,
+    elements of no group, padding -- ends as the cast of its master."""
+    import pscompile.optim.adamw as adamw
+
+    torch.manual_seed(0)
+    hp = [AdamW(lr=1e-2, weight_decay=0.1), AdamW(lr=3e-3, weight_decay=0.0)]
+    groups = [(0, [(0, 300), (700, 250)]), (1, [(400, 200)])]     # 300-400, 600-700, 950+ : no group
+    master0 = torch.randn(1024)
+    master0[950:] = 0
+    grad = torch.randn(1024).bfloat16()
+    results = []
+    for block in (64, 1000, 1 << 20):
+        monkeypatch.setattr(adamw, "UPDATE_BLOCK", block)
+        master, ea, eas = master0.clone(), torch.zeros(1024), torch.zeros(1024)
+        param = grad.clone()                     # the gradient over the param chunk
+        adam = ChunkAdamW(hp)
+        adam.begin_step()
+        adam.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30), (720, 10)], groups=groups)
+        assert torch.equal(param, master.bfloat16())
+        assert torch.equal(master[100:130], master0[100:130]) and torch.equal(master[300:400], master0[300:400])
+        results.append((master, ea, eas))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

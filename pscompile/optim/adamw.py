@@ -1,11 +1,15 @@
 """Chunk-by-chunk AdamW on fp32 master weights, dynamic loss scaling, gradient clipping.
 
 One update touches four chunks with one layout: the param chunk (which holds the compute-dtype
-gradient at this point), the fp32 master chunk and the two Adam state chunks. The gradient is
-upcast to fp32 on the fly (one chunk-sized temporary) and handed, with the three fp32 chunks, to
+gradient at this point), the fp32 master chunk and the two Adam state chunks, and hands them to
 torch's fused AdamW kernel (``torch._fused_adamw_``: the same math as ``torch.optim.AdamW``,
-decoupled weight decay and bias correction), then the new master is cast back into the param
-chunk. Padding is zero in every list and stays zero.
+decoupled weight decay and bias correction). An fp32 gradient goes to the kernel as it is, and the
+new master is copied into the param chunk -- or is the param chunk already, when the store shares
+the two (``ChunkStore.shares_master``: the caller passes ``param=None`` and the gradient's own
+buffer). A 16-bit gradient is updated in blocks of ``UPDATE_BLOCK`` elements: upcast into a small
+reused fp32 buffer, the kernel, the new master cast back, each block while it is in cache. The
+kernel is elementwise, so blocks give the same bits as one call. Padding is zero in every list and
+stays zero.
 
 Parameters that received no gradient this step are left exactly as they were, as
 ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None.
@@ -54,6 +58,28 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     return min(max_norm / (total_norm + 1e-6), 1.0)
 
 
+# Elements per block of a 16-bit gradient's update: its fp32 upcast (256 KiB) stays in cache between
+# the cast, the kernel and the cast of the new master back (bench/foundation.py, section 3).
+UPDATE_BLOCK = 1 << 16
+
+
+def _kernel_args(hp: AdamW) -> dict:
+    return dict(lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
+                amsgrad=False, maximize=False)
+
+
+def _gaps(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The (offset, numel) ranges of [0, numel) that no range in ``ranges`` covers."""
+    out, at = [], 0
+    for o, n in sorted(ranges):
+        if o > at:
+            out.append((at, o - at))
+        at = max(at, o + n)
+    if at < numel:
+        out.append((at, numel - at))
+    return out
+
+
 class ChunkAdamW:
     """The update rule, applied to one chunk at a time; holds the step counter and the
     hyper-parameters of each parameter group (``hps[g]``)."""
@@ -62,6 +88,7 @@ class ChunkAdamW:
         self.hps = [hps] if isinstance(hps, AdamW) else list(hps)
         self.step_count = 0
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
+        self._scratches: dict[torch.device, torch.Tensor] = {}    # one block's fp32 gradient
 
     @property
     def hp(self) -> AdamW:
@@ -94,28 +121,58 @@ class ChunkAdamW:
         the groups' hyper-parameters (a queued update keeps the values of the step it belongs to).
         """
         hps = self.hps if hps is None else hps
-        grad = (param if grad is None else grad).float()
-        if grad_factor != 1.0:
-            grad.mul_(grad_factor)
+        src = param if grad is None else grad               # the gradient, in its own dtype
         saved = [(o, n, master[o:o + n].clone(), exp_avg[o:o + n].clone(), exp_avg_sq[o:o + n].clone())
                  for o, n in frozen]
         step = [self._step_tensor(master.device)]
         if groups is None:
             groups = [(len(hps) - 1, None)]
+        groups = [(g, [(0, master.numel())] if ranges is None else ranges) for g, ranges in groups]
+        if src.dtype == torch.float32:                      # no upcast: whole ranges, one kernel call per group
+            if grad_factor != 1.0:
+                src.mul_(grad_factor)
+            for g, ranges in groups:
+                pieces = [[t[o:o + n] for o, n in ranges] for t in (master, src, exp_avg, exp_avg_sq)]
+                torch._fused_adamw_(*pieces, [], step * len(ranges), **_kernel_args(hps[g]))
+            self._restore(saved, master, exp_avg, exp_avg_sq)
+            if param is not None:
+                param.copy_(master)
+            return
+        # 16-bit gradient: block by block, the upcast (in a small reused buffer), the update and the
+        # cast of the new master back into the param chunk, while the block is in cache
+        scratch = self._scratch(master.device)
         for g, ranges in groups:
-            hp = hps[g]
-            ranges = [(0, master.numel())] if ranges is None else ranges
-            pieces = [[t[o:o + n] for o, n in ranges] for t in (master, grad, exp_avg, exp_avg_sq)]
-            torch._fused_adamw_(*pieces, [], step * len(ranges), lr=hp.lr, beta1=hp.betas[0],
-                                beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
-                                amsgrad=False, maximize=False)
+            args = _kernel_args(hps[g])
+            for o, n in ranges:
+                for b0 in range(o, o + n, UPDATE_BLOCK):
+                    b1 = min(b0 + UPDATE_BLOCK, o + n)
+                    gb = scratch[:b1 - b0]
+                    gb.copy_(src[b0:b1])
+                    if grad_factor != 1.0:
+                        gb.mul_(grad_factor)
+                    torch._fused_adamw_([master[b0:b1]], [gb], [exp_avg[b0:b1]], [exp_avg_sq[b0:b1]], [], step,
+                                        **args)
+                    if param is not None:
+                        param[b0:b1].copy_(master[b0:b1])
+        self._restore(saved, master, exp_avg, exp_avg_sq)
+        if param is not None:     # what no block wrote (frozen ranges, padding) is the master's cast too
+            for o, n in [*(r[:2] for r in saved), *_gaps([r for _, ranges in groups for r in ranges],
+                                                          master.numel())]:
+                param[o:o + n].copy_(master[o:o + n])
+
+    @staticmethod
+    def _restore(saved, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Put the frozen ranges' masters and states back (no gradient: no update, no decay)."""
         for o, n, ms, ea, eas in saved:
             master[o:o + n].copy_(ms)
             exp_avg[o:o + n].copy_(ea)
             exp_avg_sq[o:o + n].copy_(eas)
-        del grad
-        if param is not None:
-            param.copy_(master)
+
+    def _scratch(self, device: torch.device) -> torch.Tensor:
+        buf = self._scratches.get(device)
+        if buf is None:
+            buf = self._scratches[device] = torch.empty(UPDATE_BLOCK, dtype=torch.float32, device=device)
+        return buf
 
     def state_dict(self) -> dict:
         return {"step": self.step_count}
