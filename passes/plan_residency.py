@@ -17,6 +17,8 @@ its update runs. The actions this produces, in order::
                     (accumulate_grad instead, for a micro-batch of gradient accumulation: added into
                     the chunk's fp32 accumulation buffer on the host; the parameter stays clean)
                     writeback   (dirty victim)            slot -> host, chunk bytes
+                                (or, right after its last gradient store, a chunk whose
+                                gradients are complete: it stays resident, clean)
                     drop        (victim)                  the slot becomes free
                     fetch       (a chunk node i reads)    host -> slot, chunk bytes
 
@@ -209,19 +211,23 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         if not per_chunk:
             return shard_bytes, remote_bytes
         return (slot_bytes, 0) if c % world == rank else (0, slot_bytes)
-    grads_left = {}                                   # group -> gradients still to store (sharded)
+    grads_left = {}                                   # chunk/group -> gradients still to store
     for gs in stores.values():
         for g in gs:
             grads_left[g.chunk] = grads_left.get(g.chunk, 0) + 1
 
+    def write_back(c: int, before: int) -> None:
+        nonlocal d2h
+        actions.append(Action(before, MemKind.WRITEBACK, c, st.resident[c], slot_bytes))
+        d2h += slot_bytes
+        st.dirty.discard(c)
+
     def evict(c: int, before: int) -> None:
         nonlocal d2h, evictions
-        slot = st.resident.pop(c)
         if c in st.dirty:
             assert not sharded, f"group {c} would be released with unreduced gradients"
-            actions.append(Action(before, MemKind.WRITEBACK, c, slot, slot_bytes))
-            d2h += slot_bytes
-            st.dirty.discard(c)
+            write_back(c, before)
+        slot = st.resident.pop(c)
         actions.append(Action(before, MemKind.RELEASE_REMOTE if sharded else MemKind.DROP, c, slot, 0))
         evictions += 1
         bisect.insort(st.free, slot)
@@ -252,6 +258,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         evict(c, before)
 
     for i in range(T + 1):
+        completed = []                                # chunks whose last gradient is stored here
         for g in stores.get(i - 1, ()):               # gradients of node i-1 go into their chunk
             if sharded:
                 if g.chunk not in st.resident:
@@ -271,6 +278,16 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
             else:
                 actions.append(Action(i, MemKind.STORE_GRAD, g.chunk, None, g.nbytes, g))
                 d2h += g.nbytes
+            if not sharded:
+                grads_left[g.chunk] -= 1
+                if grads_left[g.chunk] == 0:
+                    completed.append(g.chunk)
+        # a host-updated chunk whose gradients are complete goes home now, while the backward goes
+        # on (the writeback it needs anyway, only earlier: the device->host engine is idle
+        # otherwise); it stays resident, clean, until the plan evicts it with a drop
+        for c in completed:
+            if c in st.dirty and c not in os_device_chunks:
+                write_back(c, i)
         if i == T:
             break
         need = list(dict.fromkeys(reads[i]))

@@ -59,7 +59,7 @@ def _assert_idle(engine) -> None:
     """No copy left queued or running, nothing in flight."""
     queue = getattr(engine, "_queue", None)
     if queue is not None:
-        assert queue._pending == [] and queue._pool._work_queue.empty()
+        assert queue.idle()
         assert not engine._in_flight and not engine._copying and not engine._reading
 
 

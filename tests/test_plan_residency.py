@@ -217,3 +217,22 @@ def test_accumulation_adds_gradients_on_the_host_and_dirties_nothing():
     kinds = [a.kind for a in plan.actions]
     assert kinds.count("accumulate_grad") == 2 and "store_grad" not in kinds and "writeback" not in kinds
     assert plan.d2h_bytes == 80 and dict(plan.final) == {0: 0, 1: 1}
+
+
+def test_a_chunk_goes_home_right_after_its_last_gradient_and_stays_resident():
+    """A host-updated chunk whose gradients are complete is written back at once (while the
+    backward goes on) and evicted later for free; a chunk still waiting for a gradient is not.
+    The bytes are those of one writeback per dirty chunk, as before."""
+    reads = [[0], [1], [1], [0], [0]]
+    stores = {1: [GradStore(1, "b", 0, 40)], 2: [GradStore(1, "c", 40, 40)], 3: [GradStore(0, "a", 0, 40)]}
+    plan = plan_residency(reads, [0] * 5, stores=stores, num_chunks=2, slot_bytes=SLOT, budget=None)
+    check(plan, reads, [0] * 5, None)
+    writebacks = [(a.before, a.chunk) for a in plan.actions if a.kind == "writeback"]
+    assert writebacks == [(3, 1), (4, 0)]        # chunk 1 after its second gradient, not at the end
+    drops = [(a.before, a.chunk) for a in plan.actions if a.kind == "drop"]
+    assert drops == [(5, 0), (5, 1)]             # both stay until the end, clean
+    assert plan.d2h_bytes == 2 * SLOT
+    # a chunk whose optimizer states live on the device is updated there: never written back
+    plan = plan_residency(reads, [0] * 5, stores=stores, num_chunks=2, slot_bytes=SLOT, budget=None,
+                          os_device_chunks=frozenset({1}))
+    assert [a.chunk for a in plan.actions if a.kind == "writeback"] == [0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,7 @@ class CompiledEngine(ChunkEngine):
         self._queue = TransferQueue(self.link, inline_bytes=INLINE_COPY_BYTES)
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
         self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
+        self._homing: dict[int, Any] = {}          # chunk -> future of the writeback writing its home
         self._copying: dict[int, Any] = {}         # id(activation copy) -> future of its asynchronous copy
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
@@ -386,7 +388,8 @@ class CompiledEngine(ChunkEngine):
         if mem.kind == MemKind.FETCH:
             slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
             self._allocate_slot(mem.slot)
-            fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d")
+            # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
+            fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk))
             self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
             self._slot_chunk[mem.slot] = mem.chunk
@@ -414,7 +417,10 @@ class CompiledEngine(ChunkEngine):
             pending.wait() if hasattr(pending, "wait") else pending.result()
         elif mem.kind == MemKind.WRITEBACK:
             _, slot = args                  # host_c: the chunk's home; its gradient's own buffer there
-            self._reading[mem.slot] = q.submit(store.home_for_device_data(mem.chunk, whole=True), slot, "d2h")
+            fetching = self._in_flight.get(mem.slot)        # (planned after its wait; kept safe anyway)
+            self._reading[mem.slot] = self._homing[mem.chunk] = q.submit(
+                store.home_for_device_data(mem.chunk, whole=True), slot, "d2h",
+                after=fetching if isinstance(fetching, Future) else None)
             store.dirty[mem.chunk] = False
         elif mem.kind.leaves:
             pending = self._reading.pop(mem.slot, None)
@@ -561,10 +567,12 @@ class CompiledEngine(ChunkEngine):
                                        around_region=around_region if executor.split == "regions" else None)
             self._queue.flush()
             self._reading.clear()
+            self._homing.clear()
         except BaseException:
             self._queue.drain()              # no copy is left running into memory the recovery frees
             self._abandon_in_flight()
             self._reading.clear()
+            self._homing.clear()
             self._copying.clear()
             self._recover(restore=acc is None)
             raise

@@ -9,6 +9,7 @@ time, and can emulate a slow device<->host link on the CPU (``link_bandwidth``).
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from dataclasses import dataclass
 
@@ -104,12 +105,15 @@ class Link:
 
     ``bandwidth`` (bytes/s, CPU only) emulates a slow link: a copy takes at least
     ``nbytes / bandwidth`` seconds (it sleeps for the rest), so transfers cost wall time the way they
-    would over PCIe. ``None`` copies at full memory speed.
+    would over PCIe. The rate holds in each direction: PCIe is full duplex, so a host->device copy
+    and a device->host copy running at once (``TransferQueue``'s two copy engines) each get it.
+    ``None`` copies at full memory speed. Copies may run on several threads; the counts are exact.
     """
 
     def __init__(self, bandwidth: float | None = None):
         self.bandwidth = bandwidth
         self.traffic = Traffic()
+        self._lock = threading.Lock()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False) -> None:
         """Copy ``src`` into ``dst`` and count it; ``activation``: a saved activation, not a chunk."""
@@ -120,16 +124,18 @@ class Link:
             remaining = nbytes / self.bandwidth - (time.perf_counter() - start)
             if remaining > 0:
                 time.sleep(remaining)
-        if direction == "h2d":
-            self.traffic.h2d_bytes += nbytes
-            self.traffic.reload_bytes += nbytes if activation else 0
-        elif direction == "d2h":
-            self.traffic.d2h_bytes += nbytes
-            self.traffic.offload_bytes += nbytes if activation else 0
-        else:
-            raise AssertionError(f"unknown direction {direction}")
-        self.traffic.transfer_s += time.perf_counter() - start
+        with self._lock:
+            if direction == "h2d":
+                self.traffic.h2d_bytes += nbytes
+                self.traffic.reload_bytes += nbytes if activation else 0
+            elif direction == "d2h":
+                self.traffic.d2h_bytes += nbytes
+                self.traffic.offload_bytes += nbytes if activation else 0
+            else:
+                raise AssertionError(f"unknown direction {direction}")
+            self.traffic.transfer_s += time.perf_counter() - start
 
     def reset(self) -> Traffic:
-        done, self.traffic = self.traffic, Traffic()
+        with self._lock:
+            done, self.traffic = self.traffic, Traffic()
         return done

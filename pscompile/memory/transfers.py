@@ -1,8 +1,12 @@
-"""The copy engine: transfers that run in order on one background thread, overlapping compute.
+"""The copy engines: transfers that run in order on background threads, overlapping compute.
 
 Compiled mode submits each memory node's copy here; a fetch with a ``wait`` returns at once and
-the ``wait`` blocks on its future. Bytes and busy time are counted by the ``Link`` as each copy
-runs, so what a step moved is read from the link after ``flush``.
+the ``wait`` blocks on its future. Like a GPU, there is one copy engine per direction (PCIe is full
+duplex): host->device copies run in submission order on one thread, device->host copies on
+another, so a writeback crosses while the next fetch does. A copy that must follow one of the other
+direction (a fetch of a chunk whose writeback is still landing) names it with ``after``. Bytes and
+busy time are counted by the ``Link`` as each copy runs, so what a step moved is read from the link
+after ``flush``.
 """
 
 from __future__ import annotations
@@ -13,29 +17,40 @@ import torch
 
 from pscompile.memory.tiers import Link
 
+DIRECTIONS = ("h2d", "d2h")
+
 
 class TransferQueue:
-    """Copies that run in submission order on one background thread, like a GPU's copy engine
-    (or the emulated link): ``submit`` returns at once, ``Future.result()`` waits for one copy,
-    ``flush`` for all. Bytes and busy time are counted by the ``Link`` as each copy runs.
+    """Copies that run in submission order per direction, each direction on a background thread
+    of its own, like a GPU's copy engines (or the emulated link, full duplex): ``submit`` returns
+    at once, ``Future.result()`` waits for one copy, ``flush`` for all. Bytes and busy time are
+    counted by the ``Link`` as each copy runs.
+
+    ``after``: a future (of the other direction) the copy must wait for before it starts; the
+    copy engine waits, not the caller.
 
     ``inline_bytes``: a copy between CPU tensors of at most this many bytes, over a link that is
-    not emulated, runs inside ``submit`` when no earlier copy is still running (so the order
-    holds) and returns a finished future; a thread hand-off costs more than a small memcpy."""
+    not emulated, runs inside ``submit`` when no earlier copy of its direction (nor ``after``) is
+    still running (so the order holds) and returns a finished future; a thread hand-off costs more
+    than a small memcpy."""
 
     def __init__(self, link: Link, *, inline_bytes: int = 0):
         self.link = link
         self.inline_bytes = inline_bytes
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pscompile-link")
+        self._pools = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pscompile-{d}") for d in DIRECTIONS}
         self._pending: list = []
-        self._last: Future | None = None
+        self._last: dict[str, Future | None] = dict.fromkeys(DIRECTIONS)
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False) -> Future:
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False, *,
+               after: Future | None = None) -> Future:
+        if direction not in self._pools:
+            raise AssertionError(f"unknown direction {direction}")
+        last = self._last[direction]
         if (src.numel() * src.element_size() <= self.inline_bytes and self.link.bandwidth is None
                 and src.device.type == "cpu" and dst.device.type == "cpu"
-                and (self._last is None or self._last.done())):
-            # a small memcpy costs less than handing it to the thread; every earlier copy is done,
-            # so running it here keeps the queue's order
+                and (last is None or last.done()) and (after is None or after.done())):
+            # a small memcpy costs less than handing it to the thread; every earlier copy it
+            # follows is done, so running it here keeps the order
             fut: Future = Future()
             try:
                 self.link.copy(dst, src, direction, activation)
@@ -48,14 +63,16 @@ class TransferQueue:
         # outlives the future's result by a moment on the worker thread, and a tensor it still
         # held (a gradient stored to the host, an offloaded activation) would outlive its planned
         # death by that moment, which the memory tracker can see.
-        fut = self._pool.submit(self._copy, [dst, src, direction, activation])
+        fut = self._pools[direction].submit(self._copy, [dst, src, direction, activation, after])
         self._pending.append(fut)
-        self._last = fut
+        self._last[direction] = fut
         return fut
 
     def _copy(self, job: list) -> None:
-        dst, src, direction, activation = job
+        dst, src, direction, activation, after = job
         job.clear()
+        if after is not None:
+            after.result()            # what this copy reads or overwrites is written by that one
         self.link.copy(dst, src, direction, activation)
 
     def flush(self) -> None:
@@ -76,6 +93,11 @@ class TransferQueue:
                 errors.append(e)
         return errors
 
+    def idle(self) -> bool:
+        """No copy queued or running (after ``flush``/``drain``)."""
+        return not self._pending and all(pool._work_queue.empty() for pool in self._pools.values())
+
     def close(self) -> None:
         self.drain()
-        self._pool.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
