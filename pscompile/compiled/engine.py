@@ -86,10 +86,10 @@ class _RunRecord:
 
 _MAX_REGION_ROUNDS = 3
 
-# A copy of at most this many bytes between CPU tensors, with no emulated link and no copy in
-# flight, runs on the calling thread: handing it to the copy thread and waiting costs more
-# (tens of microseconds) than the memcpy itself. Larger copies, and all copies over an emulated
-# link, run on the copy thread and overlap compute.
+# A copy of at most this many bytes between CPU tensors, with no emulated link and no copy of its
+# direction in flight, runs on the calling thread: handing it to a copy engine and waiting costs
+# more (tens of microseconds) than the memcpy itself. Larger copies, and all copies over an
+# emulated link, run on the copy engines and overlap compute.
 INLINE_COPY_BYTES = 256 * 1024
 
 
@@ -380,7 +380,7 @@ class CompiledEngine(ChunkEngine):
 
     # ================================================================ running
     def _run_memory_node(self, mem, args) -> None:
-        """Perform one memory node. Copies go to the transfer queue (in order); only a fetch with
+        """Perform one memory node. Copies go to the transfer queue (in order per direction); only a fetch with
         a ``wait`` and a writeback return before their copy is done (the drop after a writeback
         waits for it before giving the slot's memory back). Gradient stores to the host and
         accumulate_grad wait for their copy, so the gradient dies where the plan says."""
