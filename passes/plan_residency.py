@@ -154,7 +154,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    end: Mapping[int, int] | None = None,
                    describe_node=lambda i: f"node {i}",
                    windows: Sequence[int] | None = None, world: int = 1, rank: int = 0,
-                   per_chunk: bool = False) -> ResidencyPlan:
+                   per_chunk: bool = False, start_in_flight: bool = False) -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
     after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
     becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
@@ -165,6 +165,10 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     clean chunks already resident when the run starts, besides the optimizer-state chunks; ``end``
     (chunk -> slot) is the residency the run must finish with (fixed up after the last node), so a
     plan whose ``start`` and ``end`` are one residency repeats for any number of runs.
+
+    ``start_in_flight``: the ``start`` chunks are still arriving when the run starts (a training
+    step fetched them for this one after its update, ``plan_lookahead``): each gets a ``wait``
+    before the first node that reads it, or before its eviction if none does first.
 
     ``world > 1``: chunks are communication groups sharded over ``world`` ranks (see the module
     docstring); ``reads`` must keep each group resident from its first gradient store to its last
@@ -200,6 +204,12 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         st.resident[c] = k
         initial.append((c, k))
     initial.sort(key=lambda x: x[1])
+    arriving = {c for c in (start or {}) if c not in os_device_chunks} if start_in_flight else set()
+
+    def land(c: int, before: int) -> None:
+        if c in arriving:
+            arriving.discard(c)
+            actions.append(Action(before, MemKind.WAIT, c, st.resident[c], 0))
     h2d = d2h = fetches = evictions = gathered = scattered = 0
     peak, peak_node = 0, 0
     sharded = world > 1
@@ -224,6 +234,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
 
     def evict(c: int, before: int) -> None:
         nonlocal d2h, evictions
+        land(c, before)
         if c in st.dirty:
             assert not sharded, f"group {c} would be released with unreduced gradients"
             write_back(c, before)
@@ -273,6 +284,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                 actions.append(Action(i, MemKind.ACCUMULATE_GRAD, g.chunk, None, g.nbytes, g))
                 d2h += g.nbytes
             elif g.chunk in st.resident:
+                land(g.chunk, i)
                 actions.append(Action(i, MemKind.STORE_GRAD, g.chunk, st.resident[g.chunk], 0, g))
                 st.dirty.add(g.chunk)
             else:
@@ -291,6 +303,8 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         if i == T:
             break
         need = list(dict.fromkeys(reads[i]))
+        for c in need:
+            land(c, i)
         limit = capacity(i)
         if len(need) * slot_bytes > limit:
             minimum = len(need) * slot_bytes + window(i) + os_device_bytes

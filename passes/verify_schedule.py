@@ -53,9 +53,11 @@ class VerifyReport:
 def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int, budget: int | None,
                     initial: dict[int, int], os_device_chunks: frozenset[int] = frozenset(),
                     os_device_bytes: int = 0, final: dict[int, int] | None = None,
-                    world: int = 1, grad_fqns: tuple[str, ...] = (), per_chunk: bool = False) -> VerifyReport:
+                    world: int = 1, grad_fqns: tuple[str, ...] = (), per_chunk: bool = False,
+                    arriving: frozenset[int] = frozenset()) -> VerifyReport:
     """``initial``/``final``: chunk -> slot resident at the start / required at the end (default
-    for the end: exactly the chunks whose optimizer states live on the device). ``world`` > 1:
+    for the end: exactly the chunks whose optimizer states live on the device); ``arriving``: the
+    slots of ``initial`` whose fetch is still in flight when the run starts (each needs a wait). ``world`` > 1:
     chunks are groups sharded over that many ranks; ``grad_fqns`` the gradients the graph makes
     (each of their groups must be reduce-scattered exactly once)."""
     slot_of_ph = {n: gmeta.get(n, "slot") for n in gm.graph.nodes
@@ -66,7 +68,7 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                  if n.op == "placeholder" and gmeta.get(n, "acc_chunk") is not None}
     holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
     dirty: set[int] = set()
-    pending: set[int] = set()       # slots whose asynchronous fetch has not been waited for
+    pending: set[int] = set(arriving)   # slots whose asynchronous fetch has not been waited for
     reduced: set[int] = set()       # groups reduce-scattered (ZeRO)
     sharded = world > 1
     arrive, leave = ((MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, MemKind.RELEASE_REMOTE) if sharded
@@ -125,6 +127,8 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 pending.discard(slot)
             elif mem.kind.leaves:
                 slot = slot_of_ph.get(node.args[0])
+                if slot in pending:
+                    fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot} before the wait for its fetch")
                 if holds.get(slot) != mem.chunk:
                     fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
                 if mem.chunk in dirty:
@@ -161,6 +165,9 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 if sharded and dest not in slot_of_ph:
                     fail(node, f"gradient of {mem.fqn} stored outside its gathered group {mem.chunk}")
                 if dest in slot_of_ph:
+                    if slot_of_ph[dest] in pending:
+                        fail(node, f"gradient of {mem.fqn} stored into slot {slot_of_ph[dest]} before the wait "
+                                   "for its asynchronous fetch")
                     if holds.get(slot_of_ph[dest]) != mem.chunk:
                         fail(node, f"gradient of {mem.fqn} stored into slot {slot_of_ph[dest]}, which holds "
                                    f"{holds.get(slot_of_ph[dest])}, not chunk {mem.chunk}")

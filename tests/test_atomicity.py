@@ -60,7 +60,7 @@ def _assert_idle(engine) -> None:
     queue = getattr(engine, "_queue", None)
     if queue is not None:
         assert queue.idle()
-        assert not engine._in_flight and not engine._copying and not engine._reading
+        assert not engine._in_flight and not engine._copying and not engine._reading and not engine._deferred
 
 
 def _continue_alike(faulty, clean) -> None:
@@ -88,14 +88,14 @@ def _on_memory_node(engine, kind: MemKind, nth: int, error: BaseException, *, af
     """Raise ``error`` at the ``nth`` memory node of ``kind`` (after performing it: ``after``)."""
     real, seen = engine._run_memory_node, [0]
 
-    def run(mem, args):
+    def run(mem, args, **kw):
         if mem.kind == kind:
             seen[0] += 1
             if seen[0] == nth:
                 if after:
-                    real(mem, args)
+                    real(mem, args, **kw)
                 raise error
-        return real(mem, args)
+        return real(mem, args, **kw)
     engine._run_memory_node = run
     return lambda: seen[0]
 
@@ -117,12 +117,12 @@ def test_compiled_step_loses_nothing_wherever_it_fails(point):
         real_copy = faulty.link.copy
         slow = []
 
-        def copy(dst, src, direction, activation=False):      # the copy thread is still at it...
+        def copy(dst, src, direction, activation=False, **kw):      # the copy thread is still at it...
             if direction == "d2h" and not activation and not slow:
                 slow.append(1)
                 import time
                 time.sleep(0.2)
-            return real_copy(dst, src, direction, activation)
+            return real_copy(dst, src, direction, activation, **kw)
         faulty.link.copy = copy
         _on_memory_node(faulty, MemKind.WRITEBACK, 1, KeyboardInterrupt(), after=True)   # ...when Ctrl-C lands
         error = KeyboardInterrupt
@@ -135,11 +135,11 @@ def test_compiled_step_loses_nothing_wherever_it_fails(point):
     else:
         real_copy, calls = faulty.link.copy, [0]
 
-        def copy(dst, src, direction, activation=False):      # runs on the pscompile-link thread
+        def copy(dst, src, direction, activation=False, **kw):      # runs on a copy engine's thread
             calls[0] += 1
             if calls[0] == 4:
                 raise RuntimeError("injected copy failure")
-            return real_copy(dst, src, direction, activation)
+            return real_copy(dst, src, direction, activation, **kw)
         faulty.link.copy = copy
         error = RuntimeError
     _fails(faulty, error)

@@ -18,6 +18,7 @@ each chunk's optimizer states live (``ChunkEngine``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import time
 from concurrent.futures import Future
@@ -34,7 +35,7 @@ from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
-from pscompile.graph.ops import ActivationMove, flat_pieces
+from pscompile.graph.ops import ActivationMove, flat_pieces, is_memory_node
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
                                       capture_and_analyze, choose_activations, engine_layout, executed_nodes,
                                       gather_bytes, minimum_budget, regather)
@@ -42,6 +43,7 @@ from pscompile.kinds import MemKind, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tiers import Tier
+from pscompile.optim.adamw import grad_sq_sum
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.memory.transfers import TransferQueue
 from pscompile.optim.placement import device_state_chunks
@@ -151,6 +153,13 @@ class CompiledEngine(ChunkEngine):
         self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
         self._homing: dict[int, Any] = {}          # chunk -> future of the writeback writing its home
         self._copying: dict[int, Any] = {}         # id(activation copy) -> future of its asynchronous copy
+        # the end of a training step (``_overlaps_update``): slot -> (chunk, its writeback still landing),
+        # dropped by the plan but released only once landed, while the optimizer step starts
+        self._deferred: dict[int, tuple[int, Future]] = {}
+        # id(scheduled gm) -> the memory nodes after its last compute node
+        self._tails: dict[int, tuple[fx.GraphModule, frozenset[fx.Node]]] = {}
+        self._ahead: list[tuple[int, int]] = []    # (chunk, slot) to fetch for the next step after its update
+        self._check_moved: tuple[Scheduled, Any] | None = None   # a run whose bytes are checked after its update
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
         # id(scheduled gm) -> region index -> bytes the compiled region allocates beyond what is live
@@ -258,9 +267,23 @@ class CompiledEngine(ChunkEngine):
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None) -> Scheduled:
         sched = build_schedule(analyzed, self.layout, nonmodel=nonmodel, memory=self._device_memory(),
-                               dtype=self.dtype, kind=kind, measured=measured, start=start)
+                               dtype=self.dtype, kind=kind, measured=measured, start=start,
+                               lookahead=self._overlaps_update and measured)
         self._ensure_slots(sched.plan)
+        if sched.lookahead is not None:
+            while len(self._slots) <= max((k for _, k in sched.lookahead.fetches), default=-1):
+                self._slots.append(self._empty_slot())
         return sched
+
+    @property
+    def _overlaps_update(self) -> bool:
+        """A training step ends while its optimizer step starts: the chunks' gradient norms are
+        taken where they are (a writeback still landing: from the device), each chunk is updated as
+        its writeback lands, and the next step's first chunks are fetched as soon as they are
+        updated (``plan_lookahead``). For one rank whose chunks the host updates in place (not
+        lock-free, no loss scaling, no optimizer states on disk); the others take the plain path."""
+        return (self.world == 1 and self.updater is None and self.scaler is None
+                and all(t is not Tier.DISK for t in self.store.os_tier))
 
     def _fit_optimizer_states(self, peak_nonmodel: int) -> None:
         """Device-aware optimizer-state placement (``pscompile.optim.placement``) for the largest
@@ -341,6 +364,9 @@ class CompiledEngine(ChunkEngine):
         self._free_slot(k)
 
     def _free_slot(self, k: int) -> None:
+        pending = self._in_flight.pop(k, None)      # a fetch for this step, issued by the last one
+        if pending is not None:                     # (``plan_lookahead``): no copy into freed memory
+            pending.wait() if hasattr(pending, "wait") else pending.result()
         storage = self._slots[k].untyped_storage()
         if storage.nbytes():
             self._slot_ptrs.discard(storage.data_ptr())
@@ -357,6 +383,11 @@ class CompiledEngine(ChunkEngine):
         if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
             warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=kind,
                                                 measured=True, start=dict(cold.plan.final))
+        elif warm is None and cold.measured and cold.lookahead is not None and cold.lookahead.fetches:
+            # a training step that starts with the chunks the previous one fetched for it
+            start = dict(cold.lookahead.fetches)
+            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=kind,
+                                                measured=True, start=start)
         if warm is not None and self._residency() == dict(warm.plan.initial):
             return key, warm
         self._settle()
@@ -379,11 +410,13 @@ class CompiledEngine(ChunkEngine):
                 self._release_slot(k)
 
     # ================================================================ running
-    def _run_memory_node(self, mem, args) -> None:
+    def _run_memory_node(self, mem, args, at_end: bool = False) -> None:
         """Perform one memory node. Copies go to the transfer queue (in order per direction); only a fetch with
         a ``wait`` and a writeback return before their copy is done (the drop after a writeback
         waits for it before giving the slot's memory back). Gradient stores to the host and
-        accumulate_grad wait for their copy, so the gradient dies where the plan says."""
+        accumulate_grad wait for their copy, so the gradient dies where the plan says. ``at_end``
+        (a training step's memory nodes after its last compute, ``_overlaps_update``): a drop whose
+        chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it."""
         store, q = self.store, self._queue
         if mem.kind == MemKind.FETCH:
             slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
@@ -424,9 +457,14 @@ class CompiledEngine(ChunkEngine):
             store.dirty[mem.chunk] = False
         elif mem.kind.leaves:
             pending = self._reading.pop(mem.slot, None)
-            if pending is not None:        # the slot's memory goes back only once its writeback has read it
-                pending.result()
-            self._release_slot(mem.slot)
+            if pending is not None and at_end:   # the optimizer step starts while it lands (_overlapped_update)
+                chunk = self._slot_chunk.pop(mem.slot)
+                store.detach(chunk)
+                self._deferred[mem.slot] = (chunk, pending)
+            else:
+                if pending is not None:    # the slot's memory goes back only once its writeback has read it
+                    pending.result()
+                self._release_slot(mem.slot)
             self.link.traffic.num_evictions += 1
         elif mem.kind == MemKind.ACCUMULATE_GRAD:
             acc, grad, offset, *page = args
@@ -543,12 +581,14 @@ class CompiledEngine(ChunkEngine):
         # (measured once, ``measure_allocations``), so steps after measurement pay no per-operator cost
         dispatching = executor.split == "nodes" or self._sample_every_op
         pause = tracker.paused if dispatching else contextlib.nullcontext
+        overlapping = sched.kind is RunKind.TRAIN and self._overlaps_update and acc is None
+        tail = self._tail(sched) if overlapping else frozenset()
 
         def run_memory(n: fx.Node, args: tuple) -> torch.Tensor | None:
             moves = get(n, "moves")
             with pause():
                 if moves is None:
-                    made = self._run_memory_node(get(n, "mem"), args)
+                    made = self._run_memory_node(get(n, "mem"), args, at_end=n in tail)
                 else:
                     made = self._move_activation(moves, args)
             if moves is not None and moves.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
@@ -565,11 +605,13 @@ class CompiledEngine(ChunkEngine):
                                        on_outputs=count if executor.split == "regions" else None,
                                        on_backward=lambda: t_bwd.append(time.perf_counter()),
                                        around_region=around_region if executor.split == "regions" else None)
-            self._queue.flush()
+            if not self._deferred:
+                self._queue.flush()
             self._reading.clear()
             self._homing.clear()
         except BaseException:
             self._queue.drain()              # no copy is left running into memory the recovery frees
+            self._land(errors=False)
             self._abandon_in_flight()
             self._reading.clear()
             self._homing.clear()
@@ -577,13 +619,10 @@ class CompiledEngine(ChunkEngine):
             self._recover(restore=acc is None)
             raise
         traffic = self.link.reset()
-        moved = (traffic.h2d_bytes, traffic.d2h_bytes)
-        planned = (sched.plan.h2d_bytes + sched.offload_bytes, sched.plan.d2h_bytes + sched.offload_bytes)
-        if moved != planned or traffic.offload_bytes != sched.offload_bytes or traffic.reload_bytes != sched.offload_bytes:
-            self._recover(restore=acc is None)
-            raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes (activations: {traffic.offload_bytes} offloaded, "
-                               f"{traffic.reload_bytes} reloaded), the schedule planned {planned} "
-                               f"({sched.offload_bytes} each way)")
+        if overlapping:                      # writebacks may still be landing: ``_update`` checks the bytes
+            self._check_moved = (sched, traffic)
+        else:
+            self._check_traffic(sched, traffic, acc)
         if self.comm is not None:
             comm = (self.comm.traffic.allgather_bytes - comm_before[0],
                     self.comm.traffic.reduce_scatter_bytes - comm_before[1])
@@ -596,6 +635,47 @@ class CompiledEngine(ChunkEngine):
         record = _RunRecord(key, sched, observer.samples if observer is not None else None)
         return MicroRun(float(loss.detach().float()), tracker, traffic, t_back - t_start, t_end - t_back,
                         frozenset(self._written), record)
+
+    def _check_traffic(self, sched: Scheduled, traffic, acc: list[torch.Tensor] | None) -> None:
+        """The bytes a run moved (a training run: with the fetches it issued for the next step,
+        which its plan counts) must be the bytes its schedule planned; otherwise the run is undone
+        and this raises."""
+        moved = (traffic.h2d_bytes, traffic.d2h_bytes)
+        planned = (sched.plan.h2d_bytes + sched.offload_bytes, sched.plan.d2h_bytes + sched.offload_bytes)
+        if moved != planned or traffic.offload_bytes != sched.offload_bytes or traffic.reload_bytes != sched.offload_bytes:
+            self._recover(restore=acc is None)
+            raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes (activations: {traffic.offload_bytes} offloaded, "
+                               f"{traffic.reload_bytes} reloaded), the schedule planned {planned} "
+                               f"({sched.offload_bytes} each way)")
+
+    def _tail(self, sched: Scheduled) -> frozenset[fx.Node]:
+        """The memory nodes of ``sched`` after its last compute node (the end of the step)."""
+        known = self._tails.get(id(sched.gm))
+        if known is None or known[0] is not sched.gm:
+            tail = []
+            for n in reversed(list(sched.gm.graph.nodes)):
+                if n.op == "output":
+                    continue
+                if not is_memory_node(n):
+                    break
+                tail.append(n)
+            known = self._tails[id(sched.gm)] = (sched.gm, frozenset(tail))
+        return known[1]
+
+    def _land(self, chunk: int | None = None, *, errors: bool = True) -> None:
+        """Wait for the writebacks still landing (``chunk``'s, or all) and give their slots back;
+        raise the first that failed (``errors``)."""
+        failed = None
+        for k, (c, fut) in list(self._deferred.items()):
+            if chunk is None or c == chunk:
+                del self._deferred[k]
+                try:
+                    fut.result()
+                except BaseException as e:      # noqa: BLE001 -- raised below, after every slot is back
+                    failed = failed or e
+                self._free_slot(k)
+        if failed is not None and errors:
+            raise failed
 
     # ---------------------------------------------------------------- the step (ChunkEngine.step)
     def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
@@ -610,8 +690,87 @@ class CompiledEngine(ChunkEngine):
     def _update(self, last: MicroRun, written: frozenset[str], divisor: float,
                 acc: list[torch.Tensor] | None) -> bool:
         self._settle()               # accumulation left clean chunks resident; updates need them home
-        with last.tracker:
-            return self._optimizer_step(set(written), divisor, last.tracker, grads=acc)
+        sched = last.context.scheduled
+        if acc is not None or sched.kind is not RunKind.TRAIN or not self._overlaps_update:
+            with last.tracker:
+                return self._optimizer_step(set(written), divisor, last.tracker, grads=acc)
+        return self._overlapped_update(last, sched, written, divisor)
+
+    def _overlapped_update(self, last: MicroRun, sched: Scheduled, written: frozenset[str], divisor: float) -> bool:
+        """The optimizer step of a training run whose last writebacks may still be landing
+        (``_overlaps_update``). Each chunk's share of the gradient norm is read where it is now: a
+        chunk still landing from its device slot (the same values; on the CPU the same bits), so
+        the norm, the inf/NaN check and the clipping factor are known at once. Chunks are then
+        updated as they land, the next step's lookahead chunks first, each fetched into its slot for
+        the next step as soon as it is updated (``plan_lookahead``; bytes counted now). The bytes
+        the run and these fetches moved are checked against the plan here, once all has landed."""
+        tracker = last.tracker
+        self._ahead = list(sched.lookahead.fetches) if sched.measured and sched.lookahead is not None else []
+        try:
+            with tracker:
+                skipped = self._optimizer_step(set(written), divisor, tracker, before_update=self._land,
+                                               norm_source=self._norm_source, order=self._update_order(),
+                                               after_update=lambda c: self._fetch_ahead(c, tracker))
+                for c, _ in list(self._ahead) if skipped else ():    # (a skipped step changed no chunk)
+                    self._fetch_ahead(c, tracker)
+            self._land()
+        except BaseException:
+            self._land(errors=False)
+            self._settle()           # a failed step leaves no copy in flight: the chunks fetched ahead go
+            raise
+        finally:
+            self._ahead = []
+        check, self._check_moved = self._check_moved, None
+        if check is not None:
+            run_sched, traffic = check
+            tail = self.link.traffic                  # this step's bytes since the run's were read
+            both = dataclasses.replace(traffic, h2d_bytes=traffic.h2d_bytes + tail.h2d_bytes,
+                                       d2h_bytes=traffic.d2h_bytes + tail.d2h_bytes)
+            self._check_traffic(run_sched, both, None)
+        return skipped
+
+    def _norm_source(self, c: int, frozen: list) -> torch.Tensor | None:
+        """Chunk ``c``'s gradient for the norm: its device slot while its writeback lands (unless
+        ranges of it got no gradient: those are zeroed at home, so it lands first)."""
+        slot = next((k for k, (chunk, _) in self._deferred.items() if chunk == c), None)
+        if slot is None:
+            return None
+        if frozen:
+            self._land(c)
+            return None
+        return self._slots[slot]
+
+    def _update_order(self):
+        """Every chunk once: the next step's lookahead chunks first, then the others; a chunk whose
+        writeback is still landing waits its turn while any landed one is left."""
+        first = [c for c, _ in self._ahead]
+        todo = first + [c for c in range(self.layout.num_chunks) if c not in set(first)]
+        while todo:
+            landing = {c for c, fut in self._deferred.values() if not fut.done()}
+            c = next((c for c in todo if c not in landing), todo[0])
+            todo.remove(c)
+            yield c
+
+    def _fetch_ahead(self, c: int, tracker: NonModelTracker) -> None:
+        """Chunk ``c`` is updated: if the next step starts with it, fetch it into its slot now."""
+        slot = next((k for chunk, k in self._ahead if chunk == c), None)
+        if slot is None:
+            return
+        held = self._deferred.get(slot)
+        if held is not None:                      # (another chunk's writeback still reads the slot)
+            self._land(held[0])
+        self._allocate_slot(slot)
+        self.link.count(self.store.param_chunk_bytes, "h2d")
+        self._in_flight[slot] = self._queue.submit(self._slots[slot], self.store.fetch_source(c), "h2d",
+                                                   counted=True)
+        self.link.traffic.num_fetches += 1
+        self.store.attach(c, self._slots[slot])
+        self._slot_chunk[slot] = c
+        tracker.sample_now()
+
+    def _undo_all(self, only=None) -> None:
+        self._land(errors=False)       # the homes being undone: no writeback still lands in them
+        super()._undo_all(only)
 
     def _after_step(self, batches: list, runs: list[MicroRun], *, accumulate: bool) -> None:
         measured: dict[CaptureKey, _RunRecord] = {}

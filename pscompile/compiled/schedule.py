@@ -245,9 +245,17 @@ class Schedule:
                      f"{peak.name} ({share}model {format_bytes(peak.model_bytes)} + non-model "
                      f"{format_bytes(peak.nonmodel_bytes)}); optimizer states on the device "
                      f"{format_bytes(self.os_device_bytes)}")
-        if plan.initial:
-            pairs = ", ".join(f"chunk {c} in slot {k}" for c, k in plan.initial)
+        ahead = self.scheduled.lookahead
+        homed = [(c, k) for c, k in plan.initial if c in self.scheduled.os_device]
+        if homed:
+            pairs = ", ".join(f"chunk {c} in slot {k}" for c, k in homed)
             lines.append(f"resident from the start (optimizer states on the device): {pairs}")
+        arriving = [(c, k) for c, k in plan.initial if c not in self.scheduled.os_device]
+        if arriving:
+            pairs = ", ".join(f"chunk {c} in slot {k}" for c, k in arriving)
+            what = "arriving (fetched by the previous step after their update; a wait before the first reader)" \
+                if self.scheduled.kind is RunKind.TRAIN else "resident from the start (left by the previous run)"
+            lines.append(f"{what}: {pairs}")
         if self.scheduled.activations is not None:
             lines.append(self.scheduled.activations.describe())
         if self.measured:
@@ -279,6 +287,10 @@ class Schedule:
                      + f"), {sum(v for k, v in counts.items() if MemKind(k).leaves)} evictions"
                      + (f"; activations {format_bytes(self.scheduled.offload_bytes)} offloaded and reloaded "
                         f"(each way, on top of the chunks)" if self.scheduled.offload_bytes else ""))
+        if ahead is not None and ahead.fetches:
+            pairs = ", ".join(f"chunk {c} -> slot {k}" for c, k in ahead.fetches)
+            lines.append(f"after the update, for the next step (each as soon as it is updated; in the h2d bytes "
+                         f"above): fetch {pairs}")
         total_s = sum(p.seconds for p in self.passes)
         lines.append(f"passes ({len(self.passes)}, {total_s:.3f} s):")
         width = max((len(p.name) for p in self.passes), default=0)

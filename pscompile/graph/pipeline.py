@@ -46,6 +46,7 @@ from pscompile.optim.placement import device_state_chunks
 from pscompile.passes.annotate_params import ParamUses, annotate_params
 from pscompile.passes.estimate_nonmodel import estimate_nonmodel
 from pscompile.passes.insert_memory_ops import insert_memory_ops
+from pscompile.passes.plan_lookahead import Lookahead, plan_lookahead
 from pscompile.passes.plan_residency import GradStore, ResidencyPlan, arrival_windows, plan_residency
 from pscompile.passes.prefetch_fetches import prefetch_fetches
 from pscompile.memory.rates import Rates, measure_rates
@@ -111,6 +112,7 @@ class Scheduled:
     os_device: frozenset[int] = frozenset()   # chunks whose optimizer states were on the device
     activations: ActivationPlan | None = None  # the analyzed graph's recomputation and offloading
     offload_bytes: int = 0                     # saved activations the graph sends to the host (and back)
+    lookahead: Lookahead | None = None         # training: chunks fetched for the next step after their update
 
 
 class _Passes:
@@ -507,13 +509,18 @@ def node_reads(captured: CapturedGraph, layout: ChunkLayout, *,
 def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
                    memory: DeviceMemory, dtype: torch.dtype, kind: RunKind = RunKind.TRAIN,
                    measured: bool = False, start: Mapping[int, int] | None = None,
-                   plan_only: bool = False) -> Scheduled:
+                   plan_only: bool = False, lookahead: bool = False) -> Scheduled:
     """Plan, rewrite and verify one schedule of ``analyzed`` under ``memory`` (``plan_only``: stop
     after planning, with ``gm=None``; for weighing plans by their traffic, ``pick_layout``).
 
     Accumulation and evaluation runs update nothing, so they keep clean chunks resident at the
     end for the next run; ``start`` (chunk -> slot) plans the warm variant, which starts from that
-    residency and ends with it again. Raises ``BudgetError`` naming the node and the budget it
+    residency and ends with it again.
+
+    ``lookahead`` (a training step whose chunks the host updates, one rank): ``plan_lookahead``
+    picks the chunks the step fetches for the next one after their update. With ``start`` the plan
+    is that next step's: it starts with ``start``'s chunks in flight, ends like a cold step, and
+    fetches the same chunks ahead again. Raises ``BudgetError`` naming the node and the budget it
     needs when ``memory.budget`` is too small."""
     kind = RunKind(kind)
     captured = analyzed.captured
@@ -526,6 +533,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     budget, os_dev, os_bytes = memory.budget, memory.os_device_chunks, memory.os_device_bytes
     windows = node_windows(captured, nonmodel)
     warm = kind.keeps_warm
+    ahead = lookahead and kind is RunKind.TRAIN and start is not None    # started from a lookahead
     passes = _Passes(analyzed.passes)
     try:
         world = memory.world
@@ -533,7 +541,8 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
         plan = passes.run("plan_residency", lambda: plan_residency(
             reads, nonmodel, stores=stores, num_chunks=layout.num_chunks,
             slot_bytes=memory.slot_bytes, budget=budget, os_device_chunks=os_dev, os_device_bytes=os_bytes,
-            accumulate=kind is RunKind.ACCUM, start=start, keep_at_end=warm, end=start,
+            accumulate=kind is RunKind.ACCUM, start=start, keep_at_end=warm, end=start if warm else None,
+            start_in_flight=ahead,
             describe_node=lambda i: describe_node(nodes[i]), windows=windows, world=world, rank=memory.rank,
             per_chunk=memory.per_chunk),
             lambda p: p.summary(budget))
@@ -548,6 +557,15 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     plan, _ = passes.run("prefetch_fetches", lambda: prefetch_fetches(plan, nonmodel, budget=budget,
                                                                         os_device_bytes=os_bytes, windows=windows),
                          lambda r: r[1].summary)
+    fetched_ahead = None
+    if lookahead and kind is RunKind.TRAIN:
+        fetched_ahead = passes.run("plan_lookahead", lambda: plan_lookahead(
+            plan, windows, budget=budget, os_device_bytes=os_bytes, os_device_chunks=os_dev,
+            fixed=tuple((c, k) for c, k in (start or {}).items() if c not in os_dev) if ahead else None),
+            lambda la: la.summary())
+        # the step's bytes include the fetches it issues for the next step (after its update)
+        plan = replace(plan, h2d_bytes=plan.h2d_bytes + fetched_ahead.nbytes,
+                       num_fetches=plan.num_fetches + len(fetched_ahead.fetches))
     if plan_only:
         return Scheduled(captured, plan, None, nonmodel, measured, tuple(passes.timings), kind, os_dev,
                          analyzed.activations, analyzed.activations.offload_bytes if analyzed.activations else 0)
@@ -558,7 +576,8 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     report = passes.run("verify_schedule", lambda: verify_schedule(
         gm, layout, slot_bytes=memory.slot_bytes, budget=budget, initial=dict(plan.initial),
         os_device_chunks=os_dev, os_device_bytes=os_bytes, final=dict(plan.final) if warm else None,
-        world=memory.world, grad_fqns=captured.grad_fqns if kind.backward else (), per_chunk=memory.per_chunk),
+        world=memory.world, grad_fqns=captured.grad_fqns if kind.backward else (), per_chunk=memory.per_chunk,
+        arriving=frozenset(k for c, k in (start or {}).items() if c not in os_dev) if ahead else frozenset()),
         lambda r: r.summary(budget))
     timings = list(passes.timings)        # insert_memory_ops reports what verify_schedule counted
     i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")
@@ -566,7 +585,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
                             f"insert_memory_ops: {report.num_memory_nodes} memory nodes")
     offloaded = sum(get(n, "moves").nbytes for n in gm.graph.nodes if is_offload(n))
     return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev, analyzed.activations,
-                     offloaded)
+                     offloaded, fetched_ahead)
 
 
 # "auto" in compiled mode: the paged least-waste layouts with chunks of at most these fractions of

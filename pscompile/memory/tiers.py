@@ -115,8 +115,10 @@ class Link:
         self.traffic = Traffic()
         self._lock = threading.Lock()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False) -> None:
-        """Copy ``src`` into ``dst`` and count it; ``activation``: a saved activation, not a chunk."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False, *,
+             counted: bool = False) -> None:
+        """Copy ``src`` into ``dst`` and count it; ``activation``: a saved activation, not a chunk;
+        ``counted``: its bytes were counted when it was issued (``count``), only its time is."""
         start = time.perf_counter()
         dst.copy_(src, non_blocking=False)
         nbytes = src.numel() * src.element_size()
@@ -125,7 +127,9 @@ class Link:
             if remaining > 0:
                 time.sleep(remaining)
         with self._lock:
-            if direction == "h2d":
+            if counted:
+                pass
+            elif direction == "h2d":
                 self.traffic.h2d_bytes += nbytes
                 self.traffic.reload_bytes += nbytes if activation else 0
             elif direction == "d2h":
@@ -134,6 +138,17 @@ class Link:
             else:
                 raise AssertionError(f"unknown direction {direction}")
             self.traffic.transfer_s += time.perf_counter() - start
+
+    def count(self, nbytes: int, direction: str) -> None:
+        """Count a chunk copy now, as it is issued (one that may land after the counters are next
+        read: a fetch for the next step started by this one); its ``copy`` passes ``counted``."""
+        with self._lock:
+            if direction == "h2d":
+                self.traffic.h2d_bytes += nbytes
+            elif direction == "d2h":
+                self.traffic.d2h_bytes += nbytes
+            else:
+                raise AssertionError(f"unknown direction {direction}")
 
     def reset(self) -> Traffic:
         with self._lock:

@@ -27,7 +27,8 @@ class TransferQueue:
     counted by the ``Link`` as each copy runs.
 
     ``after``: a future (of the other direction) the copy must wait for before it starts; the
-    copy engine waits, not the caller.
+    copy engine waits, not the caller. ``counted``: the caller counted the bytes as it issued the
+    copy (``Link.count``), so a copy still landing when the counters are read is in them.
 
     ``inline_bytes``: a copy between CPU tensors of at most this many bytes, over a link that is
     not emulated, runs inside ``submit`` when no earlier copy of its direction (nor ``after``) is
@@ -42,7 +43,7 @@ class TransferQueue:
         self._last: dict[str, Future | None] = dict.fromkeys(DIRECTIONS)
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False, *,
-               after: Future | None = None) -> Future:
+               after: Future | None = None, counted: bool = False) -> Future:
         if direction not in self._pools:
             raise AssertionError(f"unknown direction {direction}")
         last = self._last[direction]
@@ -53,7 +54,7 @@ class TransferQueue:
             # follows is done, so running it here keeps the order
             fut: Future = Future()
             try:
-                self.link.copy(dst, src, direction, activation)
+                self.link.copy(dst, src, direction, activation, counted=counted)
                 fut.set_result(None)
             except BaseException as e:         # noqa: BLE001 -- raised where the caller waits
                 fut.set_exception(e)
@@ -63,17 +64,19 @@ class TransferQueue:
         # outlives the future's result by a moment on the worker thread, and a tensor it still
         # held (a gradient stored to the host, an offloaded activation) would outlive its planned
         # death by that moment, which the memory tracker can see.
-        fut = self._pools[direction].submit(self._copy, [dst, src, direction, activation, after])
+        fut = self._pools[direction].submit(self._copy, [dst, src, direction, activation, after, counted])
+        if len(self._pending) >= 256:          # (a caller that never flushes: forget the copies that
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]  # landed)
         self._pending.append(fut)
         self._last[direction] = fut
         return fut
 
     def _copy(self, job: list) -> None:
-        dst, src, direction, activation, after = job
+        dst, src, direction, activation, after, counted = job
         job.clear()
         if after is not None:
             after.result()            # what this copy reads or overwrites is written by that one
-        self.link.copy(dst, src, direction, activation)
+        self.link.copy(dst, src, direction, activation, counted=counted)
 
     def flush(self) -> None:
         """Wait for every copy; then raise the first one's exception, if any failed."""
@@ -94,8 +97,8 @@ class TransferQueue:
         return errors
 
     def idle(self) -> bool:
-        """No copy queued or running (after ``flush``/``drain``)."""
-        return not self._pending and all(pool._work_queue.empty() for pool in self._pools.values())
+        """No copy queued or running."""
+        return all(f.done() for f in self._pending) and all(pool._work_queue.empty() for pool in self._pools.values())
 
     def close(self) -> None:
         self.drain()

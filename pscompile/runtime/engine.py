@@ -20,7 +20,7 @@ import dataclasses
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -396,11 +396,18 @@ class ChunkEngine:
 
     def _optimizer_step(self, written: set[str], scale: float, tracker: NonModelTracker,
                         before_update: Callable[[int], None] = lambda c: None,
-                        grads: list[torch.Tensor] | None = None) -> bool:
+                        grads: list[torch.Tensor] | None = None, *,
+                        norm_source: Callable[[int, list], torch.Tensor | None] | None = None,
+                        order: Iterable[int] | None = None,
+                        after_update: Callable[[int], None] = lambda c: None) -> bool:
         """Unscale, check overflow, clip, then update chunk by chunk where each chunk's optimizer
-        states live (``before_update(c)`` runs first, e.g. to make room). ``written`` names the
+        states live (``before_update(c)`` runs first, e.g. to make room; ``after_update(c)`` after,
+        for every chunk). ``written`` names the
         parameters whose gradients are in their chunks, or in ``grads`` (fp32 host chunks that
         accumulated several micro-batches; the param chunks then still hold the parameters).
+        ``norm_source(c, frozen ranges)``: where chunk ``c``'s gradient is read for the norm, if not
+        from ``store.gradient`` (None: from there); ``order``: the chunks in the order to update
+        (each once; the updates are independent, so any order gives the same bits).
         Returns True if the step was skipped."""
         store, n = self.store, self.layout.num_chunks
         has_grad = [store.owns(c) and any(e.fqn in written for e, _ in self.layout.chunk_members(c))
@@ -409,7 +416,7 @@ class ChunkEngine:
             return self._queue_update(written, scale, tracker, has_grad, before_update, grads)
         undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
         try:
-            factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads)
+            factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads, norm_source)
         except BaseException:
             self._undo_all(undo)              # the chunks hold gradients: back to the parameters
             raise
@@ -420,7 +427,7 @@ class ChunkEngine:
         # engine refuses to train on or save until a checkpoint is loaded.
         with deferred_interrupts():
             try:
-                self._apply_update(written, factor, tracker, has_grad, before_update, grads)
+                self._apply_update(written, factor, tracker, has_grad, before_update, grads, order, after_update)
             except BaseException as e:
                 try:
                     store.settle_disk()           # no transfer left running, staging buffers back
@@ -509,7 +516,8 @@ class ChunkEngine:
         return 0 if self.updater is None else self.updater.queued
 
     def _unscale_and_clip(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
-                          undo: list[bool], grads: list[torch.Tensor] | None) -> float | None:
+                          undo: list[bool], grads: list[torch.Tensor] | None,
+                          norm_source: Callable[[int, list], torch.Tensor | None] | None = None) -> float | None:
         """The gradient norm over every rank; on inf/NaN, undo and skip (or raise). Returns the
         factor the gradients are multiplied by in the update, None for a skipped step."""
         store, n = self.store, self.layout.num_chunks
@@ -517,8 +525,12 @@ class ChunkEngine:
         for c in range(n):
             if not has_grad[c]:
                 continue
-            buf = store.gradient(c) if grads is None else grads[c]
             frozen = self._frozen_ranges(c, written)
+            buf = norm_source(c, frozen) if norm_source is not None else None
+            if buf is not None:                              # (a device copy of it, no frozen ranges)
+                sq += grad_sq_sum(buf)
+                continue
+            buf = store.gradient(c) if grads is None else grads[c]
             with ExitStack() as stack:
                 if grads is not None or not store.resident(c):
                     stack.enter_context(tracker.paused())    # host-side work is not device memory
@@ -547,34 +559,43 @@ class ChunkEngine:
             else inv_scale
 
     def _apply_update(self, written: set[str], factor: float, tracker: NonModelTracker, has_grad: list[bool],
-                      before_update: Callable[[int], None], grads: list[torch.Tensor] | None) -> None:
+                      before_update: Callable[[int], None], grads: list[torch.Tensor] | None,
+                      order: Iterable[int] | None = None,
+                      after_update: Callable[[int], None] = lambda c: None) -> None:
         store, n = self.store, self.layout.num_chunks
         on_disk = [c for c in range(n) if has_grad[c] and store.os_tier[c] is Tier.DISK]
         self.adam.begin_step()
-        for c in range(n):
+        for c in (range(n) if order is None else order):
             before_update(c)
-            if not has_grad[c]:
-                continue                                        # nothing to update here
-            with ExitStack() as stack:
-                if store.os_tier[c] is not Tier.DEVICE:
-                    stack.enter_context(tracker.paused())       # the update runs on the host
-                buf = store.bring_to_os_tier(c)
-                k = bisect.bisect_right(on_disk, c)              # the next disk chunk after this one
-                if k < len(on_disk) and self.disk_prefetch:
-                    store.stage(on_disk[k])                     # the disk reads it while this one updates
-                grad = None
-                if grads is not None:
-                    grad = grads[c]
-                    if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
-                        grad = torch.empty_like(store.master[c])
-                        self.link.copy(grad, grads[c], "h2d")
-                if store.shares_master(c):          # the new master is the new param chunk: no cast back
-                    buf, grad = None, buf if grad is None else grad
-                self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                       grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
-                                       groups=self._chunk_groups(c))
-                store.mark_updated(c)
+            if has_grad[c]:                                     # (else nothing to update here)
+                self._update_chunk(c, written, factor, tracker, grads, on_disk)
+            after_update(c)
         store.settle_disk()
+
+    def _update_chunk(self, c: int, written: set[str], factor: float, tracker: NonModelTracker,
+                      grads: list[torch.Tensor] | None, on_disk: list[int]) -> None:
+        """AdamW on chunk ``c`` where its optimizer states live (``on_disk``: the disk homes that
+        get gradients, in order; the next one is staged while this one updates)."""
+        store = self.store
+        with ExitStack() as stack:
+            if store.os_tier[c] is not Tier.DEVICE:
+                stack.enter_context(tracker.paused())       # the update runs on the host
+            buf = store.bring_to_os_tier(c)
+            k = bisect.bisect_right(on_disk, c)              # the next disk chunk after this one
+            if k < len(on_disk) and self.disk_prefetch:
+                store.stage(on_disk[k])                     # the disk reads it while this one updates
+            grad = None
+            if grads is not None:
+                grad = grads[c]
+                if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
+                    grad = torch.empty_like(store.master[c])
+                    self.link.copy(grad, grads[c], "h2d")
+            if store.shares_master(c):          # the new master is the new param chunk: no cast back
+                buf, grad = None, buf if grad is None else grad
+            self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
+                                   grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
+                                   groups=self._chunk_groups(c))
+            store.mark_updated(c)
 
     # ================================================================ the step
     def step(self, batch: Any) -> float:
