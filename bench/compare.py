@@ -40,7 +40,7 @@ writeback carries a chunk's padding, or when its evictions are not farthest-next
 has its own access order (moments) and non-model curve, so the bound of compiled mode at the same
 budget is only a reference for it: hooks mode may move less.
 
-    python bench/compare.py [--quick] [--markdown] [--inductor] [--links 100MB/s,v100]
+    python bench/compare.py [--quick] [--markdown] [--inductor] [--links 100MB/s,v100] [--planners belady,angel]
                             [--out bench/results/compare.json]
 
 Float32, one torch thread (see bench/foundation.py for why).
@@ -270,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--inductor", action="store_true", help="also run compiled mode with backend='inductor'")
+    ap.add_argument("--planners", default="belady",
+                    help="comma-separated residency planners of the compiled rows (Config.planner: belady, angel); "
+                         "each besides belady adds rows named after it")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default: the settings')")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default: the settings')")
     ap.add_argument("--links", default=None,
@@ -313,6 +316,9 @@ def main(argv=None) -> int:
         systems = [("hooks", dict(mode="hooks")), ("compiled eager", dict(mode="compiled", backend="eager"))]
         if args.inductor:
             systems.append(("compiled inductor", dict(mode="compiled", backend="inductor")))
+        compiled = [(n, kw) for n, kw in systems if kw["mode"] == "compiled"]
+        for planner in [p.strip() for p in args.planners.split(",") if p.strip() != "belady"]:
+            systems += [(f"{n} ({planner})", dict(kw, planner=planner)) for n, kw in compiled]
         for bname, budget in budgets:
             for link, bw in [(None, None), *(links if budget is not None else [])]:
                 for sname, kw in systems:

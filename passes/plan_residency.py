@@ -39,11 +39,25 @@ Per-chunk collectives (``per_chunk``; the memory-saving variant for many ranks):
 chunk, owned by rank ``c % world``; it arrives by ``broadcast`` from its owner (only the owner's
 link carries it) and its gradients go by ``reduce`` to the owner, so a slot is one chunk, never a
 group. Bytes differ per rank, so the plan is ``rank``'s.
+
+Two victim policies (``policy``):
+
+- ``"belady"`` (the default): demand fetching with farthest-next-use eviction, as above; the
+  fewest fetches there are. ``prefetch_fetches`` then starts each fetch as early as it fits.
+- ``"angel"``: ANGEL-PTM's unified scheduler (Algorithm 1, phase 1), the comparison: moves are
+  prioritised. After a node's own chunks, every chunk that will be read later is fetched at once,
+  in order of first use, as long as there is room at that node. When a later node needs room,
+  the *last* move is taken back first (LIFO, the algorithm's "pop the last
+  movement task"): a chunk fetched ahead and not yet read is un-fetched (its fetch is cancelled,
+  nothing moves) and waits until room frees; chunks whose use in this run is over go before
+  that. Phase 2 (gathers advanced to the earliest point without running out of memory) is
+  ``prefetch_fetches``, which both policies share.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -52,7 +66,10 @@ from pscompile.kinds import MemKind
 from pscompile.memory.belady import NextUse, farthest
 from pscompile.units import format_bytes
 
-__all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "arrivals", "arrival_windows", "plan_residency"]
+__all__ = ["GradStore", "Action", "ResidencyPlan", "ResidencyError", "arrivals", "arrival_windows", "plan_residency",
+           "POLICIES"]
+
+POLICIES = ("belady", "angel")   # victim policies of ``plan_residency`` (the module doc)
 
 
 @dataclass(frozen=True)
@@ -97,13 +114,15 @@ class ResidencyPlan:
     world: int = 1                            # ranks the groups are sharded over (1: no ZeRO)
     allgather_bytes: int = 0                  # received from other ranks, per rank
     reduce_scatter_bytes: int = 0             # sent to other ranks, per rank
+    policy: str = "belady"                    # how victims and fetch times were chosen (the module doc)
 
     def summary(self, budget: int | None) -> str:
         b = "unlimited" if budget is None else format_bytes(budget)
         comm = (f", {format_bytes(self.allgather_bytes)} all-gathered, "
                 f"{format_bytes(self.reduce_scatter_bytes)} reduce-scattered over {self.world} ranks"
                 if self.world > 1 else "")
-        return (f"plan_residency: {self.num_slots} slots, {self.num_fetches} fetches, "
+        how = " (ANGEL-PTM Algorithm 1: moves first, the last move taken back)" if self.policy == "angel" else ""
+        return (f"plan_residency{how}: {self.num_slots} slots, {self.num_fetches} fetches, "
                 f"{self.num_evictions} evictions, {format_bytes(self.h2d_bytes + self.d2h_bytes)} moved{comm}, "
                 f"peak {format_bytes(self.peak_device_bytes)} <= {b}")
 
@@ -154,7 +173,8 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    end: Mapping[int, int] | None = None,
                    describe_node=lambda i: f"node {i}",
                    windows: Sequence[int] | None = None, world: int = 1, rank: int = 0,
-                   per_chunk: bool = False, start_in_flight: bool = False) -> ResidencyPlan:
+                   per_chunk: bool = False, start_in_flight: bool = False,
+                   policy: str = "belady") -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
     after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
     becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
@@ -172,7 +192,12 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
 
     ``world > 1``: chunks are communication groups sharded over ``world`` ranks (see the module
     docstring); ``reads`` must keep each group resident from its first gradient store to its last
-    (``pipeline.node_reads`` does)."""
+    (``pipeline.node_reads`` does).
+
+    ``policy``: ``"belady"`` or ``"angel"`` (the module doc)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not a residency policy; use one of {POLICIES}")
+    angel = policy == "angel"
     T = len(reads)
     assert len(nonmodel) == T
     next_use = NextUse(reads)      # cyclic when clean chunks stay for the next run (keep_at_end)
@@ -206,6 +231,10 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     initial.sort(key=lambda x: x[1])
     arriving = {c for c in (start or {}) if c not in os_device_chunks} if start_in_flight else set()
 
+    order = itertools.count()
+    moved_at: dict[int, int] = {}    # angel: chunk -> order of its move (the last move is taken back first)
+    ahead: dict[int, int] = {}       # angel: chunk fetched ahead, not used yet -> index of its fetch action
+
     def land(c: int, before: int) -> None:
         if c in arriving:
             arriving.discard(c)
@@ -232,8 +261,23 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         d2h += slot_bytes
         st.dirty.discard(c)
 
+    def take_back(c: int) -> None:
+        """angel: un-fetch a chunk fetched ahead and not used since (nothing moves; it waits for room)."""
+        nonlocal h2d, fetches, gathered
+        k = ahead.pop(c)
+        a = actions[k]
+        actions[k] = None
+        h2d -= a.nbytes
+        gathered -= a.comm_bytes
+        fetches -= 1
+        arriving.discard(c)
+        bisect.insort(st.free, st.resident.pop(c))
+
     def evict(c: int, before: int) -> None:
         nonlocal d2h, evictions
+        if c in ahead:
+            take_back(c)
+            return
         land(c, before)
         if c in st.dirty:
             assert not sharded, f"group {c} would be released with unreduced gradients"
@@ -243,20 +287,36 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         evictions += 1
         bisect.insort(st.free, slot)
 
-    def fetch(c: int, before: int, slot: int | None = None) -> None:
+    def fetch(c: int, before: int, slot: int | None = None, asynchronous: bool = False) -> int:
+        """Fetch (or gather) chunk c before node ``before``; returns the index of its action.
+        ``asynchronous``: its reader waits for it (a ``wait`` before its first use, ``land``)."""
         nonlocal h2d, fetches, gathered
         slot = st.take_slot() if slot is None else slot
         st.resident[c] = slot
+        moved_at[c] = next(order)
         if sharded:
             link, comm = owner_bytes(c)
             actions.append(Action(before, MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, c, slot, link,
-                                  comm_bytes=comm))
+                                  asynchronous=asynchronous, comm_bytes=comm))
             h2d += link
             gathered += comm
         else:
-            actions.append(Action(before, MemKind.FETCH, c, slot, slot_bytes))
+            actions.append(Action(before, MemKind.FETCH, c, slot, slot_bytes, asynchronous=asynchronous))
             h2d += slot_bytes
         fetches += 1
+        if asynchronous:
+            arriving.add(c)
+        return len(actions) - 1
+
+    def fill(i: int) -> None:
+        """angel: after node i's own chunks, fetch every chunk read later in this run, in order of
+        first use, while there is room at node i (a later node short of room takes them back)."""
+        later = sorted((j, c) for c in range(num_chunks) if c not in st.resident and c not in os_device_chunks
+                       for j in (next_use.at_or_after(c, i + 1, cyclic=False),) if j < T)
+        for _, c in later:
+            if (len(st.resident) + 1) * slot_bytes > capacity(i):
+                break
+            ahead[c] = fetch(c, i, asynchronous=True)
 
     def reduce_scatter(c: int, before: int) -> None:
         nonlocal d2h, scattered
@@ -275,6 +335,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                 if g.chunk not in st.resident:
                     raise AssertionError(f"group {g.chunk} is not gathered when the gradient of {g.fqn} "
                                          "is stored (its reads must hold it from first to last gradient)")
+                ahead.pop(g.chunk, None)
                 actions.append(Action(i, MemKind.STORE_GRAD, g.chunk, st.resident[g.chunk], 0, g))
                 st.dirty.add(g.chunk)
                 grads_left[g.chunk] -= 1
@@ -285,6 +346,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                 d2h += g.nbytes
             elif g.chunk in st.resident:
                 land(g.chunk, i)
+                ahead.pop(g.chunk, None)
                 actions.append(Action(i, MemKind.STORE_GRAD, g.chunk, st.resident[g.chunk], 0, g))
                 st.dirty.add(g.chunk)
             else:
@@ -305,6 +367,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
         need = list(dict.fromkeys(reads[i]))
         for c in need:
             land(c, i)
+            ahead.pop(c, None)
         limit = capacity(i)
         if len(need) * slot_bytes > limit:
             minimum = len(need) * slot_bytes + window(i) + os_device_bytes
@@ -322,10 +385,16 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                     f"{len(os_device_chunks)} chunk(s) living on the device with their optimizer states take "
                     f"{homed} bytes, and {len(need)} chunk(s) read there + {window(i)} bytes of non-model data "
                     "need the rest", i, -1)
-            victim = farthest(victims, next_use, i, cyclic=keep_at_end, dirty=st.dirty)
+            if angel:     # uses over in this run first, then the last move
+                victim = max(victims, key=lambda c: (next_use.at_or_after(c, i, cyclic=False) == float("inf"),
+                                                     moved_at.get(c, -1), c))
+            else:
+                victim = farthest(victims, next_use, i, cyclic=keep_at_end, dirty=st.dirty)
             evict(victim, i)
         for c in missing:
             fetch(c, i)
+        if angel:
+            fill(i)
         used = len(st.resident) * slot_bytes + os_device_bytes + window(i)
         if used > peak:
             peak, peak_node = used, i
@@ -349,5 +418,27 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
             st.num_slots = max(st.num_slots, k + 1)
             fetch(c, T, slot=k)
     final = tuple(sorted(st.resident.items(), key=lambda x: x[1]))
+    if angel:                  # moves taken back: the peak is the one of the moves that remain
+        actions = [a for a in actions if a is not None]
+        peak, peak_node = _replayed_peak(actions, len(initial), T, window, slot_bytes, os_device_bytes)
     return ResidencyPlan(tuple(actions), T, st.num_slots, tuple(initial), final, slot_bytes, peak, peak_node,
-                         h2d, d2h, fetches, evictions, world, gathered, scattered)
+                         h2d, d2h, fetches, evictions, world, gathered, scattered, policy)
+
+
+_ARRIVE = (MemKind.FETCH, MemKind.ALLGATHER, MemKind.BROADCAST)
+_LEAVE = (MemKind.DROP, MemKind.RELEASE_REMOTE)
+
+
+def _replayed_peak(actions: Sequence[Action], resident: int, T: int, window, slot_bytes: int,
+                   os_device_bytes: int) -> tuple[int, int]:
+    """(peak bytes, node) of ``actions`` replayed from ``resident`` chunks: the chunks resident
+    while each node runs, next to its window and the optimizer states on the device."""
+    peak, node, k = 0, 0, 0
+    for i in range(T):
+        while k < len(actions) and actions[k].before == i:
+            resident += (actions[k].kind in _ARRIVE) - (actions[k].kind in _LEAVE)
+            k += 1
+        used = resident * slot_bytes + os_device_bytes + window(i)
+        if used > peak:
+            peak, node = used, i
+    return peak, node

@@ -18,6 +18,7 @@ from pscompile.units import parse_rate, parse_size
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("compiled", "hooks")
 _BACKENDS = ("inductor", "eager")
+_PLANNERS = ("belady", "angel")
 _COLLECTIVES = ("group", "per_chunk")
 _ACTIVATIONS = ("auto", "keep", "recompute", "offload")
 
@@ -52,6 +53,11 @@ class Config:
     dtype: torch.dtype = torch.bfloat16  # compute dtype; master weights and Adam states are fp32
     mode: str = "compiled"             # "compiled" (FX + passes + torch.compile) | "hooks" (runtime hooks)
     backend: str = "inductor"          # compiled mode only: "inductor" | "eager"
+    # compiled mode only: how the residency planner picks victims and fetch times. "belady" fetches
+    # on demand and evicts the chunk used farthest ahead (the fewest fetches); "angel" is ANGEL-PTM's
+    # unified scheduler (Algorithm 1): every later chunk is fetched as soon as it fits, and a node
+    # short of room takes the last move back. Both then start fetches as early as they fit
+    planner: str = "belady"
     link_bandwidth: int | str | None = None  # CPU only: emulate a slow device<->host link, e.g. "50MB/s", or
     #   "v100" / "a100" / "h100": as slow, relative to this machine's measured matmul rate, as that GPU's PCIe link
     initial_loss_scale: float = 2.0**16      # float16 only: starting dynamic loss scale
@@ -111,6 +117,11 @@ class Config:
             raise ValueError(f"mode={self.mode!r} is not a mode; use one of {_MODES}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not a backend; use one of {_BACKENDS}")
+        if self.planner not in _PLANNERS:
+            raise ValueError(f"planner={self.planner!r} is not a planner; use one of {_PLANNERS}")
+        if self.planner != "belady" and self.mode != "compiled":
+            raise ValueError(f"planner={self.planner!r} plans compiled mode's graph; mode='hooks' evicts at run "
+                             "time by farthest next use (planner='belady'); use mode='compiled'")
         if self.link_bandwidth is not None:
             if dev.type != "cpu":
                 raise ValueError("link_bandwidth emulates a slow link on the CPU only; leave it None on CUDA")

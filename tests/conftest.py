@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):   # tests run in parallel workers (pyproject.toml: -n): one thread
+    os.environ["OMP_NUM_THREADS"] = "1"     # each, for the processes the tests start too
+
+import socket
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 import pscompile
 from pscompile.models.bert import BertMLM, bert_config, mask_tokens
 from pscompile.models.gpt import GPT, gpt_config
 from pscompile.testing import ReferenceTrainer
+
+
+def free_port() -> int:
+    """A port no one listens on now, for a process group's rendezvous (test files run side by side,
+    so torchrun's fixed default port would be taken)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def gpt_batches(n: int, *, batch: int = 4, seq: int = 64, vocab: int = 256, seed: int = 1):

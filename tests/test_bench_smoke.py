@@ -141,6 +141,22 @@ def test_compare_quick(tmp_path):
     assert "lower bound" in proc.stdout
 
 
+def test_planners_quick(tmp_path):
+    """bench/planners.py --quick: both planners' schedules at three budgets of GPT and BERT were
+    made and verified (the script raises otherwise), and each row has both planners' traffic."""
+    out = tmp_path / "planners.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "planners.py"), "--quick", "--markdown", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["arch"], r["factor"]) for r in rows) == sorted((a, f) for a in ("gpt", "bert")
+                                                                    for f in (1.0, 1.25, 2.0))
+    for r in rows:
+        for planner in ("belady", "angel"):
+            assert r[planner]["moved"] > 0 and r[planner]["fetches"] > 0, r
+    assert "angel / belady bytes moved" in proc.stdout
+
+
 def test_budgets_quick(tmp_path):
     """bench/budgets.py --quick: in both modes the minimum trains within its budget, compiled mode
     verifies a schedule at every swept budget, and 1% below the minimum is refused."""

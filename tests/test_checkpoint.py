@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 
 import pytest
@@ -53,7 +54,7 @@ def test_save_then_load_in_a_new_process_resumes_bit_for_bit(tmp_path, mode, dty
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary left
 
 
-def test_inductor_resume_is_exact_the_checkpoint_carries_the_measurements(tmp_path):
+def test_inductor_resume_is_exact_the_checkpoint_carries_the_measurements(tmp_path, monkeypatch):
     """A new engine would measure its first step in an eager run, whose kernels round differently
     from the Inductor regions the uninterrupted run is using by then: the checkpoint carries the
     measured curves and the optimizer-state placement, so the resumed engine runs those regions at
@@ -61,6 +62,11 @@ def test_inductor_resume_is_exact_the_checkpoint_carries_the_measurements(tmp_pa
     tied embedding unless deterministic algorithms are on, as for any bitwise reproducibility."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
+    from pscompile.compiled import engine as compiled_engine
+    from pscompile.memory.rates import Rates
+    # every engine here weighs activations with the same rates (measured ones differ on a busy
+    # machine and may choose otherwise; a resumed engine takes the saved run's, the test below)
+    monkeypatch.setattr(compiled_engine, "measure_rates", lambda *a, **k: Rates(1e10, 1e8))
     try:
         _inductor_resume(tmp_path)
     finally:
@@ -88,6 +94,38 @@ def _inductor_resume(tmp_path):
     assert [resumed.step(b) for b in batches[N:]] == losses[N:]
     assert same_state(snapshot(resumed), snapshot(whole))
     assert whole.stats.num_evictions > 0
+
+
+def test_a_resumed_engine_chooses_activations_with_the_saved_rates(tmp_path, monkeypatch):
+    """activations="auto" weighs recomputing against offloading with rates measured once per
+    engine; on a busy machine a resumed engine could measure others and choose another way, whose
+    kernels round differently (Inductor). The checkpoint carries the rates: the resumed engine plans
+    the saved run's schedule even when its own measurement says otherwise."""
+    from pscompile.compiled import engine as compiled_engine
+    from pscompile.memory.rates import Rates
+    from test_offload import DROPOUT, _config, _minimum
+    fast, slow = Rates(flops_per_s=1e12, link_bytes_per_s=1e12), Rates(flops_per_s=1e12, link_bytes_per_s=1e6)
+    keep, least = _minimum("bert", "keep"), _minimum("bert", "auto")
+    config = dataclasses.replace(_config("auto"), device_memory=keep - (keep - least) // 3)
+    batches = make_batches("bert", 2 * N)
+
+    def engine(rates):
+        monkeypatch.setattr(compiled_engine, "measure_rates", lambda *a, **k: rates)
+        return pscompile.compile(make_model("bert", dropout=DROPOUT), batches[0], config=config)
+    torch.manual_seed(0)
+    first = engine(fast)
+    for b in batches[:N]:
+        first.step(b)
+    assert "offloaded" in str(first.schedule).split("# activations")[1].splitlines()[0]
+    pscompile.save(first, tmp_path / "r.ckpt")
+    rng = torch.get_rng_state()                       # dropout draws from the global generator
+    expected = [first.step(b) for b in batches[N:]]
+    resumed = engine(slow)
+    pscompile.load(resumed, tmp_path / "r.ckpt")
+    assert resumed.rates == fast
+    torch.set_rng_state(rng)
+    assert [resumed.step(b) for b in batches[N:]] == expected
+    assert str(resumed.schedule).split("# passes")[0] == str(first.schedule).split("# passes")[0]
 
 
 def _engine(dtype=torch.float32, **model_kw):

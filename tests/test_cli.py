@@ -10,6 +10,7 @@ import torch
 from pscompile.cli.main import build_parser, main
 from pscompile.cli.train import TrainSettings, run_train
 from pscompile.cli.data import Corpus, fallback_text
+from conftest import free_port
 
 TINY_RUN = ["--model", "gpt-tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--no-progress"]
 
@@ -171,7 +172,8 @@ def test_torchrun_two_ranks_trains_with_zero_and_rank_0_reports(tmp_path, mode):
     out = tmp_path / "zero.json"
     flags = ["--model", "gpt-tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--no-progress",
              "--device-memory", "3MiB", "--mode", mode, "--eval-batches", "1"]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "pscompile",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master-port", str(free_port()), "-m", "pscompile",
                           "train", *flags, "--json", str(out)], capture_output=True, text=True, cwd=tmp_path,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -23,6 +23,8 @@ from pscompile.units import format_bytes, parse_rate, parse_size
     (dict(initial_loss_scale=0), "initial_loss_scale"),
     (dict(process_group="world"), "process_group"),
     (dict(collectives="ring"), "collectives"),
+    (dict(planner="lru"), "planner"),
+    (dict(planner="angel", mode="hooks"), "planner"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -56,16 +58,17 @@ def test_compile_rejects_wrong_argument_types():
         pscompile.compile(lambda x: x, (torch.randn(1, 2),))
 
 
-def test_link_preset_is_calibrated_to_this_machine():
+def test_link_preset_is_calibrated_to_this_machine(monkeypatch):
     """link_bandwidth="v100": the emulated link is as slow, relative to this machine's measured
     fp32 matmul rate, as a V100's PCIe 3 link is to a V100 (7,000 FLOP per byte); an unknown name
-    is refused with the presets listed."""
-    from pscompile.memory.rates import LINK_PRESETS, measure_rates
+    is refused with the presets listed. The rate is measured (a positive number here); the
+    division is checked against a rate fixed by the test, since two timings on a busy machine
+    need not agree."""
+    from pscompile.memory import rates
     c = pscompile.Config(device="cpu", dtype=torch.float32, link_bandwidth="V100")
-    assert isinstance(c.link_bandwidth, float)
-    assert LINK_PRESETS["v100"][1] == 7000.0
-    flops = max(measure_rates("cpu", torch.float32, 1.0, size=512).flops_per_s for _ in range(3))
-    ratio = flops / c.link_bandwidth
-    assert 7000 / 3 < ratio < 7000 * 3, ratio      # timings vary; the calibration is the same order
+    assert isinstance(c.link_bandwidth, float) and 0 < c.link_bandwidth < float("inf")
+    assert rates.LINK_PRESETS["v100"][1] == 7000.0
+    monkeypatch.setattr(rates, "measure_rates", lambda *a, **k: rates.Rates(flops_per_s=7e10, link_bytes_per_s=1.0))
+    assert pscompile.Config(device="cpu", dtype=torch.float32, link_bandwidth="v100").link_bandwidth == 1e7
     with pytest.raises(ValueError, match="v100"):
         pscompile.Config(device="cpu", link_bandwidth="v200")

@@ -8,26 +8,19 @@ PyTorch accumulating the ranks' parts as micro-batches, ``(loss / k).backward()`
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import pscompile
-from conftest import TRACKING_TOL, fresh_masters, make_batches, make_model, tracking_of
+from conftest import TRACKING_TOL, free_port, fresh_masters, make_batches, make_model, tracking_of
 from pscompile.runtime.batching import call_model, extract_loss
 from pscompile.testing import ReferenceTrainer
 
 import dist_worker
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn, *args, world: int = WORLD) -> None:

@@ -10,6 +10,7 @@ CI (the README's first command) and, short, in tests/test_cli.py.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import pscompile
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -90,8 +92,10 @@ def test_torchrun_command_runs(tmp_path):
                   if line.startswith("torchrun ")]
     argv = shlex.split(command)
     launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
-    r = subprocess.run(launcher + argv[1:], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=600)
+    # as written; the port through torchrun's environment (PET_MASTER_PORT), since other test
+    # files run beside this one and the default port may be taken
+    r = subprocess.run(launcher + argv[1:], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PET_MASTER_PORT": str(free_port())})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("| ZeRO ranks") == 1 and "2 (gloo)" in r.stdout
     assert "OK" in r.stdout.split("| peak device")[1].splitlines()[0]

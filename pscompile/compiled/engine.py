@@ -268,7 +268,7 @@ class CompiledEngine(ChunkEngine):
               start: dict[int, int] | None = None) -> Scheduled:
         sched = build_schedule(analyzed, self.layout, nonmodel=nonmodel, memory=self._device_memory(),
                                dtype=self.dtype, kind=kind, measured=measured, start=start,
-                               lookahead=self._overlaps_update and measured)
+                               lookahead=self._overlaps_update and measured, planner=self.config.planner)
         self._ensure_slots(sched.plan)
         if sched.lookahead is not None:
             while len(self._slots) <= max((k for _, k in sched.lookahead.fetches), default=-1):
@@ -865,7 +865,9 @@ class CompiledEngine(ChunkEngine):
                                 "node": list(self._node_curves.get(cap, curve)),
                                 "rounds": self._region_rounds.get(cap, 0), "node_by_node": cap in self._node_by_node}
                     for cap, curve in self._measured.items() if cap in self._captures}
+        rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
         return {"compiled": {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
+                             "rates": rates,
                              "os_device": [c for c in range(self.layout.num_chunks)
                                            if self.store.os_tier[c] is Tier.DEVICE]}}
 
@@ -874,12 +876,31 @@ class CompiledEngine(ChunkEngine):
         if saved is None or saved.get("context") != self._context():
             return                         # another budget or layout: this engine measures its own
         self._restored = dict(saved["captures"])
+        rates = saved.get("rates")
+        if rates is not None and self.config.activations == "auto" and Rates(*rates) != self._rates:
+            # the rates the saved run chose its activations with (a measurement on a busy machine
+            # may choose otherwise, and recomputed or offloaded segments round differently)
+            self._rates = Rates(*map(float, rates))
+            for cap in list(self._captures):
+                self._drop_capture(cap)
         now = [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]
         if saved["os_placed"] and list(saved["os_device"]) != now:
             self._place_states(set(saved["os_device"]))
         self._os_placed = self._os_placed or saved["os_placed"]
         for cap in list(self._captures):
             self._install_restored(cap)
+
+    def _drop_capture(self, cap: CaptureKey) -> None:
+        """Forget a capture and its schedules: captured and planned again at its next use."""
+        for key in [k for k in self._schedules if k.capture == cap]:
+            self._forget(self._schedules.pop(key))
+            warm = self._warm.pop(key, None)
+            if warm is not None:
+                self._forget(warm)
+        del self._captures[cap]
+        for measured in (self._measured, self._node_curves, self._region_rounds):
+            measured.pop(cap, None)
+        self._node_by_node.discard(cap)
 
     def _install_restored(self, cap: CaptureKey) -> None:
         """Plan ``cap`` with a loaded checkpoint's measurements, if it has them for this graph."""

@@ -448,7 +448,8 @@ def pick_layout(analyzed: AnalyzedGraph, layouts: Sequence[ChunkLayout], config:
             try:
                 sched = plan_at_budget(a, layout, budget=budget, dtype=config.dtype, world=world, rank=rank,
                                        per_chunk=config.collectives == "per_chunk" and world > 1,
-                                       activations=config.activations, variants=variants, plan_only=True)
+                                       activations=config.activations, variants=variants, plan_only=True,
+                                       planner=config.planner)
             except BudgetError:
                 sched = None
         plans.append(sched)
@@ -509,7 +510,7 @@ def node_reads(captured: CapturedGraph, layout: ChunkLayout, *,
 def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
                    memory: DeviceMemory, dtype: torch.dtype, kind: RunKind = RunKind.TRAIN,
                    measured: bool = False, start: Mapping[int, int] | None = None,
-                   plan_only: bool = False, lookahead: bool = False) -> Scheduled:
+                   plan_only: bool = False, lookahead: bool = False, planner: str = "belady") -> Scheduled:
     """Plan, rewrite and verify one schedule of ``analyzed`` under ``memory`` (``plan_only``: stop
     after planning, with ``gm=None``; for weighing plans by their traffic, ``pick_layout``).
 
@@ -520,7 +521,8 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     ``lookahead`` (a training step whose chunks the host updates, one rank): ``plan_lookahead``
     picks the chunks the step fetches for the next one after their update. With ``start`` the plan
     is that next step's: it starts with ``start``'s chunks in flight, ends like a cold step, and
-    fetches the same chunks ahead again. Raises ``BudgetError`` naming the node and the budget it
+    fetches the same chunks ahead again. ``planner``: ``plan_residency``'s victim policy
+    (``Config.planner``). Raises ``BudgetError`` naming the node and the budget it
     needs when ``memory.budget`` is too small."""
     kind = RunKind(kind)
     captured = analyzed.captured
@@ -544,7 +546,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
             accumulate=kind is RunKind.ACCUM, start=start, keep_at_end=warm, end=start if warm else None,
             start_in_flight=ahead,
             describe_node=lambda i: describe_node(nodes[i]), windows=windows, world=world, rank=memory.rank,
-            per_chunk=memory.per_chunk),
+            per_chunk=memory.per_chunk, policy=planner),
             lambda p: p.summary(budget))
     except ResidencyError as e:
         least = minimum_budget(analyzed, layout, nonmodel=nonmodel, slot_bytes=memory.slot_bytes, world=memory.world)
@@ -664,7 +666,8 @@ class BudgetSweep:
         layout = self._choose(budget)
         analyzed = regather(self.analyzed, gather_bytes(layout, self.config.dtype))
         return plan_at_budget(analyzed, layout, budget=budget, dtype=self.config.dtype,
-                              activations=self.config.activations, rates=rates, variants=self._variants)
+                              activations=self.config.activations, rates=rates, variants=self._variants,
+                              planner=self.config.planner)
 
     def _choose(self, budget: int | None) -> ChunkLayout:
         layouts = layout_candidates(self.mp, self.config, budget)
@@ -688,14 +691,14 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
         if config.activations == "auto" and config.device_memory is not None else None
     return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind,
                                   world=world, rank=rank, per_chunk=per_chunk, activations=config.activations,
-                                  rates=rates)
+                                  rates=rates, planner=config.planner)
 
 
 def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int | None, dtype: torch.dtype,
                    kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None,
                    world: int = 1, rank: int = 0, per_chunk: bool = False, activations: str | None = None,
                    variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
-                   host_room: int | None = None, plan_only: bool = False) -> Scheduled:
+                   host_room: int | None = None, plan_only: bool = False, planner: str = "belady") -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: the activation
     policy's choice for the budget (``activations``: a ``Config.activations`` value; None plans
     ``analyzed`` as it is; ``variants`` as in ``choose_activations``), optimizer states placed by
@@ -713,7 +716,7 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
     memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank,
                           per_chunk=per_chunk)
     return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
-                          measured=nonmodel is not analyzed.nonmodel, plan_only=plan_only)
+                          measured=nonmodel is not analyzed.nonmodel, plan_only=plan_only, planner=planner)
 
 
 def describe_node(node: fx.Node) -> str:
