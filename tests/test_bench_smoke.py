@@ -157,6 +157,25 @@ def test_planners_quick(tmp_path):
     assert "angel / belady bytes moved" in proc.stdout
 
 
+def test_transfer_bound_quick(tmp_path):
+    """bench/transfer_bound.py --quick: both modes ran at two batch sizes with no link, 100 MB/s and
+    the v100 preset, within each batch's tight budget, moving bytes whenever there is a budget, and
+    each row's link time and slowdown are what its numbers say."""
+    out = tmp_path / "tb.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "transfer_bound.py"), "--quick", "--markdown",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert len(rows) == 2 * 2 * 3
+    for r in rows:
+        assert r["peak"] <= r["budget"] and r["moved"] > 0 and r["step_s"] > 0, r
+        assert r["h2d"] + r["d2h"] == r["moved"]
+        assert r["link_s"] == (max(r["h2d"], r["d2h"]) / r["rate"] if r["rate"] else 0.0)
+        assert r["transfer_bound"] == (r["rate"] is not None and r["slowdown"] >= res["bound"])
+    assert "transfer-bound at batch" in proc.stdout
+
+
 def test_budgets_quick(tmp_path):
     """bench/budgets.py --quick: in both modes the minimum trains within its budget, compiled mode
     verifies a schedule at every swept budget, and 1% below the minimum is refused."""

@@ -1,0 +1,140 @@
+"""Where does each mode become transfer-bound? Batch size against the link, at a tight budget.
+
+For a GPT of ``bench/compare.py`` (L2 d128 by default), at batch sizes 1 to 64 (sequence 128) and a
+tight budget for each (that batch's minimum + 2 chunks, the chunk size of an unbudgeted probe, as
+compare.py does), hooks mode and compiled mode (Inductor; ``--eager``: the eager backend) train
+with no link, with the emulated 100 MB/s link and with the ``v100`` preset (a link as slow,
+relative to this machine's measured matmul rate, as a V100's PCIe 3 link is to a V100;
+calibrated once, here). Per row:
+
+- step s: median step time after warm-up; bytes moved per step;
+- link s: the busier direction's bytes over the link rate, the time the copies take if nothing
+  else runs (a copy engine per direction, as on full-duplex PCIe, so the two directions overlap);
+- slowdown: step s with the link over step s without it, same mode and batch;
+- **transfer-bound**: a slowdown of at least ``BOUND`` (1.5: a third of the step or more waits for
+  copies that compute does not hide).
+
+A larger batch does more compute per chunk read, but at a tight budget it also leaves less room for
+chunks (activations grow with the batch), so the bytes moved grow too; the table shows which wins.
+
+    python bench/transfer_bound.py [--quick] [--markdown] [--eager] [--size L,D] [--batches 1,2,4,8,16,32,64]
+                                   [--out bench/results/transfer_bound.json]
+
+Float32, one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import pscompile
+from pscompile.memory.rates import calibrated_link
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import batches, make_model  # noqa: E402  (the same models and data as bench/compare.py)
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "transfer_bound.json"
+BOUND = 1.5
+FULL = dict(size=(2, 128), vocab=4096, seq=128, batches=(1, 2, 4, 8, 16, 32, 64), warmup=2, steps=5)
+QUICK = dict(size=(2, 64), vocab=512, seq=64, batches=(1, 4), warmup=1, steps=2)
+
+
+def tight_budget(s: dict, data) -> tuple[int, int]:
+    """(minimum + 2 chunks, chunk size) of compiled mode at this batch, from an unbudgeted probe."""
+    probe = pscompile.compile(make_model(*s["size"], s), data[0], config=pscompile.Config(
+        mode="compiled", backend="eager", device="cpu", dtype=torch.float32))
+    probe.step(data[0])
+    minimum, chunk = probe.min_device_memory, probe.layout.chunk_size
+    probe.close()
+    return minimum + 2 * chunk * 4, chunk
+
+
+def run(s: dict, data, cfg: pscompile.Config) -> dict:
+    engine = pscompile.compile(make_model(*s["size"], s), data[0], config=cfg)
+    try:
+        engine.step(data[0])                          # compiled mode measures non-model memory here
+        times, peaks = [], []
+        for i, b in enumerate(data[1:]):
+            engine.step(b)
+            peaks.append(engine.stats.peak_device_bytes)
+            if i >= s["warmup"] - 1:
+                times.append(engine.stats.time_s)
+        st = engine.stats
+        return dict(step_s=statistics.median(times), moved=st.bytes_moved, h2d=st.h2d_bytes, d2h=st.d2h_bytes,
+                    peak=max(peaks))
+    finally:
+        engine.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="compiled mode with backend='eager' instead of Inductor")
+    ap.add_argument("--size", default=None, help="L,D: layers and width of the GPT (default: the settings')")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the settings')")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    s = dict(QUICK if args.quick else FULL)
+    if args.size:
+        s["size"] = tuple(int(x) for x in args.size.split(","))
+    if args.batches:
+        s["batches"] = tuple(int(x) for x in args.batches.split(","))
+    v100 = calibrated_link("v100", "cpu", torch.float32)
+    links = [("none", None), ("100MB/s", 100e6), (f"v100 {v100 / 1e6:.1f}MB/s", v100)]
+    backend = "eager" if args.eager or args.quick else "inductor"
+    systems = [("hooks", dict(mode="hooks")), (f"compiled {backend}", dict(mode="compiled", backend=backend))]
+    raw = []
+    for bs in s["batches"]:
+        data = batches(dict(s, batch=bs), 1 + s["warmup"] + s["steps"])
+        budget, chunk = tight_budget(s, data)
+        for sname, kw in systems:
+            base = None
+            for lname, rate in links:
+                cfg = pscompile.Config(device="cpu", dtype=torch.float32, device_memory=budget, chunk_size=chunk,
+                                       link_bandwidth=rate, **kw)
+                r = run(s, data, cfg)
+                assert r["peak"] <= budget, (sname, bs, lname, r["peak"], budget)
+                base = base or r
+                r.update(batch=bs, system=sname, link=lname, rate=rate, budget=budget,
+                         link_s=max(r["h2d"], r["d2h"]) / rate if rate else 0.0, slowdown=r["step_s"] / base["step_s"])
+                r["transfer_bound"] = rate is not None and r["slowdown"] >= BOUND
+                raw.append(r)
+    rows = [[r["batch"], r["system"], r["link"], f"{r['budget'] / 2**20:.1f}", f"{r['moved'] / 2**20:.2f}",
+             f"{r['step_s']:.3f}", f"{r['link_s']:.3f}", f"{r['slowdown']:.2f}",
+             "yes" if r["transfer_bound"] else ("-" if r["rate"] is None else "no")] for r in raw]
+    headers = ["batch", "system", "link", "budget MiB", "MiB moved", "step s", "link s", "slowdown", "transfer-bound"]
+    L, D = s["size"]
+    caption = (f"GPT L{L} d{D}, sequence {s['seq']}, float32, one thread; tight budget = that batch's minimum + 2 "
+               f"chunks; step = median of {s['steps']} steps after {s['warmup']} warm-up; link s = the busier direction's "
+               f"bytes / link rate; slowdown = step with the link / without; transfer-bound: slowdown >= {BOUND}")
+    print(caption)
+    print(tabulate(rows, headers=headers))
+    summary = []
+    for sname, _ in systems:
+        for lname, rate in links[1:]:
+            bound = [r["batch"] for r in raw if r["system"] == sname and r["link"] == lname and r["transfer_bound"]]
+            free = [r["batch"] for r in raw if r["system"] == sname and r["link"] == lname and not r["transfer_bound"]]
+            summary.append(f"{sname} at {lname}: transfer-bound at batch {bound or 'none'}, "
+                           f"not at {free or 'none'}")
+    print("\n" + "\n".join(summary))
+    if args.markdown:
+        print("\n" + caption + "\n")
+        print(tabulate(rows, headers=headers, tablefmt="github"))
+        print("\n" + "\n".join(f"- {line}" for line in summary))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(settings={k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+                                        bound=BOUND, rows=raw), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
