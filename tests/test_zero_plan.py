@@ -48,16 +48,18 @@ def _check(sched, layout, budget):
         assert plan.peak_device_bytes <= budget
 
 
+@pytest.mark.parametrize("planner", ["belady", "angel"])
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
-def test_every_budget_from_the_minimum_up_plans_and_verifies(kind):
+def test_every_budget_from_the_minimum_up_plans_and_verifies(kind, planner):
     layout, analyzed = _inputs(kind)
     slot = layout.chunk_size * 4
     least = minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot, world=WORLD).nbytes
     with pytest.raises(BudgetError):
-        plan_at_budget(analyzed, layout, budget=least - 1, dtype=torch.float32, world=WORLD)
+        plan_at_budget(analyzed, layout, budget=least - 1, dtype=torch.float32, world=WORLD, planner=planner)
     releases_seen = 0
     for budget in [least + k * slot // 3 for k in range(0, 3 * layout.num_chunks + 2)] + [None]:
-        sched = plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, world=WORLD)
+        sched = plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, world=WORLD, planner=planner)
+        assert sched.plan.policy == planner
         _check(sched, layout, budget)
         releases_seen += sum(a.kind == MemKind.RELEASE_REMOTE and a.before < sched.plan.num_nodes
                              for a in sched.plan.actions)
