@@ -425,10 +425,6 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                          h2d, d2h, fetches, evictions, world, gathered, scattered, policy)
 
 
-_ARRIVE = (MemKind.FETCH, MemKind.ALLGATHER, MemKind.BROADCAST)
-_LEAVE = (MemKind.DROP, MemKind.RELEASE_REMOTE)
-
-
 def _replayed_peak(actions: Sequence[Action], resident: int, T: int, window, slot_bytes: int,
                    os_device_bytes: int) -> tuple[int, int]:
     """(peak bytes, node) of ``actions`` replayed from ``resident`` chunks: the chunks resident
@@ -436,7 +432,7 @@ def _replayed_peak(actions: Sequence[Action], resident: int, T: int, window, slo
     peak, node, k = 0, 0, 0
     for i in range(T):
         while k < len(actions) and actions[k].before == i:
-            resident += (actions[k].kind in _ARRIVE) - (actions[k].kind in _LEAVE)
+            resident += actions[k].kind.arrives - actions[k].kind.leaves
             k += 1
         used = resident * slot_bytes + os_device_bytes + window(i)
         if used > peak:

@@ -87,17 +87,12 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
             j = a.before
             while j > earliest and resident[j - 1] + 1 <= capacity_chunks(j - 1):
                 j -= 1
-            if j < a.before and a.asynchronous:      # already waited for before its reader: just earlier
-                for m in range(j, a.before):
-                    resident[m] += 1
-                new_actions.append(dataclasses.replace(a, before=j))
-                moved += 1
-                distances.append(a.before - j)
-            elif j < a.before:
+            if j < a.before:
                 for m in range(j, a.before):
                     resident[m] += 1
                 new_actions.append(dataclasses.replace(a, before=j, asynchronous=True))
-                new_actions.append(Action(a.before, MemKind.WAIT, a.chunk, a.slot, 0))
+                if not a.asynchronous:       # an asynchronous fetch already has its wait before its reader
+                    new_actions.append(Action(a.before, MemKind.WAIT, a.chunk, a.slot, 0))
                 moved += 1
                 distances.append(a.before - j)
             else:
