@@ -36,7 +36,7 @@ from pscompile.units import format_bytes
 MiB = 2**20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "loops.json"
 
-FULL = dict(n_layer=4, d=256, vocab=4096, seq=128, micro=4, k=4, warmup=1, steps=4, evals=5)
+FULL = dict(n_layer=4, d=256, vocab=4096, seq=128, micro=4, k=4, warmup=3, steps=4, evals=5)
 QUICK = dict(n_layer=2, d=64, vocab=512, seq=64, micro=2, k=4, warmup=1, steps=2, evals=2)
 
 

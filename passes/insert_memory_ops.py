@@ -24,6 +24,8 @@ A plan for a micro-batch of gradient accumulation adds its gradients into fp32 a
 buffers on the host instead, which the graph takes as placeholders after the host chunks::
 
     accumulate_grad = pscompile.accumulate_grad(acc_4, mm_9, 512)   # grad of h.0.attn.c_attn.weight
+    ...
+    wait_grad       = pscompile.wait_grad(mm_9)     # (overlap_grad_copies) its copy has landed
 
 Sharded over ``world`` ranks (ZeRO), each chunk is a communication group whose host placeholder
 is this rank's shard, and arrivals, departures and the end of a group's gradients are
@@ -153,6 +155,10 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
                                        (dest, slots[a.slot], rank, world, a.to_acc))
             mem = MemOp(MemKind.REDUCE_SCATTER, a.chunk, a.slot, "device+ranks", "acc" if a.to_acc else "host",
                         a.nbytes, comm_bytes=a.comm_bytes, world=world)
+        elif a.kind == MemKind.WAIT and a.slot is None:     # an asynchronous accumulate_grad has landed
+            g = a.grad
+            node = graph.call_function(torch.ops.pscompile.wait_grad.default, (env[grad_node_of[g.fqn]],))
+            mem = MemOp(MemKind.WAIT, a.chunk, None, "-", "-", 0, g.fqn)
         elif a.kind == MemKind.WAIT:
             node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
             mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0, world=world)
@@ -167,7 +173,8 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
             g = a.grad
             node = graph.call_function(torch.ops.pscompile.accumulate_grad.default,
                                        (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset, *_page(g)))
-            mem = MemOp(MemKind.ACCUMULATE_GRAD, a.chunk, None, "device", "host", a.nbytes, g.fqn)
+            mem = MemOp(MemKind.ACCUMULATE_GRAD, a.chunk, None, "device", "host", a.nbytes, g.fqn,
+                        asynchronous=a.asynchronous)
         else:
             g = a.grad
             grad = env[grad_node_of[g.fqn]]

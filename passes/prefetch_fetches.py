@@ -43,7 +43,7 @@ class PrefetchReport:
                 f"{self.mean_distance:.1f} nodes ahead on average")
 
 
-def _resident_counts(plan: ResidencyPlan) -> list[int]:
+def resident_counts(plan: ResidencyPlan) -> list[int]:
     """Resident chunks while each node runs, replaying the plan's actions."""
     count = len(plan.initial)
     by_node: dict[int, list[Action]] = {}
@@ -62,7 +62,7 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
                      windows: Sequence[int] | None = None) -> tuple[ResidencyPlan, PrefetchReport]:
     """``windows``: the per-node capacity windows plan_residency used (default ``max(N[m-1], N[m])``)."""
     T = plan.num_nodes
-    resident = _resident_counts(plan)
+    resident = resident_counts(plan)
 
     def window(m: int) -> int:
         if windows is not None:

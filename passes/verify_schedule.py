@@ -3,7 +3,8 @@
 - a fetch fills a free slot; a drop empties an occupied one; an asynchronous fetch (prefetch) is
   waited for before anything reads its slot; a writeback and a device-side
   store_grad touch the slot that holds their chunk; an accumulate_grad adds into its own chunk's
-  accumulation buffer at the parameter's offset;
+  accumulation buffer at the parameter's offset; an asynchronous one is waited for exactly once,
+  by a wait_grad of the same gradient, whose bytes count as device bytes until then;
 - every parameter read is a view of the slot holding that parameter's chunk, at the parameter's
   offset in the layout (so nothing is used after it was dropped, and nothing before it arrived); a
   parameter that spans chunks is its pages, each read from its own chunk's slot, concatenated in
@@ -69,6 +70,13 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
     dirty: set[int] = set()
     pending: set[int] = set(arriving)   # slots whose asynchronous fetch has not been waited for
+    copying: dict[tuple[str, int], fx.Node] = {}   # (parameter, chunk) of an asynchronous accumulate_grad -> grad
+    page_bytes: dict[fx.Node, int] = {}            # a gradient in flight -> its pages' bytes (no storage known)
+
+    def held() -> int:
+        """Device bytes of the gradients still being copied: each one's storage, once."""
+        grads = set(copying.values())
+        return sum(gmeta.storage_bytes(g) or page_bytes[g] for g in grads)
     reduced: set[int] = set()       # groups reduce-scattered (ZeRO)
     sharded = world > 1
     arrive, leave = ((MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, MemKind.RELEASE_REMOTE) if sharded
@@ -120,6 +128,11 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 holds[slot] = mem.chunk
                 if mem.asynchronous:
                     pending.add(slot)
+            elif mem.kind == MemKind.WAIT and mem.slot is None:     # a gradient's copy has landed
+                grad = copying.pop((mem.fqn, mem.chunk), None)
+                if grad is None or node.args[0] is not grad:
+                    fail(node, f"wait for the copy of {mem.fqn}'s gradient to chunk {mem.chunk} without an "
+                               "asynchronous accumulate_grad of that gradient in flight")
             elif mem.kind == MemKind.WAIT:
                 slot = slot_of_ph.get(node.args[0])
                 if slot not in pending or holds.get(slot) != mem.chunk:
@@ -157,6 +170,9 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 if acc_of_ph.get(node.args[0]) != mem.chunk:
                     fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
                 check_page(node, mem)
+                if mem.asynchronous:          # the gradient stays on the device until its wait
+                    copying[(mem.fqn, mem.chunk)] = node.args[1]
+                    page_bytes[node.args[1]] = page_bytes.get(node.args[1], 0) + mem.nbytes
             elif mem.kind == MemKind.STORE_GRAD:
                 dest = node.args[0]
                 if sharded and mem.chunk in reduced:
@@ -198,13 +214,16 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 fail(node, f"makes {fqn} from pages {[gmeta.get(a, 'page') for a in pages]}; the layout has {want}")
         if fqn is None:         # parameter views are rebuilt right before their reader: they allocate
             nonmodel = gmeta.get(node, "nonmodel", nonmodel)    # nothing and keep the reader's moment
-        used = len(holds) * slot_bytes + os_device_bytes + nonmodel
+        used = len(holds) * slot_bytes + os_device_bytes + nonmodel + held()
         if used > peak:
             peak, peak_node = used, node.name
         if budget is not None and used > budget:
             fail(node, f"planned device bytes {used} exceed device_memory={budget}")
     if pending:
         raise ScheduleError(f"verify_schedule: asynchronous fetches into slots {sorted(pending)} are never waited for")
+    if copying:
+        raise ScheduleError(f"verify_schedule: the copies of gradients {sorted(f for f, _ in copying)[:6]} to the host "
+                            "are never waited for")
     if final is None and set(holds.values()) != set(os_device_chunks):
         raise ScheduleError(f"verify_schedule: the iteration ends with chunks {sorted(holds.values())} on the "
                             f"device; expected {sorted(os_device_chunks)} (those updated on the device)")

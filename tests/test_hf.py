@@ -98,9 +98,13 @@ def test_hf_parity_under_a_tight_budget(kind, mode, dtype):
     for k, v in ref.master_state().items():
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         assert (ours[k] - v.float()).abs().max().item() <= tol, k
-        # each tensor's error in units of its own movement (catches a chunk never updated in bf16)
+        # each tensor's error in units of its own movement (catches a chunk never updated in bf16:
+        # a trained tensor moves about lr = 1e-3 per step). BERT's attention key bias has a zero
+        # gradient in exact arithmetic (softmax ignores a constant per query); its roundoff-only
+        # gradient moves it by about lr * g / eps, 1.6e-7 over these steps on one thread, and two
+        # summation orders give different noise, so the floor is 1e-4 (an absolute 1e-6)
         moved = (v - initial[k]).abs().mean().item()
-        assert (ours[k] - v.float()).abs().mean().item() <= 1e-2 * max(moved, 1e-5), k
+        assert (ours[k] - v.float()).abs().mean().item() <= 1e-2 * max(moved, 1e-4), k
     assert set(theirs) == set(ours)
     assert not over, f"(step, bytes over budget): {over}"
 

@@ -153,6 +153,8 @@ class CompiledEngine(ChunkEngine):
         self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
         self._homing: dict[int, Any] = {}          # chunk -> future of the writeback writing its home
         self._copying: dict[int, Any] = {}         # id(activation copy) -> future of its asynchronous copy
+        # (parameter, chunk) -> [(future, fp32 target, host copy or None)] of an asynchronous accumulate_grad
+        self._grad_copies: dict[tuple[str, int], list] = {}
         # the end of a training step (``_overlaps_update``): slot -> (chunk, its writeback still landing),
         # dropped by the plan but released only once landed, while the optimizer step starts
         self._deferred: dict[int, tuple[int, Future]] = {}
@@ -413,8 +415,10 @@ class CompiledEngine(ChunkEngine):
     def _run_memory_node(self, mem, args, at_end: bool = False) -> None:
         """Perform one memory node. Copies go to the transfer queue (in order per direction); only a fetch with
         a ``wait`` and a writeback return before their copy is done (the drop after a writeback
-        waits for it before giving the slot's memory back). Gradient stores to the host and
-        accumulate_grad wait for their copy, so the gradient dies where the plan says. ``at_end``
+        waits for it before giving the slot's memory back). Gradient stores to the host and a
+        synchronous accumulate_grad wait for their copy, so the gradient dies where the plan says;
+        an asynchronous accumulate_grad (``overlap_grad_copies``) is added into its buffer at its
+        ``wait_grad``, which also keeps the gradient alive until then. ``at_end``
         (a training step's memory nodes after its last compute, ``_overlaps_update``): a drop whose
         chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it."""
         store, q = self.store, self._queue
@@ -445,6 +449,11 @@ class CompiledEngine(ChunkEngine):
             store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
                                    copy=lambda d, s_: q.submit(d, s_, "d2h").result())
             store.dirty[mem.chunk] = False
+        elif mem.kind == MemKind.WAIT and mem.slot is None:       # a gradient's copy (overlap_grad_copies)
+            for fut, target, host in self._grad_copies.pop((mem.fqn, mem.chunk)):
+                fut.result()
+                if host is not None:
+                    target.add_(host)                                   # fp32 += compute dtype, on the host
         elif mem.kind == MemKind.WAIT:
             pending = self._in_flight.pop(mem.slot)
             pending.wait() if hasattr(pending, "wait") else pending.result()
@@ -468,14 +477,21 @@ class CompiledEngine(ChunkEngine):
             self.link.traffic.num_evictions += 1
         elif mem.kind == MemKind.ACCUMULATE_GRAD:
             acc, grad, offset, *page = args
+            copies = []
             for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
                 target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
                 if self._fresh_acc:                                     # a zero buffer: 0 + g is g
-                    q.submit(target, piece, "d2h").result()
+                    copies.append((q.submit(target, piece, "d2h"), target, None))
                     continue
                 host = torch.empty(piece.shape, dtype=piece.dtype)      # the gradient crosses the link
-                q.submit(host, piece, "d2h").result()
-                target.add_(host)                                       # fp32 += compute dtype, on the host
+                copies.append((q.submit(host, piece, "d2h"), target, host))
+            if mem.asynchronous:          # its wait_grad adds it (the graph keeps the gradient alive until then)
+                self._grad_copies[(mem.fqn, mem.chunk)] = copies
+            else:
+                for fut, target, host in copies:
+                    fut.result()
+                    if host is not None:
+                        target.add_(host)                               # fp32 += compute dtype, on the host
             self._written.add(mem.fqn)
         else:
             dest, grad, offset, *page = args
@@ -613,6 +629,7 @@ class CompiledEngine(ChunkEngine):
             self._queue.drain()              # no copy is left running into memory the recovery frees
             self._land(errors=False)
             self._abandon_in_flight()
+            self._grad_copies.clear()
             self._reading.clear()
             self._homing.clear()
             self._copying.clear()

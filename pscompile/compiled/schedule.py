@@ -44,7 +44,7 @@ import torch
 from torch import fx
 
 from pscompile.kinds import MemKind, Phase, RunKind
-from pscompile.graph.meta import get
+from pscompile.graph.meta import get, storage_bytes
 from pscompile.graph.ops import MemOp, is_memory_node
 from pscompile.units import format_bytes
 
@@ -138,9 +138,15 @@ class Schedule:
         nodes = list(self.gm.graph.nodes)
         nonmodel = self._nonmodel_per_node(nodes)
         holds: dict[int, int] = {slot: chunk for chunk, slot in self.plan.initial}   # slot -> chunk
+        # gradients alive until their copy lands (overlap_grad_copies): (parameter, chunk) -> (grad, page bytes)
+        held: dict[tuple[str, int], tuple[fx.Node, int]] = {}
         rows = []
         for i, n in enumerate(nodes):
             mem = get(n, "mem") if is_memory_node(n) else None
+            if mem is not None and mem.kind == MemKind.ACCUMULATE_GRAD and mem.asynchronous:
+                held[(mem.fqn, mem.chunk)] = (n.args[1], mem.nbytes)
+            elif mem is not None and mem.kind == MemKind.WAIT and mem.slot is None:
+                held.pop((mem.fqn, mem.chunk), None)
             if mem is not None and mem.slot is not None:
                 if mem.kind.arrives:
                     holds[mem.slot] = mem.chunk
@@ -151,7 +157,7 @@ class Schedule:
             rows.append(NodeRow(
                 idx=i, name=n.name, op=_op_name(n), kind=kind, mem=mem, chunks=self._chunks(n, mem),
                 tier=_tier(n, mem), nbytes=mem.nbytes if mem is not None else None, resident_slots=len(holds),
-                model_bytes=model_bytes, nonmodel_bytes=nonmodel[i], source=self._source(n, mem),
+                model_bytes=model_bytes, nonmodel_bytes=nonmodel[i] + _held_bytes(held), source=self._source(n, mem),
                 phase=get(n, "phase") if kind == "compute" else None))   # rebuilt views keep their forward tag
         return tuple(rows)
 
@@ -278,10 +284,12 @@ class Schedule:
         prefetched = sum(1 for r in mem_rows if r.mem.kind.arrives and r.mem.asynchronous)
         host_grads = sum(1 for r in mem_rows if r.mem.kind in (MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD)
                          and r.mem.slot is None)
+        overlapped = sum(1 for r in mem_rows if r.mem.kind == MemKind.ACCUMULATE_GRAD and r.mem.asynchronous)
         lines.append(f"planned traffic per iteration: h2d {format_bytes(plan.h2d_bytes)} ({fetches} fetches"
                      + (f", {prefetched} started early" if prefetched else "") + f"), d2h "
                      f"{format_bytes(plan.d2h_bytes)} ({counts.get(MemKind.WRITEBACK, 0)} writebacks, {host_grads} "
                      f"gradient stores to the host"
+                     + (f", {overlapped} of them copied while compute goes on" if overlapped else "")
                      + (f", {sum(v for k, v in counts.items() if MemKind(k).reduces)} reductions" if plan.world > 1
                         else "")
                      + f"), {sum(v for k, v in counts.items() if MemKind(k).leaves)} evictions"
@@ -499,13 +507,22 @@ def _slot_of(n: fx.Node) -> int | None:
     return None
 
 
+def _held_bytes(held: dict[tuple[str, int], tuple[fx.Node, int]]) -> int:
+    """Device bytes of the gradients whose copy to the host is in flight: each storage once (as
+    verify_schedule counts them; its pages' bytes where the storage is not known)."""
+    pages: dict[fx.Node, int] = {}
+    for g, nbytes in held.values():
+        pages[g] = pages.get(g, 0) + nbytes
+    return sum(storage_bytes(g) or b for g, b in pages.items())
+
+
 def _tier(n: fx.Node, mem: MemOp | None) -> str:
     if mem is None:
         return "device" if (get(n, "param") is not None or get(n, "reads")) else ""
     if mem.kind.leaves:
         return "device (evict)" if mem.kind == MemKind.DROP else "device (release remote)"
     if mem.kind == MemKind.WAIT:
-        return "host->device (wait)"
+        return "device->host (wait)" if mem.slot is None else "host->device (wait)"
     return f"{mem.src}->{mem.dst}"
 
 
@@ -514,6 +531,8 @@ def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
     if mem.kind == MemKind.FETCH:
         early = ", started early (async)" if mem.asynchronous else ""
         return f"fetch chunk {mem.chunk} -> slot {mem.slot} ({mem.src}->{mem.dst}), {b}{early}"
+    if mem.kind == MemKind.WAIT and mem.slot is None:
+        return f"wait for the copy of {mem.fqn}'s gradient to chunk {mem.chunk}'s accumulation buffer (then freed), 0 B"
     if mem.kind == MemKind.WAIT:
         what = "group" if mem.world > 1 else "chunk"
         return f"wait for {what} {mem.chunk} in slot {mem.slot} (prefetched), 0 B"
@@ -539,8 +558,9 @@ def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
     if mem.kind == MemKind.DROP:
         return f"evict chunk {mem.chunk} from slot {mem.slot} (device, slot freed), {b} moved"
     if mem.kind == MemKind.ACCUMULATE_GRAD:
+        early = ", async: the gradient lives until its wait" if mem.asynchronous else ""
         return (f"accumulate_grad {mem.fqn} += into the fp32 accumulation buffer of chunk {mem.chunk} "
-                f"({mem.src}->{mem.dst}), {b} moved")
+                f"({mem.src}->{mem.dst}), {b} moved{early}")
     if mem.kind == MemKind.STORE_GRAD:
         grad = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], fx.Node) else None
         val = grad.meta.get("val") if grad is not None else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import fx
 
 KEY = "pscompile"
@@ -44,3 +45,12 @@ def get(node: fx.Node, key: str, default: Any = None) -> Any:
 
 def put(node: fx.Node, key: str, value: Any) -> None:
     meta(node)[key] = value
+
+
+def storage_bytes(node: fx.Node) -> int | None:
+    """Bytes of the storage ``node``'s value keeps alive (a view keeps all of it), from its
+    ``meta["val"]``; None when the value is not one tensor."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return val.untyped_storage().nbytes()

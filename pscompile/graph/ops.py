@@ -16,7 +16,10 @@ is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
     accumulate_grad(acc!, grad, offset, start=0, numel=-1)
                                        acc[offset:] += grad    a micro-batch's gradient (or one page of it)
                                                                is added into its chunk's fp32 accumulation
-                                                               buffer on the host
+                                                               buffer on the host (asynchronous: the copy
+                                                               runs on while compute goes on)
+    wait_grad(grad)                    (nothing moves)         an asynchronous accumulate_grad of grad has
+                                                               landed; grad lives until here
 
 ZeRO (a slot holds a communication group of ``world`` chunks; rank r owns shard r):
 
@@ -140,6 +143,18 @@ def wait(slot: Tensor) -> None:
 
 @wait.register_fake
 def _(slot):
+    return None
+
+
+@torch.library.custom_op("pscompile::wait_grad", mutates_args=())
+def wait_grad(grad: Tensor) -> None:
+    """The copy of ``grad`` an asynchronous accumulate_grad started has landed (the executor
+    waits); as an argument, the gradient stays alive until here."""
+    return None
+
+
+@wait_grad.register_fake
+def _(grad):
     return None
 
 
@@ -276,7 +291,7 @@ MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.d
               torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default,
               torch.ops.pscompile.allgather.default, torch.ops.pscompile.release_remote.default,
               torch.ops.pscompile.reduce_scatter.default, torch.ops.pscompile.broadcast.default,
-              torch.ops.pscompile.reduce.default)
+              torch.ops.pscompile.reduce.default, torch.ops.pscompile.wait_grad.default)
 for _op in MEMORY_OPS:
     torch.fx.has_side_effect(_op)
 

@@ -15,6 +15,8 @@ Two stages, each a frozen record with the provenance of every pass (name, second
     build_schedule(analyzed, layout, nonmodel=, memory=DeviceMemory(...), kind=)  -> Scheduled
         plan_residency     Belady residency of every chunk at every node, static slots
         prefetch_fetches   fetches start as early as capacity allows, a wait where they were
+        overlap_grad_copies  (a measured micro-batch of accumulation) each gradient's copy to the
+                           host runs while later nodes compute; the gradient held until its wait
         insert_memory_ops  the scheduled graph: memory nodes, parameters read as slot views
         verify_schedule    the invariants, replayed symbolically
 
@@ -38,7 +40,7 @@ from torch import fx, nn
 from pscompile.config import Config
 from pscompile.errors import BudgetError, ResidencyError
 from pscompile.graph.capture import CapturedGraph, capture_joint
-from pscompile.graph.meta import get
+from pscompile.graph.meta import get, storage_bytes
 from pscompile.graph.ops import is_offload
 from pscompile.kinds import RunKind
 from pscompile.memory.layout import ChunkLayout
@@ -49,6 +51,7 @@ from pscompile.passes.insert_memory_ops import insert_memory_ops
 from pscompile.passes.plan_lookahead import Lookahead, plan_lookahead
 from pscompile.passes.plan_residency import GradStore, ResidencyPlan, arrival_windows, plan_residency
 from pscompile.passes.prefetch_fetches import prefetch_fetches
+from pscompile.passes.overlap_grad_copies import overlap_grad_copies
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import ActivationPlan, find_segments, recompute_activations
@@ -559,6 +562,12 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     plan, _ = passes.run("prefetch_fetches", lambda: prefetch_fetches(plan, nonmodel, budget=budget,
                                                                         os_device_bytes=os_bytes, windows=windows),
                          lambda r: r[1].summary)
+    if kind is RunKind.ACCUM and measured:   # (the measuring run keeps each gradient's death where the graph has it)
+        out = next(n for n in reversed(nodes) if n.op == "output")
+        held = {f: storage_bytes(g) for f, g in zip(captured.grad_fqns, out.args[0][1:])
+                if isinstance(g, fx.Node) and storage_bytes(g) is not None}
+        plan, _ = passes.run("overlap_grad_copies", lambda: overlap_grad_copies(
+            plan, windows, budget=budget, os_device_bytes=os_bytes, grad_bytes=held), lambda r: r[1].summary)
     fetched_ahead = None
     if lookahead and kind is RunKind.TRAIN:
         fetched_ahead = passes.run("plan_lookahead", lambda: plan_lookahead(
