@@ -79,10 +79,10 @@ def overlap_grad_copies(plan: ResidencyPlan, windows: Sequence[int], *, budget: 
     # boundary more while it fits: the room is shared rather than taken by the first gradients
     units = [(key, (grad_bytes or {}).get(key[0], sum(a.nbytes for a in group))) for key, group in pages.items()]
     wait_at = {key: key[1] for key, _ in units}
-    changed = True
-    while changed:
-        changed = False
-        for key, nbytes in units:
+    growing = list(units)
+    while growing:                      # (held bytes only grow: a gradient that stops stays stopped)
+        still = []
+        for key, nbytes in growing:
             i, j = key[1], wait_at[key]
             k = bisect.bisect_right(boundaries, j)
             b = boundaries[k] if k < len(boundaries) else None
@@ -91,7 +91,8 @@ def overlap_grad_copies(plan: ResidencyPlan, windows: Sequence[int], *, budget: 
             for m in range(j, b):
                 held[m] += nbytes
             wait_at[key] = b
-            changed = True
+            still.append((key, nbytes))
+        growing = still
     wait_at = {key: j for key, j in wait_at.items() if j > key[1]}
     distances = [j - key[1] for key, j in wait_at.items()]
     new_actions: list[Action] = []
