@@ -17,12 +17,13 @@ import pscompile
 from pscompile.errors import ScheduleError
 from pscompile.graph.meta import get
 from pscompile.graph.ops import is_memory_node
-from pscompile.kinds import MemKind
+from pscompile.graph.pipeline import BudgetSweep
+from pscompile.kinds import MemKind, RunKind
 from pscompile.passes.overlap_grad_copies import overlap_grad_copies
 from pscompile.passes.plan_residency import GradStore, arrival_windows, plan_residency
 from pscompile.passes.prefetch_fetches import resident_counts
 from pscompile.passes.verify_schedule import verify_schedule
-from pscompile.testing import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer, tiny_model
 from conftest import gpt_batches, make_model, max_weight_diff
 from test_compiled_parity import compiled_config, min_budget
 
@@ -214,3 +215,24 @@ def test_verify_schedule_refuses_a_copy_never_waited_for():
     with pytest.raises(ScheduleError, match="never waited for"):
         verify_schedule(gm, engine.layout, **kw)
     engine.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert", "llama", "t5"])
+def test_every_accumulation_budget_from_the_minimum_verifies(arch):
+    """The engine's accumulation schedule, planned as after its measuring step (so with the
+    gradient copies overlapped), at budgets from the training minimum to twice it: each verifies
+    (``build_schedule`` runs ``verify_schedule``, which counts the held gradients), its planned peak
+    is within the budget, and where the budget has room some copies overlap."""
+    if arch in ("llama", "t5"):
+        pytest.importorskip("transformers")
+    model, batch = tiny_model(arch)
+    config = pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=torch.float32)
+    minimum = pscompile.min_device_memory(model, batch, config)
+    sweep = BudgetSweep(model, batch, config)
+    overlapped = {}
+    for budget in sorted({minimum + 4096 * k for k in range(6)} | {int(minimum * (1 + 0.05 * k)) for k in range(21)}):
+        sched = sweep.plan(budget, kind=RunKind.ACCUM, measured=True)
+        assert sched.plan.peak_device_bytes <= budget
+        assert any(p.name == "overlap_grad_copies" for p in sched.passes)
+        overlapped[budget] = sum(1 for a in sched.plan.actions if a.kind is MemKind.ACCUMULATE_GRAD and a.asynchronous)
+    assert overlapped[max(overlapped)] > 0, overlapped

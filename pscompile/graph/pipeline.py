@@ -671,12 +671,15 @@ class BudgetSweep:
     def layout(self, budget: int | None) -> ChunkLayout:
         return self._choose(budget)
 
-    def plan(self, budget: int | None, *, rates: Rates | None = None) -> Scheduled:
+    def plan(self, budget: int | None, *, rates: Rates | None = None, kind: RunKind = RunKind.TRAIN,
+             measured: bool = False) -> Scheduled:
+        """``measured``: plan as after the measuring step (its curve taken as measured), which
+        adds the passes that only measured schedules run (``overlap_grad_copies``)."""
         layout = self._choose(budget)
         analyzed = regather(self.analyzed, gather_bytes(layout, self.config.dtype))
-        return plan_at_budget(analyzed, layout, budget=budget, dtype=self.config.dtype,
+        return plan_at_budget(analyzed, layout, budget=budget, dtype=self.config.dtype, kind=kind,
                               activations=self.config.activations, rates=rates, variants=self._variants,
-                              planner=self.config.planner)
+                              planner=self.config.planner, measured=measured or None)
 
     def _choose(self, budget: int | None) -> ChunkLayout:
         layouts = layout_candidates(self.mp, self.config, budget)
@@ -707,11 +710,13 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
                    kind: RunKind = RunKind.TRAIN, nonmodel: Sequence[int] | None = None,
                    world: int = 1, rank: int = 0, per_chunk: bool = False, activations: str | None = None,
                    variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
-                   host_room: int | None = None, plan_only: bool = False, planner: str = "belady") -> Scheduled:
+                   host_room: int | None = None, plan_only: bool = False, planner: str = "belady",
+                   measured: bool | None = None) -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: the activation
     policy's choice for the budget (``activations``: a ``Config.activations`` value; None plans
     ``analyzed`` as it is; ``variants`` as in ``choose_activations``), optimizer states placed by
-    ``optim.placement`` for the curve's peak (on the host with ZeRO), then ``build_schedule``."""
+    ``optim.placement`` for the curve's peak (on the host with ZeRO), then ``build_schedule``.
+    ``measured`` (default: whether ``nonmodel`` was given) plans as after the measuring step."""
     if activations is not None:
         slot = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
         analyzed = choose_activations(analyzed, layout, policy=activations, budget=budget, slot_bytes=slot,
@@ -724,8 +729,9 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
                                 state_chunk_bytes=state_bytes) if world == 1 else 0
     memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank,
                           per_chunk=per_chunk)
+    measured = nonmodel is not analyzed.nonmodel if measured is None else measured
     return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
-                          measured=nonmodel is not analyzed.nonmodel, plan_only=plan_only, planner=planner)
+                          measured=measured, plan_only=plan_only, planner=planner)
 
 
 def describe_node(node: fx.Node) -> str:
