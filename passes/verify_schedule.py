@@ -70,13 +70,9 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
     dirty: set[int] = set()
     pending: set[int] = set(arriving)   # slots whose asynchronous fetch has not been waited for
-    copying: dict[tuple[str, int], fx.Node] = {}   # (parameter, chunk) of an asynchronous accumulate_grad -> grad
-    page_bytes: dict[fx.Node, int] = {}            # a gradient in flight -> its pages' bytes (no storage known)
-
-    def held() -> int:
-        """Device bytes of the gradients still being copied: each one's storage, once."""
-        grads = set(copying.values())
-        return sum(gmeta.storage_bytes(g) or page_bytes[g] for g in grads)
+    # (parameter, chunk) of an asynchronous accumulate_grad -> (its gradient, page bytes), until its wait
+    copying: dict[tuple[str, int], tuple[fx.Node, int]] = {}
+    held = 0                        # device bytes those gradients keep alive (gmeta.held_grad_bytes)
     reduced: set[int] = set()       # groups reduce-scattered (ZeRO)
     sharded = world > 1
     arrive, leave = ((MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, MemKind.RELEASE_REMOTE) if sharded
@@ -129,7 +125,8 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 if mem.asynchronous:
                     pending.add(slot)
             elif mem.kind == MemKind.WAIT and mem.slot is None:     # a gradient's copy has landed
-                grad = copying.pop((mem.fqn, mem.chunk), None)
+                grad, _ = copying.pop((mem.fqn, mem.chunk), (None, 0))
+                held = gmeta.held_grad_bytes(copying.values())
                 if grad is None or node.args[0] is not grad:
                     fail(node, f"wait for the copy of {mem.fqn}'s gradient to chunk {mem.chunk} without an "
                                "asynchronous accumulate_grad of that gradient in flight")
@@ -171,8 +168,8 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                     fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
                 check_page(node, mem)
                 if mem.asynchronous:          # the gradient stays on the device until its wait
-                    copying[(mem.fqn, mem.chunk)] = node.args[1]
-                    page_bytes[node.args[1]] = page_bytes.get(node.args[1], 0) + mem.nbytes
+                    copying[(mem.fqn, mem.chunk)] = (node.args[1], mem.nbytes)
+                    held = gmeta.held_grad_bytes(copying.values())
             elif mem.kind == MemKind.STORE_GRAD:
                 dest = node.args[0]
                 if sharded and mem.chunk in reduced:
@@ -214,7 +211,7 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                 fail(node, f"makes {fqn} from pages {[gmeta.get(a, 'page') for a in pages]}; the layout has {want}")
         if fqn is None:         # parameter views are rebuilt right before their reader: they allocate
             nonmodel = gmeta.get(node, "nonmodel", nonmodel)    # nothing and keep the reader's moment
-        used = len(holds) * slot_bytes + os_device_bytes + nonmodel + held()
+        used = len(holds) * slot_bytes + os_device_bytes + nonmodel + held
         if used > peak:
             peak, peak_node = used, node.name
         if budget is not None and used > budget:

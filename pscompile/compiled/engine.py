@@ -128,6 +128,15 @@ def _region_curve(executor: Executor, extra: dict[int, int], excess: dict[int, i
     return tuple(curve) if changed else None
 
 
+def _add_landed(copies: list) -> None:
+    """Wait for a gradient's copies to the host, ``(future, fp32 target, host copy or None)`` each,
+    and add each host copy into its target (None: the copy went straight into a zero buffer)."""
+    for fut, target, host in copies:
+        fut.result()
+        if host is not None:
+            target.add_(host)                    # fp32 += compute dtype, on the host
+
+
 class CompiledEngine(ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
@@ -450,10 +459,7 @@ class CompiledEngine(ChunkEngine):
                                    copy=lambda d, s_: q.submit(d, s_, "d2h").result())
             store.dirty[mem.chunk] = False
         elif mem.kind == MemKind.WAIT and mem.slot is None:       # a gradient's copy (overlap_grad_copies)
-            for fut, target, host in self._grad_copies.pop((mem.fqn, mem.chunk)):
-                fut.result()
-                if host is not None:
-                    target.add_(host)                                   # fp32 += compute dtype, on the host
+            _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk)))
         elif mem.kind == MemKind.WAIT:
             pending = self._in_flight.pop(mem.slot)
             pending.wait() if hasattr(pending, "wait") else pending.result()
@@ -488,10 +494,7 @@ class CompiledEngine(ChunkEngine):
             if mem.asynchronous:          # its wait_grad adds it (the graph keeps the gradient alive until then)
                 self._grad_copies[(mem.fqn, mem.chunk)] = copies
             else:
-                for fut, target, host in copies:
-                    fut.result()
-                    if host is not None:
-                        target.add_(host)                               # fp32 += compute dtype, on the host
+                _add_landed(copies)
             self._written.add(mem.fqn)
         else:
             dest, grad, offset, *page = args

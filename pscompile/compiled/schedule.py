@@ -44,7 +44,7 @@ import torch
 from torch import fx
 
 from pscompile.kinds import MemKind, Phase, RunKind
-from pscompile.graph.meta import get, storage_bytes
+from pscompile.graph.meta import get, held_grad_bytes
 from pscompile.graph.ops import MemOp, is_memory_node
 from pscompile.units import format_bytes
 
@@ -140,13 +140,16 @@ class Schedule:
         holds: dict[int, int] = {slot: chunk for chunk, slot in self.plan.initial}   # slot -> chunk
         # gradients alive until their copy lands (overlap_grad_copies): (parameter, chunk) -> (grad, page bytes)
         held: dict[tuple[str, int], tuple[fx.Node, int]] = {}
+        held_bytes = 0
         rows = []
         for i, n in enumerate(nodes):
             mem = get(n, "mem") if is_memory_node(n) else None
             if mem is not None and mem.kind == MemKind.ACCUMULATE_GRAD and mem.asynchronous:
                 held[(mem.fqn, mem.chunk)] = (n.args[1], mem.nbytes)
+                held_bytes = held_grad_bytes(held.values())
             elif mem is not None and mem.kind == MemKind.WAIT and mem.slot is None:
                 held.pop((mem.fqn, mem.chunk), None)
+                held_bytes = held_grad_bytes(held.values())
             if mem is not None and mem.slot is not None:
                 if mem.kind.arrives:
                     holds[mem.slot] = mem.chunk
@@ -157,7 +160,7 @@ class Schedule:
             rows.append(NodeRow(
                 idx=i, name=n.name, op=_op_name(n), kind=kind, mem=mem, chunks=self._chunks(n, mem),
                 tier=_tier(n, mem), nbytes=mem.nbytes if mem is not None else None, resident_slots=len(holds),
-                model_bytes=model_bytes, nonmodel_bytes=nonmodel[i] + _held_bytes(held), source=self._source(n, mem),
+                model_bytes=model_bytes, nonmodel_bytes=nonmodel[i] + held_bytes, source=self._source(n, mem),
                 phase=get(n, "phase") if kind == "compute" else None))   # rebuilt views keep their forward tag
         return tuple(rows)
 
@@ -505,15 +508,6 @@ def _slot_of(n: fx.Node) -> int | None:
             return None
         n = n.args[0]
     return None
-
-
-def _held_bytes(held: dict[tuple[str, int], tuple[fx.Node, int]]) -> int:
-    """Device bytes of the gradients whose copy to the host is in flight: each storage once (as
-    verify_schedule counts them; its pages' bytes where the storage is not known)."""
-    pages: dict[fx.Node, int] = {}
-    for g, nbytes in held.values():
-        pages[g] = pages.get(g, 0) + nbytes
-    return sum(storage_bytes(g) or b for g, b in pages.items())
 
 
 def _tier(n: fx.Node, mem: MemOp | None) -> str:

@@ -26,7 +26,7 @@ that moment, and memory nodes (``torch.ops.pscompile.*``) move data between them
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import fx
@@ -54,3 +54,13 @@ def storage_bytes(node: fx.Node) -> int | None:
     if not isinstance(val, torch.Tensor):
         return None
     return val.untyped_storage().nbytes()
+
+
+def held_grad_bytes(pages: Iterable[tuple[fx.Node, int]]) -> int:
+    """Device bytes the gradients of ``pages`` ((gradient node, page bytes) of the asynchronous
+    accumulate_grads still in flight) keep alive: each gradient's storage once, or its pages'
+    bytes where the storage is not known."""
+    by_grad: dict[fx.Node, int] = {}
+    for g, nbytes in pages:
+        by_grad[g] = by_grad.get(g, 0) + nbytes
+    return sum(storage_bytes(g) or b for g, b in by_grad.items())
