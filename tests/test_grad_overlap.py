@@ -186,6 +186,7 @@ def test_accumulation_at_every_budget_from_the_minimum(backend):
             got = engine.step(micro)
             assert got == pytest.approx(want, rel=1e-5), budget
             assert engine.stats.peak_device_bytes <= budget, budget
+            assert frac > 0 or engine.stats.num_evictions > 0, "the minimum must evict"
         assert max_weight_diff(engine, ref) < 1e-5, budget      # every gradient was added, once
         assert engine.state_dict()["step"] == steps
         engine.close()
