@@ -84,6 +84,37 @@ def _fails(engine, error) -> None:
 
 
 # ------------------------------------------------------------------------------ compiled mode
+def _after_region_stores(engine, nth: int, error: BaseException):
+    """Raise ``error`` right after the eager region that runs the ``nth`` gradient store into a
+    device slot (its copies done: the slots hold gradients). Returns what puts the region back."""
+    real_for, broken = engine._executor_for, []
+
+    def executor_for(key, sched):
+        ex = real_for(key, sched)
+        if ex.split == "regions" and not broken:
+            seen = 0
+            for r in ex.regions:
+                seen += len(r.effects)
+                if seen >= nth:
+                    fn = r.fn
+
+                    def failing(args, fn=fn):
+                        fn(args)
+                        raise error
+                    r.fn = failing
+                    broken.append((r, fn))
+                    break
+        return ex
+    engine._executor_for = executor_for
+
+    def restore():
+        assert broken, "no region runs gradient stores"
+        for r, fn in broken:
+            r.fn = fn
+        engine.__dict__.pop("_executor_for")
+    return restore
+
+
 def _on_memory_node(engine, kind: MemKind, nth: int, error: BaseException, *, after: bool = False):
     """Raise ``error`` at the ``nth`` memory node of ``kind`` (after performing it: ``after``)."""
     real, seen = engine._run_memory_node, [0]
@@ -129,9 +160,11 @@ def test_compiled_step_loses_nothing_wherever_it_fails(point):
     elif point == "failure storing gradients":
         n = sum(k.name.startswith("STORE") for k in kinds)
         assert n >= 3
-        store_kind = next(k for k in kinds if k.name.startswith("STORE"))
-        _on_memory_node(faulty, store_kind, 3, RuntimeError("injected"))
-        error = RuntimeError
+        restore = _after_region_stores(faulty, 3, RuntimeError("injected"))
+        _fails(faulty, RuntimeError)
+        restore()
+        _continue_alike(faulty, clean)
+        return
     else:
         real_copy, calls = faulty.link.copy, [0]
 

@@ -173,9 +173,11 @@ class CompiledEngine(ChunkEngine):
         self._check_moved: tuple[Scheduled, Any] | None = None   # a run whose bytes are checked after its update
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
-        # id(scheduled gm) -> region index -> bytes the compiled region allocates beyond what is live
-        # when it starts (measured once with the profiler; the tracker cannot see inside)
+        # id(scheduled gm) -> region index -> bytes the region allocates beyond what is live when it
+        # starts: a compiled region's measured once with the profiler (the tracker cannot see inside),
+        # an eager region's by the tracker, operator by operator, in the first run of its executor
         self._region_extra: dict[int, tuple[fx.GraphModule, dict[int, int]]] = {}
+        self._unlearned: dict[int, fx.GraphModule] = {}    # id(gm): eager regions not yet measured
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
         self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
         self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
@@ -339,6 +341,7 @@ class CompiledEngine(ChunkEngine):
         """Drop what was made for a schedule that is being replaced."""
         self._executors.pop(id(sched.gm), None)
         self._region_extra.pop(id(sched.gm), None)
+        self._unlearned.pop(id(sched.gm), None)
 
     def _ensure_slots(self, plan: ResidencyPlan) -> None:
         """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
@@ -510,6 +513,15 @@ class CompiledEngine(ChunkEngine):
                 store.dirty[mem.chunk] = True
             self._written.add(mem.fqn)
 
+    def _mark_stored(self, nodes: list[fx.Node]) -> None:
+        """The bookkeeping of ``store_grad`` nodes an eager region runs itself (into device slots):
+        done before the region starts, so a region that fails part-way has its chunks restored
+        (``_recover``) whether or not its copies ran."""
+        for n in nodes:
+            mem = get(n, "mem")
+            self.store.dirty[mem.chunk] = True
+            self._written.add(mem.fqn)
+
     def _move_activation(self, moves: ActivationMove, args: tuple) -> torch.Tensor | None:
         """Offload a saved activation into a new host buffer, or reload it into a new device
         tensor, on the transfer queue; waited for at once, or (asynchronous) at its ``wait_copy``."""
@@ -539,25 +551,30 @@ class CompiledEngine(ChunkEngine):
         return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
 
     def _executor_for(self, key: ScheduleKey, sched: Scheduled) -> Executor:
-        """The executor of a schedule: node by node for a measuring run and for ``backend="eager"``;
-        compiled regions for a measured schedule with ``backend="inductor"`` (compiled once per
-        schedule; regions are shared through the engine's RegionCache)."""
+        """The executor of a schedule: node by node for a measuring run; regions between memory
+        nodes for a measured schedule, compiled by Inductor (``backend="inductor"``, compiled once
+        per schedule and shared through the engine's RegionCache) or run as eager graph code
+        (``backend="eager"``, and Inductor's regions too small to compile)."""
         ex = self._executors.get(id(sched.gm))
         if ex is None or ex.gm is not sched.gm:
-            regions = self.config.backend == "inductor" and sched.measured and key.capture not in self._node_by_node
+            regions = sched.measured and key.capture not in self._node_by_node
+            # eager regions read parameters as the graph does (no region is shared, so none is lifted
+            # out: a gathered parameter is made where the node-by-node measurement saw it made)
+            # (and run the gradient stores into device slots themselves: ``_mark_stored``)
+            eager = self.config.backend == "eager"
             ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
-                          cache=self._region_cache)
+                          cache=self._region_cache, lift_params=not eager, fold_stores=regions and eager)
             if regions:
-                extra, excess = measure_allocations([r for r in ex.regions if r.compute], self.device)
-                # regions too small to compile run eagerly; steps after measurement sample at region
-                # boundaries only (no dispatch mode), so what they allocate inside is measured too
-                inside, _ = measure_allocations([r for r in ex.regions if not r.compute], self.device)
+                extra, excess = measure_allocations(ex.compiled_regions(), self.device)
                 curve = _region_curve(ex, extra, excess, sched, self._node_curves.get(key.capture, sched.nonmodel))
                 if self.comm is not None:      # the ranks decide together (their plans must match)
                     agreed = self.comm.agree_max(curve if curve is not None else sched.nonmodel)
                     curve = agreed if agreed != tuple(sched.nonmodel) else None
                 if curve is None:
-                    self._region_extra[id(sched.gm)] = (sched.gm, {**inside, **extra})
+                    # steps after measurement sample at region boundaries only (no dispatch mode):
+                    # eager regions learn what they allocate inside in their first run (_run_graph)
+                    self._region_extra[id(sched.gm)] = (sched.gm, extra)
+                    self._unlearned[id(sched.gm)] = sched.gm
                 else:                       # the regions need more than this plan gives them: run node
                     self._pending_curves[key.capture] = curve     # by node until it is planned again
                     ex = Executor(sched.gm, split="nodes")
@@ -591,14 +608,32 @@ class CompiledEngine(ChunkEngine):
         known = self._region_extra.get(id(sched.gm))
         extra = known[1] if known is not None and known[0] is sched.gm else {}
 
+        # node by node, the tracker sees every operator (a dispatch mode); regions are sampled at
+        # every step boundary instead: live storages plus what each region allocates inside, so steps
+        # after measurement pay no per-operator cost. A compiled region's inside is measured once
+        # (``measure_allocations``); an eager region's by the tracker in the executor's first run,
+        # which samples every operator (exact windows) and records each region's rise above its start
+        learning = executor.split == "regions" and self._unlearned.get(id(sched.gm)) is sched.gm
+        learned: dict[int, int] = {}
+        if learning:
+            tracker.exact_windows = True
+
+        @contextlib.contextmanager
+        def learn(r):
+            tracker.start_window()
+            start = tracker.window_peak
+            yield
+            learned[r.index] = max(learned.get(r.index, 0), tracker.window_peak - start)
+
         def around_region(r) -> contextlib.AbstractContextManager:   # what the tracker cannot see inside
+            if r.effects:
+                self._mark_stored(r.effects)
+            if learning and r.index not in extra:
+                return learn(r)
             tracker.sample_with(extra.get(r.index, 0))
             return contextlib.nullcontext()
 
-        # node by node, the tracker sees every operator (a dispatch mode); regions are sampled at
-        # every step boundary instead: live storages plus what each region allocates inside
-        # (measured once, ``measure_allocations``), so steps after measurement pay no per-operator cost
-        dispatching = executor.split == "nodes" or self._sample_every_op
+        dispatching = executor.split == "nodes" or self._sample_every_op or learning
         pause = tracker.paused if dispatching else contextlib.nullcontext
         overlapping = sched.kind is RunKind.TRAIN and self._overlaps_update and acc is None
         tail = self._tail(sched) if overlapping else frozenset()
@@ -607,11 +642,14 @@ class CompiledEngine(ChunkEngine):
             moves = get(n, "moves")
             with pause():
                 if moves is None:
-                    made = self._run_memory_node(get(n, "mem"), args, at_end=n in tail)
+                    mem = get(n, "mem")
+                    made = self._run_memory_node(mem, args, at_end=n in tail)
                 else:
                     made = self._move_activation(moves, args)
             if moves is not None and moves.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
                 tracker.add_tensor(made)                 # back on the device (the host copy is not)
+            elif not dispatching and moves is None and not mem.kind.arrives:
+                return made       # no device memory was taken: the total cannot have risen here
             tracker.sample_now()
             return made
 
@@ -626,6 +664,9 @@ class CompiledEngine(ChunkEngine):
                                        around_region=around_region if executor.split == "regions" else None)
             if not self._deferred:
                 self._queue.flush()
+            if learning:                     # (a failed run learns nothing: its next run measures again)
+                extra.update(learned)
+                del self._unlearned[id(sched.gm)]
             self._reading.clear()
             self._homing.clear()
         except BaseException:
@@ -726,8 +767,10 @@ class CompiledEngine(ChunkEngine):
         the run and these fetches moved are checked against the plan here, once all has landed."""
         tracker = last.tracker
         self._ahead = list(sched.lookahead.fetches) if sched.measured and sched.lookahead is not None else []
+        # a measured schedule's update allocates no device memory but 4-byte norms: no per-operator
+        # dispatch mode (the fetches ahead, which take slots, are sampled where they start)
         try:
-            with tracker:
+            with tracker if not sched.measured or self._sample_every_op else contextlib.nullcontext():
                 skipped = self._optimizer_step(set(written), divisor, tracker, before_update=self._land,
                                                norm_source=self._norm_source, order=self._update_order(),
                                                after_update=lambda c: self._fetch_ahead(c, tracker))

@@ -34,7 +34,7 @@ from torch import fx
 
 from pscompile.graph import meta as gmeta
 from pscompile.kinds import Phase, StrEnum
-from pscompile.graph.ops import is_memory_node, runs_as_transfer
+from pscompile.graph.ops import copy_grad_into, folds_into_region, is_memory_node, runs_as_transfer
 from pscompile.compiled.regions import (Region, RegionCache, TensorMeta, buffer_aliases, buffer_placeholders,
                                         check_region_args, compile_inductor, eager_fn, eval_chain, fusible_ops,
                                         graph_device, is_view_op, lifted_views, region_key)
@@ -120,9 +120,11 @@ def _per_node(gm: fx.GraphModule) -> list[Step]:
 
 
 def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_params: bool, min_fusible: int,
-                device: torch.device | str | None):
+                device: torch.device | str | None, fold: bool = False):
     """Regions between memory nodes, compiled through ``cache``; parameter views as eval steps
-    right before their first reader. Returns (program, regions, report, input checks)."""
+    right before their first reader. ``fold``: memory nodes that ``folds_into_region`` run inside
+    the (eager) region, in graph order, listed in its ``effects``. Returns (program, regions,
+    report, input checks)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -143,7 +145,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
             continue
         if n in lifted:
             continue                                     # made by the executor when needed
-        if runs_as_transfer(n):
+        if runs_as_transfer(n) and not (fold and folds_into_region(n)):
             cur = None
             steps.append(Step(StepKind.MEM, node=n))
             mem_count += 1
@@ -164,6 +166,8 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
             steps.append(Step(StepKind.REGION, region=cur))
         cur.nodes.append(n)
         region_of[n] = cur
+        if runs_as_transfer(n):
+            cur.effects.append(n)
 
     # ---- build region graphs
     rebuilt = 0
@@ -190,6 +194,8 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
 
         for n in r.nodes:
             local[n] = g.node_copy(n, get)
+            if n in r.effects:                   # the op's body as a plain call (no op dispatch)
+                local[n].target = copy_grad_into
         outs = []
         for n in r.nodes:
             if n in aliases:
@@ -322,13 +328,20 @@ class Executor:
     - ``check_inputs``: also check every region input's shape/stride/dtype at run time (debug;
       the graph's own inputs are always checked with regions).
     - ``device``: where slot/host buffers live (default: the device of the graph's values).
+    - ``fold_stores``: ``backend="eager"`` regions run the ``store_grad`` nodes into device slots
+      themselves (``folds_into_region``; each region lists them in ``effects``, and ``around_region``
+      is where the caller does their bookkeeping), so the executor does not stop for them.
     """
 
     def __init__(self, gm: fx.GraphModule, *, split: str = "regions", backend: str = "inductor",
                  cache: RegionCache | None = None, lift_params: bool = True, min_fusible: int = 2,
-                 check_inputs: bool = False, device: torch.device | str | None = None):
+                 check_inputs: bool = False, device: torch.device | str | None = None,
+                 fold_stores: bool = False):
         if split not in ("nodes", "regions"):
             raise ValueError(f"split={split!r}: expected 'nodes' or 'regions'")
+        if fold_stores and (split != "regions" or backend != "eager"):
+            raise ValueError("fold_stores=True needs split='regions' and backend='eager' (a compiler may "
+                             "reorder a copy into a graph input relative to the reads of that input)")
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend={backend!r}: expected 'inductor' or 'eager'")
         self.gm = gm
@@ -344,7 +357,7 @@ class Executor:
         else:
             program, self.regions, self.report, self._input_checks = _by_regions(
                 gm, backend=backend, cache=self.cache, lift_params=lift_params, min_fusible=min_fusible,
-                device=device)
+                device=device, fold=fold_stores)
         _release_plan(program, self.output_node)
         self._program = program
         first_bwd = next((n for n in nodes if gmeta.get(n, "phase") == Phase.BWD), None)
@@ -428,6 +441,10 @@ class Executor:
                 del env[o]
         out = fx.node.map_arg(self.output_node.args[0], env.__getitem__)
         return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    def compiled_regions(self) -> list[Region]:
+        """The regions run through the backend; the others run as eager graph code."""
+        return [r for r in self.regions if r.compute and self.backend != "eager"]
 
     def describe(self) -> str:
         """One line per step: region sizes and keys, memory nodes, evaluated nodes."""

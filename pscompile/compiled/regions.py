@@ -286,6 +286,7 @@ class Region:
     key: str = ""
     compute: bool = False
     fn: Callable[[list], Sequence[Any]] | None = None
+    effects: list[fx.Node] = field(default_factory=list)   # memory nodes run inside (eager regions)
 
 
 def boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:

@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from pscompile.graph.meta import get as get_meta
 from pscompile.kinds import MemKind
 
 
@@ -122,13 +123,19 @@ def flat_pieces(t: Tensor, start: int = 0, numel: int = -1) -> list[tuple[Tensor
 
 def _into(dest: Tensor, grad: Tensor, offset: int, start: int, numel: int, op: str) -> None:
     for piece, at in flat_pieces(grad, start, numel):    # strided grads: no temporary
-        target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
+        target = dest.narrow(0, offset + at, piece.numel()).view(piece.shape)
         getattr(target, op)(piece)
+
+
+def copy_grad_into(dest: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
+    """What ``store_grad`` does, as a plain function: an eager region calls it in place of the op
+    (``folds_into_region``)."""
+    _into(dest, grad, offset, start, numel, "copy_")
 
 
 @torch.library.custom_op("pscompile::store_grad", mutates_args=("dest",))
 def store_grad(dest: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
-    _into(dest, grad, offset, start, numel, "copy_")
+    copy_grad_into(dest, grad, offset, start, numel)
 
 
 @store_grad.register_fake
@@ -350,6 +357,16 @@ def is_activation_node(node: torch.fx.Node) -> bool:
 def is_offload(node: torch.fx.Node) -> bool:
     """An offload: its value is a host copy (no device bytes)."""
     return node.op == "call_function" and node.target is torch.ops.pscompile.offload.default
+
+
+def folds_into_region(node: torch.fx.Node) -> bool:
+    """A ``store_grad`` into a device slot: a copy inside device memory that moves no bytes, which
+    an eager region can run in graph order (``copy_grad_into``) instead of the executor stopping
+    for it. The engine still marks the chunk dirty and the parameter written."""
+    if node.op != "call_function" or node.target is not torch.ops.pscompile.store_grad.default:
+        return False
+    mem = get_meta(node, "mem")
+    return mem is not None and mem.slot is not None
 
 
 def runs_as_transfer(node: torch.fx.Node) -> bool:

@@ -283,8 +283,9 @@ class ChunkStore:
         return ranges
 
     def is_model_storage(self, storage_ptr: int) -> bool:
-        return any(pool.owns(storage_ptr) for pool in
-                   (self.dev_param_pool, self.host_param_pool, self.dev_os_pool, self.host_os_pool))
+        # (called for every tensor the tracker sees: four set lookups, no generator)
+        return (self.dev_param_pool.owns(storage_ptr) or self.host_param_pool.owns(storage_ptr)
+                or self.dev_os_pool.owns(storage_ptr) or self.host_os_pool.owns(storage_ptr))
 
     @property
     def param_chunk_bytes(self) -> int:

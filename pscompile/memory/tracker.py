@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_leaves
 
 
@@ -64,13 +64,13 @@ class NonModelTracker(TorchDispatchMode):
         if t.device != self.device or t.is_meta:
             return
         st = t.untyped_storage()
-        nbytes = st.nbytes()
-        if nbytes == 0 or self.is_model_storage(st.data_ptr()):
-            return
         key = st._cdata
         old = self._live.get(key)
         if old is not None and not _expired(old[1].cdata):
             return  # a view of a storage already counted
+        nbytes = st.nbytes()
+        if nbytes == 0 or self.is_model_storage(st.data_ptr()):
+            return
         if old is not None:
             self.live_bytes -= old[2]
         self._live[key] = (next(self._serials), StorageWeakRef(st), nbytes)
@@ -130,10 +130,16 @@ class NonModelTracker(TorchDispatchMode):
 
     @contextmanager
     def paused(self):
-        """Operators run inside are not sampled (the owner's own chunk copies)."""
+        """Operators run inside are not sampled (the owner's own chunk copies, host-side work).
+        While this tracker is the innermost dispatch mode it is taken off the mode stack, so they
+        do not pay for a Python dispatch either."""
         self._paused += 1
         try:
-            yield
+            if _get_current_dispatch_mode() is self:
+                with _pop_mode_temporarily():
+                    yield
+            else:
+                yield
         finally:
             self._paused -= 1
 
