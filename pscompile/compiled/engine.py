@@ -509,18 +509,15 @@ class CompiledEngine(ChunkEngine):
                     target.copy_(piece)
                 else:            # waited for: the gradient dies here, as the plan assumes
                     q.submit(target, piece, "d2h").result()
-            if mem.slot is not None:
-                store.dirty[mem.chunk] = True
-            self._written.add(mem.fqn)
+            self._mark_stored(mem)
 
-    def _mark_stored(self, nodes: list[fx.Node]) -> None:
-        """The bookkeeping of ``store_grad`` nodes an eager region runs itself (into device slots):
-        done before the region starts, so a region that fails part-way has its chunks restored
-        (``_recover``) whether or not its copies ran."""
-        for n in nodes:
-            mem = get(n, "mem")
+    def _mark_stored(self, mem) -> None:
+        """The bookkeeping of a ``store_grad``: a slot's chunk is dirty, the parameter written. An
+        eager region that runs stores itself has it done before it starts, so a region that fails
+        part-way has its chunks restored (``_recover``) whether or not its copies ran."""
+        if mem.slot is not None:
             self.store.dirty[mem.chunk] = True
-            self._written.add(mem.fqn)
+        self._written.add(mem.fqn)
 
     def _move_activation(self, moves: ActivationMove, args: tuple) -> torch.Tensor | None:
         """Offload a saved activation into a new host buffer, or reload it into a new device
@@ -626,8 +623,8 @@ class CompiledEngine(ChunkEngine):
             learned[r.index] = max(learned.get(r.index, 0), tracker.window_peak - start)
 
         def around_region(r) -> contextlib.AbstractContextManager:   # what the tracker cannot see inside
-            if r.effects:
-                self._mark_stored(r.effects)
+            for n in r.effects:
+                self._mark_stored(get(n, "mem"))
             if learning and r.index not in extra:
                 return learn(r)
             tracker.sample_with(extra.get(r.index, 0))
