@@ -141,6 +141,24 @@ def test_compare_quick(tmp_path):
     assert "lower bound" in proc.stdout
 
 
+def test_no_budget_quick(tmp_path):
+    """bench/no_budget.py --quick: the four systems trained on the same batches, interleaved; with
+    no budget both pscompile backends ran no memory node (the gradient stores folded in): the eager
+    backend the whole iteration as one region, Inductor the forward and the backward as one each;
+    every loss matched plain PyTorch's."""
+    out = tmp_path / "nb.json"
+    proc = _run("no_budget.py", "--quick", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["system"] for r in rows) == sorted(["plain PyTorch", "plain torch.compile", "compiled inductor",
+                                                        "compiled eager"])
+    for r in rows:
+        assert r["step_s"] > 0 and r["max_dloss"] < 1e-4, r
+        if r["system"].startswith("compiled"):
+            assert (r["regions"], r["memory_nodes"]) == (1 if r["system"] == "compiled eager" else 2, 0), r
+    assert [r["vs_torch_compile"] for r in rows if r["system"] == "plain torch.compile"] == [1.0]
+    assert "/ torch.compile" in proc.stdout
+
+
 def test_planners_quick(tmp_path):
     """bench/planners.py --quick: both planners' schedules at three budgets of GPT and BERT were
     made and verified (the script raises otherwise), and each row has both planners' traffic."""

@@ -557,10 +557,13 @@ class CompiledEngine(ChunkEngine):
             regions = sched.measured and key.capture not in self._node_by_node
             # eager regions read parameters as the graph does (no region is shared, so none is lifted
             # out: a gathered parameter is made where the node-by-node measurement saw it made)
-            # (and run the gradient stores into device slots themselves: ``_mark_stored``)
+            # and run the gradient stores into device slots themselves (``_mark_stored``); compiled
+            # regions leave them to the executor, right after the region, with no budget only (a
+            # gradient then lives to its region's end; under a budget the plan gave it no room)
             eager = self.config.backend == "eager"
             ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
-                          cache=self._region_cache, lift_params=not eager, fold_stores=regions and eager)
+                          cache=self._region_cache, lift_params=not eager,
+                          fold_stores=regions and (eager or self.budget is None))
             if regions:
                 extra, excess = measure_allocations(ex.compiled_regions(), self.device)
                 curve = _region_curve(ex, extra, excess, sched, self._node_curves.get(key.capture, sched.nonmodel))

@@ -81,7 +81,8 @@ class Step:
 
     def reads(self) -> Iterable[fx.Node]:
         if self.kind is StepKind.REGION:
-            return self.region.inputs
+            r = self.region
+            return (*r.inputs, *(a for n in r.deferred for a in n.all_input_nodes)) if r.deferred else r.inputs
         return self.node.all_input_nodes if self.kind is not StepKind.INPUT else ()
 
     def makes(self) -> Iterable[fx.Node]:
@@ -122,9 +123,13 @@ def _per_node(gm: fx.GraphModule) -> list[Step]:
 def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_params: bool, min_fusible: int,
                 device: torch.device | str | None, fold: bool = False):
     """Regions between memory nodes, compiled through ``cache``; parameter views as eval steps
-    right before their first reader. ``fold``: memory nodes that ``folds_into_region`` run inside
-    the (eager) region, in graph order, listed in its ``effects``. Returns (program, regions,
-    report, input checks)."""
+    right before their first reader. ``fold``: memory nodes that ``folds_into_region`` do not cut
+    the graph; they are listed in their region's ``effects``. With ``backend="eager"`` the region
+    runs them itself, in graph order; with a compiler, the executor runs them right after the
+    region (``deferred``), since a compiler is not given a write into a graph input. That is
+    exact: a gradient is stored after its parameter's last read (``grad_store_points``), so no node
+    of the region reads the bytes a store overwrites; the gradient only lives until the region's
+    end instead of until its store. Returns (program, regions, report, input checks)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -138,6 +143,8 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     regions: list[Region] = []
     region_of: dict[fx.Node, Region] = {}
     cur: Region | None = None
+    defer = backend != "eager"
+    first_bwd = next((n for n in nodes if gmeta.get(n, "phase") == Phase.BWD), None)
     moved = 0
     mem_count = 0
     for n in nodes:
@@ -145,7 +152,12 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
             continue
         if n in lifted:
             continue                                     # made by the executor when needed
-        if runs_as_transfer(n) and not (fold and folds_into_region(n)):
+        folds = fold and runs_as_transfer(n) and folds_into_region(n)
+        if folds and defer and cur is not None:
+            cur.effects.append(n)                        # run right after the region
+            cur.deferred.append(n)
+            continue
+        if runs_as_transfer(n) and not (folds and not defer):
             cur = None
             steps.append(Step(StepKind.MEM, node=n))
             mem_count += 1
@@ -160,6 +172,9 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
             region_of[n] = r
             moved += 1
             continue
+        if n is first_bwd and fold and defer:
+            cur = None      # with stores folded, a compiled region ends where the backward starts: a cold
+                            # compile of the two halves apart takes less than of both in one
         if cur is None:
             cur = Region(len(regions))
             regions.append(cur)
@@ -205,6 +220,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
             if any(region_of.get(u) is not r for u in n.users):
                 outs.append(n)
         r.outputs = outs
+        r.held = list(dict.fromkeys(a for d in r.deferred for a in d.all_input_nodes if region_of.get(a) is not r))
         g.output(tuple(local[o] for o in outs))
         g.lint()
         r.graph = g
@@ -277,7 +293,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
                     produced.add(x)
 
     for s in steps:
-        ensure(s.region.inputs if s.kind is StepKind.REGION else s.node.all_input_nodes)
+        ensure([*s.region.inputs, *s.region.held] if s.kind is StepKind.REGION else s.node.all_input_nodes)
         program.append(s)
         if s.kind is StepKind.REGION:
             produced.update(s.region.outputs)
@@ -293,6 +309,15 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     return program, regions, report, input_checks
 
 
+def _run_deferred(r: Region, env: dict[fx.Node, Any], held: dict[fx.Node, Any]) -> None:
+    """The stores a region's step runs after the region, in graph order."""
+    def value(a: fx.Node) -> Any:
+        return env[a] if a in env else held[a]
+
+    for n in r.deferred:
+        copy_grad_into(*fx.node.map_arg(n.args, value), **fx.node.map_arg(n.kwargs, value))
+
+
 def _attr(gm: fx.GraphModule, target: str) -> Any:
     value = gm
     for part in target.split("."):
@@ -304,17 +329,21 @@ def _release_plan(program: list[Step], output_node: fx.Node) -> None:
     """Fill each step's ``free`` (values whose last reader it is) and ``dead`` (values it makes
     that nobody reads); the graph's outputs are kept."""
     last: dict[fx.Node, int] = {}
+    made: dict[fx.Node, int] = {}
     for i, s in enumerate(program):
         for a in s.reads():
             last[a] = i
+        for o in s.makes():
+            made[o] = i
     keep = set(output_node.all_input_nodes)
     frees: dict[int, list[fx.Node]] = {}
+    spent: dict[int, list[fx.Node]] = {}     # made and last read by one step (by its deferred stores)
     for a, i in last.items():
         if a not in keep:
-            frees.setdefault(i, []).append(a)
+            (spent if made.get(a) == i else frees).setdefault(i, []).append(a)
     for i, s in enumerate(program):
         s.free = tuple(frees.get(i, ()))
-        s.dead = tuple(o for o in s.makes() if o not in last and o not in keep)
+        s.dead = tuple(o for o in s.makes() if o not in last and o not in keep) + tuple(spent.get(i, ()))
 
 
 class Executor:
@@ -328,9 +357,11 @@ class Executor:
     - ``check_inputs``: also check every region input's shape/stride/dtype at run time (debug;
       the graph's own inputs are always checked with regions).
     - ``device``: where slot/host buffers live (default: the device of the graph's values).
-    - ``fold_stores``: ``backend="eager"`` regions run the ``store_grad`` nodes into device slots
-      themselves (``folds_into_region``; each region lists them in ``effects``, and ``around_region``
-      is where the caller does their bookkeeping), so the executor does not stop for them.
+    - ``fold_stores``: the ``store_grad`` nodes into device slots (``folds_into_region``) do not
+      cut the graph into regions: ``backend="eager"`` regions run them themselves, in graph order;
+      compiled regions leave them to the executor, which runs them right after the region
+      (``_by_regions``). Each region lists them in ``effects``; ``around_region`` is where the
+      caller does their bookkeeping.
     """
 
     def __init__(self, gm: fx.GraphModule, *, split: str = "regions", backend: str = "inductor",
@@ -339,9 +370,9 @@ class Executor:
                  fold_stores: bool = False):
         if split not in ("nodes", "regions"):
             raise ValueError(f"split={split!r}: expected 'nodes' or 'regions'")
-        if fold_stores and (split != "regions" or backend != "eager"):
-            raise ValueError("fold_stores=True needs split='regions' and backend='eager' (a compiler may "
-                             "reorder a copy into a graph input relative to the reads of that input)")
+        if fold_stores and split != "regions":
+            raise ValueError("fold_stores=True needs split='regions' (node by node, every store is a step "
+                             "of its own)")
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend={backend!r}: expected 'inductor' or 'eager'")
         self.gm = gm
@@ -395,6 +426,7 @@ class Executor:
                 args = [env[a] for a in r.inputs]
                 if check:
                     check_region_args(r, args)
+                held = dict(zip(r.held, map(env.__getitem__, r.held))) if r.deferred else None
                 for a in s.free:                    # the region holds the only reference now
                     del env[a]
                 if around_region is not None:
@@ -407,6 +439,9 @@ class Executor:
                     on_outputs(outs)
                 env.update(zip(r.outputs, outs))     # (a loop variable would keep the last one alive)
                 del outs
+                if held is not None:
+                    _run_deferred(r, env, held)
+                    del held
                 for o in s.dead:
                     del env[o]
                 continue
@@ -454,7 +489,8 @@ class Executor:
                 r = s.region
                 how = "eager" if (self.backend == "eager" or not r.compute) else self.backend
                 lines.append(f"region {r.index:3d} {len(r.nodes):4d} nodes  in {len(r.inputs):2d} out "
-                             f"{len(r.outputs):2d}  {how:8s} {r.key[:10]}")
+                             f"{len(r.outputs):2d}  {how:8s} {r.key[:10]}"
+                             + (f"  then {len(r.deferred)} stores into slots" if r.deferred else ""))
             elif s.kind is StepKind.MEM:
                 mem = gmeta.get(s.node, "mem")
                 lines.append(f"  mem  {mem.describe() if mem is not None else s.node.format_node()}")

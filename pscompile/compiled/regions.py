@@ -286,7 +286,9 @@ class Region:
     key: str = ""
     compute: bool = False
     fn: Callable[[list], Sequence[Any]] | None = None
-    effects: list[fx.Node] = field(default_factory=list)   # memory nodes run inside (eager regions)
+    effects: list[fx.Node] = field(default_factory=list)   # stores into device slots this region's step runs
+    deferred: list[fx.Node] = field(default_factory=list)  # those of them the executor runs after the region
+    held: list[fx.Node] = field(default_factory=list)      # what they read that the region does not make
 
 
 def boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:

@@ -1,0 +1,158 @@
+"""With no budget: pscompile compiled + Inductor against plain torch.compile + fused AdamW, interleaved.
+
+Nothing has to move when everything fits, so what is left is the executor's own cost: its memory
+nodes, the Python between compiled regions, the gradient copies into the chunks and the chunked
+optimizer step. For each GPT of ``bench/compare.py`` these systems train on the same batches, one
+step each in turn, round after round (so a slow spell of the machine hits every system alike):
+
+- ``plain PyTorch``: eager model, ``torch.optim.AdamW``;
+- ``plain torch.compile``: ``torch.compile(model)``, ``torch.optim.AdamW(fused=True)`` (the baseline);
+- ``compiled inductor``: ``pscompile.compile(..., Config(mode="compiled", backend="inductor"))``,
+  no ``device_memory``;
+- ``compiled eager``: the same with ``backend="eager"``.
+
+Per system: the median step time over the timed rounds, its ratio to plain torch.compile's, the
+forward+backward and optimizer times (pscompile's ``StepStats``; plain systems: timed around
+``backward`` and ``optimizer.step``), how many regions and memory nodes the executor ran per step,
+and the largest loss difference from plain PyTorch. The first ``--warmup`` rounds (compiles, the
+measuring step) are not timed.
+
+    python bench/no_budget.py [--quick] [--markdown] [--rounds 20] [--warmup 4] [--out bench/results/no_budget.json]
+
+Float32, one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import pscompile
+from pscompile.testing import call_model, extract_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import FULL, QUICK, batches, make_model  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "no_budget.json"
+BASELINE = "plain torch.compile"
+SYSTEMS = ("plain PyTorch", BASELINE, "compiled inductor", "compiled eager")
+
+
+class Plain:
+    """Plain PyTorch training (eager or torch.compile'd model), fp32 parameters as their own masters."""
+
+    def __init__(self, model: torch.nn.Module, compiled: bool):
+        self.model = torch.compile(model) if compiled else model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=compiled or None)
+        self.fwd_bwd_s = self.optimizer_s = 0.0
+
+    def step(self, batch) -> float:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = extract_loss(call_model(self.model, batch), batch, None)
+        loss.backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        self.fwd_bwd_s, self.optimizer_s = t1 - t0, time.perf_counter() - t1
+        return float(loss.detach())
+
+
+class Engine:
+    """A pscompile engine with no budget, read the same way."""
+
+    def __init__(self, model: torch.nn.Module, batch, backend: str):
+        self.engine = pscompile.compile(model, batch, config=pscompile.Config(
+            mode="compiled", backend=backend, device="cpu", dtype=torch.float32))
+        self.fwd_bwd_s = self.optimizer_s = 0.0
+
+    def step(self, batch) -> float:
+        loss = self.engine.step(batch)
+        st = self.engine.stats
+        self.fwd_bwd_s, self.optimizer_s = st.forward_s + st.backward_s, st.optimizer_s
+        return loss
+
+    def program(self) -> tuple[int, int]:
+        """(regions, memory nodes) the executor of the last step ran."""
+        ex = self.engine._executors[id(self.engine.schedule.gm)]
+        if ex.split != "regions":
+            return 0, sum(1 for s in ex._program if s.kind == "mem")
+        return ex.report.regions, ex.report.memory_nodes
+
+
+def run_size(n_layer: int, d: int, s: dict, rounds: int, warmup: int) -> list[dict]:
+    data = batches(s, 8)
+    systems = {
+        "plain PyTorch": Plain(make_model(n_layer, d, s), compiled=False),
+        BASELINE: Plain(make_model(n_layer, d, s), compiled=True),
+        "compiled inductor": Engine(make_model(n_layer, d, s), data[0], "inductor"),
+        "compiled eager": Engine(make_model(n_layer, d, s), data[0], "eager"),
+    }
+    times = {k: [] for k in systems}
+    parts = {k: [] for k in systems}
+    losses = {k: [] for k in systems}
+    for i in range(warmup + rounds):
+        b = data[i % len(data)]
+        for name, system in systems.items():
+            t = time.perf_counter()
+            losses[name].append(system.step(b))
+            dt = time.perf_counter() - t
+            if i >= warmup:
+                times[name].append(dt)
+                parts[name].append((system.fwd_bwd_s, system.optimizer_s))
+    base = statistics.median(times[BASELINE])
+    rows = []
+    for name, system in systems.items():
+        step = statistics.median(times[name])
+        regions, mem = system.program() if isinstance(system, Engine) else (None, None)
+        rows.append(dict(
+            size=[n_layer, d], params=sum(p.numel() for p in make_model(n_layer, d, s).parameters()),
+            system=name, step_s=step, vs_torch_compile=step / base,
+            fwd_bwd_s=statistics.median(p[0] for p in parts[name]),
+            optimizer_s=statistics.median(p[1] for p in parts[name]),
+            regions=regions, memory_nodes=mem,
+            max_dloss=max(abs(a - b) for a, b in zip(losses[name], losses["plain PyTorch"]))))
+    for system in systems.values():
+        if isinstance(system, Engine):
+            system.engine.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 20, quick 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed first rounds (default 4, quick 2)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    s = dict(QUICK if args.quick else FULL)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 20)
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 4)
+    rows = [r for n_layer, d in s["sizes"] for r in run_size(n_layer, d, s, rounds, warmup)]
+    table = [[f"L{r['size'][0]} d{r['size'][1]}", f"{r['params'] / 1e6:.1f}M", r["system"],
+              f"{r['step_s'] * 1e3:.1f}", f"{r['vs_torch_compile']:.3f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
+              f"{r['optimizer_s'] * 1e3:.1f}", "-" if r["regions"] is None else f"{r['regions']} / {r['memory_nodes']}",
+              f"{r['max_dloss']:.1e}"] for r in rows]
+    print(f"no budget, float32, one thread; median of {rounds} interleaved rounds after {warmup}")
+    print(tabulate(table, headers=["model", "params", "system", "step ms", "/ torch.compile", "fwd+bwd ms",
+                                   "optimizer ms", "regions / mem nodes", "max |dloss|"],
+                   tablefmt="github" if args.markdown else "simple"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(rounds=rounds, warmup=warmup, settings=s, rows=rows), indent=1))
+    bad = [r for r in rows if r["max_dloss"] > 1e-3]
+    if bad:
+        print("loss differs from plain PyTorch:", [(r["size"], r["system"], r["max_dloss"]) for r in bad])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
