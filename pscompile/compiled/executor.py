@@ -102,6 +102,11 @@ class NodeObserver(Protocol):
     def after(self, node: fx.Node) -> None: ...
 
 
+def _first_backward(nodes: Iterable[fx.Node]) -> fx.Node | None:
+    """The first node of phase "bwd" (where the backward starts), or None."""
+    return next((n for n in nodes if gmeta.get(n, "phase") == Phase.BWD), None)
+
+
 def _per_node(gm: fx.GraphModule) -> list[Step]:
     """One step per node, in graph order."""
     program = []
@@ -144,7 +149,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     region_of: dict[fx.Node, Region] = {}
     cur: Region | None = None
     defer = backend != "eager"
-    first_bwd = next((n for n in nodes if gmeta.get(n, "phase") == Phase.BWD), None)
+    first_bwd = _first_backward(nodes)
     moved = 0
     mem_count = 0
     for n in nodes:
@@ -391,7 +396,7 @@ class Executor:
                 device=device, fold=fold_stores)
         _release_plan(program, self.output_node)
         self._program = program
-        first_bwd = next((n for n in nodes if gmeta.get(n, "phase") == Phase.BWD), None)
+        first_bwd = _first_backward(nodes)
         self._first_bwd_step = next(
             (i for i, s in enumerate(program)
              if (s.kind is StepKind.REGION and first_bwd in s.region.nodes) or s.node is first_bwd), None)
