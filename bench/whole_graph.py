@@ -2,11 +2,11 @@
 
 ``lower_whole(gm)`` compiles a whole scheduled graph, memory ops included (they are
 ``torch.library`` custom ops with fake implementations; ``drop``/``wait`` are kept by
-``has_side_effect``). Two lowerings:
+``has_side_effect``). Three lowerings:
 
 - ``"functional"``: ``compile_fx``, which functionalizes the graph again. A mutating memory op
-  becomes ``auto_functionalized``: it writes a clone of the slot, copied back at the end where
-  Inductor cannot put it back in place, so later reads of the slot see old bytes.
+  becomes ``auto_functionalized``: where Inductor cannot put it back in place it writes a clone of
+  the slot, copied back later (memory the plan does not count).
 - ``"ordered"`` (the default): the graph is retraced with Inductor's decompositions but *not*
   functionalized (``make_fx``) and given to ``compile_fx_inner``, which tracks the mutations of
   graph inputs itself. One Inductor defect is worked around: a value computed lazily (a pointwise
@@ -33,6 +33,7 @@ import argparse
 import bisect
 import copy
 import operator
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -62,21 +63,19 @@ def _(values):
 
 
 fx.node.has_side_effect(torch.ops.pscompile_bench.realize.default)
-_LOWERED: list[bool] = []
 
 
 def _register_realize_lowering() -> None:
     """Inductor lowers the barrier by realizing its arguments (once per process, for this op only)."""
-    if _LOWERED:
+    from torch._inductor.lowering import lowerings, register_lowering
+    if torch.ops.pscompile_bench.realize.default in lowerings:
         return
-    from torch._inductor.lowering import register_lowering
 
     @register_lowering(torch.ops.pscompile_bench.realize.default, type_promotion_kind=None)
     def _lower(values):
         for v in values:
             v.realize()
         return None
-    _LOWERED.append(True)
 
 
 def _mutated_args(node: fx.Node) -> list[fx.Node]:
@@ -195,7 +194,7 @@ class WholeGraphReport:
 
 class WholeGraph:
     """The whole scheduled graph compiled by Inductor with the memory ops inside (experimental:
-    see the module docstring for the two lowerings). Memory ops run their own implementations
+    see the module docstring for the three lowerings). Memory ops run their own implementations
     (plain copies, synchronously), not the engine's accounting."""
 
     def __init__(self, gm: fx.GraphModule, *, lowering: str = "ordered", reorder_for_peak_memory: bool = True):
@@ -242,7 +241,7 @@ class WholeGraph:
             fn(*inputs)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return statistics.median(times)
 
     def run(self, inputs: Sequence[Any]) -> tuple:
         fn = self._compile(inputs)
@@ -364,7 +363,7 @@ def timing(whole: WholeGraph, inputs: Sequence[Any], model, batch, budget, *, st
             if i >= 3:
                 fb.append(st.forward_s + st.backward_s)
         engine.close()
-        t = sorted(fb)[len(fb) // 2]
+        t = statistics.median(fb)
         rows.append(f"engine, {backend} regions: {t * 1e3:.2f} ms per forward + backward "
                     f"(whole graph / this: {t_whole / t:.2f})")
     return "\n".join(rows)
