@@ -38,6 +38,32 @@ class GPTConfig:
         embed = self.vocab_size * d + self.seq_len * d  # wte (= lm_head) + wpe
         return embed + self.n_layer * block + ln  # + ln_f
 
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every parameter in ``GPT(self).named_parameters()`` order (the tied
+        LM head once), without building the model: for planning chunk layouts of models too large
+        to build even on the meta device quickly. tests/test_planner.py checks it against GPT."""
+        d, v = self.d_model, self.vocab_size
+        out = [("wte.weight", (v, d)), ("wpe.weight", (self.seq_len, d))]
+
+        def linear(name, n_in, n_out):
+            out.append((f"{name}.weight", (n_out, n_in)))
+            if self.bias:
+                out.append((f"{name}.bias", (n_out,)))
+
+        def norm(name):
+            out.append((f"{name}.weight", (d,)))
+            if self.bias:
+                out.append((f"{name}.bias", (d,)))
+        for i in range(self.n_layer):
+            norm(f"h.{i}.ln_1")
+            linear(f"h.{i}.attn.c_attn", d, 3 * d)
+            linear(f"h.{i}.attn.c_proj", d, d)
+            norm(f"h.{i}.ln_2")
+            linear(f"h.{i}.mlp.c_fc", d, 4 * d)
+            linear(f"h.{i}.mlp.c_proj", 4 * d, d)
+        norm("ln_f")
+        return out
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -148,7 +174,11 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "ps-15b": GPTConfig(n_layer=78, n_head=16, d_model=4096, vocab_size=50257, seq_len=1024),
     "ps-18b": GPTConfig(n_layer=90, n_head=16, d_model=4096, vocab_size=50257, seq_len=1024),
     "ps-20b": GPTConfig(n_layer=25, n_head=16, d_model=8192, vocab_size=50257, seq_len=1024),
+    "ps-30b": GPTConfig(n_layer=37, n_head=16, d_model=8192, vocab_size=50257, seq_len=1024),
     "ps-40b": GPTConfig(n_layer=50, n_head=16, d_model=8192, vocab_size=50257, seq_len=1024),
+    "ps-50b": GPTConfig(n_layer=62, n_head=16, d_model=8192, vocab_size=50257, seq_len=1024),
+    "ps-60b": GPTConfig(n_layer=75, n_head=16, d_model=8192, vocab_size=50257, seq_len=1024),
+    "ps-68b": GPTConfig(n_layer=66, n_head=16, d_model=9216, vocab_size=50257, seq_len=1024),
 }
 
 

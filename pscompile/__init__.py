@@ -11,8 +11,9 @@ from pscompile.errors import BudgetError, ScheduleError
 from pscompile.hooks.states import TensorState
 from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
 from pscompile.memory.tiers import Tier
+from pscompile.planner import Hardware, PlanReport, plan
 from pscompile.stats import StepStats
 
 __all__ = ["compile", "min_device_memory", "save", "load", "consolidate", "Config", "AdamW", "ParamGroup", "StepStats", "BudgetError", "ScheduleError", "ChunkLayout",
-           "build_layout", "search_chunk_size", "TensorState", "Tier"]
+           "build_layout", "search_chunk_size", "TensorState", "Tier", "plan", "Hardware", "PlanReport"]
 __version__ = "0.1.0"

@@ -353,3 +353,16 @@ def test_first_step_quick(tmp_path):
     assert all(r["first_step_s"] > 0 and r["second_step_s"] > 0 for r in rows), rows
     assert rows[0]["budget"] is None and rows[2]["budget"] > 0
     assert max(abs(r["first_loss"] - rows[0]["first_loss"]) for r in rows) < 1e-4
+
+
+def test_plan_check_quick(tmp_path):
+    """bench/plan_check.py --quick: the planner calibrated on this machine and compile agree on the
+    first step's bytes moved and peak, and both step times are real (no target on their ratio here)."""
+    out = tmp_path / "plan_check.json"
+    _run("plan_check.py", "--quick", "--steps", "3", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["fits"] and (r["planned_h2d"], r["planned_d2h"]) == (r["measured_h2d"], r["measured_d2h"])
+        assert r["measured_peak"] <= r["planned_peak"] <= r["budget"]
+        assert r["estimated_s"] > 0 and r["measured_s"] > 0

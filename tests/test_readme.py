@@ -2,7 +2,7 @@
 
 - every ```python block runs, in order, in one namespace (as a reader would paste them);
 - the first ```bash block is the two commands CI runs (``.ci/run`` reads them from the README);
-- ``python -m pscompile inspect ...`` as written in the README runs;
+- ``python -m pscompile inspect ...`` as written in the README runs, and its ``plan`` command (shrunk);
 - the example error message is the one ``compile`` raises for the quick-start model at 2 MiB.
 The benchmark commands run in their quick form in tests/test_bench_smoke.py, the train command in
 CI (the README's first command) and, short, in tests/test_cli.py.
@@ -71,6 +71,17 @@ def test_inspect_command_runs(tmp_path):
     r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "out" / "schedule.txt").exists()
+
+
+def test_plan_command_runs_with_its_flags(capsys):
+    """The README's ``plan`` command as written, its model shrunk to two layers of 256 by flags
+    appended after it (the full 12B plan takes over a minute: its numbers are in the README)."""
+    from pscompile.cli.main import main
+    (command,) = [line for b in _blocks("bash") for line in b.splitlines() if line.startswith("python -m pscompile plan")]
+    argv = shlex.split(command)[3:] + ["--layers", "2", "--hidden", "256", "--heads", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "static partition" in out
 
 
 def test_example_error_is_the_real_one():

@@ -1,7 +1,7 @@
 """Command line: ``python -m pscompile <command> [flags]``.
 
 Commands are registered in ``_COMMANDS`` (name -> add-arguments function, run function), one module
-each: ``train`` (``cli/train.py``), ``inspect`` (``cli/inspect.py``), ``bench`` (``cli/bench.py``).
+each: ``train`` (``cli/train.py``), ``inspect`` (``cli/inspect.py``), ``plan`` (``cli/plan.py``), ``bench`` (``cli/bench.py``).
 
 Exit codes: 0 success; 2 bad flags or configuration, including a device budget too small for
 the model (the one-line message says what would work); 130 interrupted.
@@ -15,6 +15,7 @@ from typing import Callable
 
 from pscompile.cli.bench import add_bench_arguments, bench_command
 from pscompile.cli.inspect import add_inspect_arguments, inspect_command
+from pscompile.cli.plan import add_plan_arguments, plan_command
 from pscompile.cli.train import add_train_arguments, train_command
 
 
@@ -23,6 +24,8 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
               add_train_arguments, train_command),
     "inspect": ("compile a GPT preset (compiled mode) and print and save its memory schedule",
                 add_inspect_arguments, inspect_command),
+    "plan": ("plan a GPT for a machine one does not have (fake tensors): fits?, chunks, bytes, time",
+             add_plan_arguments, plan_command),
     "bench": ("compare plain PyTorch, torch.compile, hooks and compiled mode on GPT (bench/compare.py)",
               add_bench_arguments, bench_command),
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LINK_PRESETS", "Rates", "calibrated_link", "measure_rates"]
+__all__ = ["LINK_PRESETS", "Rates", "best_of", "calibrated_link", "measure_rates"]
 
 # FLOP of compute per byte over the device<->host link, per accelerator: its dense 16-bit tensor
 # peak over its PCIe x16 bandwidth. ``link_bandwidth="v100"`` gives the CPU an emulated link with
@@ -47,7 +47,7 @@ class Rates:
         return f"{self.flops_per_s / 1e9:.1f} GFLOP/s compute, {self.link_bytes_per_s / 1e9:.2f} GB/s link"
 
 
-def _best_of(fn, repeats: int = 3) -> float:
+def best_of(fn, repeats: int = 3) -> float:
     fn()                                   # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -69,7 +69,7 @@ def measure_rates(device: torch.device | str, dtype: torch.dtype, link_bandwidth
     def matmul():
         torch.mm(a, b)
         sync()
-    flops = 2 * size ** 3 / _best_of(matmul)
+    flops = 2 * size ** 3 / best_of(matmul)
     if link_bandwidth is not None:
         return Rates(flops, float(link_bandwidth))
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
@@ -78,7 +78,7 @@ def measure_rates(device: torch.device | str, dtype: torch.dtype, link_bandwidth
     def copy():
         dst.copy_(src)
         sync()
-    return Rates(flops, copy_bytes / _best_of(copy))
+    return Rates(flops, copy_bytes / best_of(copy))
 
 
 def calibrated_link(preset: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:

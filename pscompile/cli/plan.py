@@ -1,0 +1,84 @@
+"""``python -m pscompile plan``: does a GPT train on a machine, how fast, with what settings.
+
+Plans on fake tensors (nothing is allocated, no GPU is needed) through ``pscompile.plan``; with
+``--search`` finds the largest depth, width or batch that fits. A machine is a preset
+(``--hardware``) with any of its sizes overridden. GPU memory is read as vendors state it: "32GB"
+on a V100 is 32 GiB (``--gpu-memory 32GB`` = 32 GiB); CPU memory and disk sizes are read as
+written ("240GB" = 240 * 10^9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from pscompile.config import Config
+from pscompile.models.gpt import GPTConfig
+from pscompile.planner import HARDWARE, hardware_preset, plan, search
+from pscompile.planner.search import DIMENSIONS
+from pscompile.units import parse_size
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def gpu_size(text: str) -> int:
+    """A GPU memory size as vendors state it: decimal units read as binary ("32GB" = 32 GiB)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT])[bB]\s*", text)
+    return parse_size(f"{m.group(1)}{m.group(2).upper()}iB" if m else text, "gpu_memory")
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt", choices=("gpt",), help="model family (GPT, nanoGPT style)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=60)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8, help="per GPU")
+    p.add_argument("--hardware", default="yard", choices=sorted(HARDWARE),
+                   help="a preset machine; the flags below override its sizes")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs of the node to use (ZeRO over them)")
+    p.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 32GB (vendor GB: GiB)")
+    p.add_argument("--cpu-memory", default=None, help="the node's, e.g. 240GB")
+    p.add_argument("--disk", default=None, help="disk for optimizer states, e.g. 2TB")
+    p.add_argument("--dtype", default="float16", choices=sorted(_DTYPES))
+    p.add_argument("--activations", default="auto", choices=("auto", "keep", "recompute", "offload"))
+    p.add_argument("--chunk-size", default="auto", help="elements per chunk, or auto")
+    p.add_argument("--search", default=None, choices=DIMENSIONS,
+                   help="the largest depth (layers), width (hidden, steps of 256) or batch that fits")
+    p.add_argument("--min-tflops", type=float, default=0.0, help="--search: estimated TFLOP/s per GPU bar")
+    p.add_argument("--json", default=None, help="also write the report(s) here")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    hw = hardware_preset(args.hardware).with_(gpus=args.gpus, cpu_memory=args.cpu_memory, disk=args.disk,
+                                              gpu_memory=None if args.gpu_memory is None else gpu_size(args.gpu_memory))
+    chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)
+    config = Config(device="cpu", dtype=_DTYPES[args.dtype], activations=args.activations, chunk_size=chunk)
+    cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.hidden, vocab_size=args.vocab,
+                    seq_len=args.seq)
+    if args.search is None:
+        report = plan(cfg, (args.batch, args.seq), hardware=hw, config=config)
+        print(report.format())
+        out = report.as_dict()
+    else:
+        def progress(v, r):
+            print(f"  {args.search} {v}: {r.params / 1e9:.2f}B parameters, "
+                  f"{'fits' if r.fits else 'does not fit'}, {r.tflops_per_gpu:.1f} TFLOP/s per GPU "
+                  f"({r.plan_s:.0f} s)", flush=True)
+        res = search(cfg, (args.batch, args.seq), dimension=args.search, hardware=hw, config=config,
+                     min_tflops=args.min_tflops, on_plan=progress)
+        if res.report is None:
+            print(f"not even the smallest {args.search} fits on {hw.describe()}")
+        else:
+            print(f"largest {args.search}: {res.value}")
+            print(res.report.format())
+        out = {"dimension": res.dimension, "value": res.value, "tried": res.tried,
+               "report": None if res.report is None else res.report.as_dict()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0

@@ -1,0 +1,145 @@
+"""``plan``: does a model train on a machine, how fast, with what settings, without the machine.
+
+The same code path as ``compile`` with fake tensors: ``pipeline.plan_inputs`` captures the
+iteration (the model may be on the meta device; nothing is allocated) and picks the layout as the
+compiled engine would; ``pipeline.plan_at_budget`` chooses the activation policy (with the
+machine's compute and link rates, not this one's) and builds and verifies the schedule of one GPU
+(rank 0 of a ZeRO run over the node's GPUs). Then the host and disk tiers are checked as the
+engine checks them, the cost model (``planner/cost.py``) estimates the iteration, and the
+static-partition baseline is planned from the same capture.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pscompile.config import Config
+from pscompile.errors import BudgetError
+from pscompile.graph.pipeline import choose_activations, plan_at_budget, plan_inputs
+from pscompile.memory.rates import Rates
+from pscompile.models.gpt import GPT, GPTConfig
+from pscompile.planner.cost import estimate, graph_flops
+from pscompile.planner.hardware import Hardware, hardware_preset
+from pscompile.planner.report import Baseline, PlanReport
+from pscompile.units import format_bytes
+
+__all__ = ["plan", "gpt_on_meta", "token_batch", "BASELINE_HOST_BYTES_PER_PARAM"]
+
+# ZeRO-Offload's host: compute-dtype gradients (2) + fp32 master, exp_avg, exp_avg_sq (12)
+BASELINE_HOST_BYTES_PER_PARAM = 14
+
+
+def gpt_on_meta(cfg: GPTConfig) -> GPT:
+    """The GPT of ``cfg`` with its parameters on the meta device (no memory)."""
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def token_batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of zeros: the planner reads only their shapes."""
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    return ids, ids
+
+
+def _resolve(model: nn.Module | GPTConfig, batch: Any) -> tuple[nn.Module, Any, str, str]:
+    if isinstance(model, GPTConfig):
+        if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(x, int) for x in batch)):
+            raise ValueError(f"batch={batch!r}: with a GPTConfig give the batch shape (batch, seq), e.g. (8, 1024)")
+        if batch[1] > model.seq_len:
+            raise ValueError(f"batch={batch!r}: seq {batch[1]} > the model's seq_len {model.seq_len}")
+        name = f"GPT d{model.d_model} L{model.n_layer} h{model.n_head} vocab {model.vocab_size}"
+        return gpt_on_meta(model), token_batch(*batch), name, f"{batch[0]} x {batch[1]}"
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__}: give an nn.Module (on the meta device is best) or a GPTConfig")
+    shapes = [tuple(t.shape) for t in (batch if isinstance(batch, (tuple, list)) else [batch])
+              if isinstance(t, torch.Tensor)]
+    return model, batch, type(model).__name__, " ".join(str(s) for s in shapes)
+
+
+def _config(config: Config | None, hw: Hardware) -> Config:
+    base = config or Config(device="cpu", dtype=torch.float16)
+    return replace(base, device="cpu", device_memory=hw.device_budget, host_memory=hw.host_budget,
+                   link_bandwidth=None, process_group=None, disk_dir=None)
+
+
+def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str = "yard",
+         config: Config | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> PlanReport:
+    """Plan ``model`` on ``batch`` (per GPU) for ``hardware`` (a ``Hardware`` or a preset name of
+    ``planner.hardware.HARDWARE``) as compiled mode would, with ``config``'s dtype, chunk size,
+    activation policy, planner and collectives (its device, budgets and link are the hardware's).
+    ``model``: an ``nn.Module`` (build it under ``torch.device("meta")``) with an example batch,
+    or a ``GPTConfig`` with the batch shape ``(batch, seq)``. Never raises for a model that does
+    not fit: the report says where it overflows."""
+    t0 = time.perf_counter()
+    hw = hardware_preset(hardware) if isinstance(hardware, str) else hardware
+    module, batch, name, batch_desc = _resolve(model, batch)
+    cfg = _config(config, hw)
+    world = hw.gpus
+    per_chunk = cfg.collectives == "per_chunk" and world > 1
+    elsize = torch.empty((), dtype=cfg.dtype).element_size()
+    layout, analyzed = plan_inputs(module, batch, cfg, world=world, per_chunk=per_chunk, loss_fn=loss_fn)
+    params = layout.total_numel
+    slot = layout.chunk_size * elsize
+    model_flops = graph_flops(analyzed.captured.gm)
+    rates = Rates(hw.peak_flops * hw.efficiency, hw.pcie)
+
+    # the host and disk tiers, as the engine checks them (runtime/engine.py)
+    owned = layout.num_chunks * (layout.chunk_size // world)
+    host_need = owned * (elsize + 12)
+    disk_budget = (hw.disk or 0) // world
+    disk_bytes, overflow = 0, []
+    if host_need > hw.host_budget:
+        disk_bytes = host_need - hw.host_budget
+        if hw.disk is None or disk_bytes > disk_budget or owned * elsize > hw.host_budget:
+            overflow.append(f"CPU memory: the chunks need {format_bytes(host_need)} per GPU "
+                            f"({owned / 1e9:.2f}B elements x {elsize + 12} bytes) > its share "
+                            f"{format_bytes(hw.host_budget)}" + ("" if hw.disk is None else
+                                                                 f" and the disk's {format_bytes(disk_budget)}"))
+    host_room = max(0, hw.host_budget - host_need)
+
+    scheduled, minimum = None, None
+    try:
+        scheduled = plan_at_budget(analyzed, layout, budget=hw.device_budget, dtype=cfg.dtype, world=world,
+                                   per_chunk=per_chunk, activations=cfg.activations, rates=rates,
+                                   host_room=host_room, planner=cfg.planner)
+    except BudgetError as e:
+        minimum = e.minimum
+        overflow.insert(0, f"GPU memory: {' '.join(str(e).split())[:300]}")
+
+    # the static partition, from the same capture (every activation segment recomputed)
+    rec = choose_activations(analyzed, layout, policy="recompute", budget=None, slot_bytes=slot)
+    baseline = Baseline(device_bytes=params * elsize + max(rec.nonmodel),
+                        host_bytes=params * BASELINE_HOST_BYTES_PER_PARAM,
+                        device_budget=hw.device_budget, host_budget=hw.cpu_memory)
+
+    common = dict(model=name, hardware=hw.describe(), params=params, gpus=world, batch=batch_desc,
+                  dtype=str(cfg.dtype).replace("torch.", ""), device_budget=hw.device_budget,
+                  host_budget=hw.host_budget, disk_budget=disk_budget, chunk_size=layout.chunk_size,
+                  num_chunks=layout.num_chunks, utilisation=layout.utilisation,
+                  baseline_fits=baseline.fits, baseline_detail=baseline.why_not(),
+                  baseline_device_bytes=baseline.device_bytes, baseline_host_bytes=baseline.host_bytes,
+                  min_device_memory=minimum)
+    if scheduled is None:
+        return PlanReport(fits=False, overflow="; ".join(overflow), device_model_bytes=0,
+                          host_model_bytes=min(host_need, hw.host_budget), disk_model_bytes=disk_bytes,
+                          activations="", peak_device_bytes=0, h2d_bytes=0, d2h_bytes=0, offload_bytes=0,
+                          allgather_bytes=0, reduce_scatter_bytes=0, compute_s=0.0, iteration_s=0.0,
+                          optimizer_s=0.0, tflops_per_gpu=0.0, plan_s=time.perf_counter() - t0, **common)
+    p = scheduled.plan
+    device_states = len(scheduled.os_device) * layout.chunk_size
+    cost = estimate(scheduled, hw, model_flops=model_flops, host_params=owned - device_states,
+                    device_params=device_states)
+    acts = scheduled.activations.describe() if scheduled.activations is not None else "activations kept"
+    return PlanReport(fits=not overflow, overflow="; ".join(overflow),
+                      device_model_bytes=p.num_slots * p.slot_bytes + device_states * 12,
+                      host_model_bytes=min(host_need, hw.host_budget) - device_states * 12,
+                      disk_model_bytes=disk_bytes, activations=acts, peak_device_bytes=p.peak_device_bytes,
+                      h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, offload_bytes=scheduled.offload_bytes,
+                      allgather_bytes=p.allgather_bytes, reduce_scatter_bytes=p.reduce_scatter_bytes,
+                      compute_s=cost.compute_s, iteration_s=cost.iteration_s, optimizer_s=cost.optimizer_s,
+                      tflops_per_gpu=cost.tflops, plan_s=time.perf_counter() - t0, **common)
