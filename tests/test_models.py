@@ -106,7 +106,8 @@ def test_big_preset_num_params_ballpark():
     for name in GPT_PRESETS:
         if name.startswith("ps-"):
             nominal = float(name[3:-1]) * 1e9
-            assert nominal <= gpt_config(name).num_params() < 1.2 * nominal, name
+            # within 1% below (ps-68b: the paper's 66 x 9216 is 67.7B) to 20% above the nominal size
+            assert 0.99 * nominal <= gpt_config(name).num_params() < 1.2 * nominal, name
 
 
 # ---- semantics -------------------------------------------------------------
