@@ -244,5 +244,5 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
         emit(a)
     graph.output((env[loss_node],))
     graph.lint()
-    out = fx.GraphModule(gm, graph)
+    out = gmeta.graph_module(gm, graph)
     return out

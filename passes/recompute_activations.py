@@ -328,5 +328,5 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     for old, new in val_map.items():
         new.meta = {k: v for k, v in old.meta.items() if k != graph_meta.KEY}
     graph._codegen = gm.graph._codegen
-    new_gm = fx.GraphModule(gm, graph)
+    new_gm = graph_meta.graph_module(gm, graph)
     return new_gm

@@ -125,6 +125,34 @@ def test_the_cost_model_charges_what_the_schedule_moves():
     assert slow.forward_backward_s <= fast.compute_s + (p.h2d_bytes + p.d2h_bytes) / 1e6 + 1e-9
 
 
+def test_the_steady_state_charges_the_chunks_fetched_ahead_once():
+    """A step that fetches the next one's first chunks after their update, and starts with them in
+    flight (one GPU, float32): walking it, the host->device engine carries exactly the bytes the
+    plan counts (its own fetches and those ahead), each once; with loss scaling (float16) there
+    is no such step and the two estimates are one."""
+    from pscompile.graph.pipeline import plan_at_budget, plan_inputs
+    batch = make_batches("gpt", 1)[0]
+    torch.manual_seed(0)
+    least = pscompile.min_device_memory(GPT(gpt_config("gpt-tiny")), batch, _config())
+    budget = int(least * 1.25)
+    with torch.device("meta"):
+        meta = GPT(gpt_config("gpt-tiny"))
+    layout, analyzed = plan_inputs(meta, batch, _config(device_memory=budget))
+    kw = dict(budget=budget, dtype=torch.float32, activations="recompute")
+    first = plan_at_budget(analyzed, layout, lookahead=True, plan_only=True, **kw)
+    assert first.lookahead is not None and first.lookahead.fetches, "no chunk fetched ahead: proves nothing"
+    steady = plan_at_budget(analyzed, layout, lookahead=True, start=dict(first.lookahead.fetches), plan_only=True,
+                            **kw)
+    hw = dataclasses.replace(_machine(budget), pcie=1e6)
+    cost = estimate(steady, hw, model_flops=1, host_params=layout.total_numel, device_params=0)
+    assert cost.h2d_s * 1e6 == pytest.approx(steady.plan.h2d_bytes, rel=1e-9)
+    assert cost.forward_backward_s >= cost.compute_s > 0
+    report = plan(TINY, (2, 64), hardware=_machine(8 << 20), config=_config())
+    assert report.first_iteration_s > 0 and report.iteration_s > 0
+    half = plan(TINY, (2, 64), hardware=_machine(8 << 20), config=dataclasses.replace(_config(), dtype=torch.float16))
+    assert half.iteration_s == half.first_iteration_s
+
+
 def test_plan_command_prints_the_report(capsys):
     rc = cli_main(["plan", "--hidden", "64", "--layers", "2", "--heads", "2", "--vocab", "256", "--seq", "64",
                    "--batch", "2", "--hardware", "pc700", "--dtype", "float32"])

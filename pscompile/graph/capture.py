@@ -33,6 +33,7 @@ import re
 import time
 import traceback
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from pscompile.graph import meta as graph_meta
 from pscompile.graph.checkpoints import fold_recomputation
 from pscompile.runtime.batching import LossFn, extract_loss
 
@@ -92,6 +94,20 @@ class CapturedGraph:
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    # Read once per capture, on first use, which comes after the analysis passes annotated the
+    # graph (``pipeline.capture_and_analyze``); a rewritten graph is a new CapturedGraph. Planning
+    # reads them for every layout and budget it weighs.
+    @cached_property
+    def param_reads(self) -> tuple[tuple[str, ...], ...]:
+        """Per node, the fqns of the parameters it reads (its ``reads`` metadata)."""
+        return tuple(tuple(graph_meta.get(n, "reads", ())) for n in self.gm.graph.nodes)
+
+    @cached_property
+    def executed(self) -> tuple[bool, ...]:
+        """Per node, whether it executes at its place in a scheduled graph (parameter views are
+        rebuilt right before each reader; the output runs nothing)."""
+        return tuple(n.op != "output" and graph_meta.get(n, "param") is None for n in self.gm.graph.nodes)
 
     def flatten_batch(self, batch: Any) -> list[torch.Tensor]:
         """The batch's tensor leaves, in placeholder order; raises ``ValueError`` if the batch does

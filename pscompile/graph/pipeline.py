@@ -195,8 +195,7 @@ def with_gathers(curve: Sequence[int], captured: CapturedGraph,
     runs while the copy made right before it is live (once per tensor it reads)."""
     if not gathers:
         return tuple(curve)
-    return tuple(b + sum(gathers.get(f, 0) for f in set(get(n, "reads", ())))
-                 for b, n in zip(curve, captured.gm.graph.nodes))
+    return tuple(b + sum(gathers.get(f, 0) for f in set(fqns)) for b, fqns in zip(curve, captured.param_reads))
 
 
 def grad_stores(entry, elsize: int) -> list[GradStore]:
@@ -479,7 +478,7 @@ def node_windows(captured: CapturedGraph, nonmodel: Sequence[int]) -> tuple[int,
 def executed_nodes(captured: CapturedGraph) -> list[bool]:
     """Per node of the captured graph, whether it executes at its place in a scheduled graph
     (parameter views are rebuilt right before each reader; the output runs nothing)."""
-    return [n.op != "output" and get(n, "param") is None for n in captured.gm.graph.nodes]
+    return list(captured.executed)
 
 
 def node_reads(captured: CapturedGraph, layout: ChunkLayout, *,
@@ -491,10 +490,13 @@ def node_reads(captured: CapturedGraph, layout: ChunkLayout, *,
     (they are reduce-scattered then), so it counts as read by every node from its first gradient
     store to its last."""
     reads = []
-    for n in captured.gm.graph.nodes:
+    chunks_of: dict[str, tuple[int, ...]] = {}
+    for fqns in captured.param_reads:
         chunks: list[int] = []
-        for fqn in get(n, "reads", ()):
-            for c in layout.entry(fqn).chunks:
+        for fqn in fqns:
+            if fqn not in chunks_of:
+                chunks_of[fqn] = tuple(layout.entry(fqn).chunks)
+            for c in chunks_of[fqn]:
                 if c not in chunks:
                     chunks.append(c)
         reads.append(chunks)
@@ -579,7 +581,8 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
                        num_fetches=plan.num_fetches + len(fetched_ahead.fetches))
     if plan_only:
         return Scheduled(captured, plan, None, nonmodel, measured, tuple(passes.timings), kind, os_dev,
-                         analyzed.activations, analyzed.activations.offload_bytes if analyzed.activations else 0)
+                         analyzed.activations, analyzed.activations.offload_bytes if analyzed.activations else 0,
+                         fetched_ahead)
     gm = passes.run("insert_memory_ops", lambda: insert_memory_ops(
         captured.gm, plan, layout, param_fqns=captured.param_fqns, grad_fqns=captured.grad_fqns,
         compute_dtype=dtype, nonmodel=nonmodel, world=memory.world, rank=memory.rank,
@@ -711,12 +714,15 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
                    world: int = 1, rank: int = 0, per_chunk: bool = False, activations: str | None = None,
                    variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
                    host_room: int | None = None, plan_only: bool = False, planner: str = "belady",
-                   measured: bool | None = None) -> Scheduled:
+                   measured: bool | None = None, lookahead: bool = False,
+                   start: Mapping[int, int] | None = None) -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: the activation
     policy's choice for the budget (``activations``: a ``Config.activations`` value; None plans
     ``analyzed`` as it is; ``variants`` as in ``choose_activations``), optimizer states placed by
     ``optim.placement`` for the curve's peak (on the host with ZeRO), then ``build_schedule``.
-    ``measured`` (default: whether ``nonmodel`` was given) plans as after the measuring step."""
+    ``measured`` (default: whether ``nonmodel`` was given) plans as after the measuring step;
+    ``lookahead`` and ``start`` as in ``build_schedule`` (a training step of one rank that fetches
+    the next step's first chunks after their update, and the step that starts with them)."""
     if activations is not None:
         slot = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
         analyzed = choose_activations(analyzed, layout, policy=activations, budget=budget, slot_bytes=slot,
@@ -731,7 +737,8 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
                           per_chunk=per_chunk)
     measured = nonmodel is not analyzed.nonmodel if measured is None else measured
     return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
-                          measured=measured, plan_only=plan_only, planner=planner)
+                          measured=measured, plan_only=plan_only, planner=planner, lookahead=lookahead,
+                          start=start)
 
 
 def describe_node(node: fx.Node) -> str:

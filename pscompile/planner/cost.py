@@ -14,6 +14,9 @@ Walk the captured graph in order with a compute clock and one clock per copy dir
 - ZeRO collectives move their ``comm_bytes`` at ``interconnect`` on their own clock, the rank's
   own shard over PCIe; an activation offload or reload is a copy that compute does not wait for
   until the saved value's next use (offloads run one ahead);
+- a step that starts with chunks in flight (the previous step fetched them after their update,
+  ``plan_lookahead``) has them on the host->device engine from its start; the fetches it issues
+  ahead itself are the next step's (the steady state);
 - the iteration ends when compute and every copy are done, then the optimizer runs: the chunks
   whose optimizer states live on the host at ``cpu_bandwidth`` (shared by the node's GPUs), the
   rest at ``memory_bandwidth``, ``ADAM_BYTES_PER_PARAM`` bytes per parameter.
@@ -116,65 +119,97 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
     for a in plan.actions:
         by_node.setdefault(a.before, []).append(a)
 
-    t = h2d = d2h = comm = 0.0
-    busy = {"h2d": 0.0, "d2h": 0.0, "comm": 0.0}
-    pending: dict[tuple, float] = {}      # an asynchronous action's landing time, until its WAIT
-    copy_ready: dict[str, float] = {}     # activation copies: name of the saved value -> landing time
-
-    def on_link(direction: str, start: float, nbytes: int) -> float:
-        nonlocal h2d, d2h
-        dur = nbytes / hw.pcie
-        busy[direction] += dur
-        if direction == "h2d":
-            h2d = max(h2d, start) + dur
-            return h2d
-        d2h = max(d2h, start) + dur
-        return d2h
-
-    def collective(start: float, nbytes: int) -> float:
-        nonlocal comm
-        dur = nbytes / hw.interconnect
-        busy["comm"] += dur
-        comm = max(comm, start) + dur
-        return comm
-
-    for i in range(len(nodes) + 1):
-        for a in by_node.get(i, ()):
-            key = (a.chunk, a.grad is not None)
-            if a.kind == MemKind.WAIT:
-                t = max(t, pending.pop(key, t))
-                continue
-            if a.kind in (MemKind.FETCH,):
-                end = on_link("h2d", t, a.nbytes)
-            elif a.kind in (MemKind.WRITEBACK, MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD):
-                end = on_link("d2h", t, a.nbytes) if a.nbytes else t
-            elif a.kind in (MemKind.ALLGATHER, MemKind.BROADCAST):
-                end = max(on_link("h2d", t, a.nbytes) if a.nbytes else t, collective(t, a.comm_bytes))
-            elif a.kind.reduces:
-                end = collective(t, a.comm_bytes)
-                end = on_link("d2h", end, a.nbytes) if a.nbytes else end
-            else:                      # DROP, RELEASE_REMOTE: no bytes
-                continue
-            if a.asynchronous:
-                pending[key] = max(pending.get(key, 0.0), end)
-            else:
-                t = end
-        if i == len(nodes):
-            break
-        n = nodes[i]
-        if is_activation_node(n):
-            val = n.meta.get("val")
-            nbytes = sum(_nbytes(x) for x in _tensors(val)) if not is_offload(n) else \
-                sum(_nbytes(x) for a in n.all_input_nodes for x in _tensors(a.meta.get("val")))
-            copy_ready[n.name] = on_link("d2h" if is_offload(n) else "h2d", t, nbytes)
-            continue
-        for a in n.all_input_nodes:          # a reloaded value must have landed before its use
-            if a.name in copy_ready and not is_offload(a):
-                t = max(t, copy_ready.pop(a.name))
-        t += costs[i]
-    end = max([t, h2d, d2h, comm] + list(pending.values()) + list(copy_ready.values()))
     shared = hw.gpus                       # the node's GPUs share its host memory bandwidth
     optimizer = host_params * ADAM_BYTES_PER_PARAM * shared / hw.cpu_bandwidth + \
         device_params * ADAM_BYTES_PER_PARAM / hw.memory_bandwidth
+    # Fetches for the next step (``plan_lookahead``): when the backward's compute ends the host
+    # updates those chunks first, each once its gradient has landed, and fetches each as soon as
+    # it is updated; the step ends with its optimizer,
+    # and the next one starts with what has not landed yet. A step that starts with chunks in
+    # flight is walked twice: first as if they had landed, then with what that first walk left
+    # in flight at its end (the steady state: the previous step was this one).
+    ahead = scheduled.lookahead.chunks if scheduled.lookahead is not None else ()
+    elsize = torch.empty((), dtype=captured.param_dtype or torch.float32).element_size()
+    update_s = plan.slot_bytes / elsize * ADAM_BYTES_PER_PARAM * shared / hw.cpu_bandwidth
+    arriving: list[int] = []               # chunks the step waits for without fetching them
+    fetched: set[int] = set()
+    for a in sorted(plan.actions, key=lambda a: a.before):
+        if a.grad is None and a.kind == MemKind.FETCH:
+            fetched.add(a.chunk)
+        elif a.grad is None and a.kind == MemKind.WAIT and a.chunk not in fetched and a.chunk not in arriving:
+            arriving.append(a.chunk)
+
+    def walk(lands: dict[int, float], h2d_free: float):
+        t, h2d, d2h, comm = 0.0, h2d_free, 0.0, 0.0
+        busy = {"h2d": 0.0, "d2h": 0.0, "comm": 0.0}
+        pending = {(c, False): at for c, at in lands.items()}   # an asynchronous action's landing, until its WAIT
+        copy_ready: dict[str, float] = {}  # activation copies: name of the saved value -> landing time
+        grads: dict[int, float] = {}       # a chunk fetched ahead -> when its last gradient landed
+
+        def on_link(direction: str, start: float, nbytes: int) -> float:
+            nonlocal h2d, d2h
+            dur = nbytes / hw.pcie
+            busy[direction] += dur
+            if direction == "h2d":
+                h2d = max(h2d, start) + dur
+                return h2d
+            d2h = max(d2h, start) + dur
+            return d2h
+
+        def collective(start: float, nbytes: int) -> float:
+            nonlocal comm
+            dur = nbytes / hw.interconnect
+            busy["comm"] += dur
+            comm = max(comm, start) + dur
+            return comm
+
+        for i in range(len(nodes) + 1):
+            for a in by_node.get(i, ()):
+                key = (a.chunk, a.grad is not None)
+                if a.kind == MemKind.WAIT:
+                    t = max(t, pending.pop(key, t))
+                    continue
+                if a.kind in (MemKind.FETCH,):
+                    end = on_link("h2d", t, a.nbytes)
+                elif a.kind in (MemKind.WRITEBACK, MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD):
+                    end = on_link("d2h", t, a.nbytes) if a.nbytes else t
+                elif a.kind in (MemKind.ALLGATHER, MemKind.BROADCAST):
+                    end = max(on_link("h2d", t, a.nbytes) if a.nbytes else t, collective(t, a.comm_bytes))
+                elif a.kind.reduces:
+                    end = collective(t, a.comm_bytes)
+                    end = on_link("d2h", end, a.nbytes) if a.nbytes else end
+                else:                      # DROP, RELEASE_REMOTE: no bytes
+                    continue
+                if a.asynchronous:
+                    pending[key] = max(pending.get(key, 0.0), end)
+                else:
+                    t = end
+                if a.kind == MemKind.STORE_GRAD and a.chunk in ahead:
+                    grads[a.chunk] = max(grads.get(a.chunk, 0.0), end)
+            if i == len(nodes):
+                break
+            n = nodes[i]
+            if is_activation_node(n):
+                val = n.meta.get("val")
+                nbytes = sum(_nbytes(x) for x in _tensors(val)) if not is_offload(n) else \
+                    sum(_nbytes(x) for a in n.all_input_nodes for x in _tensors(a.meta.get("val")))
+                copy_ready[n.name] = on_link("d2h" if is_offload(n) else "h2d", t, nbytes)
+                continue
+            for a in n.all_input_nodes:          # a reloaded value must have landed before its use
+                if a.name in copy_ready and not is_offload(a):
+                    t = max(t, copy_ready.pop(a.name))
+            t += costs[i]
+        end = max([t, h2d, d2h, comm] + list(pending.values()) + list(copy_ready.values()))
+        landed, updated = {}, t               # updates start when compute ends, each once its gradient landed
+        for c in ahead:
+            updated = max(updated, grads.get(c, t)) + update_s
+            landed[c] = on_link("h2d", updated, plan.slot_bytes)
+        return end, landed, busy
+
+    end, landed, busy = walk({c: 0.0 for c in arriving}, 0.0)
+    if arriving and ahead:
+        step = end + optimizer
+        left = {c: max(0.0, landed.get(c, 0.0) - step) for c in arriving}
+        end, _, busy = walk(left, max([0.0] + [at - step for at in landed.values()]))
     return Cost(compute_s=sum(costs), forward_backward_s=end, optimizer_s=optimizer, h2d_s=busy["h2d"],
                 d2h_s=busy["d2h"], collective_s=busy["comm"], model_flops=model_flops)

@@ -102,14 +102,24 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
                                                                  f" and the disk's {format_bytes(disk_budget)}"))
     host_room = max(0, hw.host_budget - host_need)
 
-    scheduled, minimum = None, None
+    scheduled, steady, minimum = None, None, None
+    variants: dict = {}
+    at_budget = dict(budget=hw.device_budget, dtype=cfg.dtype, world=world, per_chunk=per_chunk,
+                     activations=cfg.activations, rates=rates, host_room=host_room, planner=cfg.planner,
+                     variants=variants)
     try:
-        scheduled = plan_at_budget(analyzed, layout, budget=hw.device_budget, dtype=cfg.dtype, world=world,
-                                   per_chunk=per_chunk, activations=cfg.activations, rates=rates,
-                                   host_room=host_room, planner=cfg.planner)
+        scheduled = plan_at_budget(analyzed, layout, **at_budget)
     except BudgetError as e:
         minimum = e.minimum
         overflow.insert(0, f"GPU memory: {' '.join(str(e).split())[:300]}")
+    if scheduled is not None and world == 1 and cfg.dtype != torch.float16 and not cfg.lock_free and not disk_bytes:
+        # the steady state, as the engine runs it from its third step (compiled/engine.py,
+        # ``_overlaps_update``: one GPU, no loss scaling, no lock-free or disk optimizer states):
+        # each step fetches the next one's first chunks after their update, and starts with them
+        ahead = plan_at_budget(analyzed, layout, lookahead=True, plan_only=True, **at_budget).lookahead
+        if ahead is not None and ahead.fetches:
+            steady = plan_at_budget(analyzed, layout, lookahead=True, start=dict(ahead.fetches), plan_only=True,
+                                    **at_budget)
 
     # the static partition, from the same capture (every activation segment recomputed)
     rec = choose_activations(analyzed, layout, policy="recompute", budget=None, slot_bytes=slot)
@@ -129,11 +139,14 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
                           host_model_bytes=min(host_need, hw.host_budget), disk_model_bytes=disk_bytes,
                           activations="", peak_device_bytes=0, h2d_bytes=0, d2h_bytes=0, offload_bytes=0,
                           allgather_bytes=0, reduce_scatter_bytes=0, compute_s=0.0, iteration_s=0.0,
-                          optimizer_s=0.0, tflops_per_gpu=0.0, plan_s=time.perf_counter() - t0, **common)
+                          optimizer_s=0.0, first_iteration_s=0.0, tflops_per_gpu=0.0,
+                          plan_s=time.perf_counter() - t0, **common)
     p = scheduled.plan
     device_states = len(scheduled.os_device) * layout.chunk_size
-    cost = estimate(scheduled, hw, model_flops=model_flops, host_params=owned - device_states,
-                    device_params=device_states)
+    first = estimate(scheduled, hw, model_flops=model_flops, host_params=owned - device_states,
+                     device_params=device_states)
+    cost = first if steady is None else estimate(steady, hw, model_flops=model_flops,
+                                                 host_params=owned - device_states, device_params=device_states)
     acts = scheduled.activations.describe() if scheduled.activations is not None else "activations kept"
     return PlanReport(fits=not overflow, overflow="; ".join(overflow),
                       device_model_bytes=p.num_slots * p.slot_bytes + device_states * 12,
@@ -142,4 +155,5 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
                       h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, offload_bytes=scheduled.offload_bytes,
                       allgather_bytes=p.allgather_bytes, reduce_scatter_bytes=p.reduce_scatter_bytes,
                       compute_s=cost.compute_s, iteration_s=cost.iteration_s, optimizer_s=cost.optimizer_s,
+                      first_iteration_s=first.iteration_s,
                       tflops_per_gpu=cost.tflops, plan_s=time.perf_counter() - t0, **common)
