@@ -14,9 +14,11 @@ Walk the captured graph in order with a compute clock and one clock per copy dir
 - ZeRO collectives move their ``comm_bytes`` at ``interconnect`` on their own clock, the rank's
   own shard over PCIe; an activation offload or reload is a copy that compute does not wait for
   until the saved value's next use (offloads run one ahead);
-- a step that starts with chunks in flight (the previous step fetched them after their update,
-  ``plan_lookahead``) has them on the host->device engine from its start; the fetches it issues
-  ahead itself are the next step's (the steady state);
+- fetches for the next step (``plan_lookahead``) start when compute ends, each once its chunk's
+  gradient has landed and the host has updated it; a step that starts with such chunks in flight
+  is the steady state when it fetches the same ones ahead itself: it is walked once as if they had
+  landed, then again with what that walk left in flight at its end. Chunks in flight that it does
+  not fetch ahead are on the host->device engine from its start;
 - the iteration ends when compute and every copy are done, then the optimizer runs: the chunks
   whose optimizer states live on the host at ``cpu_bandwidth`` (shared by the node's GPUs), the
   rest at ``memory_bandwidth``, ``ADAM_BYTES_PER_PARAM`` bytes per parameter.
@@ -122,12 +124,8 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
     shared = hw.gpus                       # the node's GPUs share its host memory bandwidth
     optimizer = host_params * ADAM_BYTES_PER_PARAM * shared / hw.cpu_bandwidth + \
         device_params * ADAM_BYTES_PER_PARAM / hw.memory_bandwidth
-    # Fetches for the next step (``plan_lookahead``): when the backward's compute ends the host
-    # updates those chunks first, each once its gradient has landed, and fetches each as soon as
-    # it is updated; the step ends with its optimizer,
-    # and the next one starts with what has not landed yet. A step that starts with chunks in
-    # flight is walked twice: first as if they had landed, then with what that first walk left
-    # in flight at its end (the steady state: the previous step was this one).
+    # Fetches for the next step (module docstring): the step ends with its optimizer, and the
+    # next one starts with what has not landed yet.
     ahead = scheduled.lookahead.chunks if scheduled.lookahead is not None else ()
     elsize = torch.empty((), dtype=captured.param_dtype or torch.float32).element_size()
     update_s = plan.slot_bytes / elsize * ADAM_BYTES_PER_PARAM * shared / hw.cpu_bandwidth
@@ -139,10 +137,11 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
         elif a.grad is None and a.kind == MemKind.WAIT and a.chunk not in fetched and a.chunk not in arriving:
             arriving.append(a.chunk)
 
-    def walk(lands: dict[int, float], h2d_free: float):
+    def walk(lands: dict[int, float | None], h2d_free: float):
+        """``lands``: an arriving chunk -> when it lands, None: fetched from the step's start."""
         t, h2d, d2h, comm = 0.0, h2d_free, 0.0, 0.0
         busy = {"h2d": 0.0, "d2h": 0.0, "comm": 0.0}
-        pending = {(c, False): at for c, at in lands.items()}   # an asynchronous action's landing, until its WAIT
+        pending: dict[tuple, float] = {}   # an asynchronous action's landing time, until its WAIT
         copy_ready: dict[str, float] = {}  # activation copies: name of the saved value -> landing time
         grads: dict[int, float] = {}       # a chunk fetched ahead -> when its last gradient landed
 
@@ -162,6 +161,9 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
             busy["comm"] += dur
             comm = max(comm, start) + dur
             return comm
+
+        for c, at in lands.items():
+            pending[(c, False)] = on_link("h2d", 0.0, plan.slot_bytes) if at is None else at
 
         for i in range(len(nodes) + 1):
             for a in by_node.get(i, ()):
@@ -206,10 +208,10 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
             landed[c] = on_link("h2d", updated, plan.slot_bytes)
         return end, landed, busy
 
-    end, landed, busy = walk({c: 0.0 for c in arriving}, 0.0)
-    if arriving and ahead:
+    end, landed, busy = walk({c: 0.0 if c in ahead else None for c in arriving}, 0.0)
+    if any(c in ahead for c in arriving):
         step = end + optimizer
-        left = {c: max(0.0, landed.get(c, 0.0) - step) for c in arriving}
+        left = {c: max(0.0, landed[c] - step) if c in landed else None for c in arriving}
         end, _, busy = walk(left, max([0.0] + [at - step for at in landed.values()]))
     return Cost(compute_s=sum(costs), forward_backward_s=end, optimizer_s=optimizer, h2d_s=busy["h2d"],
                 d2h_s=busy["d2h"], collective_s=busy["comm"], model_flops=model_flops)
