@@ -14,17 +14,21 @@ and each mode:
 - both modes: a sample of budgets (the minimum, 1.1x, 1.5x, 2x) trains 3 steps with
   ``pscompile.compile`` and every step's measured peak stays within the budget;
 - both modes: ``compile`` refuses 1% below the minimum with ``BudgetError``;
-- ``--inductor``: compiled mode also trains at the minimum and 1.5x with ``backend="inductor"``
-  (a cold Inductor compile per model: tens of seconds each).
+- ``--inductor``: compiled mode also trains with ``backend="inductor"`` at the minimum and 1.15x,
+  1.5x, 2x and 3x it (a cold Inductor compile per model: tens of seconds), and says at each budget
+  whether the compiled regions ran or their measured peaks did not fit and the schedule ran node by
+  node; ``--inductor-only`` trains only those (``--arch mixtral`` too: a model the Inductor tests
+  run that is not in the sweeps).
 
 Any other exception, a peak over its budget, a non-finite loss or a budget below the minimum that is
 accepted counts as a failure; the first failure's message is kept. Exit status 1 if any failed.
 
-    python bench/budgets.py [--quick] [--inductor] [--link RATE] [--markdown] [--arch NAME ...]
+    python bench/budgets.py [--quick] [--inductor | --inductor-only] [--link RATE] [--markdown] [--arch NAME ...]
                             [--out bench/results/budgets.json]
 
 ``--quick``: only "gpt" and "opt" (opt when transformers imports), 10 budgets of the sweep, and only
-the minimum trained. Float32, one torch thread (see bench/foundation.py for why).
+the minimum trained (with Inductor: the minimum and 2x). Float32, one torch thread (see
+bench/foundation.py for why).
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ from tabulate import tabulate
 
 import pscompile
 from pscompile.graph.pipeline import BudgetSweep
-from pscompile.testing import ARCHITECTURES, HF_ARCHITECTURES, tiny_model
+from pscompile.testing import ARCHITECTURES, EXTRA_ARCHITECTURES, HF_ARCHITECTURES, tiny_model
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "budgets.json"
 HAVE_HF = importlib.util.find_spec("transformers") is not None
 STEPS = 3                                  # steps trained per budget (compiled: the measuring one first)
 TRAIN_FACTORS = (1.0, 1.1, 1.5, 2.0)       # budgets trained, as multiples of the minimum
-INDUCTOR_FACTORS = (1.0, 1.5)
+INDUCTOR_FACTORS = (1.0, 1.15, 1.5, 2.0, 3.0)
+QUICK_INDUCTOR_FACTORS = (1.0, 2.0)
 QUICK_BUDGETS = 10
 BELOW = 0.99                               # compile must refuse this fraction of the minimum
 
@@ -78,6 +83,7 @@ class Trained:
     losses: tuple[float, ...]
     error: str | None
     seconds: float
+    regions: bool | None = None   # inductor: compiled regions ran in the last step (else node by node)
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ def sweep_compiled(arch: str, minimum: int, budgets: list[int]) -> Sweep:
 def train(arch: str, mode: str, budget: int, factor: float, backend: str = "eager", link: str | None = None) -> Trained:
     """``STEPS`` steps at ``budget``; ok when each loss is finite and each measured peak <= budget."""
     t0 = time.perf_counter()
-    peaks, losses, error = [], [], None
+    peaks, losses, error, regions = [], [], None, None
     engine = None
     try:
         model, batch = tiny_model(arch)
@@ -176,13 +182,16 @@ def train(arch: str, mode: str, budget: int, factor: float, backend: str = "eage
             if peaks[-1] > budget:
                 error = f"step {len(losses)}: measured peak {peaks[-1]} > budget {budget}"
                 break
+        if backend == "inductor":
+            regions = not engine._node_by_node and any(
+                ex.split == "regions" and ex.compiled_regions() for ex in engine._executors.values())
     except Exception as e:                              # noqa: BLE001
         error = describe(e)
     finally:
         if engine is not None:
             engine.close()
     return Trained(budget, factor, backend if mode == "compiled" else None, error is None, tuple(peaks),
-                   tuple(losses), error, time.perf_counter() - t0)
+                   tuple(losses), error, time.perf_counter() - t0, regions)
 
 
 def refuse_below(arch: str, mode: str, minimum: int) -> Refusal:
@@ -221,18 +230,20 @@ def run_arch(arch: str, mode: str, *, quick: bool, link: str | None) -> Row:
     return Row(arch, mode, minimum, sweep, trained, below, failures_of(sweep, trained, below))
 
 
-def run_inductor(arch: str, minimum: int, link: str | None) -> Row:
-    trained = train_sample(arch, "compiled", minimum, INDUCTOR_FACTORS, backend="inductor", link=link)
+def run_inductor(arch: str, minimum: int, link: str | None, factors=INDUCTOR_FACTORS) -> Row:
+    trained = train_sample(arch, "compiled", minimum, factors, backend="inductor", link=link)
     return Row(arch, "compiled (inductor)", minimum, None, trained, None, failures_of(None, trained, None))
 
 
 def architectures(args) -> tuple[list[str], list[str]]:
     """(to run, skipped for want of transformers)."""
     wanted = args.arch or (["gpt", "opt"] if args.quick else list(ARCHITECTURES))
+    known = ARCHITECTURES + EXTRA_ARCHITECTURES if args.inductor_only else ARCHITECTURES
     for a in wanted:
-        if a not in ARCHITECTURES:
-            raise SystemExit(f"--arch {a!r}: use one of {ARCHITECTURES}")
-    run = [a for a in wanted if HAVE_HF or a not in HF_ARCHITECTURES]
+        if a not in known:
+            raise SystemExit(f"--arch {a!r}: use one of {known}"
+                             + ("" if args.inductor_only else f" ({EXTRA_ARCHITECTURES} with --inductor-only)"))
+    run = [a for a in wanted if HAVE_HF or a in ("gpt", "bert")]
     return run, [a for a in wanted if a not in run]
 
 
@@ -252,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--inductor", action="store_true", help="also train compiled mode with backend='inductor'")
+    ap.add_argument("--inductor-only", action="store_true",
+                    help="only train compiled mode with backend='inductor' (no sweep, no hooks mode)")
     ap.add_argument("--arch", action="append", help="only this architecture (repeatable)")
     ap.add_argument("--link", metavar="RATE", default=None,
                     help="train under an emulated device<->host link of this bandwidth, e.g. 10MB/s")
@@ -263,13 +276,17 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows: list[Row] = []
     for arch in archs:
-        for mode in ("compiled", "hooks"):
+        for mode in ("compiled", "hooks") if not args.inductor_only else ():
             rows.append(run_arch(arch, mode, quick=args.quick, link=args.link))
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} {mode}: {len(rows[-1].failures)} failure(s)",
                   file=sys.stderr, flush=True)
-        if args.inductor:
-            minimum = next(r.minimum for r in rows if r.arch == arch and r.mode == "compiled")
-            rows.append(run_inductor(arch, minimum, args.link))
+        if args.inductor or args.inductor_only:
+            minimum = next((r.minimum for r in rows if r.arch == arch and r.mode == "compiled"), None)
+            if minimum is None:
+                minimum = pscompile.min_device_memory(*tiny_model(arch), config("compiled"))
+            rows.append(run_inductor(arch, minimum, args.link, QUICK_INDUCTOR_FACTORS if args.quick else INDUCTOR_FACTORS))
+            print(f"[{time.perf_counter() - t0:6.1f} s] {arch} inductor: {len(rows[-1].failures)} failure(s)",
+                  file=sys.stderr, flush=True)
     headers = ["architecture", "mode", "minimum bytes", "budgets verified", "failures", "budgets trained",
                "max peak/budget", "1% below refused"]
     n_sweep = next((r.sweep.budgets for r in rows if r.sweep), 0)
@@ -282,13 +299,27 @@ def main(argv=None) -> int:
     if args.markdown:
         print("\n" + caption + "\n")
         print(tabulate(table_rows(rows), headers=headers, tablefmt="github", disable_numparse=True))
+    inductor = [r for r in rows if r.mode == "compiled (inductor)"]
+    if inductor:
+        ind_caption = ("Inductor: at each budget (x the minimum), 'regions' where the compiled regions ran, "
+                       "'nodes' where their measured peaks did not fit the budget and the schedule ran node by "
+                       "node (within it); peak/budget the largest over the steps")
+        ind_headers = ["architecture", "minimum bytes"] + [f"{t.factor}x" for t in inductor[0].trained]
+        ind_rows = [[r.arch, f"{r.minimum:,}"] + [
+            ("FAILED" if not t.ok else ("regions" if t.regions else "nodes")
+             + f" {max(t.peaks) / t.budget:.3f}") for t in r.trained] for r in inductor]
+        print("\n" + ind_caption)
+        print(tabulate(ind_rows, headers=ind_headers, tablefmt="github" if args.markdown else "simple",
+                       disable_numparse=True))
     if skipped:
         print(f"skipped (transformers is not installed): {', '.join(skipped)}")
     failed = [(r.arch, r.mode, f) for r in rows for f in r.failures]
     for arch, mode, f in failed:
         print(f"FAILED {arch} {mode}: {f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = dict(quick=args.quick, inductor=args.inductor, link=args.link, steps=STEPS, below=BELOW,
+    settings = dict(quick=args.quick, inductor=args.inductor or args.inductor_only, link=args.link, steps=STEPS,
+                    below=BELOW, inductor_factors=[t.factor for t in next(
+                        (r.trained for r in rows if r.mode == "compiled (inductor)"), ())] or None,
                     train_factors=TRAIN_FACTORS[:1] if args.quick else TRAIN_FACTORS, torch=torch.__version__)
     args.out.write_text(json.dumps(dict(settings=settings,
                                         skipped=skipped, rows=[r.as_json() for r in rows],

@@ -129,14 +129,17 @@ class ReferenceTrainer:
 # models built from their config classes (nothing is downloaded; transformers is the `hf` extra).
 ARCHITECTURES = ("gpt", "bert", "hf-gpt2", "hf-bert", "opt", "llama", "mistral", "gpt-neox", "t5")
 HF_ARCHITECTURES = ARCHITECTURES[2:]
+# models tiny_model also builds that are tested through Inductor only (not in the budget sweeps):
+# Mixtral's router computes the expert ids and token positions that later regions index with
+EXTRA_ARCHITECTURES = ("mixtral",)
 
 
 def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 32) -> tuple[nn.Module, Any]:
     """A 2-layer model of architecture ``name`` (hidden 64, 2 heads, vocabulary 256, no dropout, no
     KV cache) and one example batch for it (a tuple for pscompile's models, a dict with labels for
     Hugging Face's)."""
-    if name not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {name!r}; use one of {ARCHITECTURES}")
+    if name not in ARCHITECTURES + EXTRA_ARCHITECTURES:
+        raise ValueError(f"unknown architecture {name!r}; use one of {ARCHITECTURES + EXTRA_ARCHITECTURES}")
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     vocab = 256
@@ -171,6 +174,11 @@ def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 
         model = tf.MistralForCausalLM(tf.MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                                                        num_key_value_heads=1, intermediate_size=128,
                                                        max_position_embeddings=64, sliding_window=16, **common))
+    elif name == "mixtral":       # 4 experts, top-2 routing, transformers' default experts implementation
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                                       num_key_value_heads=1, intermediate_size=128,
+                                                       num_local_experts=4, num_experts_per_tok=2,
+                                                       max_position_embeddings=64, **common))
     elif name == "gpt-neox":
         model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                                                        intermediate_size=128, max_position_embeddings=64, **common))

@@ -215,6 +215,19 @@ def test_budgets_quick(tmp_path):
             assert r["verified"] is None
 
 
+def test_budgets_inductor_only_quick(tmp_path):
+    """bench/budgets.py --inductor-only --quick --arch gpt: compiled mode with Inductor trains at the
+    minimum and 2x within each budget, and says where the compiled regions ran."""
+    out = tmp_path / "budgets.json"
+    _run("budgets.py", "--inductor-only", "--quick", "--arch", "gpt", "--out", str(out))
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert row["mode"] == "compiled (inductor)" and row["num_failures"] == 0, row["failures"]
+    assert [t["factor"] for t in row["trained"]] == res["settings"]["inductor_factors"] == [1.0, 2.0]
+    assert all(t["ok"] and max(t["peaks"]) <= t["budget"] and t["regions"] in (True, False) for t in row["trained"])
+    assert any(t["regions"] for t in row["trained"])
+
+
 @pytest.mark.skipif(not os.environ.get("PSCOMPILE_SLOW_TESTS"), reason="whole-graph Inductor compile (~1 min): "
                     "set PSCOMPILE_SLOW_TESTS=1")
 def test_whole_graph_experiment_runs():

@@ -383,23 +383,29 @@ def test_engine_with_inductor_backend_trains_like_eager():
     print(lowered[0].report.summary())
 
 
-def test_region_allocations_are_measured(cache):
+def test_region_allocations_are_measured_on_real_inputs(cache):
     """What a compiled region allocates inside (its outputs at least) is measured with the
-    profiler, since the tracker cannot see into compiled code; the generator is left as it was."""
-    from pscompile.compiled.regions import measure_allocations
+    profiler, since the tracker cannot see into compiled code, on the inputs the region really
+    received in a probing run (one region per structural key; made-up values are never used); the
+    generator is left as it was."""
+    from pscompile.compiled.probe import Probe, measure
     engine = engine_for(2, "tight")
     lg = Executor(engine.schedule.gm, backend="inductor", cache=cache)
-    compiled = [r for r in lg.regions if r.compute]
+    compiled = lg.compiled_regions()
+    probe = Probe(lambda key: False, eager_all=True)
+    inputs = graph_inputs(engine)
+    lg.run(inputs, perform, call_region=probe.call)
+    assert probe.checked == len(compiled) and not probe.mismatched
+    assert set(probe.saved) == {r.key for r in compiled}
     state = torch.get_rng_state()
-    extra, excess = measure_allocations(compiled, torch.device("cpu"))
-    assert set(excess) == set(extra) and all(v >= 0 for v in excess.values())
+    allocs, failed = measure(probe.saved, torch.device("cpu"))
+    assert not failed and set(allocs) == {r.key for r in compiled}
     assert torch.equal(state, torch.get_rng_state())
-    assert set(extra) == {r.index for r in compiled}
     for r in compiled:
         largest = max((o.meta["val"].numel() * o.meta["val"].element_size() for o in r.outputs
                        if isinstance(o.meta.get("val"), torch.Tensor)), default=0)   # outputs may alias
-        assert extra[r.index] >= largest, (r.index, extra[r.index], largest)
-    assert sum(extra.values()) > 0
+        assert allocs[r.key].peak >= largest, (r.index, allocs[r.key], largest)
+    assert sum(a.peak for a in allocs.values()) > 0
 
 
 def test_inductor_with_no_budget_runs_two_regions_and_tracks_plain_pytorch():

@@ -9,7 +9,9 @@ Planning is ``pscompile.graph.pipeline`` (see there and docs/design.md for the p
 Schedules are kept per ``ScheduleKey`` (run kind, train()/eval(), batch signature). The first run
 of a schedule measures the non-model memory of every node (the executor runs node by node with
 an observer); the schedules of that capture are then planned again with the measured curve, and
-with ``backend="inductor"`` later runs execute compute regions compiled by Inductor. Memory nodes
+with ``backend="inductor"`` later runs execute compute regions compiled by Inductor (the first run
+of each such executor checks what its compiled regions receive and, for regions not measured yet,
+runs them as eager code and keeps their real inputs to measure them on: ``compiled/probe.py``). Memory nodes
 always run here, in ``_run_memory_node``, on a background copy queue, and the bytes a run moved
 must equal the bytes its plan promised. The optimizer runs after the graph, chunk by chunk, where
 each chunk's optimizer states live (``ChunkEngine``).
@@ -28,26 +30,25 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.regions import RegionCache, measure_allocations
+from pscompile.compiled.lowering import RegionLowering
+from pscompile.compiled.probe import Allocation, Probe
 from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.ops import ActivationMove, flat_pieces, is_memory_node
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule,
-                                      capture_and_analyze, choose_activations, engine_layout, executed_nodes,
-                                      gather_bytes, minimum_budget, regather)
+                                      capture_and_analyze, choose_activations, engine_layout, gather_bytes,
+                                      minimum_budget, regather)
 from pscompile.kinds import MemKind, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tiers import Tier
-from pscompile.optim.adamw import grad_sq_sum
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.memory.transfers import TransferQueue
 from pscompile.optim.placement import device_state_chunks
-from pscompile.passes.plan_residency import ResidencyPlan, arrivals
+from pscompile.passes.plan_residency import ResidencyPlan
 from pscompile.runtime.batching import LossFn, to_device
 from pscompile.runtime.params import ModelParams
 from pscompile.runtime.engine import ChunkEngine, MicroRun
@@ -84,48 +85,14 @@ class _RunRecord:
     key: ScheduleKey
     scheduled: Scheduled
     samples: dict[int, int] | None      # measured non-model bytes per captured node (measuring run)
+    probe: Probe | None = None          # a probing run's (its compiled regions are measured after the step)
 
-
-_MAX_REGION_ROUNDS = 3
 
 # A copy of at most this many bytes between CPU tensors, with no emulated link and no copy of its
 # direction in flight, runs on the calling thread: handing it to a copy engine and waiting costs
 # more (tens of microseconds) than the memcpy itself. Larger copies, and all copies over an
 # emulated link, run on the copy engines and overlap compute.
 INLINE_COPY_BYTES = 256 * 1024
-
-
-def _region_curve(executor: Executor, extra: dict[int, int], excess: dict[int, int], sched: Scheduled,
-                  measured: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The schedule's curve with every node of a compiled region raised to the region's peak, or
-    None if no node rises. A region starts with at most the bytes of the last node that executes
-    before it live (that node's peak in ``measured``, the node-by-node measurement) plus what the
-    outputs of the regions before it hold beyond their eager sizes (``excess``), and allocates at
-    most ``extra`` inside; the chunks it reads all arrive before it starts, so they sit next to
-    that whole peak. The executor gathers every tensor spanning chunks that a region reads before
-    the region starts (``regions.lifted_views``), so all of them are live at once there, where the
-    node-by-node curve counted each at its own reader: they are added to the region's peak, and
-    to each node of an eager region next to its own measurement."""
-    arrive = arrivals(measured, executed_nodes(sched.captured))
-    curve, changed, wider = list(sched.nonmodel), False, 0
-    for r in sorted(executor.regions, key=lambda r: r.index):
-        gathered = sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in r.inputs if get(a, "param") is not None and isinstance(a.args[0], fx.Node)
-                       and get(a.args[0], "gather") is not None)
-        if r.index not in extra and not gathered:
-            continue
-        # parameter views carry the index of their captured (forward) place, not of this region
-        srcs = [get(n, "src_index") for n in r.nodes if get(n, "src_index") is not None and get(n, "param") is None]
-        if not srcs:
-            continue
-        if r.index in extra:
-            rises = {src: arrive[min(srcs)] + wider + extra[r.index] + gathered for src in srcs}
-            wider += excess.get(r.index, 0)
-        else:
-            rises = {src: measured[src] + gathered for src in srcs if src < len(measured)}
-        for src, peak in rises.items():
-            if src < len(curve) and peak > curve[src]:
-                curve[src], changed = peak, True
-    return tuple(curve) if changed else None
 
 
 def _add_landed(copies: list) -> None:
@@ -137,7 +104,7 @@ def _add_landed(copies: list) -> None:
             target.add_(host)                    # fp32 += compute dtype, on the host
 
 
-class CompiledEngine(ChunkEngine):
+class CompiledEngine(RegionLowering, ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         if config.backend == "inductor":
@@ -171,18 +138,9 @@ class CompiledEngine(ChunkEngine):
         self._tails: dict[int, tuple[fx.GraphModule, frozenset[fx.Node]]] = {}
         self._ahead: list[tuple[int, int]] = []    # (chunk, slot) to fetch for the next step after its update
         self._check_moved: tuple[Scheduled, Any] | None = None   # a run whose bytes are checked after its update
-        self._region_cache = RegionCache()         # compiled regions, shared by every schedule
-        self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
-        # id(scheduled gm) -> region index -> bytes the region allocates beyond what is live when it
-        # starts: a compiled region's measured once with the profiler (the tracker cannot see inside),
-        # an eager region's by the tracker, operator by operator, in the first run of its executor
-        self._region_extra: dict[int, tuple[fx.GraphModule, dict[int, int]]] = {}
-        self._unlearned: dict[int, fx.GraphModule] = {}    # id(gm): eager regions not yet measured
+        self._init_lowering()
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
-        self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
-        self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
         self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
-        self._node_by_node: set[CaptureKey] = set()       # captures whose regions did not fit: run eagerly
         self._restored: dict[str, dict] = {}      # repr(capture key) -> what a loaded checkpoint measured
         self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
@@ -200,6 +158,11 @@ class CompiledEngine(ChunkEngine):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def _sources(self) -> bool:
+        """Captures keep model source lines: messages about compiled regions name them."""
+        return self.config.backend == "inductor"
 
     @property
     def rates(self) -> Rates:
@@ -232,7 +195,7 @@ class CompiledEngine(ChunkEngine):
 
         def analyze() -> AnalyzedGraph:
             analyzed = capture_and_analyze(self.model, batch, params=mp.params, loss_fn=self.loss_fn,
-                                           dtype=self.dtype)
+                                           dtype=self.dtype, sources=self._sources)
             self._first_capture = (self._key(batch, RunKind.TRAIN).capture, analyzed)
             return analyzed
         layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
@@ -256,7 +219,8 @@ class CompiledEngine(ChunkEngine):
             else:
                 analyzed = capture_and_analyze(self.model, batch, params=self.params, loss_fn=self.loss_fn,
                                                dtype=self.dtype, backward=key.kind.backward,
-                                               gathers=gather_bytes(self.layout, self.dtype))
+                                               gathers=gather_bytes(self.layout, self.dtype),
+                                               sources=self._sources)
             analyzed = choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
                                           slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                           device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
@@ -339,9 +303,7 @@ class CompiledEngine(ChunkEngine):
 
     def _forget(self, sched: Scheduled) -> None:
         """Drop what was made for a schedule that is being replaced."""
-        self._executors.pop(id(sched.gm), None)
-        self._region_extra.pop(id(sched.gm), None)
-        self._unlearned.pop(id(sched.gm), None)
+        self._forget_lowering(sched.gm)
 
     def _ensure_slots(self, plan: ResidencyPlan) -> None:
         """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
@@ -547,40 +509,6 @@ class CompiledEngine(ChunkEngine):
     def _is_model_storage(self, ptr: int) -> bool:
         return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
 
-    def _executor_for(self, key: ScheduleKey, sched: Scheduled) -> Executor:
-        """The executor of a schedule: node by node for a measuring run; regions between memory
-        nodes for a measured schedule, compiled by Inductor (``backend="inductor"``, compiled once
-        per schedule and shared through the engine's RegionCache) or run as eager graph code
-        (``backend="eager"``, and Inductor's regions too small to compile)."""
-        ex = self._executors.get(id(sched.gm))
-        if ex is None or ex.gm is not sched.gm:
-            regions = sched.measured and key.capture not in self._node_by_node
-            # eager regions read parameters as the graph does (no region is shared, so none is lifted
-            # out: a gathered parameter is made where the node-by-node measurement saw it made)
-            # and run the gradient stores into device slots themselves (``_mark_stored``); compiled
-            # regions leave them to the executor, right after the region, with no budget only (a
-            # gradient then lives to its region's end; under a budget the plan gave it no room)
-            eager = self.config.backend == "eager"
-            ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
-                          cache=self._region_cache, lift_params=not eager,
-                          fold_stores=regions and (eager or self.budget is None))
-            if regions:
-                extra, excess = measure_allocations(ex.compiled_regions(), self.device)
-                curve = _region_curve(ex, extra, excess, sched, self._node_curves.get(key.capture, sched.nonmodel))
-                if self.comm is not None:      # the ranks decide together (their plans must match)
-                    agreed = self.comm.agree_max(curve if curve is not None else sched.nonmodel)
-                    curve = agreed if agreed != tuple(sched.nonmodel) else None
-                if curve is None:
-                    # steps after measurement sample at region boundaries only (no dispatch mode):
-                    # eager regions learn what they allocate inside in their first run (_run_graph)
-                    self._region_extra[id(sched.gm)] = (sched.gm, extra)
-                    self._unlearned[id(sched.gm)] = sched.gm
-                else:                       # the regions need more than this plan gives them: run node
-                    self._pending_curves[key.capture] = curve     # by node until it is planned again
-                    ex = Executor(sched.gm, split="nodes")
-            self._executors[id(sched.gm)] = ex
-        return ex
-
     def _run_graph(self, key: ScheduleKey, sched: Scheduled, batch: Any,
                    acc: list[torch.Tensor] | None, loss_scale: float = 1.0) -> MicroRun:
         """Run one scheduled graph (memory nodes as planned) and check the bytes it moved against
@@ -610,10 +538,14 @@ class CompiledEngine(ChunkEngine):
 
         # node by node, the tracker sees every operator (a dispatch mode); regions are sampled at
         # every step boundary instead: live storages plus what each region allocates inside, so steps
-        # after measurement pay no per-operator cost. A compiled region's inside is measured once
-        # (``measure_allocations``); an eager region's by the tracker in the executor's first run,
-        # which samples every operator (exact windows) and records each region's rise above its start
-        learning = executor.split == "regions" and self._unlearned.get(id(sched.gm)) is sched.gm
+        # after measurement pay no per-operator cost. A compiled region's inside is measured once, on
+        # the real inputs a probing run kept (``probe.measure``); an eager region's by the tracker in
+        # the executor's first run, which samples every operator (exact windows) and records each
+        # region's rise above its start. A probing run runs every region as eager code and learns all.
+        probing = self._probing.get(id(sched.gm))
+        probe = probing[1] if probing is not None and probing[0] is sched.gm and executor.split == "regions" else None
+        learning = executor.split == "regions" and (self._unlearned.get(id(sched.gm)) is sched.gm or (
+            probe is not None and probe.eager_all))
         learned: dict[int, int] = {}
         if learning:
             tracker.exact_windows = True
@@ -635,6 +567,8 @@ class CompiledEngine(ChunkEngine):
 
         dispatching = executor.split == "nodes" or self._sample_every_op or learning
         pause = tracker.paused if dispatching else contextlib.nullcontext
+        if probe is not None:
+            probe.quiet = pause          # its host copies of region inputs are not device memory
         overlapping = sched.kind is RunKind.TRAIN and self._overlaps_update and acc is None
         tail = self._tail(sched) if overlapping else frozenset()
 
@@ -661,12 +595,18 @@ class CompiledEngine(ChunkEngine):
                 (loss,) = executor.run(inputs, run_memory, observer=observer,
                                        on_outputs=count if executor.split == "regions" else None,
                                        on_backward=lambda: t_bwd.append(time.perf_counter()),
-                                       around_region=around_region if executor.split == "regions" else None)
+                                       around_region=around_region if executor.split == "regions" else None,
+                                       call_region=probe.call if probe is not None else None)
             if not self._deferred:
                 self._queue.flush()
-            if learning:                     # (a failed run learns nothing: its next run measures again)
+            if probe is not None and probe.eager_all:   # settled after the step (``_settle_probe``)
+                for i, v in learned.items():
+                    probe.learned[i] = max(probe.learned.get(i, 0), v)
+            elif learning:                   # (a failed run learns nothing: its next run measures again)
                 extra.update(learned)
                 del self._unlearned[id(sched.gm)]
+            if probe is not None and not probe.eager_all:    # only checked layouts: settled now
+                self._settle_probe(key, sched, probe)
             self._reading.clear()
             self._homing.clear()
         except BaseException:
@@ -693,7 +633,8 @@ class CompiledEngine(ChunkEngine):
                                    f"{(sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes)}")
         t_end = time.perf_counter()
         t_back = t_bwd[0] if t_bwd else t_end
-        record = _RunRecord(key, sched, observer.samples if observer is not None else None)
+        record = _RunRecord(key, sched, observer.samples if observer is not None else None,
+                            probe if probe is not None and probe.eager_all else None)
         return MicroRun(float(loss.detach().float()), tracker, traffic, t_back - t_start, t_end - t_back,
                         frozenset(self._written), record)
 
@@ -836,6 +777,9 @@ class CompiledEngine(ChunkEngine):
         super()._undo_all(only)
 
     def _after_step(self, batches: list, runs: list[MicroRun], *, accumulate: bool) -> None:
+        for r in runs:
+            if r.context.probe is not None:
+                self._settle_probe(r.context.key, r.context.scheduled, r.context.probe)
         measured: dict[CaptureKey, _RunRecord] = {}
         for r in runs:
             if r.context.samples is not None:
@@ -856,6 +800,8 @@ class CompiledEngine(ChunkEngine):
         key, sched = self._runnable(batch, RunKind.EVAL)
         with torch.no_grad():
             run = self._run_graph(key, sched, batch, None)
+        if run.context.probe is not None:
+            self._settle_probe(key, sched, run.context.probe)
         if run.context.samples is not None:
             self._remeasure(key, run.context.samples)
         self._adopt_pending_curves()
@@ -877,40 +823,7 @@ class CompiledEngine(ChunkEngine):
         for other in list(self._schedules):
             if other.capture == cap:
                 self._replan(other, measured, measured=True)
-        for _ in range(_MAX_REGION_ROUNDS + 1):    # compile the regions now, not inside the next step, and
-            self._executor_for(key, self._schedules[key])   # plan again while they need more than planned
-            if not self._pending_curves:
-                break
-            self._adopt_pending_curves()
-
-    def _adopt_pending_curves(self) -> None:
-        while self._pending_curves:
-            cap, curve = self._pending_curves.popitem()
-            self._adopt_region_curve(cap, curve)
-
-    def _adopt_region_curve(self, cap: CaptureKey, curve: tuple[int, ...]) -> None:
-        """Compiled regions allocate more inside than the node-by-node measurement saw: plan every
-        schedule of the capture again with the region peaks (a few rounds, since new plans cut new
-        regions). If the budget cannot hold them, the capture runs node by node, where the measured
-        curve holds."""
-        rounds = self._region_rounds.get(cap, 0)
-        if rounds >= _MAX_REGION_ROUNDS:
-            self._node_by_node.add(cap)
-            return
-        self._region_rounds[cap] = rounds + 1
-        previous = self._measured.get(cap)
-        try:
-            self._measured[cap] = curve
-            self._fit_optimizer_states(max(curve))
-            for other in list(self._schedules):
-                if other.capture == cap:
-                    self._replan(other, curve, measured=True)
-        except BudgetError:
-            self._measured[cap] = previous
-            self._node_by_node.add(cap)
-            for other in list(self._schedules):
-                if other.capture == cap:
-                    self._replan(other, previous, measured=True)
+        self._lower(key)
 
     # ================================================================ checkpoints
     def _context(self) -> dict:
@@ -929,8 +842,10 @@ class CompiledEngine(ChunkEngine):
                                 "rounds": self._region_rounds.get(cap, 0), "node_by_node": cap in self._node_by_node}
                     for cap, curve in self._measured.items() if cap in self._captures}
         rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
+        regions = {"allocs": {k: [a.peak, a.excess] for k, a in self._allocs.items()},
+                   "fallbacks": self._region_cache.failures(self.config.backend)}
         return {"compiled": {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
-                             "rates": rates,
+                             "rates": rates, "regions": regions,
                              "os_device": [c for c in range(self.layout.num_chunks)
                                            if self.store.os_tier[c] is Tier.DEVICE]}}
 
@@ -939,6 +854,11 @@ class CompiledEngine(ChunkEngine):
         if saved is None or saved.get("context") != self._context():
             return                         # another budget or layout: this engine measures its own
         self._restored = dict(saved["captures"])
+        regions = saved.get("regions") or {}
+        for k, (peak, excess) in regions.get("allocs", {}).items():   # what its compiled regions allocate
+            self._allocs.setdefault(str(k), Allocation(int(peak), int(excess)))
+        for k, why in regions.get("fallbacks", {}).items():           # and those it ran as eager code
+            self._region_cache.fail((self.config.backend, str(k)), str(why))
         rates = saved.get("rates")
         if rates is not None and self.config.activations == "auto" and Rates(*rates) != self._rates:
             # the rates the saved run chose its activations with (a measurement on a busy machine

@@ -35,9 +35,11 @@ from torch import fx
 from pscompile.graph import meta as gmeta
 from pscompile.kinds import Phase, StrEnum
 from pscompile.graph.ops import copy_grad_into, folds_into_region, is_memory_node, runs_as_transfer
+from pscompile.compiled.probe import warn_fallback
 from pscompile.compiled.regions import (Region, RegionCache, TensorMeta, buffer_aliases, buffer_placeholders,
-                                        check_region_args, compile_inductor, eager_fn, eval_chain, fusible_ops,
-                                        graph_device, is_view_op, lifted_views, region_key)
+                                        check_region_args, compile_inductor, eval_chain, fusible_ops,
+                                        graph_device, is_view_op, lifted_views, region_key,
+                                        written_inputs)
 
 __all__ = ["Executor", "LoweringReport", "NodeObserver", "Step", "StepKind", "lower_regions"]
 
@@ -56,6 +58,7 @@ class LoweringReport:
     moved_getitems: int     # getitems moved back into their op's region
     backend: str
     unboxed: int = 0        # compiled regions called unboxed (inputs alive to the region's end; want 0)
+    fallbacks: int = 0      # regions to be compiled that run as eager code (Region.fallback says why)
 
     def summary(self) -> str:
         return (f"lower_regions: {self.regions} regions, {self.compiled} compiled, {self.distinct} distinct "
@@ -230,6 +233,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
         g.lint()
         r.graph = g
         r.compute = fusible_ops(r.nodes) >= min_fusible
+        r.written = written_inputs(g)
 
     # ---- buffer views read by a memory node or the output: evaluated by the executor
     evals = {n for n in nodes if n in aliases and n not in lifted
@@ -271,7 +275,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     distinct: set[str] = set()
     for r in regions:
         if backend == "eager" or not r.compute:
-            r.fn = eager_fn(r.graph)
+            r.fn = r.eager()
             continue
         distinct.add(r.key)
         entry, hit = cache.get_or_compile(
@@ -280,7 +284,12 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
             hits += 1
         else:
             compiled_now += 1
-        r.fn = entry.fn
+        if entry.fn is None:               # Inductor failed on it (or it failed when measured): eager code
+            r.fallback, r.fn = entry.error, r.eager()
+            if not hit:
+                warn_fallback(r, "compiling", entry.error)
+        else:
+            r.fn = entry.fn
     compile_s = time.perf_counter() - t0
 
     # ---- executor program: eager views right before their first reader, frees after last use
@@ -309,8 +318,9 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
         distinct=len(distinct), compiled_now=compiled_now, cache_hits=hits, compile_s=compile_s,
         memory_nodes=mem_count, lifted_views=sum(1 for n in lifted if n.op != "get_attr" and not any(u in lifted for u in n.users)),
         rebuilt_views=rebuilt, moved_getitems=moved, backend=backend,
-        unboxed=sum(1 for r in regions if r.compute and backend != "eager"
-                    and not getattr(r.fn, "_pscompile_boxed", False)))
+        unboxed=sum(1 for r in regions if r.compute and backend != "eager" and r.fallback is None
+                    and not getattr(r.fn, "_pscompile_boxed", False)),
+        fallbacks=sum(1 for r in regions if r.fallback is not None))
     return program, regions, report, input_checks
 
 
@@ -405,11 +415,14 @@ class Executor:
     def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], Any], *,
             on_outputs: Callable[[Sequence[Any]], None] | None = None, observer: NodeObserver | None = None,
             on_backward: Callable[[], None] | None = None,
-            around_region: Callable[[Region], ContextManager] | None = None) -> tuple:
+            around_region: Callable[[Region], ContextManager] | None = None,
+            call_region: Callable[[Region, bool, list], Sequence[Any]] | None = None) -> tuple:
         """Run the graph. ``on_outputs(values)`` sees each region's outputs and each evaluated
         node's value as they appear (storages allocated inside compiled code bypass Python dispatch); ``observer`` sees every node of
         ``split="nodes"``; ``on_backward()`` is called once, when the first backward step starts;
-        ``around_region(region)`` is a context entered around each region's call."""
+        ``around_region(region)`` is a context entered around each region's call;
+        ``call_region(region, compiled, args)``, if given, calls each region instead of
+        ``region.fn(args)`` (``compiled``: the region's ``fn`` is compiled code; ``probe.Probe``)."""
         if len(inputs) != len(self.placeholders):
             raise ValueError(f"executor: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
         for i, name, shape, stride, dtype in self._input_checks:
@@ -434,11 +447,14 @@ class Executor:
                 held = dict(zip(r.held, map(env.__getitem__, r.held))) if r.deferred else None
                 for a in s.free:                    # the region holds the only reference now
                     del env[a]
+                fn = r.fn if call_region is None else (
+                    lambda a, r=r: call_region(r, self.is_compiled(r), a))
                 if around_region is not None:
                     with around_region(r):
-                        outs = r.fn(args)
+                        outs = fn(args)
                 else:
-                    outs = r.fn(args)
+                    outs = fn(args)
+                del fn
                 del args
                 if on_outputs is not None:
                     on_outputs(outs)
@@ -484,7 +500,18 @@ class Executor:
 
     def compiled_regions(self) -> list[Region]:
         """The regions run through the backend; the others run as eager graph code."""
-        return [r for r in self.regions if r.compute and self.backend != "eager"]
+        return [r for r in self.regions if self.is_compiled(r)]
+
+    def is_compiled(self, r: Region) -> bool:
+        """Region ``r`` runs compiled code (not eager graph code)."""
+        return r.compute and self.backend != "eager" and r.fallback is None
+
+    def fall_back(self, key: str, reason: str) -> list[Region]:
+        """Regions of structural key ``key`` run as eager graph code from now on; returns them."""
+        changed = [r for r in self.compiled_regions() if r.key == key]
+        for r in changed:
+            r.fallback, r.fn = reason, r.eager()
+        return changed
 
     def describe(self) -> str:
         """One line per step: region sizes and keys, memory nodes, evaluated nodes."""
@@ -492,7 +519,8 @@ class Executor:
         for s in self._program:
             if s.kind is StepKind.REGION:
                 r = s.region
-                how = "eager" if (self.backend == "eager" or not r.compute) else self.backend
+                how = "eager" if (self.backend == "eager" or not r.compute) else \
+                    "fallback" if r.fallback is not None else self.backend
                 lines.append(f"region {r.index:3d} {len(r.nodes):4d} nodes  in {len(r.inputs):2d} out "
                              f"{len(r.outputs):2d}  {how:8s} {r.key[:10]}"
                              + (f"  then {len(r.deferred)} stores into slots" if r.deferred else ""))

@@ -29,17 +29,23 @@ nodes replaced by positions, constants, and the shape/stride/dtype/device/alignm
 input) to the compiled callable; identical transformer layers compile once, and a cache shared
 between executors keeps compiled regions when a schedule is planned again.
 
-Compilation uses ``torch._inductor.standalone_compile(gm, example_inputs,
+Compilation uses ``torch._inductor.standalone_compile(gm, inputs,
 dynamic_shapes="from_example_inputs")`` with ``fallback_random=True`` (random ops call ATen, so a
-compiled region draws the same dropout mask as eager from the same seed). A region with fewer than
-``min_fusible`` ops Inductor could generate code for (only views, ``getitem``s and library calls
-such as ``mm`` or attention) runs eagerly: nothing to fuse, nothing to gain.
+compiled region draws the same dropout mask as eager from the same seed). The inputs are *fake*
+tensors with exactly the layout the region will receive (``TensorMeta.fake``): compiling reads
+shapes, strides, dtypes and alignment, never values, and no region is ever run on made-up values
+(what a compiled region allocates is measured on the inputs it really receives: ``probe.py``).
+A region with fewer than ``min_fusible`` ops Inductor could generate code for (only views,
+``getitem``s and library calls such as ``mm`` or attention) runs eagerly: nothing to fuse, nothing
+to gain. A region Inductor fails to compile also runs eagerly, as *fallback*, with a ``pscompile``
+warning naming it (``Region.fallback`` says why).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import operator
 import time
 from dataclasses import dataclass, field
@@ -47,15 +53,18 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pscompile.graph import meta as gmeta
+from pscompile.graph.capture import source_line
 from pscompile.graph.ops import is_memory_node
 
 __all__ = ["INDUCTOR_PATCHES", "RegionCache", "Region", "TensorMeta", "region_key", "buffer_placeholders",
            "buffer_aliases", "lifted_views", "fusible_ops", "compile_inductor", "eager_fn", "graph_device",
-           "eval_chain", "check_region_args", "measure_allocations"]
+           "eval_chain", "check_region_args", "layout_mismatch", "region_source", "written_inputs"]
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 # Options given to Inductor for every region. fallback_random: random ops call ATen in graph order
 # (bit-identical dropout masks to eager for the same seed).
@@ -67,9 +76,10 @@ _ALIGN_BYTES = 16          # Inductor's input alignment assumption (GPU); part o
 # ====================================================================== cache
 @dataclass
 class CacheEntry:
-    fn: Callable[[list], Sequence[Any]]   # boxed: takes a list of inputs, clears it
+    fn: Callable[[list], Sequence[Any]] | None   # boxed: takes a list of inputs, clears it; None: failed
     compile_s: float
     uses: int = 0
+    error: str | None = None     # why the region runs as eager code instead (compile or measurement failed)
 
 
 class RegionCache:
@@ -89,19 +99,37 @@ class RegionCache:
         return key in self._entries
 
     def get_or_compile(self, key: tuple[str, str], build: Callable[[], Callable]) -> tuple[CacheEntry, bool]:
+        """The entry of ``key``, built now on a miss. A build that raises leaves an entry whose
+        ``error`` says why (``fn`` None): the region runs as eager code, and is not compiled again."""
         e = self._entries.get(key)
         if e is not None:
             self.hits += 1
             e.uses += 1
             return e, True
         t0 = time.perf_counter()
-        fn = build()
+        try:
+            fn, error = build(), None
+        except Exception as exc:  # noqa: BLE001 -- any compiler failure: the region falls back to eager code
+            fn, error = None, f"{type(exc).__name__}: {_first_line(exc)}"
         dt = time.perf_counter() - t0
-        e = CacheEntry(fn, dt, 1)
+        e = CacheEntry(fn, dt, 1, error)
         self._entries[key] = e
         self.misses += 1
         self.compile_s += dt
         return e, False
+
+    def fail(self, key: tuple[str, str], error: str) -> None:
+        """``key``'s compiled code is not to be run (it failed when measured, or is given inputs of
+        another layout): regions of that key run as eager code from now on."""
+        e = self._entries.get(key)
+        if e is None:
+            self._entries[key] = CacheEntry(None, 0.0, 0, error)
+        else:
+            e.fn, e.error = None, error
+
+    def failures(self, backend: str) -> dict[str, str]:
+        """region key -> why its regions run as eager code, for ``backend``'s entries."""
+        return {k: e.error for (b, k), e in self._entries.items() if b == backend and e.error is not None}
 
     def clear(self) -> None:
         self._entries.clear()
@@ -203,13 +231,41 @@ class TensorMeta:
     def sig(self) -> tuple:
         return ("T", self.shape, self.stride, str(self.dtype), str(self.device), self.aligned)
 
-    def example(self) -> torch.Tensor:
-        """A real tensor with this shape, stride, dtype, device and alignment class."""
-        span = 0 if any(d == 0 for d in self.shape) else \
+    @property
+    def span(self) -> int:
+        """Elements of storage from the first element to the last (0 for an empty tensor)."""
+        return 0 if any(d == 0 for d in self.shape) else \
             1 + sum((d - 1) * st for d, st in zip(self.shape, self.stride))
-        off = 0 if self.aligned else 1
-        base = torch.zeros(off + max(span, 1), dtype=self.dtype, device=self.device)
-        return base.as_strided(self.shape, self.stride, off)
+
+    def offset(self) -> int:
+        """A storage offset (in elements) of this alignment class."""
+        return 0 if self.aligned else 1
+
+    def fake(self, mode: FakeTensorMode) -> torch.Tensor:
+        """A fake tensor of ``mode`` with exactly this layout (what a region is compiled for; no
+        memory is allocated and no value exists)."""
+        with mode:
+            base = torch.empty(self.offset() + max(self.span, 1), dtype=self.dtype, device=self.device)
+            return base.as_strided(self.shape, self.stride, self.offset())
+
+    def example(self) -> torch.Tensor:
+        """A real tensor of zeros with this layout. pscompile never compiles, runs or measures a
+        region on it (zeros are not what a region receives: indices computed upstream would be
+        out of range); it is here for tools that inspect a region by hand."""
+        base = torch.zeros(self.offset() + max(self.span, 1), dtype=self.dtype, device=self.device)
+        return base.as_strided(self.shape, self.stride, self.offset())
+
+    def mismatch(self, v: Any) -> str | None:
+        """How ``v`` differs from this layout (None: it is what the region was compiled for)."""
+        if not isinstance(v, torch.Tensor):
+            return f"a {type(v).__name__}, not a tensor"
+        got = TensorMeta.of(v, v.device)
+        for field_, want, have in (("shape", self.shape, got.shape), ("stride", self.stride, got.stride),
+                                   ("dtype", self.dtype, got.dtype), ("device", self.device.type, got.device.type),
+                                   ("16-byte alignment", self.aligned, got.aligned)):
+            if want != have:
+                return f"{field_} {have}, compiled for {want}"
+        return None
 
 
 def _sig(v: Any) -> tuple:
@@ -289,6 +345,15 @@ class Region:
     effects: list[fx.Node] = field(default_factory=list)   # stores into device slots this region's step runs
     deferred: list[fx.Node] = field(default_factory=list)  # those of them the executor runs after the region
     held: list[fx.Node] = field(default_factory=list)      # what they read that the region does not make
+    fallback: str | None = None     # why this region runs as eager code though it was to be compiled
+    written: frozenset[int] = frozenset()   # positions of the inputs it writes in place (written_inputs)
+    _eager: Callable[[list], Sequence[Any]] | None = field(default=None, repr=False)
+
+    def eager(self) -> Callable[[list], Sequence[Any]]:
+        """The region's graph as eager code (boxed, like ``fn``), made on first use."""
+        if self._eager is None:
+            self._eager = eager_fn(self.graph)
+        return self._eager
 
 
 def boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:
@@ -317,11 +382,36 @@ def boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:
 
 
 def compile_inductor(graph: fx.Graph, metas: Sequence[Any]) -> Callable[[list], Sequence[Any]]:
+    """Inductor's code for a region graph, for inputs of exactly the layouts ``metas`` (fake
+    tensors: no value is read; each in its own storage)."""
     gm = fx.GraphModule({}, copy.deepcopy(graph))
-    examples = [m.example() if isinstance(m, TensorMeta) else m for m in metas]
-    art = torch._inductor.standalone_compile(gm, examples, dynamic_shapes="from_example_inputs",
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [m.fake(mode) if isinstance(m, TensorMeta) else m for m in metas]
+    art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs",
                                              options={"config_patches": dict(INDUCTOR_PATCHES)})
     return boxed_inner(art)
+
+
+def written_inputs(graph: fx.Graph) -> frozenset[int]:
+    """Positions of the placeholders that ``graph`` writes in place (directly or through a view)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    root = {n: i for i, n in enumerate(placeholders)}
+    out = set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in root and (
+                is_view_op(n) or n.target is operator.getitem):
+            root[n] = root[n.args[0]]
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, n.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
+                    and value in root:
+                out.add(root[value])
+    return frozenset(out)
 
 
 def eager_fn(graph: fx.Graph) -> Callable[[list], Sequence[Any]]:
@@ -358,68 +448,49 @@ def eval_chain(a: fx.Node, allowed: set[fx.Node]) -> list[fx.Node]:
 
 
 def check_region_args(r: Region, args: list) -> None:
+    """Raise if ``args`` are not of the layouts ``r`` was compiled for (``layout_mismatch``)."""
+    problem = layout_mismatch(r, args)
+    if problem is not None:
+        raise RuntimeError(f"executor: {problem}")
+
+
+def layout_mismatch(r: Region, args: Sequence[Any]) -> str | None:
+    """Why ``args`` (what the executor passes to region ``r``) are not what ``r`` was compiled for:
+    a tensor input of another shape, stride, dtype, device or 16-byte alignment (Inductor's code
+    specialises on all of them), or an input the region writes that shares its storage with
+    another input (it was compiled for separate storages: a write through one would change what
+    the code reads through the other); None when they all match. Read-only inputs may share a
+    storage (two parameters of one chunk)."""
     for a, m, v in zip(r.inputs, r.input_metas, args):
         if isinstance(m, TensorMeta):
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m.shape or v.stride() != m.stride \
-                    or v.dtype != m.dtype:
-                got = (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else type(v)
-                raise RuntimeError(f"executor: region {r.index} input {a.name} is {got}, compiled for "
-                                   f"{(m.shape, m.stride, m.dtype)}")
+            problem = m.mismatch(v)
+            if problem is not None:
+                return f"region {r.index} ({region_source(r)}) receives node {a.name} as {problem}"
+    if r.written:
+        storages = [v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) else None for v in args]
+        for i in r.written:
+            other = next((j for j, p in enumerate(storages) if j != i and p is not None and p == storages[i]), None)
+            if other is not None:
+                return (f"region {r.index} ({region_source(r)}) writes node {r.inputs[i].name}, which shares its "
+                        f"storage with input {r.inputs[other].name}; it was compiled for separate storages")
+    return None
 
 
-def measure_allocations(regions: Sequence[Region], device: torch.device) -> tuple[dict[int, int], dict[int, int]]:
-    """Per region of ``regions`` (the compiled ones): ``(peak, excess)``. ``peak`` is what the region
-    allocates at most while it runs (its temporaries and outputs), which the tracker cannot see;
-    ``excess`` is how many more bytes its outputs hold than the same values computed eagerly
-    (compiled code may keep a value in a wider dtype or a larger buffer). Each region runs once on
-    example inputs of its compiled shapes, kept alive throughout (so freeing an input inside cannot
-    hide bytes: an upper bound), under the profiler (``memory.region_peaks``). Random ops draw from
-    the generator, so its state is put back afterwards."""
-    from pscompile.memory.region_peaks import allocation_peaks
-
-    compiled = [r for r in regions if r.fn is not None]
-    if not compiled:
-        return {}, {}
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    label = "pscompile::measure/"
-    excess: dict[int, int] = {}
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            for r in compiled:
-                examples = [m.example() if isinstance(m, TensorMeta) else m for m in r.input_metas]
-                with torch.profiler.record_function(f"{label}{r.index}"):
-                    outs = r.fn(list(examples))
-                excess[r.index] = max(0, _storage_bytes(outs) - _eager_bytes(r.outputs))
-                del outs, examples
-    finally:
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
-    return allocation_peaks(prof, label, device), excess
+def region_source(r: Region) -> str:
+    """Where region ``r``'s code comes from, for messages: the model source line of its first node
+    that has one (captured with ``sources=True``), else the modules whose parameters it reads, else
+    its first node."""
+    for n in r.nodes:
+        src = source_line(n)
+        if src:
+            return f"{src}; first node {r.nodes[0].name}"
+    reads = list(dict.fromkeys(f.rsplit(".", 1)[0] for n in r.nodes for f in gmeta.get(n, "reads", ())))
+    if reads:
+        more = f" and {len(reads) - 3} more" if len(reads) > 3 else ""
+        return f"reads {', '.join(reads[:3])}{more}; first node {r.nodes[0].name}"
+    return f"first node {r.nodes[0].name}" if r.nodes else "empty"
 
 
-def _storage_bytes(values: Sequence[Any]) -> int:
-    seen, total = set(), 0
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            st = v.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
-
-
-def _eager_bytes(nodes: Sequence[fx.Node]) -> int:
-    """Bytes the values of ``nodes`` hold when computed eagerly (views of one another counted once,
-    as far as the graph shows: a view's base is among the nodes)."""
-    total = 0
-    for n in nodes:
-        v = n.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            continue
-        base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if is_view_op(n) and base in nodes:
-            continue
-        total += v.numel() * v.element_size()
-    return total
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else "(no message)"

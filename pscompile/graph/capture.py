@@ -134,7 +134,7 @@ class CapturedGraph:
 def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Parameter],
                   loss_fn: LossFn | None = None, param_dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None, backward: bool = True,
-                  loss_scale: bool = False) -> CapturedGraph:
+                  loss_scale: bool = False, sources: bool = False) -> CapturedGraph:
     """Trace ``loss = loss_fn(model(batch))`` and the gradients of all trainable parameters.
 
     With ``backward=False`` only the forward and the loss are traced (for evaluation): the graph
@@ -149,6 +149,9 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     batch, a 0-dim float32 scale ``s``, and differentiates ``loss * s`` computed as eager computes a
     loss times a Python float (in float32, rounded to the loss's dtype), so the gradients are
     scaled exactly as ``(loss * s).backward()`` scales them; it still returns the unscaled loss.
+    ``sources``: record the model source line of every forward node (``source_line(node)``,
+    ``file.py:12 in fn: code``) for messages about compiled regions; it makes the capture slower
+    (about 2x on small models).
     """
     t0 = time.perf_counter()
     names_of: dict[int, list[str]] = {}
@@ -244,7 +247,8 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     try:
         try:
             with torch.random.fork_rng(devices=[]), _compiling_flag():
-                traced = make_fx(joint, tracing_mode="fake")(*fake_params, *fake_buffers, *fake_batch)
+                traced = make_fx(joint, tracing_mode="fake", record_stack_traces=sources)(
+                    *fake_params, *fake_buffers, *fake_batch)
         except RuntimeError as e:
             if not any(m in str(e) for m in _NEEDS_AUTOGRAD):
                 raise
@@ -256,7 +260,8 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
                 fake_params = [p.detach().requires_grad_(f in grad_fqns) if p.is_floating_point() else p
                                for f, p in zip(param_fqns, fake_params)]
             with torch.random.fork_rng(devices=[]), _compiling_flag():
-                traced = make_fx(joint, tracing_mode="fake")(*fake_params, *fake_buffers, *fake_batch)
+                traced = make_fx(joint, tracing_mode="fake", record_stack_traces=sources)(
+                    *fake_params, *fake_buffers, *fake_batch)
             fold_recomputation(traced)
     except _LossError as e:
         raise e.error from None   # extract_loss's own message already says what would work
@@ -268,10 +273,42 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
 
     gm = _flatten(traced, [f"p_{_ident(f)}" for f in param_fqns] + [f"b_{_ident(f)}" for f in buffer_fqns]
                   + batch_names)
+    if sources:
+        _keep_sources(gm)
     captured = CapturedGraph(gm, param_fqns, grad_fqns, buffer_fqns, batch_spec,
                              time.perf_counter() - t0, param_dtype, backward)
     log.info(captured.summary)
     return captured
+
+
+def _keep_sources(gm: fx.GraphModule) -> None:
+    """Trim each node's stack trace to the model line that made it (``File "...", line 12, in fn``
+    and the code): its innermost frame outside torch (``nn.Linear.forward`` says less than the
+    model line that called it), else its innermost. Graph rewrites carry FX's ``stack_trace``
+    along, and ``source_line`` reads it."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    for n in gm.graph.nodes:
+        trace = n.meta.get("stack_trace")
+        if not trace:
+            continue
+        lines = [ln.strip() for ln in trace.strip().splitlines()]
+        frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+        if not frames:
+            continue
+        model = [i for i in frames if not lines[i][6:].startswith(torch_dir)]
+        at = (model or frames)[-1]
+        code = lines[at + 1] if at + 1 < len(lines) and not lines[at + 1].startswith("File ") else ""
+        n.meta["stack_trace"] = "\n".join(x for x in (lines[at], code) if x)
+
+
+def source_line(n: fx.Node) -> str | None:
+    """``file.py:12 in fn: code`` of the model line that made ``n`` (captured with ``sources``)."""
+    trace = n.meta.get("stack_trace")
+    m = re.match(r'File "(.*)", line (\d+), in (.*)', trace.strip()) if trace else None
+    if m is None:
+        return None
+    code = trace.strip().splitlines()[1].strip() if len(trace.strip().splitlines()) > 1 else ""
+    return f"{os.path.basename(m.group(1))}:{m.group(2)} in {m.group(3)}" + (f": {code}" if code else "")
 
 
 @contextlib.contextmanager

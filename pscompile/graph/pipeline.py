@@ -146,17 +146,17 @@ def grad_store_points(captured: CapturedGraph, uses: ParamUses) -> dict[str, int
 def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn.Parameter],
                         dtype: torch.dtype, backward: bool = True,
                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                        gathers: Mapping[str, int] | None = None) -> AnalyzedGraph:
+                        gathers: Mapping[str, int] | None = None, sources: bool = False) -> AnalyzedGraph:
     """Capture the iteration of ``model`` on ``batch`` (fake tensors: the model may live on the
     meta device) and run the analyses every schedule of it shares. float16 graphs take the loss
     scale as their last input (``capture_joint(loss_scale=True)``). ``gathers`` (``gather_bytes``
     of the layout): each reader of a tensor that spans chunks holds a gathered copy of it, which
-    the non-model curve counts."""
+    the non-model curve counts. ``sources``: nodes keep their model source line (``capture_joint``)."""
     passes = _Passes()
     captured = passes.run("capture_joint" if backward else "capture_forward",
                           lambda: capture_joint(model, batch, params=dict(params), loss_fn=loss_fn,
                                                 param_dtype=dtype, backward=backward,
-                                                loss_scale=dtype == torch.float16),
+                                                loss_scale=dtype == torch.float16, sources=sources),
                           lambda c: c.summary)
     return _analyze(captured, passes, gathers=gathers)
 

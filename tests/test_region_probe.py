@@ -1,0 +1,224 @@
+"""Compiled regions are checked and measured on the inputs they really receive (compiled/probe.py).
+
+- a region that gathers at positions computed from values an earlier region made trains through
+  Inductor under an evicting budget (made-up inputs make those positions NaN, out of range);
+- a region Inductor fails to compile, one that raises when measured on its real inputs, and one
+  given inputs of another layout run as eager graph code, with a ``pscompile`` warning naming the
+  region and its source line, and training goes on tracking plain PyTorch;
+- ``layout_mismatch`` names the node whose strides, dtype or storage differ from what the region
+  was compiled for.
+
+The whole suite runs with ``TensorMeta.example()`` raising (conftest.py): no region is compiled,
+run or measured on made-up values.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx, nn
+
+import pscompile
+from pscompile.compiled import executor as executor_module
+from pscompile.compiled import probe as probe_module
+from pscompile.compiled.regions import Region, TensorMeta, layout_mismatch, written_inputs
+from pscompile.testing import ReferenceTrainer
+from conftest import make_batches, make_model, max_weight_diff
+
+aten = torch.ops.aten
+HP = pscompile.AdamW(lr=1e-3)
+
+
+class RoutedGather(nn.Module):
+    """Each token adds the hidden state of another token, at a position computed from the data:
+    ``num`` and ``den`` come from a gate early in the forward, and ``floor(num / den)`` picks the
+    position after four layers (whose chunks the budget fetches in between, so the division and the
+    gather are in a later region than their operands). For real inputs ``den`` is 1 and the position
+    is in range; for zeros ``0 / 0`` is NaN, which as an index is out of range."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, seq: int = 16, depth: int = 4):
+        super().__init__()
+        self.seq = seq
+        self.emb = nn.Embedding(vocab, d)
+        self.gate = nn.Linear(d, 1)
+        self.mid = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        g = torch.sigmoid(self.gate(x)).squeeze(-1)
+        den = g.detach() * 0 + 1                     # 1 for real inputs
+        num = g.detach() * (self.seq - 1) * den
+        h = x
+        for m in self.mid:
+            h = torch.tanh(m(h))
+        pos = torch.floor(num / den).long()
+        picked = torch.gather(h, 1, pos.unsqueeze(-1).expand_as(h))
+        h = h + picked * g.unsqueeze(-1)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _routed():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    return RoutedGather(), (ids, torch.roll(ids, -1, dims=1))
+
+
+def _config(budget=None) -> pscompile.Config:
+    return pscompile.Config(mode="compiled", backend="inductor", device="cpu", dtype=torch.float32,
+                            device_memory=budget)
+
+
+def _train_against_plain(make, budget, steps: int = 4):
+    """(engine, losses, plain losses) after ``steps`` steps; every step within the budget, moving
+    what it planned."""
+    model, batch = make()
+    ref = ReferenceTrainer(make()[0], optimizer=HP, dtype=torch.float32)
+    engine = pscompile.compile(model, batch, optimizer=HP, config=_config(budget))
+    ours, plain = [], []
+    for _ in range(steps):
+        ours.append(engine.step(batch))
+        plain.append(ref.step(batch))
+        s = engine.stats
+        assert budget is None or s.peak_device_bytes <= budget, (s.peak_device_bytes, budget)
+        assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
+    for a, b in zip(ours, plain):
+        assert abs(a - b) <= 1e-5 * abs(b), (ours, plain)
+    assert max_weight_diff(engine, ref) <= 1e-5
+    return engine
+
+
+def _region_executors(engine):
+    return [ex for ex in engine._executors.values() if ex.split == "regions"]
+
+
+def test_positions_computed_in_another_region_index_in_range():
+    model, batch = _routed()
+    budget = int(pscompile.min_device_memory(model, batch, _config()) * 1.5)   # room for its regions' peaks
+    engine = _train_against_plain(_routed, budget)
+    assert engine.stats.num_evictions > 0
+    (ex, *_) = _region_executors(engine)
+    div = next(n for n in ex.gm.graph.nodes if n.target is aten.div.Tensor)
+    gather = next(n for n in ex.gm.graph.nodes if n.target is aten.gather.default)
+    r = next(r for r in ex.regions if div in r.nodes)
+    # the premise: the division's operands come from another region, and the region that divides
+    # also gathers with the result, compiled
+    assert set(div.all_input_nodes) <= set(r.inputs) and gather in r.nodes and ex.is_compiled(r), ex.describe()
+    assert r.key in engine._allocs and engine._allocs[r.key].peak > 0
+    assert not engine._region_cache.failures("inductor")       # measured, not fallen back
+    engine.close()
+
+
+def _gpt():
+    return make_model("gpt"), make_batches("gpt", 1)[0]
+
+
+def _tight_gpt() -> int:
+    return int(pscompile.min_device_memory(*_gpt(), _config()) * 1.3)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("pscompile") and r.levelno == logging.WARNING]
+
+
+def _first_layer_norm_region(graph: fx.Graph) -> bool:
+    return any(n.target is aten.native_layer_norm.default for n in graph.nodes)
+
+
+def test_a_region_inductor_cannot_compile_runs_as_eager_code(monkeypatch, caplog):
+    real, failed = executor_module.compile_inductor, []
+
+    def compile_or_fail(graph, metas):
+        if not failed and _first_layer_norm_region(graph):
+            failed.append(graph)
+            raise RuntimeError("injected compiler failure")
+        return real(graph, metas)
+    monkeypatch.setattr(executor_module, "compile_inductor", compile_or_fail)
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        engine = _train_against_plain(_gpt, _tight_gpt())
+    (message,) = _warnings(caplog)
+    assert "compiling failed: RuntimeError: injected compiler failure" in message
+    assert "gpt.py:" in message                  # the model's source line
+    ex = _region_executors(engine)[-1]
+    assert ex.report.fallbacks >= 1 and ex.report.compiled > ex.report.fallbacks
+    assert all("injected compiler failure" in r.fallback for r in ex.regions if r.fallback)
+    engine.close()
+
+
+def test_a_region_that_fails_on_its_real_inputs_runs_as_eager_code(monkeypatch, caplog):
+    real, broken = executor_module.compile_inductor, []
+
+    def compile_broken(graph, metas):
+        fn = real(graph, metas)
+        if broken or not _first_layer_norm_region(graph):
+            return fn
+
+        def kernel_fails(args):
+            args.clear()
+            raise RuntimeError("injected kernel failure")
+        broken.append(graph)
+        return kernel_fails
+    monkeypatch.setattr(executor_module, "compile_inductor", compile_broken)
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        engine = _train_against_plain(_gpt, _tight_gpt())   # would raise if the broken code ran in a step
+    (message,) = _warnings(caplog)
+    assert "running it on its real inputs failed: RuntimeError: injected kernel failure" in message
+    assert "gpt.py:" in message
+    ex = _region_executors(engine)[-1]
+    assert ex.report.compiled > 0 and any(r.fallback for r in ex.regions)
+    engine.close()
+
+
+def test_a_region_given_another_layout_runs_as_eager_code(monkeypatch, caplog):
+    """What a region receives is checked against what it was compiled for in its executor's first
+    run; a mismatch (here made to appear for one region) is never run compiled."""
+    real, hit = probe_module.layout_mismatch, []
+
+    def mismatch_once(r, args):
+        if not hit and _first_layer_norm_region(r.graph):
+            hit.append(r.key)
+            return f"region {r.index} receives node {r.inputs[0].name} as stride (1,), compiled for (64,)"
+        return real(r, args)
+    monkeypatch.setattr(probe_module, "layout_mismatch", mismatch_once)
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        engine = _train_against_plain(_gpt, _tight_gpt())
+    (message,) = _warnings(caplog)
+    assert "checking its inputs' layout failed" in message and "compiled for (64,)" in message
+    assert all(r.fallback for ex in _region_executors(engine) for r in ex.regions if r.key in hit)
+    engine.close()
+
+
+def _region(graph: fx.Graph, metas) -> Region:
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    return Region(0, nodes=[n for n in graph.nodes if n.op == "call_function"], inputs=inputs, graph=graph,
+                  input_metas=metas, written=written_inputs(graph))
+
+
+def test_layout_mismatch_names_the_node():
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    g.output((g.call_function(aten.mm.default, (a, b)),))
+    x, w = torch.randn(4, 8), torch.randn(8, 4)
+    r = _region(g, [TensorMeta.of(x, x.device), TensorMeta.of(w, w.device)])
+    assert written_inputs(g) == frozenset() and layout_mismatch(r, [x, w]) is None
+    transposed = w.t().contiguous().t()                       # same values, other strides
+    assert "node b as stride (1, 8), compiled for (4, 1)" in layout_mismatch(r, [x, transposed])
+    assert "dtype torch.float64" in layout_mismatch(r, [x, w.double()])
+    offset = torch.randn(8 * 4 + 1)[1:].view(8, 4)             # 4 bytes into its storage
+    assert "16-byte alignment False" in layout_mismatch(r, [x, offset])
+
+
+def test_a_region_that_writes_an_input_must_not_share_its_storage():
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    v = g.call_function(aten.view.default, (a, [8]))
+    d = g.call_function(aten.div_.Tensor, (v, 2.0))
+    g.output((g.call_function(aten.add.Tensor, (d, b)),))
+    x = torch.randn(8)
+    r = _region(g, [TensorMeta.of(x, x.device)] * 2)
+    assert r.written == frozenset({0})
+    assert layout_mismatch(r, [x.clone(), x.clone()]) is None
+    base = torch.randn(16)
+    assert "writes node a, which shares its storage with input b" in layout_mismatch(r, [base[:8], base[8:]])
