@@ -38,7 +38,8 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import fx
 
-from pscompile.compiled.regions import Region, TensorMeta, is_view_op, layout_mismatch, region_source
+from pscompile.compiled.regions import (Region, TensorMeta, first_line, is_view_op, layout_mismatch,
+                                        region_source)
 from pscompile.graph.meta import get
 from pscompile.graph.pipeline import executed_nodes
 from pscompile.passes.plan_residency import arrivals
@@ -144,7 +145,7 @@ def measure(saved: dict[str, tuple[Region, list]], device: torch.device
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                 except Exception as e:  # noqa: BLE001 -- any failure: the region runs as eager code instead
-                    failed[key] = (r, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500] if str(e).strip() else ''}")
+                    failed[key] = (r, f"{type(e).__name__}: {first_line(e)}")
                     continue
                 excess[i] = max(0, _storage_bytes(outs) - _eager_bytes(r.outputs))
                 del outs, inputs

@@ -61,7 +61,7 @@ from pscompile.graph.ops import is_memory_node
 
 __all__ = ["INDUCTOR_PATCHES", "RegionCache", "Region", "TensorMeta", "region_key", "buffer_placeholders",
            "buffer_aliases", "lifted_views", "fusible_ops", "compile_inductor", "eager_fn", "graph_device",
-           "eval_chain", "check_region_args", "layout_mismatch", "region_source", "written_inputs"]
+           "eval_chain", "check_region_args", "layout_mismatch", "region_source", "written_inputs", "first_line"]
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class RegionCache:
         try:
             fn, error = build(), None
         except Exception as exc:  # noqa: BLE001 -- any compiler failure: the region falls back to eager code
-            fn, error = None, f"{type(exc).__name__}: {_first_line(exc)}"
+            fn, error = None, f"{type(exc).__name__}: {first_line(exc)}"
         dt = time.perf_counter() - t0
         e = CacheEntry(fn, dt, 1, error)
         self._entries[key] = e
@@ -491,6 +491,7 @@ def region_source(r: Region) -> str:
     return f"first node {r.nodes[0].name}" if r.nodes else "empty"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's message, its first line (at most 500 characters), for one-line reports."""
     text = str(exc).strip()
     return text.splitlines()[0][:500] if text else "(no message)"
