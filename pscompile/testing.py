@@ -187,3 +187,42 @@ def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 
                                                           num_heads=2, d_kv=32, dropout_rate=0.0,
                                                           decoder_start_token_id=0, **common))
     return model, batch
+
+
+class RoutedGather(nn.Module):
+    """A model whose compiled regions index with positions computed from another region's values:
+    each token adds the hidden state of another token, at ``floor(num / den)``, where ``num`` and
+    ``den`` come from a gate early in the forward and the gather comes after ``depth`` layers (under
+    a budget their chunks are fetched in between, so the division and the gather are in a later
+    region than their operands). For real inputs ``den`` is 1 and the position is in range; for
+    zeros ``0 / 0`` is NaN, which as an index is out of range. ``forward(ids, labels)`` returns the
+    loss; ``routed_gather()`` builds one and a batch."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, seq: int = 16, depth: int = 4):
+        super().__init__()
+        self.seq = seq
+        self.emb = nn.Embedding(vocab, d)
+        self.gate = nn.Linear(d, 1)
+        self.mid = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        g = torch.sigmoid(self.gate(x)).squeeze(-1)
+        den = g.detach() * 0 + 1                     # 1 for real inputs
+        num = g.detach() * (self.seq - 1) * den
+        h = x
+        for m in self.mid:
+            h = torch.tanh(m(h))
+        pos = torch.floor(num / den).long()
+        picked = torch.gather(h, 1, pos.unsqueeze(-1).expand_as(h))
+        h = h + picked * g.unsqueeze(-1)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def routed_gather(*, seed: int = 0) -> tuple[RoutedGather, tuple[torch.Tensor, torch.Tensor]]:
+    """A ``RoutedGather`` (seeded) and a batch of 2 x 16 tokens."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    return RoutedGather(), (ids, torch.roll(ids, -1, dims=1))

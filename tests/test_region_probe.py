@@ -17,53 +17,21 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 import pscompile
 from pscompile.compiled import executor as executor_module
 from pscompile.compiled import probe as probe_module
 from pscompile.compiled.regions import Region, TensorMeta, layout_mismatch, written_inputs
-from pscompile.testing import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer, routed_gather
 from conftest import make_batches, make_model, max_weight_diff
 
 aten = torch.ops.aten
 HP = pscompile.AdamW(lr=1e-3)
 
 
-class RoutedGather(nn.Module):
-    """Each token adds the hidden state of another token, at a position computed from the data:
-    ``num`` and ``den`` come from a gate early in the forward, and ``floor(num / den)`` picks the
-    position after four layers (whose chunks the budget fetches in between, so the division and the
-    gather are in a later region than their operands). For real inputs ``den`` is 1 and the position
-    is in range; for zeros ``0 / 0`` is NaN, which as an index is out of range."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, seq: int = 16, depth: int = 4):
-        super().__init__()
-        self.seq = seq
-        self.emb = nn.Embedding(vocab, d)
-        self.gate = nn.Linear(d, 1)
-        self.mid = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        g = torch.sigmoid(self.gate(x)).squeeze(-1)
-        den = g.detach() * 0 + 1                     # 1 for real inputs
-        num = g.detach() * (self.seq - 1) * den
-        h = x
-        for m in self.mid:
-            h = torch.tanh(m(h))
-        pos = torch.floor(num / den).long()
-        picked = torch.gather(h, 1, pos.unsqueeze(-1).expand_as(h))
-        h = h + picked * g.unsqueeze(-1)
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
-
-
 def _routed():
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (2, 16), generator=g)
-    return RoutedGather(), (ids, torch.roll(ids, -1, dims=1))
+    return routed_gather()
 
 
 def _config(budget=None) -> pscompile.Config:

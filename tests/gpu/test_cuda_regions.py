@@ -7,48 +7,19 @@ made, under an evicting budget, through Inductor on the GPU, and tracks plain Py
 
 import pytest
 import torch
-from torch import nn
 
 import pscompile
-from pscompile.testing import ReferenceTrainer
+from pscompile.testing import ReferenceTrainer, routed_gather
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-class RoutedGather(nn.Module):
-    """``floor(num / den)`` picks another token's hidden state; ``den`` is 1 for real inputs, and
-    zeros would make the position NaN (out of range)."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, seq: int = 16, depth: int = 4):
-        super().__init__()
-        self.seq = seq
-        self.emb = nn.Embedding(vocab, d)
-        self.gate = nn.Linear(d, 1)
-        self.mid = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids, labels):
-        x = self.emb(ids)
-        g = torch.sigmoid(self.gate(x)).squeeze(-1)
-        den = g.detach() * 0 + 1
-        num = g.detach() * (self.seq - 1) * den
-        h = x
-        for m in self.mid:
-            h = torch.tanh(m(h))
-        pos = torch.floor(num / den).long()
-        h = h + torch.gather(h, 1, pos.unsqueeze(-1).expand_as(h)) * g.unsqueeze(-1)
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
-
-
 def _model():
-    torch.manual_seed(0)
-    return RoutedGather()
+    return routed_gather()[0]
 
 
 def test_cuda_regions_measured_on_real_inputs_track_plain_pytorch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (2, 16), generator=g)
-    batch = (ids, torch.roll(ids, -1, dims=1))
+    batch = routed_gather()[1]
     hp = pscompile.AdamW(lr=1e-3)
     config = pscompile.Config(mode="compiled", backend="inductor", device="cuda", dtype=torch.float32,
                               chunk_size=1024)
