@@ -89,8 +89,9 @@ class RegionLowering:
                           fold_stores=regions and (eager or self.budget is None))
             self._executors[id(sched.gm)] = ex
             if regions:
-                known = all(r.key in self._allocs for r in ex.compiled_regions())
-                if ex.compiled_regions():
+                compiled = ex.compiled_regions()
+                known = all(r.key in self._allocs for r in compiled)
+                if compiled:
                     self._probing[id(sched.gm)] = (sched.gm, Probe(self._allocs.__contains__, eager_all=not known))
                 ex = self._check_region_curve(key, sched, ex, {} if known else None)
         return ex

@@ -42,6 +42,7 @@ from pscompile.compiled.regions import (Region, TensorMeta, first_line, is_view_
                                         region_source)
 from pscompile.graph.meta import get
 from pscompile.graph.pipeline import executed_nodes
+from pscompile.memory.region_peaks import allocation_peaks
 from pscompile.passes.plan_residency import arrivals
 
 __all__ = ["Allocation", "Probe", "Snapshot", "measure", "region_curve", "warn_fallback"]
@@ -123,8 +124,6 @@ def measure(saved: dict[str, tuple[Region, list]], device: torch.device
     profiler: ``(key -> Allocation, key -> (region, why) for those that raised)``. Inputs are
     copied before the region's range opens and kept alive through it (freeing one inside cannot
     hide bytes: an upper bound). Random ops draw from the generators, which are put back."""
-    from pscompile.memory.region_peaks import allocation_peaks
-
     allocs: dict[str, Allocation] = {}
     failed: dict[str, tuple[Region, str]] = {}
     if not saved:
