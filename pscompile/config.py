@@ -60,6 +60,12 @@ class Config:
     planner: str = "belady"
     link_bandwidth: int | str | None = None  # CPU only: emulate a slow device<->host link, e.g. "50MB/s", or
     #   "v100" / "a100" / "h100": as slow, relative to this machine's measured matmul rate, as that GPU's PCIe link
+    # CPU only: the race checker (docs/design.md, "The copy contract"): every copy between device and
+    # host lands at the latest moment its contract allows -- its destination poisoned from the submit
+    # to the wait, its source read only at the wait -- and a buffer freed or reused while a copy owns
+    # it raises, naming the graph node. Slower (no copy overlaps compute); the environment variable
+    # PSCOMPILE_STRICT_COPIES=1 switches it on for every engine of a process
+    strict_copies: bool = False
     initial_loss_scale: float = 2.0**16      # float16 only: starting dynamic loss scale
     loss_scale_growth_interval: int = 2000   # float16 only: steps without overflow before doubling
     # ZeRO data parallelism by chunk: None shards over the default group when torch.distributed is
@@ -133,6 +139,11 @@ class Config:
                     set_("link_bandwidth", parse_rate(self.link_bandwidth, "link_bandwidth"))
                 except ValueError as e:
                     raise ValueError(f"{e}; or a GPU preset, one of {sorted(LINK_PRESETS)}") from None
+        if not isinstance(self.strict_copies, bool):
+            raise ValueError(f"strict_copies={self.strict_copies!r} must be True or False")
+        if self.strict_copies and dev.type != "cpu":
+            raise ValueError("strict_copies is the CPU race checker; on CUDA the copy streams run the copies "
+                             "(leave strict_copies=False, or check the schedule with device='cpu')")
         if self.process_group is not None and self.process_group is not False:
             try:
                 import torch.distributed as dist

@@ -28,6 +28,9 @@ class StepStats:
     transfer_s: float              # time spent inside chunk copies (all phases)
     offload_bytes: int = 0         # saved activations device -> host (part of d2h_bytes)
     reload_bytes: int = 0          # saved activations host -> device (part of h2d_bytes)
+    # CUDA only: the caching allocator's own peak over the step (torch.cuda.max_memory_allocated,
+    # reset when the step starts) -- the independent check of peak_device_bytes; None elsewhere
+    allocator_peak_bytes: int | None = None
 
     @property
     def chunk_h2d_bytes(self) -> int:

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import os
 
+# The race checker (docs/design.md, "The copy contract"): every test, and every process a test
+# starts, runs with each copy landing at the latest moment its contract allows. Tests that measure
+# overlap are marked ``copy_threads`` and run the CPU's copy threads; PSCOMPILE_STRICT_COPIES=0 in
+# the caller's environment runs the whole suite on them.
+os.environ.setdefault("PSCOMPILE_STRICT_COPIES", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):   # tests run in parallel workers (pyproject.toml: -n): one thread
     os.environ["OMP_NUM_THREADS"] = "1"     # each, for the processes the tests start too
 
@@ -34,6 +40,13 @@ def _no_region_runs_on_made_up_values():
     patch.setattr(TensorMeta, "example", refuse)
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _copy_engine(request, monkeypatch):
+    """A test marked ``copy_threads`` (it measures how copies overlap compute) runs the copy threads."""
+    if request.node.get_closest_marker("copy_threads") is not None:
+        monkeypatch.setenv("PSCOMPILE_STRICT_COPIES", "0")
 
 
 def free_port() -> int:

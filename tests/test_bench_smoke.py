@@ -379,3 +379,24 @@ def test_plan_check_quick(tmp_path):
         assert r["fits"] and (r["planned_h2d"], r["planned_d2h"]) == (r["measured_h2d"], r["measured_d2h"])
         assert r["measured_peak"] <= r["planned_peak"] <= r["budget"]
         assert r["estimated_s"] > 0 and r["measured_s"] > 0
+
+
+def test_gpu_acceptance_dry_run(tmp_path):
+    """bench/gpu.py, the GPU acceptance run, end to end on the CPU with tiny shapes (--dry-run): every
+    section present, parity rows track plain PyTorch under a budget that evicts, peaks within it."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "gpu.py"), "--dry-run", "--markdown", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["meta"]["dry_run"] and not res["failures"]
+    sections = {r["section"] for r in res["rows"]}
+    assert sections == {"parity", "speed", "capacity"}
+    parity = [r for r in res["rows"] if r["section"] == "parity"]
+    assert {(r["system"], r["dtype"]) for r in parity} == {(s, d) for s in ("hooks", "compiled eager")
+                                                           for d in ("float32", "bfloat16")}
+    assert all(r["tracks"] and r["evicted"] and r["within_budget"] for r in parity)
+    speed = [r for r in res["rows"] if r["section"] == "speed" and "step_s" in r]
+    assert {r["budget_name"] for r in speed} == {"none", "mid", "tight"}
+    assert all(r["overlap_ratio"] > 0 for r in speed if r["system"] in ("hooks", "compiled eager"))
+    assert "| capacity" in proc.stdout and "| parity" in proc.stdout

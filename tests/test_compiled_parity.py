@@ -118,6 +118,7 @@ def test_min_device_memory_is_exactly_enough():
         pscompile.compile(make_model("gpt"), b[0], config=compiled_config(torch.float32, minimum - 4096, **keep))
 
 
+@pytest.mark.copy_threads
 def test_emulated_link_costs_bytes_over_bandwidth_and_prefetch_hides_some():
     """With link_bandwidth, transfers take bytes / bandwidth on the copy thread (within 20%), and
     because fetches start early the step is shorter than compute + transfers back to back."""

@@ -132,7 +132,7 @@ def test_a_step_that_fails_after_a_lookahead_loses_nothing():
     with pytest.raises(RuntimeError, match="injected"):
         engine.step(batches[3])
     del engine._run_memory_node
-    assert not engine._in_flight and not engine._deferred and engine._queue.idle()
+    assert not engine._in_flight and not engine._deferred and engine.copies.idle()
     after = engine.state_dict()["master"]
     assert all(torch.equal(before[k], after[k]) for k in before)
     for b in batches[3:]:

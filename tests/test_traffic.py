@@ -52,8 +52,8 @@ def test_step_traffic_is_not_setup_traffic():
     assert engine.setup_traffic.h2d_bytes + engine.setup_traffic.d2h_bytes == setup
 
 
-def test_a_copy_holds_no_tensor_once_its_future_is_done():
-    """After ``result()`` nothing of the queue still references the copied tensors: a gradient
+def test_a_copy_holds_no_tensor_once_it_is_waited_on():
+    """After ``wait()`` nothing of the queue still references the copied tensors: a gradient
     stored to the host or an offloaded activation dies where the plan says. (The pool's work item
     outlived the result for a moment on the worker thread: in a CI run the tracker saw an
     activation alive past its death, 64 KiB over the budget; with the old submit this loop found
@@ -61,8 +61,8 @@ def test_a_copy_holds_no_tensor_once_its_future_is_done():
     import sys
     from torch.multiprocessing.reductions import StorageWeakRef
     from pscompile.memory.tiers import Link
-    from pscompile.memory.transfers import TransferQueue
-    q = TransferQueue(Link())
+    from pscompile.memory.copies import ThreadCopies
+    q = ThreadCopies(Link())
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)            # switch threads often: the window is a few bytecodes wide
     try:
@@ -72,9 +72,9 @@ def test_a_copy_holds_no_tensor_once_its_future_is_done():
             ref = StorageWeakRef(src.untyped_storage())
             fut = q.submit(dst, src, "d2h")
             del src
-            fut.result()
+            fut.wait()
             alive += not ref.expired()
-        assert alive == 0, f"{alive} sources outlived their copy's result()"
+        assert alive == 0, f"{alive} sources outlived their copy's wait()"
     finally:
         sys.setswitchinterval(interval)
         q.close()
@@ -86,9 +86,9 @@ def test_the_two_copy_engines_overlap_and_keep_their_order():
     keep their order; ``after`` holds a copy until one of the other direction has landed."""
     import time
     from pscompile.memory.tiers import Link
-    from pscompile.memory.transfers import TransferQueue
+    from pscompile.memory.copies import ThreadCopies
     link = Link(bandwidth=10e6)
-    q = TransferQueue(link)
+    q = ThreadCopies(link)
     a, b = torch.ones(250_000), torch.empty(250_000)        # 1 MB each
     c, d = torch.full((250_000,), 2.0), torch.empty(250_000)
     t = time.perf_counter()
@@ -101,12 +101,12 @@ def test_the_two_copy_engines_overlap_and_keep_their_order():
     # a writeback lands in `home`; the fetch that reads `home` after it must see its bytes
     home, slot, fetched = torch.zeros(250_000), torch.full((250_000,), 7.0), torch.empty(250_000)
     wb = q.submit(home, slot, "d2h")
-    q.submit(fetched, home, "h2d", after=wb).result()
+    q.submit(fetched, home, "h2d", after=wb).wait()
     assert torch.equal(fetched, slot)
     order = []
     x = torch.empty(10)
     for k in range(5):
-        q.submit(x, torch.full((10,), float(k)), "h2d").add_done_callback(lambda f, k=k: order.append(k))
+        q.submit(x, torch.full((10,), float(k)), "h2d").future.add_done_callback(lambda f, k=k: order.append(k))
     q.flush()
     assert order == list(range(5)) and x[0].item() == 4.0
     q.close()

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import importlib
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +45,7 @@ from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
-from pscompile.memory.transfers import TransferQueue
+from pscompile.memory.copies import Copy
 from pscompile.optim.placement import device_state_chunks
 from pscompile.passes.plan_residency import ResidencyPlan
 from pscompile.runtime.batching import LossFn, to_device
@@ -88,18 +87,12 @@ class _RunRecord:
     probe: Probe | None = None          # a probing run's (its compiled regions are measured after the step)
 
 
-# A copy of at most this many bytes between CPU tensors, with no emulated link and no copy of its
-# direction in flight, runs on the calling thread: handing it to a copy engine and waiting costs
-# more (tens of microseconds) than the memcpy itself. Larger copies, and all copies over an
-# emulated link, run on the copy engines and overlap compute.
-INLINE_COPY_BYTES = 256 * 1024
-
-
 def _add_landed(copies: list) -> None:
-    """Wait for a gradient's copies to the host, ``(future, fp32 target, host copy or None)`` each,
-    and add each host copy into its target (None: the copy went straight into a zero buffer)."""
-    for fut, target, host in copies:
-        fut.result()
+    """Wait (on the host, which reads them) for a gradient's copies to the host, ``(copy, fp32
+    target, host copy or None)`` each, and add each host copy into its target (None: the copy went
+    straight into a zero buffer)."""
+    for copy, target, host in copies:
+        copy.wait_host()
         if host is not None:
             target.add_(host)                    # fp32 += compute dtype, on the host
 
@@ -123,8 +116,6 @@ class CompiledEngine(RegionLowering, ChunkEngine):
         self._slot_bytes_allocated = 0             # their bytes (the tracker reads it after every op)
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._os_placed = False
-        # the copy engine: transfers overlap compute (small copies on the CPU run inline, see INLINE_COPY_BYTES)
-        self._queue = TransferQueue(self.link, inline_bytes=INLINE_COPY_BYTES)
         self._in_flight: dict[int, Any] = {}       # slot -> future of its asynchronous fetch
         self._reading: dict[int, Any] = {}         # slot -> future of the writeback reading it
         self._homing: dict[int, Any] = {}          # chunk -> future of the writeback writing its home
@@ -133,7 +124,7 @@ class CompiledEngine(RegionLowering, ChunkEngine):
         self._grad_copies: dict[tuple[str, int], list] = {}
         # the end of a training step (``_overlaps_update``): slot -> (chunk, its writeback still landing),
         # dropped by the plan but released only once landed, while the optimizer step starts
-        self._deferred: dict[int, tuple[int, Future]] = {}
+        self._deferred: dict[int, tuple[int, Copy]] = {}
         # id(scheduled gm) -> the memory nodes after its last compute node
         self._tails: dict[int, tuple[fx.GraphModule, frozenset[fx.Node]]] = {}
         self._ahead: list[tuple[int, int]] = []    # (chunk, slot) to fetch for the next step after its update
@@ -333,18 +324,19 @@ class CompiledEngine(RegionLowering, ChunkEngine):
             self._slot_ptrs.add(storage.data_ptr())
             self._slot_bytes_allocated += storage.nbytes()
 
-    def _release_slot(self, k: int) -> None:
+    def _release_slot(self, k: int, node: str | None = None) -> None:
         """Slot ``k`` no longer holds its chunk: forget it and give its memory back (on CUDA to
         the caching allocator), so the bytes the plan lets activations use really are free."""
         self.store.detach(self._slot_chunk.pop(k))
-        self._free_slot(k)
+        self._free_slot(k, node)
 
-    def _free_slot(self, k: int) -> None:
+    def _free_slot(self, k: int, node: str | None = None) -> None:
         pending = self._in_flight.pop(k, None)      # a fetch for this step, issued by the last one
         if pending is not None:                     # (``plan_lookahead``): no copy into freed memory
-            pending.wait() if hasattr(pending, "wait") else pending.result()
+            pending.wait()
         storage = self._slots[k].untyped_storage()
         if storage.nbytes():
+            self.copies.check_free(self._slots[k], node)    # (the race checker: no copy still owns it)
             self._slot_ptrs.discard(storage.data_ptr())
             self._slot_bytes_allocated -= storage.nbytes()
             storage.resize_(0)
@@ -386,7 +378,7 @@ class CompiledEngine(RegionLowering, ChunkEngine):
                 self._release_slot(k)
 
     # ================================================================ running
-    def _run_memory_node(self, mem, args, at_end: bool = False) -> None:
+    def _run_memory_node(self, mem, args, at_end: bool = False, node: str | None = None) -> None:
         """Perform one memory node. Copies go to the transfer queue (in order per direction); only a fetch with
         a ``wait`` and a writeback return before their copy is done (the drop after a writeback
         waits for it before giving the slot's memory back). Gradient stores to the host and a
@@ -394,25 +386,27 @@ class CompiledEngine(RegionLowering, ChunkEngine):
         an asynchronous accumulate_grad (``overlap_grad_copies``) is added into its buffer at its
         ``wait_grad``, which also keeps the gradient alive until then. ``at_end``
         (a training step's memory nodes after its last compute, ``_overlaps_update``): a drop whose
-        chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it."""
-        store, q = self.store, self._queue
+        chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it.
+        Every copy goes through the copy engine (``memory/copies.py``) and names ``node``; waits are
+        compute-side, except where the host reads what landed (gradients it adds or updates from)."""
+        store, q = self.store, self.copies
         if mem.kind == MemKind.FETCH:
             slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
             self._allocate_slot(mem.slot)
             # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
-            fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk))
+            fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk), node=node)
             self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
             self._slot_chunk[mem.slot] = mem.chunk
             if mem.asynchronous:
                 self._in_flight[mem.slot] = fut
             else:
-                fut.result()
+                fut.wait()
         elif mem.kind in (MemKind.ALLGATHER, MemKind.BROADCAST):    # ZeRO: the chunk/group arrives
             slot = args[0]
             self._allocate_slot(mem.slot)
             handle = store.gather_into(mem.chunk, slot, async_op=mem.asynchronous,
-                                       copy=lambda d, s_: q.submit(d, s_, "h2d").result())
+                                       copy=lambda d, s_: q.submit(d, s_, "h2d", node=node).wait())
             self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
             self._slot_chunk[mem.slot] = mem.chunk
@@ -421,19 +415,18 @@ class CompiledEngine(RegionLowering, ChunkEngine):
         elif mem.kind.reduces:                                      # ZeRO: gradients to their owners
             dest, slot, _, _, accumulate = args
             store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
-                                   copy=lambda d, s_: q.submit(d, s_, "d2h").result())
+                                   copy=lambda d, s_: q.submit(d, s_, "d2h", node=node).wait_host())
             store.dirty[mem.chunk] = False
         elif mem.kind == MemKind.WAIT and mem.slot is None:       # a gradient's copy (overlap_grad_copies)
             _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk)))
         elif mem.kind == MemKind.WAIT:
-            pending = self._in_flight.pop(mem.slot)
-            pending.wait() if hasattr(pending, "wait") else pending.result()
+            self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
         elif mem.kind == MemKind.WRITEBACK:
             _, slot = args                  # host_c: the chunk's home; its gradient's own buffer there
             fetching = self._in_flight.get(mem.slot)        # (planned after its wait; kept safe anyway)
             self._reading[mem.slot] = self._homing[mem.chunk] = q.submit(
                 store.home_for_device_data(mem.chunk, whole=True), slot, "d2h",
-                after=fetching if isinstance(fetching, Future) else None)
+                after=fetching if isinstance(fetching, Copy) else None, node=node)
             store.dirty[mem.chunk] = False
         elif mem.kind.leaves:
             pending = self._reading.pop(mem.slot, None)
@@ -443,8 +436,8 @@ class CompiledEngine(RegionLowering, ChunkEngine):
                 self._deferred[mem.slot] = (chunk, pending)
             else:
                 if pending is not None:    # the slot's memory goes back only once its writeback has read it
-                    pending.result()
-                self._release_slot(mem.slot)
+                    pending.wait()
+                self._release_slot(mem.slot, node)
             self.link.traffic.num_evictions += 1
         elif mem.kind == MemKind.ACCUMULATE_GRAD:
             acc, grad, offset, *page = args
@@ -452,10 +445,10 @@ class CompiledEngine(RegionLowering, ChunkEngine):
             for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
                 target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
                 if self._fresh_acc:                                     # a zero buffer: 0 + g is g
-                    copies.append((q.submit(target, piece, "d2h"), target, None))
+                    copies.append((q.submit(target, piece, "d2h", node=node), target, None))
                     continue
-                host = torch.empty(piece.shape, dtype=piece.dtype)      # the gradient crosses the link
-                copies.append((q.submit(host, piece, "d2h"), target, host))
+                host = q.host_empty(piece.shape, piece.dtype)           # the gradient crosses the link
+                copies.append((q.submit(host, piece, "d2h", node=node), target, host))
             if mem.asynchronous:          # its wait_grad adds it (the graph keeps the gradient alive until then)
                 self._grad_copies[(mem.fqn, mem.chunk)] = copies
             else:
@@ -469,8 +462,8 @@ class CompiledEngine(RegionLowering, ChunkEngine):
                 target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
                 if mem.slot is not None:
                     target.copy_(piece)
-                else:            # waited for: the gradient dies here, as the plan assumes
-                    q.submit(target, piece, "d2h").result()
+                else:            # waited for: the gradient dies here, as the plan assumes (and the host
+                    q.submit(target, piece, "d2h", node=node).wait_host()       # optimizer reads it)
             self._mark_stored(mem)
 
     def _mark_stored(self, mem) -> None:
@@ -481,24 +474,23 @@ class CompiledEngine(RegionLowering, ChunkEngine):
             self.store.dirty[mem.chunk] = True
         self._written.add(mem.fqn)
 
-    def _move_activation(self, moves: ActivationMove, args: tuple) -> torch.Tensor | None:
+    def _move_activation(self, moves: ActivationMove, args: tuple, node: str | None = None) -> torch.Tensor | None:
         """Offload a saved activation into a new host buffer, or reload it into a new device
         tensor, on the transfer queue; waited for at once, or (asynchronous) at its ``wait_copy``."""
         src = args[0]
         if moves.kind == MemKind.WAIT:
-            self._copying.pop(id(src)).result()
+            self._copying.pop(id(src)).wait()
             return None
         if moves.kind == MemKind.OFFLOAD:
-            dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu",
-                                      pin_memory=self.device.type == "cuda")
-            fut = self._queue.submit(dst, src, "d2h", activation=True)
+            dst = self.copies.host_empty(src.shape, src.dtype, src.stride())
+            fut = self.copies.submit(dst, src, "d2h", activation=True, node=node)
         else:
             dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=self.device)
-            fut = self._queue.submit(dst, src, "h2d", activation=True)
+            fut = self.copies.submit(dst, src, "h2d", activation=True, node=node)
         if moves.asynchronous:
             self._copying[id(dst)] = fut          # a wait_copy of dst follows (the graph keeps src alive until it)
         else:
-            fut.result()
+            fut.wait()
         return dst
 
     def _model_bytes(self) -> int:
@@ -577,9 +569,9 @@ class CompiledEngine(RegionLowering, ChunkEngine):
             with pause():
                 if moves is None:
                     mem = get(n, "mem")
-                    made = self._run_memory_node(mem, args, at_end=n in tail)
+                    made = self._run_memory_node(mem, args, at_end=n in tail, node=n.name)
                 else:
-                    made = self._move_activation(moves, args)
+                    made = self._move_activation(moves, args, node=n.name)
             if moves is not None and moves.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
                 tracker.add_tensor(made)                 # back on the device (the host copy is not)
             elif not dispatching and moves is None and not mem.kind.arrives:
@@ -598,7 +590,7 @@ class CompiledEngine(RegionLowering, ChunkEngine):
                                        around_region=around_region if executor.split == "regions" else None,
                                        call_region=probe.call if probe is not None else None)
             if not self._deferred:
-                self._queue.flush()
+                self.copies.flush()
             if probe is not None and probe.eager_all:   # settled after the step (``_settle_probe``)
                 for i, v in learned.items():
                     probe.learned[i] = max(probe.learned.get(i, 0), v)
@@ -610,7 +602,7 @@ class CompiledEngine(RegionLowering, ChunkEngine):
             self._reading.clear()
             self._homing.clear()
         except BaseException:
-            self._queue.drain()              # no copy is left running into memory the recovery frees
+            self.copies.drain()              # no copy is left running into memory the recovery frees
             self._land(errors=False)
             self._abandon_in_flight()
             self._grad_copies.clear()
@@ -672,7 +664,7 @@ class CompiledEngine(RegionLowering, ChunkEngine):
             if chunk is None or c == chunk:
                 del self._deferred[k]
                 try:
-                    fut.result()
+                    fut.wait_host()             # the optimizer reads the home it writes
                 except BaseException as e:      # noqa: BLE001 -- raised below, after every slot is back
                     failed = failed or e
                 self._free_slot(k)
@@ -765,8 +757,8 @@ class CompiledEngine(RegionLowering, ChunkEngine):
             self._land(held[0])
         self._allocate_slot(slot)
         self.link.count(self.store.param_chunk_bytes, "h2d")
-        self._in_flight[slot] = self._queue.submit(self._slots[slot], self.store.fetch_source(c), "h2d",
-                                                   counted=True)
+        self._in_flight[slot] = self.copies.submit(self._slots[slot], self.store.fetch_source(c), "h2d",
+                                                   counted=True, node=f"(the next step's fetch of chunk {c})")
         self.link.traffic.num_fetches += 1
         self.store.attach(c, self._slots[slot])
         self._slot_chunk[slot] = c

@@ -25,6 +25,7 @@ import torch
 from pscompile.dist.comm import Comm
 from pscompile.memory.layout import ChunkLayout, TensorEntry
 from pscompile.memory.store import ChunkStore
+from pscompile.memory.copies import CopyEngine
 from pscompile.memory.tiers import Link
 
 def own_pieces(entry: TensorEntry, shard: int, rank: int, *,
@@ -66,7 +67,7 @@ class _ZeroStore(ChunkStore):
         raise NotImplementedError
 
     def _copy(self, direction: str, copy):
-        return copy or (lambda dst, src: self.link.copy(dst, src, direction))
+        return copy or (lambda dst, src: self.copies.move(dst, src, direction))
 
     def _to_home(self, c: int, part: torch.Tensor, acc: torch.Tensor | None, copy) -> None:
         if acc is None:
@@ -127,13 +128,14 @@ class _ZeroStore(ChunkStore):
 class ShardedStore(_ZeroStore):
     """ZeRO by group (``collectives="group"``): see the module docstring."""
 
-    def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm):
+    def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm,
+                 copies: CopyEngine | None = None):
         if layout.chunk_size % comm.world:
             raise ValueError(f"a group of {layout.chunk_size} elements does not split into {comm.world} shards")
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.shard = layout.chunk_size // comm.world
-        super().__init__(layout, device=device, dtype=dtype, link=link, home_numel=self.shard)
+        super().__init__(layout, device=device, dtype=dtype, link=link, home_numel=self.shard, copies=copies)
 
     def _mine(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[self.rank * self.shard:(self.rank + 1) * self.shard]
@@ -170,11 +172,12 @@ class OwnedChunkStore(_ZeroStore):
     link carries it); its gradients are reduced to the owner, which writes them home. The device
     never holds more than the chunks in use: no group-sized buffer."""
 
-    def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm):
+    def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm,
+                 copies: CopyEngine | None = None):
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.shard = layout.chunk_size
-        super().__init__(layout, device=device, dtype=dtype, link=link,
+        super().__init__(layout, device=device, dtype=dtype, link=link, copies=copies,
                          homes=frozenset(c for c in range(layout.num_chunks) if c % comm.world == comm.rank))
 
     def owner(self, c: int) -> int:

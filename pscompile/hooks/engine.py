@@ -331,10 +331,10 @@ class HooksEngine(ChunkEngine):
                     if ps.acc is None:       # the gradient takes its parameter's place in the chunk
                         self.store.write_piece(p.chunk, p.chunk_offset, piece)
                     elif self._fresh_acc:    # a zero buffer (lock-free): 0 + g is g
-                        self.link.copy(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
+                        self.copies.move(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
                     else:                    # accumulate in fp32 on the host; the parameter stays
-                        host = torch.empty(p.numel, dtype=piece.dtype)
-                        self.link.copy(host, piece, "d2h")
+                        host = self.copies.host_empty(p.numel, piece.dtype)
+                        self.copies.move(host, piece, "d2h")
                         ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].add_(host.float())
             ps.grad_written.add(fqn)
         del grad

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from pscompile.memory.copies import settle
+
 ALIGN = 4096
 
 
@@ -201,13 +203,7 @@ class DiskQueue:
     def drain(self) -> list[BaseException]:
         """Wait for every transfer; the exceptions of those that failed."""
         pending, self._pending = self._pending, []
-        errors = []
-        for fut in pending:
-            try:
-                fut.result()
-            except BaseException as e:      # noqa: BLE001 -- collected for the caller
-                errors.append(e)
-        return errors
+        return settle(pending)
 
     def flush(self) -> None:
         errors = self.drain()

@@ -18,7 +18,7 @@ fp32 master (the same values, so one buffer), and its gradients go home into a b
 (``grad_home``) instead of over the parameters: the update writes the new parameters where it
 writes the new master and leaves no cast to copy back. Host bytes are the same (16 B/param).
 
-Every copy between tiers goes through ``Link`` and is counted.
+Every copy between tiers goes through the copy engine (``memory/copies.py``) and is counted by the ``Link``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from pscompile.memory.disk import DiskQueue
 from pscompile.memory.disk_states import LISTS, DiskStates
 from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.copies import CopyEngine, ThreadCopies
 from pscompile.memory.tiers import Link, SlotPool, Tier
 
 _HOST = torch.device("cpu")
@@ -39,18 +40,20 @@ class ChunkStore:
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
                  os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
                  homes: frozenset[int] | None = None, os_on_disk: frozenset[int] = frozenset(),
-                 disk: DiskQueue | None = None, master_is_param: bool = False):
+                 disk: DiskQueue | None = None, master_is_param: bool = False, copies: CopyEngine | None = None):
         """``home_numel``: elements of a chunk's home buffers (host copy and optimizer states); a
         ZeRO store keeps only its shard of each chunk, or (``homes``) homes for the chunks it owns
         only, the others getting empty placeholders (``pscompile.dist.store``). ``os_on_disk``:
         chunks whose optimizer states live in ``disk``'s file. ``master_is_param`` (float32
-        only): host-homed chunks share one buffer for their param chunk and master."""
+        only): host-homed chunks share one buffer for their param chunk and master. ``copies``: the
+        copy engine its moves go through (default: the CPU's, over ``link``)."""
         if master_is_param and dtype != torch.float32:
             raise ValueError(f"master_is_param needs float32 chunks, not {dtype}")
         self.layout = layout
         self.device = device
         self.dtype = dtype
         self.link = link
+        self.copies = copies if copies is not None else ThreadCopies(link)
         cs = layout.chunk_size
         self.home_numel = hs = cs if home_numel is None else home_numel
         pin = device.type == "cuda"
@@ -153,7 +156,7 @@ class ChunkStore:
                                   else (self.dev_os_pool, self.host_os_pool))
             for lst in (self.master, self.exp_avg, self.exp_avg_sq):
                 buf = dst_pool.acquire()
-                self.link.copy(buf, lst[c], "h2d" if want is Tier.DEVICE else "d2h")
+                self.copies.move(buf, lst[c], "h2d" if want is Tier.DEVICE else "d2h")
                 src_pool.release(lst[c])
                 lst[c] = buf
             self.os_tier[c] = want
@@ -177,7 +180,7 @@ class ChunkStore:
                 src = flat[p.tensor_offset:p.tensor_offset + p.numel]
                 master = self._states(p.chunk, write=True)[0][p.chunk_offset:p.chunk_offset + p.numel]
                 if self.device_homed(p.chunk):      # straight to its home on the device
-                    self.link.copy(master, src, "h2d")
+                    self.copies.move(master, src, "h2d")
                 else:
                     master.copy_(src)
                     if not self.shares_master(p.chunk):
@@ -226,7 +229,7 @@ class ChunkStore:
         if self.device_homed(c):
             buf.copy_(self.master[c])
             return False
-        self.link.copy(buf, self.fetch_source(c), "h2d")
+        self.copies.move(buf, self.fetch_source(c), "h2d")
         return True
 
     def evict(self, c: int) -> None:
@@ -236,7 +239,7 @@ class ChunkStore:
         buf = self.dev_param[c]
         assert buf is not None, f"chunk {c} is not on the device"
         if self.dirty[c] and not self.device_homed(c):
-            self.link.copy(self.home_for_device_data(c, whole=True), buf, "d2h")
+            self.copies.move(self.home_for_device_data(c, whole=True), buf, "d2h")
         self.link.traffic.num_evictions += 1
         self.drop(c)
 
@@ -323,7 +326,7 @@ class ChunkStore:
             self.dirty[c] = True
         else:
             assert not self.device_homed(c), f"device-homed chunk {c} is not on the device"
-            self.link.copy(self.home_for_device_data(c, whole=False)[offset:offset + src.numel()], src, "d2h")
+            self.copies.move(self.home_for_device_data(c, whole=False)[offset:offset + src.numel()], src, "d2h")
 
     def bring_to_os_tier(self, c: int) -> torch.Tensor:
         """Make the chunk's gradient available where its optimizer states live (a disk home's
@@ -382,7 +385,7 @@ class ChunkStore:
             src = self.current(p.chunk) if which == "param" else self._states(p.chunk)[LISTS.index(which)]
             dst, piece = out[p.tensor_offset:p.tensor_offset + p.numel], src[p.chunk_offset:p.chunk_offset + p.numel]
             if src.device != dst.device or self._on_device(which, p.chunk):
-                self.link.copy(dst, piece, "d2h")          # a device tier's bytes cross to the host
+                self.copies.move(dst, piece, "d2h")          # a device tier's bytes cross to the host
             else:
                 dst.copy_(piece)
         return out.view(e.shape)
@@ -398,6 +401,6 @@ class ChunkStore:
             dst = self._states(p.chunk, write=True)[LISTS.index(which)][p.chunk_offset:p.chunk_offset + p.numel]
             piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
             if self.os_tier[p.chunk] is Tier.DEVICE:
-                self.link.copy(dst, piece, "h2d")
+                self.copies.move(dst, piece, "h2d")
             else:
                 dst.copy_(piece)

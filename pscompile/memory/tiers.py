@@ -106,7 +106,7 @@ class Link:
     ``bandwidth`` (bytes/s, CPU only) emulates a slow link: a copy takes at least
     ``nbytes / bandwidth`` seconds (it sleeps for the rest), so transfers cost wall time the way they
     would over PCIe. The rate holds in each direction: PCIe is full duplex, so a host->device copy
-    and a device->host copy running at once (``TransferQueue``'s two copy engines) each get it.
+    and a device->host copy running at once (``ThreadCopies``' two copy threads) each get it.
     ``None`` copies at full memory speed. Copies may run on several threads; the counts are exact.
     """
 
@@ -126,10 +126,16 @@ class Link:
             remaining = nbytes / self.bandwidth - (time.perf_counter() - start)
             if remaining > 0:
                 time.sleep(remaining)
+        if not counted:
+            self.count(nbytes, direction, activation)
+        self.add_time(time.perf_counter() - start)
+
+    def count(self, nbytes: int, direction: str, activation: bool = False) -> None:
+        """Count a copy now, as it is issued (one that may land after the counters are next read:
+        a fetch for the next step started by this one, or any copy on a CUDA stream); its ``copy``,
+        if the link runs it, passes ``counted``."""
         with self._lock:
-            if counted:
-                pass
-            elif direction == "h2d":
+            if direction == "h2d":
                 self.traffic.h2d_bytes += nbytes
                 self.traffic.reload_bytes += nbytes if activation else 0
             elif direction == "d2h":
@@ -137,18 +143,11 @@ class Link:
                 self.traffic.offload_bytes += nbytes if activation else 0
             else:
                 raise AssertionError(f"unknown direction {direction}")
-            self.traffic.transfer_s += time.perf_counter() - start
 
-    def count(self, nbytes: int, direction: str) -> None:
-        """Count a chunk copy now, as it is issued (one that may land after the counters are next
-        read: a fetch for the next step started by this one); its ``copy`` passes ``counted``."""
+    def add_time(self, seconds: float) -> None:
+        """Busy time of copies another engine ran (CUDA streams: read from their events)."""
         with self._lock:
-            if direction == "h2d":
-                self.traffic.h2d_bytes += nbytes
-            elif direction == "d2h":
-                self.traffic.d2h_bytes += nbytes
-            else:
-                raise AssertionError(f"unknown direction {direction}")
+            self.traffic.transfer_s += seconds
 
     def reset(self) -> Traffic:
         with self._lock:

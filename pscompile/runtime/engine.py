@@ -34,6 +34,8 @@ from pscompile.memory.disk import DiskQueue, SlotFile
 from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.copies import INLINE_COPY_BYTES
+from pscompile.memory.copy_engines import make_copy_engine
 from pscompile.memory.tiers import Link, Tier, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
@@ -146,6 +148,8 @@ class ChunkEngine:
                     f"host_memory >= {host_need}, more device_memory, or Config(disk_dir=...) to keep the "
                     "optimizer states the host cannot hold on disk")
         self.link = Link(config.link_bandwidth)
+        # every copy between device and host goes through it (docs/design.md, "The copy contract")
+        self.copies = make_copy_engine(self.link, self.device, strict=config.strict_copies, inline_bytes=INLINE_COPY_BYTES)
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
@@ -153,11 +157,14 @@ class ChunkEngine:
                                    slot_bytes=4 * self.layout.chunk_size)) if self.disk_chunks else None)
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
                                  os_on_device=frozenset(range(self.min_device_homes)), os_on_disk=self.disk_chunks,
-                                 disk=disk, master_is_param=self.dtype == torch.float32 and not config.lock_free)
+                                 disk=disk, master_is_param=self.dtype == torch.float32 and not config.lock_free,
+                                 copies=self.copies)
                       if self.comm is None else
-                      OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm)
+                      OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
+                                      copies=self.copies)
                       if self.per_chunk else
-                      ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm))
+                      ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
+                                   copies=self.copies))
         self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
         # Released parameters point at one NaN element broadcast to their shape: any use outside
         # the hooks' access/release gives NaN instead of stale values.
@@ -274,6 +281,7 @@ class ChunkEngine:
         try:
             self._give_back()
         finally:
+            self.copies.close()              # (every copy landed: no copy thread outlives close)
             if self.store.disk is not None:
                 self.store.disk.close()
 
@@ -589,7 +597,7 @@ class ChunkEngine:
                 grad = grads[c]
                 if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
                     grad = torch.empty_like(store.master[c])
-                    self.link.copy(grad, grads[c], "h2d")
+                    self.copies.move(grad, grads[c], "h2d")
             if store.shares_master(c):          # the new master is the new param chunk: no cast back
                 buf, grad = None, buf if grad is None else grad
             self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
@@ -607,6 +615,8 @@ class ChunkEngine:
         A failed step leaves the weights and optimizer states as they were."""
         self._check_open()
         t_start = time.perf_counter()
+        if self.device.type == "cuda":        # the allocator's peak over this step, beside ours
+            torch.cuda.reset_peak_memory_stats(self.device)
         micro = micro_batches(batch)
         self._check_batch(batch, micro)
         batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
@@ -664,7 +674,8 @@ class ChunkEngine:
             backward_s=sum(r.backward_s for r in runs), optimizer_s=t_end - t_opt,
             transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s,
             offload_bytes=sum(r.traffic.offload_bytes for r in runs),
-            reload_bytes=sum(r.traffic.reload_bytes for r in runs))
+            reload_bytes=sum(r.traffic.reload_bytes for r in runs),
+            allocator_peak_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)
         return self.stats.loss
 
     def _prepare_step(self, batches: list, *, accumulate: bool) -> None:
