@@ -80,8 +80,8 @@ def test_a_batch_the_model_rejects_raises_the_models_own_error_and_loses_nothing
     assert engine.step(GOOD) == want
 
 
-# ------------------------------------------------------------------------- the README's table
-# Every bad input tried, what it raises and words the message must hold; the README's table
+# ------------------------------------------------------------- docs/reliability.md's table
+# Every bad input tried, what it raises and words the message must hold; docs/reliability.md's table
 # ("Bad input and the error it gets") lists the same rows, so neither can drift from the code.
 def _hooks(**kw) -> pscompile.Config:
     return pscompile.Config(**{"mode": "hooks", "device": "cpu", "dtype": torch.float32, **kw})
@@ -190,12 +190,12 @@ TABLE = [   # (input, what raises it, exception, words of its message)
 
 def test_every_bad_input_in_the_readme_table_gets_its_error(tmp_path):
     import pathlib
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parent.parent / "docs" / "reliability.md").read_text()
     rows = []
     for what, make, error, words in TABLE:
         with pytest.raises(error) as raised:
             make(tmp_path)
         assert words in str(raised.value), (what, str(raised.value))
         rows.append(f"| {what} | `{error.__name__}` | {words.replace('|', '&#124;')} |")
-        assert rows[-1] in readme, f"the README's bad-input table lacks the row\n{rows[-1]}"
+        assert rows[-1] in readme, f"docs/reliability.md's bad-input table lacks the row\n{rows[-1]}"
     assert len(rows) >= 15

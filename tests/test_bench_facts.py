@@ -1,4 +1,4 @@
-"""bench/facts.py produces the README's measured facts: the accumulation-precision figures must
+"""bench/facts.py produces the measured facts of docs/benchmarks.md: the accumulation-precision figures must
 show fp32 accumulation far more precise than bf16, and both matmul timings must be measured."""
 
 import json

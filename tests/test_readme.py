@@ -1,6 +1,9 @@
-"""The README cannot rot: its Python blocks run, its commands run, its example error is the real one.
+"""The README and the docs cannot rot: their Python blocks run, their commands run, their example
+error is the real one.
 
-- every ```python block runs, in order, in one namespace (as a reader would paste them);
+- every ```python block of the README, then of the docs pages in ``DOCS`` order, runs in one
+  namespace (as a reader would paste them: the docs use the README's ``model``, ``batch``, ``config``);
+- every ```bash command in docs/ is one of the README's, which run here;
 - the first ```bash block is the two commands CI runs (``.ci/run`` reads them from the README);
 - ``python -m pscompile inspect ...`` as written in the README runs, and its ``plan`` command (shrunk);
 - the example error message is the one ``compile`` raises for the quick-start model at 2 MiB.
@@ -25,12 +28,15 @@ from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+# the docs pages whose Python blocks run after the README's, in this order (later pages use what
+# earlier ones defined); design.md's API listing is ```text
+DOCS = ["training.md", "compiled-mode.md", "hugging-face.md", "planner.md", "disk-tier.md", "lock-free.md"]
 
 
-def _fenced() -> list[tuple[str, str]]:
-    """(language, body) of every fenced block, in order."""
+def _fenced(text: str = README) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block of ``text``, in order."""
     out, lang, body = [], None, []
-    for line in README.splitlines():
+    for line in text.splitlines():
         if line.startswith("```"):
             if lang is None:
                 lang, body = line[3:].strip(), []
@@ -42,18 +48,35 @@ def _fenced() -> list[tuple[str, str]]:
     return out
 
 
-def _blocks(lang: str) -> list[str]:
-    return [body for la, body in _fenced() if la == lang]
+def _blocks(lang: str, text: str = README) -> list[str]:
+    return [body for la, body in _fenced(text) if la == lang]
+
+
+def _doc(name: str) -> str:
+    return (ROOT / "docs" / name).read_text()
 
 
 def test_python_blocks_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    blocks = _blocks("python")
-    assert len(blocks) >= 4
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"README.md python block {i}", "exec"), namespace)   # noqa: S102
+    pages = [("README.md", README)] + [(f"docs/{n}", _doc(n)) for n in DOCS]
+    for name, text in pages:
+        blocks = _blocks("python", text)
+        assert blocks, f"{name} has no python block: drop it from DOCS"
+        for i, code in enumerate(blocks):
+            exec(compile(code, f"{name} python block {i}", "exec"), namespace)   # noqa: S102
     assert (tmp_path / "out" / "schedule.txt").exists()
+    runnable = {p.name for p in (ROOT / "docs").glob("*.md") if _blocks("python", p.read_text())}
+    assert runnable == set(DOCS), f"docs pages with python blocks not run here: {runnable - set(DOCS)}"
+
+
+def test_docs_commands_are_the_readme_ones():
+    """A command in a docs page is one of the README's (run by this file, or by CI itself)."""
+    readme = {line.split("#")[0].strip() for b in _blocks("bash") for line in b.splitlines()}
+    for page in (ROOT / "docs").glob("*.md"):
+        for block in _blocks("bash", page.read_text()):
+            for line in block.splitlines():
+                assert line.split("#")[0].strip() in readme, f"{page.name}: {line!r} is run by no test"
 
 
 def test_first_commands_are_what_ci_runs():
@@ -85,7 +108,7 @@ def test_plan_command_runs_with_its_flags(capsys):
 
 
 def test_example_error_is_the_real_one():
-    (example,) = [b for b in _blocks("") if b.startswith("pscompile.errors.BudgetError")]
+    (example,) = [b for b in _blocks("", _doc("reliability.md")) if b.startswith("pscompile.errors.BudgetError")]
     from pscompile.models.gpt import GPT, gpt_config
     idx = torch.randint(0, 256, (2, 128))
     config = pscompile.Config(mode="hooks", device="cpu", device_memory="2MiB", dtype=torch.float32)
