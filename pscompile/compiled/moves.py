@@ -1,0 +1,281 @@
+"""Compiled mode's device slots and memory nodes: the part of ``CompiledEngine`` that moves bytes.
+
+A slot holds device memory only while it holds a chunk (``_allocate_slot`` / ``_free_slot``, so the
+bytes the plan gives activations after a drop really are free). ``_run_memory_node`` performs one
+memory node of a schedule through the copy engine (``memory/copies.py``): fetch, wait, writeback,
+drop, store_grad, accumulate_grad and its wait, the ZeRO gathers and reductions; ``_move_activation``
+one offload, reload or wait_copy. ``_land`` and ``_fetch_ahead`` serve the training step that overlaps
+its update with the last writebacks and fetches for the next step. The state these methods share is
+created by ``_init_moves``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pscompile.graph.ops import ActivationMove, flat_pieces
+from pscompile.kinds import MemKind
+from pscompile.memory.copies import Copy
+from pscompile.memory.tiers import Tier
+from pscompile.memory.tracker import NonModelTracker
+from pscompile.passes.plan_residency import ResidencyPlan
+
+
+def _add_landed(copies: list) -> None:
+    """Wait (on the host, which reads them) for a gradient's copies to the host, ``(copy, fp32
+    target, host copy or None)`` each, and add each host copy into its target (None: the copy went
+    straight into a zero buffer)."""
+    for copy, target, host in copies:
+        copy.wait_host()
+        if host is not None:
+            target.add_(host)                    # fp32 += compute dtype, on the host
+
+
+class MemoryMoves:
+    """Mixin of ``CompiledEngine``: its device slots and memory nodes (the module docstring)."""
+
+    def _init_moves(self) -> None:
+        self._slots: list[torch.Tensor] = []
+        self._slot_ptrs: set[int] = set()         # storages of the slots holding memory now
+        self._slot_bytes_allocated = 0             # their bytes (the tracker reads it after every op)
+        self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
+        self._in_flight: dict[int, Any] = {}       # slot -> its asynchronous fetch (a Copy, or a collective's work)
+        self._reading: dict[int, Copy] = {}        # slot -> the writeback reading it
+        self._homing: dict[int, Copy] = {}         # chunk -> the writeback writing its home
+        self._copying: dict[int, Copy] = {}        # id(activation copy) -> its asynchronous copy
+        # (parameter, chunk) -> [(copy, fp32 target, host copy or None)] of an asynchronous accumulate_grad
+        self._grad_copies: dict[tuple[str, int], list] = {}
+        # the end of a training step (``_overlaps_update``): slot -> (chunk, its writeback still landing),
+        # dropped by the plan but released only once landed, while the optimizer step starts
+        self._deferred: dict[int, tuple[int, Copy]] = {}
+        self._ahead: list[tuple[int, int]] = []    # (chunk, slot) to fetch for the next step after its update
+
+    def _ensure_slots(self, plan: ResidencyPlan) -> None:
+        """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
+        allocates it, a drop gives it back), with the device-updated chunks in their fixed slots."""
+        while len(self._slots) < plan.num_slots:
+            self._slots.append(self._empty_slot())
+        for c, k in plan.initial:                  # device-updated chunks live in fixed slots
+            if self.store.os_tier[c] is not Tier.DEVICE:
+                continue                           # a warm start: the previous run left it there
+            if self._slot_chunk.get(k) != c:
+                self._allocate_slot(k)
+                self._slots[k].copy_(self.store.master[c])   # device-homed: the cast of its master
+                self.store.attach(c, self._slots[k])
+                self._slot_chunk[k] = c
+        self._count_outside_steps()
+
+    def _empty_slot(self) -> torch.Tensor:
+        slot = torch.empty(self.layout.chunk_size, dtype=self.dtype, device=self.device)
+        slot.untyped_storage().resize_(0)
+        return slot
+
+    def _allocate_slot(self, k: int) -> None:
+        """Give slot ``k`` its chunk of device memory (a fetch into it is about to start)."""
+        storage = self._slots[k].untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.store.param_chunk_bytes)
+            self._slot_ptrs.add(storage.data_ptr())
+            self._slot_bytes_allocated += storage.nbytes()
+
+    def _release_slot(self, k: int, node: str | None = None) -> None:
+        """Slot ``k`` no longer holds its chunk: forget it and give its memory back (on CUDA to
+        the caching allocator), so the bytes the plan lets activations use really are free."""
+        self.store.detach(self._slot_chunk.pop(k))
+        self._free_slot(k, node)
+
+    def _free_slot(self, k: int, node: str | None = None) -> None:
+        pending = self._in_flight.pop(k, None)      # a fetch for this step, issued by the last one
+        if pending is not None:                     # (``plan_lookahead``): no copy into freed memory
+            pending.wait()
+        storage = self._slots[k].untyped_storage()
+        if storage.nbytes():
+            self.copies.check_free(self._slots[k], node)    # (the race checker: no copy still owns it)
+            self._slot_ptrs.discard(storage.data_ptr())
+            self._slot_bytes_allocated -= storage.nbytes()
+            storage.resize_(0)
+
+    def _residency(self) -> dict[int, int]:
+        """chunk -> slot of the chunks on the device now."""
+        for k, c in list(self._slot_chunk.items()):
+            if not self.store.resident(c):             # dropped behind our back (load_state_dict)
+                del self._slot_chunk[k]
+                self._free_slot(k)
+        return {c: k for k, c in self._slot_chunk.items()}
+
+    def _settle(self) -> None:
+        """Back to the start of a cold run: only chunks whose optimizer states live on the device
+        stay. The others are clean here (warm runs update nothing), so they are dropped, not copied."""
+        for c, k in self._residency().items():
+            if self.store.os_tier[c] is not Tier.DEVICE:
+                assert not self.store.dirty[c], f"chunk {c} left dirty on the device by a warm run"
+                self._release_slot(k)
+
+    def _run_memory_node(self, mem, args, at_end: bool = False, node: str | None = None) -> None:
+        """Perform one memory node. Copies go to the transfer queue (in order per direction); only a fetch with
+        a ``wait`` and a writeback return before their copy is done (the drop after a writeback
+        waits for it before giving the slot's memory back). Gradient stores to the host and a
+        synchronous accumulate_grad wait for their copy, so the gradient dies where the plan says;
+        an asynchronous accumulate_grad (``overlap_grad_copies``) is added into its buffer at its
+        ``wait_grad``, which also keeps the gradient alive until then. ``at_end``
+        (a training step's memory nodes after its last compute, ``_overlaps_update``): a drop whose
+        chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it.
+        Every copy goes through the copy engine (``memory/copies.py``) and names ``node``; waits are
+        compute-side, except where the host reads what landed (gradients it adds or updates from)."""
+        store, q = self.store, self.copies
+        if mem.kind == MemKind.FETCH:
+            slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
+            self._allocate_slot(mem.slot)
+            # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
+            fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk), node=node)
+            self.link.traffic.num_fetches += 1
+            store.attach(mem.chunk, slot)
+            self._slot_chunk[mem.slot] = mem.chunk
+            if mem.asynchronous:
+                self._in_flight[mem.slot] = fut
+            else:
+                fut.wait()
+        elif mem.kind in (MemKind.ALLGATHER, MemKind.BROADCAST):    # ZeRO: the chunk/group arrives
+            slot = args[0]
+            self._allocate_slot(mem.slot)
+            handle = store.gather_into(mem.chunk, slot, async_op=mem.asynchronous,
+                                       copy=lambda d, s_: q.submit(d, s_, "h2d", node=node).wait())
+            self.link.traffic.num_fetches += 1
+            store.attach(mem.chunk, slot)
+            self._slot_chunk[mem.slot] = mem.chunk
+            if mem.asynchronous:
+                self._in_flight[mem.slot] = handle
+        elif mem.kind.reduces:                                      # ZeRO: gradients to their owners
+            dest, slot, _, _, accumulate = args
+            store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
+                                   copy=lambda d, s_: q.submit(d, s_, "d2h", node=node).wait_host())
+            store.dirty[mem.chunk] = False
+        elif mem.kind == MemKind.WAIT and mem.slot is None:       # a gradient's copy (overlap_grad_copies)
+            _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk)))
+        elif mem.kind == MemKind.WAIT:
+            self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
+        elif mem.kind == MemKind.WRITEBACK:
+            _, slot = args                  # host_c: the chunk's home; its gradient's own buffer there
+            fetching = self._in_flight.get(mem.slot)        # (planned after its wait; kept safe anyway)
+            self._reading[mem.slot] = self._homing[mem.chunk] = q.submit(
+                store.home_for_device_data(mem.chunk, whole=True), slot, "d2h",
+                after=fetching if isinstance(fetching, Copy) else None, node=node)
+            store.dirty[mem.chunk] = False
+        elif mem.kind.leaves:
+            pending = self._reading.pop(mem.slot, None)
+            if pending is not None and at_end:   # the optimizer step starts while it lands (_overlapped_update)
+                chunk = self._slot_chunk.pop(mem.slot)
+                store.detach(chunk)
+                self._deferred[mem.slot] = (chunk, pending)
+            else:
+                if pending is not None:    # the slot's memory goes back only once its writeback has read it
+                    pending.wait()
+                self._release_slot(mem.slot, node)
+            self.link.traffic.num_evictions += 1
+        elif mem.kind == MemKind.ACCUMULATE_GRAD:
+            acc, grad, offset, *page = args
+            copies = []
+            for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
+                target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
+                if self._fresh_acc:                                     # a zero buffer: 0 + g is g
+                    copies.append((q.submit(target, piece, "d2h", node=node), target, None))
+                    continue
+                host = q.host_empty(piece.shape, piece.dtype)           # the gradient crosses the link
+                copies.append((q.submit(host, piece, "d2h", node=node), target, host))
+            if mem.asynchronous:          # its wait_grad adds it (the graph keeps the gradient alive until then)
+                self._grad_copies[(mem.fqn, mem.chunk)] = copies
+            else:
+                _add_landed(copies)
+            self._written.add(mem.fqn)
+        else:
+            dest, grad, offset, *page = args
+            if mem.slot is None:                                        # home: the gradient's buffer there
+                dest = store.home_for_device_data(mem.chunk, whole=False)
+            for piece, at in flat_pieces(grad, *page):                  # strided grads: no temporary
+                target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
+                if mem.slot is not None:
+                    target.copy_(piece)
+                else:            # waited for: the gradient dies here, as the plan assumes (and the host
+                    q.submit(target, piece, "d2h", node=node).wait_host()       # optimizer reads it)
+            self._mark_stored(mem)
+
+    def _mark_stored(self, mem) -> None:
+        """The bookkeeping of a ``store_grad``: a slot's chunk is dirty, the parameter written. An
+        eager region that runs stores itself has it done before it starts, so a region that fails
+        part-way has its chunks restored (``_recover``) whether or not its copies ran."""
+        if mem.slot is not None:
+            self.store.dirty[mem.chunk] = True
+        self._written.add(mem.fqn)
+
+    def _move_activation(self, moves: ActivationMove, args: tuple, node: str | None = None) -> torch.Tensor | None:
+        """Offload a saved activation into a new host buffer, or reload it into a new device
+        tensor, on the transfer queue; waited for at once, or (asynchronous) at its ``wait_copy``."""
+        src = args[0]
+        if moves.kind == MemKind.WAIT:
+            self._copying.pop(id(src)).wait()
+            return None
+        if moves.kind == MemKind.OFFLOAD:
+            dst = self.copies.host_empty(src.shape, src.dtype, src.stride())
+            fut = self.copies.submit(dst, src, "d2h", activation=True, node=node)
+        else:
+            dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=self.device)
+            fut = self.copies.submit(dst, src, "h2d", activation=True, node=node)
+        if moves.asynchronous:
+            self._copying[id(dst)] = fut          # a wait_copy of dst follows (the graph keeps src alive until it)
+        else:
+            fut.wait()
+        return dst
+
+    def _model_bytes(self) -> int:
+        """Model bytes the device holds now: the memory of every slot (allocated, whether or not
+        a chunk sits in it yet) and the optimizer states kept there."""
+        return self._slot_bytes_allocated + self.store.dev_os_pool.bytes_in_use
+
+    def _is_model_storage(self, ptr: int) -> bool:
+        return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
+
+    def _land(self, chunk: int | None = None, *, errors: bool = True) -> None:
+        """Wait for the writebacks still landing (``chunk``'s, or all) and give their slots back;
+        raise the first that failed (``errors``)."""
+        failed = None
+        for k, (c, fut) in list(self._deferred.items()):
+            if chunk is None or c == chunk:
+                del self._deferred[k]
+                try:
+                    fut.wait_host()             # the optimizer reads the home it writes
+                except BaseException as e:      # noqa: BLE001 -- raised below, after every slot is back
+                    failed = failed or e
+                self._free_slot(k)
+        if failed is not None and errors:
+            raise failed
+
+    def _fetch_ahead(self, c: int, tracker: NonModelTracker) -> None:
+        """Chunk ``c`` is updated: if the next step starts with it, fetch it into its slot now."""
+        slot = next((k for chunk, k in self._ahead if chunk == c), None)
+        if slot is None:
+            return
+        held = self._deferred.get(slot)
+        if held is not None:                      # (another chunk's writeback still reads the slot)
+            self._land(held[0])
+        self._allocate_slot(slot)
+        self.link.count(self.store.param_chunk_bytes, "h2d")
+        self._in_flight[slot] = self.copies.submit(self._slots[slot], self.store.fetch_source(c), "h2d",
+                                                   counted=True, node=f"(the next step's fetch of chunk {c})")
+        self.link.traffic.num_fetches += 1
+        self.store.attach(c, self._slots[slot])
+        self._slot_chunk[slot] = c
+        tracker.sample_now()
+
+    def _abandon_in_flight(self) -> None:
+        """After a failed run, collectives may still be running (a broken process group times out
+        the queued ones one by one) and write into their slots: such a slot is not freed but
+        replaced by a new empty one; the collective keeps the old memory until it ends."""
+        for k, pending in self._in_flight.items():
+            if getattr(pending, "running", lambda: False)():
+                storage = self._slots[k].untyped_storage()
+                self._slot_ptrs.discard(storage.data_ptr())
+                self._slot_bytes_allocated -= storage.nbytes()
+                self._slots[k] = self._empty_slot()
+        self._in_flight.clear()

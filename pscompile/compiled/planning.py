@@ -1,0 +1,166 @@
+"""Compiled mode's schedules: captured, planned, re-planned and picked, a mixin of ``CompiledEngine``.
+
+The engine plans nothing itself: every schedule comes from ``pscompile.graph.pipeline``
+(``capture_and_analyze`` once per capture, ``build_schedule`` per budget and curve). This mixin keeps
+them per ``ScheduleKey`` (run kind, train()/eval(), batch signature), with warm variants for loops
+that start from the chunks the last run left, and places the optimizer states the plan keeps on the
+device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pscompile.compiled.keys import CaptureKey, ScheduleKey
+from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule, capture_and_analyze,
+                                      choose_activations, engine_layout, gather_bytes, regather)
+from pscompile.kinds import RunKind
+from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.tiers import Tier
+from pscompile.optim.placement import device_state_chunks
+from pscompile.runtime.params import ModelParams
+
+
+class CompiledPlanning:
+    """Mixin of ``CompiledEngine``: its schedules (the module docstring)."""
+
+    def _choose_layout(self, mp: ModelParams, batch: Any) -> ChunkLayout:
+        """With ``chunk_size="auto"`` and a budget, two layouts may differ: the paged one (least
+        waste, at most an eighth of the budget; tensors larger than a chunk span several) and the
+        one keeping every tensor whole. Each reader of a spanning tensor holds a gathered copy of it,
+        so at a tight budget the whole one may fit where the paged one does not, and with room the
+        paged one usually moves less. ``pipeline.engine_layout`` plans both on the first batch's
+        capture (kept for the first schedule) and takes the one that moves the fewest bytes."""
+        self._first_capture: tuple[CaptureKey, AnalyzedGraph] | None = None
+
+        def analyze() -> AnalyzedGraph:
+            analyzed = capture_and_analyze(self.model, batch, params=mp.params, loss_fn=self.loss_fn,
+                                           dtype=self.dtype, sources=self._sources)
+            self._first_capture = (self._key(batch, RunKind.TRAIN).capture, analyzed)
+            return analyzed
+        layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
+                                                    per_chunk=self.per_chunk)
+        return layout
+
+    def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
+        return ScheduleKey.of(batch, kind, self.model.training)
+
+    def _schedule_for(self, batch: Any, kind: RunKind) -> Scheduled:
+        """The (cold) schedule of ``batch`` for ``kind``; captured and planned on first use."""
+        key = self._key(batch, kind)
+        sched = self._schedules.get(key)
+        if sched is not None:
+            return sched
+        analyzed = self._captures.get(key.capture)
+        if analyzed is None:
+            first, self._first_capture = self._first_capture, None
+            if first is not None and first[0] == key.capture:      # captured to choose the layout
+                analyzed = regather(first[1], gather_bytes(self.layout, self.dtype))
+            else:
+                analyzed = capture_and_analyze(self.model, batch, params=self.params, loss_fn=self.loss_fn,
+                                               dtype=self.dtype, backward=key.kind.backward,
+                                               gathers=gather_bytes(self.layout, self.dtype),
+                                               sources=self._sources)
+            analyzed = choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
+                                          slot_bytes=self.store.param_chunk_bytes, world=self.world,
+                                          device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
+                                          rates=self.rates if self.config.activations == "auto" else None,
+                                          host_room=self.host_room)
+            self._captures[key.capture] = analyzed
+        self._install_restored(key.capture)
+        measured = self._measured.get(key.capture)
+        nonmodel = measured if measured is not None else analyzed.nonmodel
+        self._fit_optimizer_states(max(nonmodel))
+        sched = self._plan(analyzed, nonmodel, kind=key.kind, measured=measured is not None)
+        self._schedules[key] = sched
+        return sched
+
+    def _device_memory(self) -> DeviceMemory:
+        """The device as the pipeline sees it now."""
+        os_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
+        return DeviceMemory(self.budget, self.store.param_chunk_bytes, os_dev, self.store.dev_os_pool.bytes_in_use,
+                            world=self.world, rank=self.rank, per_chunk=self.per_chunk)
+
+    def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
+              start: dict[int, int] | None = None) -> Scheduled:
+        sched = build_schedule(analyzed, self.layout, nonmodel=nonmodel, memory=self._device_memory(),
+                               dtype=self.dtype, kind=kind, measured=measured, start=start,
+                               lookahead=self._overlaps_update and measured, planner=self.config.planner)
+        self._ensure_slots(sched.plan)
+        if sched.lookahead is not None:
+            while len(self._slots) <= max((k for _, k in sched.lookahead.fetches), default=-1):
+                self._slots.append(self._empty_slot())
+        return sched
+
+    @property
+    def _overlaps_update(self) -> bool:
+        """A training step ends while its optimizer step starts: the chunks' gradient norms are
+        taken where they are (a writeback still landing: from the device), each chunk is updated as
+        its writeback lands, and the next step's first chunks are fetched as soon as they are
+        updated (``plan_lookahead``). For one rank whose chunks the host updates in place (not
+        lock-free, no loss scaling, no optimizer states on disk); the others take the plain path."""
+        return (self.world == 1 and self.updater is None and self.scaler is None
+                and all(t is not Tier.DISK for t in self.store.os_tier))
+
+    def _fit_optimizer_states(self, peak_nonmodel: int) -> None:
+        """Device-aware optimizer-state placement (``pscompile.optim.placement``) for the largest
+        non-model peak of every schedule and ``peak_nonmodel`` (a schedule about to be planned).
+        The first placement decides; later ones only move states off the device (a measurement,
+        or a new batch shape, that leaves less margin), and schedules planned for the old placement
+        are planned again."""
+        peak = max([peak_nonmodel] + [max(s.nonmodel) for s in self._schedules.values()])
+        n = self.layout.num_chunks
+        count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=n,
+                                    chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
+                                    state_chunk_bytes=self.store.os_chunk_bytes) if not self.states_on_host_only else 0
+        count = max(count, self.min_device_homes)       # what the host cannot hold lives on the device
+        now = sum(t is Tier.DEVICE for t in self.store.os_tier)
+        if self._os_placed and count >= now:
+            return
+        self._place_states(set(range(count)))
+        self._os_placed = True
+
+    def _place_states(self, on_device: set[int]) -> None:
+        """Put the optimizer states of ``on_device``'s chunks on the device, the others on the
+        host, and plan every schedule again for the new placement."""
+        for k, c in list(self._slot_chunk.items()):     # states leaving the device: between steps a
+            if c not in on_device:                      # param chunk is its master's cast, which
+                self._release_slot(k)                   # goes home with them (place_optimizer_states)
+        self.store.place_optimizer_states(on_device)
+        self._count_outside_steps()
+        for key, s in list(self._schedules.items()):    # planned for the old placement
+            self._replan(key, s.nonmodel, measured=s.measured)
+
+    def _replan(self, key: ScheduleKey, nonmodel: tuple[int, ...], *, measured: bool) -> Scheduled:
+        old = self._schedules[key]
+        self._forget(old)
+        warm = self._warm.pop(key, None)
+        if warm is not None:
+            self._forget(warm)
+        self._schedules[key] = new = self._plan(self._captures[key.capture], nonmodel, kind=old.kind,
+                                                measured=measured)
+        return new
+
+    def _forget(self, sched: Scheduled) -> None:
+        """Drop what was made for a schedule that is being replaced."""
+        self._forget_lowering(sched.gm)
+
+    def _runnable(self, batch: Any, kind: RunKind) -> tuple[ScheduleKey, Scheduled]:
+        """The schedule to run now: the warm variant when the chunks resident now are the ones it
+        starts from (the previous run of this loop left them), else the cold one, after dropping
+        leftover chunks (clean: no bytes move)."""
+        cold = self._schedule_for(batch, kind)
+        key = self._key(batch, kind)
+        warm = self._warm.get(key)
+        if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
+            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=kind,
+                                                measured=True, start=dict(cold.plan.final))
+        elif warm is None and cold.measured and cold.lookahead is not None and cold.lookahead.fetches:
+            # a training step that starts with the chunks the previous one fetched for it
+            start = dict(cold.lookahead.fetches)
+            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=kind,
+                                                measured=True, start=start)
+        if warm is not None and self._residency() == dict(warm.plan.initial):
+            return key, warm
+        self._settle()
+        return key, cold

@@ -1,0 +1,101 @@
+"""What compiled mode adds to a checkpoint, and how a failed run is undone: a mixin of ``CompiledEngine``.
+
+A checkpoint carries compiled mode's measurements (the non-model curve of every capture, the
+optimizer-state placement, the measured rates and region allocations) so a resumed engine plans and
+lowers exactly as the saved one did from its first step (docs/design.md, section 11).
+"""
+
+from __future__ import annotations
+
+from pscompile.compiled.keys import CaptureKey
+from pscompile.compiled.probe import Allocation
+from pscompile.memory.rates import Rates
+from pscompile.memory.tiers import Tier
+
+
+class CompiledState:
+    """Mixin of ``CompiledEngine``: its part of the state dict, and recovery after a failed run."""
+
+    def _context(self) -> dict:
+        """What the saved measurements are valid for."""
+        return {"budget": self.budget, "world": self.world, "chunk_size": self.layout.chunk_size,
+                "num_chunks": self.layout.num_chunks, "activations": self.config.activations,
+                "backend": self.config.backend, "dtype": str(self.dtype)}
+
+    def _mode_state(self) -> dict:
+        """What this engine measured (per capture: the non-model curve it plans with, the one
+        measured node by node, its region re-plans) and where the optimizer states live. A resumed
+        engine plans, cuts and compiles exactly the regions this one runs, instead of measuring
+        again in an eager run whose kernels round differently from Inductor's."""
+        captures = {repr(cap): {"static": list(self._captures[cap].nonmodel), "measured": list(curve),
+                                "node": list(self._node_curves.get(cap, curve)),
+                                "rounds": self._region_rounds.get(cap, 0), "node_by_node": cap in self._node_by_node}
+                    for cap, curve in self._measured.items() if cap in self._captures}
+        rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
+        regions = {"allocs": {k: [a.peak, a.excess] for k, a in self._allocs.items()},
+                   "fallbacks": self._region_cache.failures(self.config.backend)}
+        return {"compiled": {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
+                             "rates": rates, "regions": regions,
+                             "os_device": [c for c in range(self.layout.num_chunks)
+                                           if self.store.os_tier[c] is Tier.DEVICE]}}
+
+    def _load_mode_state(self, sd: dict) -> None:
+        saved = sd.get("compiled")
+        if saved is None or saved.get("context") != self._context():
+            return                         # another budget or layout: this engine measures its own
+        self._restored = dict(saved["captures"])
+        regions = saved.get("regions") or {}
+        for k, (peak, excess) in regions.get("allocs", {}).items():   # what its compiled regions allocate
+            self._allocs.setdefault(str(k), Allocation(int(peak), int(excess)))
+        for k, why in regions.get("fallbacks", {}).items():           # and those it ran as eager code
+            self._region_cache.fail((self.config.backend, str(k)), str(why))
+        rates = saved.get("rates")
+        if rates is not None and self.config.activations == "auto" and Rates(*rates) != self._rates:
+            # the rates the saved run chose its activations with (a measurement on a busy machine
+            # may choose otherwise, and recomputed or offloaded segments round differently)
+            self._rates = Rates(*map(float, rates))
+            for cap in list(self._captures):
+                self._drop_capture(cap)
+        now = [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]
+        if saved["os_placed"] and list(saved["os_device"]) != now:
+            self._place_states(set(saved["os_device"]))
+        self._os_placed = self._os_placed or saved["os_placed"]
+        for cap in list(self._captures):
+            self._install_restored(cap)
+
+    def _drop_capture(self, cap: CaptureKey) -> None:
+        """Forget a capture and its schedules: captured and planned again at its next use."""
+        for key in [k for k in self._schedules if k.capture == cap]:
+            self._forget(self._schedules.pop(key))
+            warm = self._warm.pop(key, None)
+            if warm is not None:
+                self._forget(warm)
+        del self._captures[cap]
+        for measured in (self._measured, self._node_curves, self._region_rounds):
+            measured.pop(cap, None)
+        self._node_by_node.discard(cap)
+
+    def _install_restored(self, cap: CaptureKey) -> None:
+        """Plan ``cap`` with a loaded checkpoint's measurements, if it has them for this graph."""
+        entry = self._restored.pop(repr(cap), None)
+        if entry is None or list(self._captures[cap].nonmodel) != list(entry["static"]):
+            return
+        self._measured[cap] = tuple(entry["measured"])
+        self._node_curves[cap] = tuple(entry["node"])
+        self._region_rounds[cap] = int(entry["rounds"])
+        if entry["node_by_node"]:
+            self._node_by_node.add(cap)
+        for key in list(self._schedules):
+            if key.capture == cap:
+                self._replan(key, self._measured[cap], measured=True)
+
+    def _recover(self, *, restore: bool = True) -> None:
+        """After a failed graph run: undo stored gradients (``restore``; accumulation leaves the
+        parameters intact), put slots back to the plan's start."""
+        touched = {c for f in self._written for c in self.layout.entry(f).chunks} if restore else set()
+        for k, c in list(self._slot_chunk.items()):
+            if self.store.os_tier[c] is not Tier.DEVICE:
+                self._release_slot(k)
+        for c in sorted(touched):
+            self.store.restore_from_master(c)
+        self._count_outside_steps()
