@@ -92,6 +92,27 @@ def test_parser_has_train_with_documented_defaults():
         build_parser().parse_args(["train", "--dtype", "int8"])
 
 
+def test_every_flag_of_every_command_has_help_and_the_shared_ones_one_name(capsys):
+    """One vocabulary: each flag is documented, and the model, batch and memory flags every command
+    takes are spelled the same in each; ``--version`` names the package and torch."""
+    import argparse
+    import pscompile
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    shared = {"--n-layer", "--d-model", "--n-head", "--seq-len", "--batch-size", "--dtype", "--chunk-size"}
+    for name, p in sub.choices.items():
+        if name == "bench":              # (its flags are bench/compare.py's, passed through)
+            continue
+        flags = {o for a in p._actions for o in a.option_strings}
+        for a in p._actions:
+            assert a.help and a.help.strip(), f"{name} {a.option_strings}: no help text"
+        if name in ("train", "plan"):
+            assert shared <= flags, f"{name} lacks {shared - flags}"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--version"])
+    assert f"pscompile {pscompile.__version__} (torch {torch.__version__})" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags, field", [(["--steps", "0"], "--steps"), (["--lr", "-1"], "--lr"),
                                            (["--d-model", "64", "--n-head", "3"], "--n-head"),
                                            (["--json", "/no-such-folder/out.json"], "--json"),

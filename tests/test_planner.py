@@ -154,13 +154,19 @@ def test_the_steady_state_charges_the_chunks_fetched_ahead_once():
 
 
 def test_plan_command_prints_the_report(capsys):
-    rc = cli_main(["plan", "--hidden", "64", "--layers", "2", "--heads", "2", "--vocab", "256", "--seq", "64",
-                   "--batch", "2", "--hardware", "pc700", "--dtype", "float32"])
+    rc = cli_main(["plan", "--d-model", "64", "--n-layer", "2", "--n-head", "2", "--vocab-size", "256", "--seq-len", "64",
+                   "--batch-size", "2", "--hardware", "pc700", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert rc == 0 and "fits" in out and "static partition" in out and "TFLOP/s per GPU" in out
+    assert "GPT d64 L2 h2 vocab 256" in out and "batch 2 x 64" in out
+    # the flags' old names still work, each with a note naming its new one
     rc = cli_main(["plan", "--hidden", "64", "--layers", "2", "--heads", "2", "--vocab", "256", "--seq", "64",
                    "--batch", "2", "--gpu-memory", "1.0001GB", "--dtype", "float32"])
-    assert rc == 0 and "NO: GPU memory" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert rc == 0 and "NO: GPU memory" in captured.out and "GPT d64 L2 h2 vocab 256" in captured.out
+    for old, new in [("--hidden", "--d-model"), ("--layers", "--n-layer"), ("--heads", "--n-head"),
+                     ("--vocab", "--vocab-size"), ("--seq", "--seq-len"), ("--batch", "--batch-size")]:
+        assert f"{old} is deprecated, use {new}" in captured.err
 
 
 # PatrickStar Table 3: the chunk utilisation the paper reports for each model (percent)

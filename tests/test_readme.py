@@ -101,7 +101,7 @@ def test_plan_command_runs_with_its_flags(capsys):
     appended after it (the full 12B plan takes over a minute: its numbers are in the README)."""
     from pscompile.cli.main import main
     (command,) = [line for b in _blocks("bash") for line in b.splitlines() if line.startswith("python -m pscompile plan")]
-    argv = shlex.split(command)[3:] + ["--layers", "2", "--hidden", "256", "--heads", "4"]
+    argv = shlex.split(command)[3:] + ["--n-layer", "2", "--d-model", "256", "--n-head", "4"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "fits" in out and "static partition" in out

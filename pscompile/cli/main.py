@@ -13,6 +13,10 @@ import argparse
 import sys
 from typing import Callable
 
+import torch
+
+from pscompile import __version__
+
 from pscompile.cli.bench import add_bench_arguments, bench_command
 from pscompile.cli.inspect import add_inspect_arguments, inspect_command
 from pscompile.cli.plan import add_plan_arguments, plan_command
@@ -34,6 +38,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pscompile",
                                      description="Train PyTorch models that do not fit in device memory.")
+    parser.add_argument("--version", action="version", version=f"pscompile {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (help_text, add_arguments, run) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pscompile.cli.flags import add_flag
 from pscompile.config import Config
 from pscompile.models.gpt import GPTConfig
 from pscompile.planner import HARDWARE, hardware_preset, plan, search
@@ -33,25 +34,38 @@ def gpu_size(text: str) -> int:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt", choices=("gpt",), help="model family (GPT, nanoGPT style)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=60)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8, help="per GPU")
+    add_flag(p, "--d-model", old=("--hidden",), dest="hidden", metavar="N", type=int, default=4096,
+             help="hidden size (default 4096)")
+    add_flag(p, "--n-layer", old=("--layers",), dest="layers", metavar="N", type=int, default=60,
+             help="transformer blocks (default 60)")
+    add_flag(p, "--n-head", old=("--heads",), dest="heads", metavar="N", type=int, default=32,
+             help="attention heads; must divide --d-model (default 32)")
+    add_flag(p, "--vocab-size", old=("--vocab",), dest="vocab", metavar="N", type=int, default=50304,
+             help="token vocabulary (default 50304, GPT-2's padded)")
+    add_flag(p, "--seq-len", old=("--seq",), dest="seq", metavar="N", type=int, default=1024,
+             help="tokens per sequence (default 1024)")
+    add_flag(p, "--batch-size", old=("--batch",), dest="batch", metavar="N", type=int, default=8,
+             help="sequences per GPU per step (default 8)")
     p.add_argument("--hardware", default="yard", choices=sorted(HARDWARE),
                    help="a preset machine; the flags below override its sizes")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs of the node to use (ZeRO over them)")
-    p.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 32GB (vendor GB: GiB)")
-    p.add_argument("--cpu-memory", default=None, help="the node's, e.g. 240GB")
-    p.add_argument("--disk", default=None, help="disk for optimizer states, e.g. 2TB")
-    p.add_argument("--dtype", default="float16", choices=sorted(_DTYPES))
-    p.add_argument("--activations", default="auto", choices=("auto", "keep", "recompute", "offload"))
-    p.add_argument("--chunk-size", default="auto", help="elements per chunk, or auto")
+    p.add_argument("--gpus", metavar="N", type=int, default=None,
+                   help="GPUs of the node to use, ZeRO over them (default: the preset's)")
+    p.add_argument("--gpu-memory", metavar="SIZE", default=None,
+                   help="per GPU, e.g. 32GB, read as vendors state it: GiB (default: the preset's)")
+    p.add_argument("--cpu-memory", metavar="SIZE", default=None, help="the node's, e.g. 240GB (default: the preset's)")
+    p.add_argument("--disk", metavar="SIZE", default=None,
+                   help="disk for optimizer states, e.g. 2TB (default: the preset's)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES),
+                   help="compute dtype of the planned GPU run (default bfloat16, as Config's: the dtype for a GPU; "
+                        "float16 plans the same bytes)")
+    p.add_argument("--activations", default="auto", choices=("auto", "keep", "recompute", "offload"),
+                   help="saved activations: keep, recompute, offload, or auto (the fewest taken off that fit; default)")
+    p.add_argument("--chunk-size", metavar="N|auto", default="auto", help="elements per chunk, or auto (default)")
     p.add_argument("--search", default=None, choices=DIMENSIONS,
                    help="the largest depth (layers), width (hidden, steps of 256) or batch that fits")
-    p.add_argument("--min-tflops", type=float, default=0.0, help="--search: estimated TFLOP/s per GPU bar")
-    p.add_argument("--json", default=None, help="also write the report(s) here")
+    p.add_argument("--min-tflops", metavar="X", type=float, default=0.0,
+                   help="with --search: also require this estimated TFLOP/s per GPU (default 0)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the report(s) as JSON to PATH")
 
 
 def plan_command(args: argparse.Namespace) -> int:

@@ -1,0 +1,29 @@
+"""Flags shared by the commands, and renamed flags kept working.
+
+Every command names a model, a batch and memory the same way (``--n-layer``, ``--d-model``,
+``--n-head``, ``--vocab-size``, ``--seq-len``, ``--batch-size``, ``--device-memory``, ``--dtype``,
+``--chunk-size``, ``--activations``). A flag that was renamed keeps its old spelling as an alias
+that still works and prints, once per use, which name replaces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def deprecated_aliases(canonical: str, aliases: tuple[str, ...]) -> type[argparse.Action]:
+    """An action storing the value as usual, with a note on stderr when an old spelling was used."""
+    class Store(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            if option_string in aliases:
+                print(f"{parser.prog}: {option_string} is deprecated, use {canonical} (same meaning)", file=sys.stderr)
+            setattr(namespace, self.dest, values)
+    return Store
+
+
+def add_flag(p: argparse.ArgumentParser, name: str, *, old: tuple[str, ...] = (), **kw) -> None:
+    """``p.add_argument(name, ...)``, with ``old`` spellings accepted as deprecated aliases."""
+    if old:
+        kw["action"] = deprecated_aliases(name, old)
+    p.add_argument(name, *old, **kw)
