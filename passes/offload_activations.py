@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pscompile.graph import meta as graph_meta
 from pscompile.graph.capture import CapturedGraph
-from pscompile.graph.ops import ActivationMove
+from pscompile.graph.ops import ActivationMove, activation_move
 from pscompile.kinds import MemKind
 from pscompile.passes.annotate_params import tensor_storages
 from pscompile.passes.recompute_activations import (Segment, _copy, _fake_mode, _Forward, forward_cuts,
@@ -219,7 +219,7 @@ def _overlap(graph: fx.Graph, loss: fx.Node) -> None:
     def wait(copy: fx.Node, source: fx.Node | None) -> fx.Node:
         node = graph.call_function(wait_op, (copy,) if source is None else (copy, source))
         node.meta["val"] = None
-        move = graph_meta.get(copy, "moves")
+        move = activation_move(copy)
         graph_meta.put(node, "moves", ActivationMove(MemKind.WAIT, move.value, 0))
         graph_meta.put(copy, "moves", replace(move, asynchronous=True))
         return node

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from pscompile.errors import ResidencyError
-from pscompile.kinds import MemKind
+from pscompile.kinds import MemKind, Policy
 from pscompile.memory.belady import NextUse, farthest
 from pscompile.units import format_bytes
 
@@ -121,7 +121,7 @@ class ResidencyPlan:
         comm = (f", {format_bytes(self.allgather_bytes)} all-gathered, "
                 f"{format_bytes(self.reduce_scatter_bytes)} reduce-scattered over {self.world} ranks"
                 if self.world > 1 else "")
-        how = " (ANGEL-PTM Algorithm 1: moves first, the last move taken back)" if self.policy == "angel" else ""
+        how = " (ANGEL-PTM Algorithm 1: moves first, the last move taken back)" if self.policy == Policy.ANGEL else ""
         return (f"plan_residency{how}: {self.num_slots} slots, {self.num_fetches} fetches, "
                 f"{self.num_evictions} evictions, {format_bytes(self.h2d_bytes + self.d2h_bytes)} moved{comm}, "
                 f"peak {format_bytes(self.peak_device_bytes)} <= {b}")
@@ -197,7 +197,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     ``policy``: ``"belady"`` or ``"angel"`` (the module doc)."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not a residency policy; use one of {POLICIES}")
-    angel = policy == "angel"
+    angel = policy == Policy.ANGEL
     T = len(reads)
     assert len(nonmodel) == T
     next_use = NextUse(reads)      # cyclic when clean chunks stay for the next run (keep_at_end)

@@ -32,7 +32,7 @@ from torch import fx
 from pscompile.errors import ScheduleError
 from pscompile.graph import meta as gmeta
 from pscompile.kinds import MemKind
-from pscompile.graph.ops import is_memory_node
+from pscompile.graph.ops import is_memory_node, mem_op
 from pscompile.memory.layout import ChunkLayout
 from pscompile.units import format_bytes
 
@@ -106,7 +106,7 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
             continue
         if is_memory_node(node):
             count += 1
-            mem = gmeta.get(node, "mem")
+            mem = mem_op(node)
             if mem is None:
                 fail(node, "memory node without its MemOp metadata")
             if (mem.kind.arrives or mem.kind.leaves or mem.kind.reduces) and mem.kind not in (arrive, leave, reduce_kind):

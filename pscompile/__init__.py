@@ -9,11 +9,13 @@ from pscompile.config import AdamW, Config, ParamGroup
 from pscompile.dist.checkpoint import consolidate
 from pscompile.errors import BudgetError, ScheduleError
 from pscompile.hooks.states import TensorState
+from pscompile.kinds import Activations, Backend, Collectives, Mode, Policy
 from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
 from pscompile.memory.tiers import Tier
 from pscompile.planner import Hardware, PlanReport, plan
 from pscompile.stats import StepStats
 
 __all__ = ["compile", "min_device_memory", "save", "load", "consolidate", "Config", "AdamW", "ParamGroup", "StepStats", "BudgetError", "ScheduleError", "ChunkLayout",
-           "build_layout", "search_chunk_size", "TensorState", "Tier", "plan", "Hardware", "PlanReport"]
+           "build_layout", "search_chunk_size", "TensorState", "Tier", "plan", "Hardware", "PlanReport",
+           "Mode", "Backend", "Policy", "Activations", "Collectives"]
 __version__ = "0.1.0"

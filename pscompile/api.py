@@ -13,6 +13,7 @@ from pscompile.hooks.engine import HooksEngine
 from pscompile.runtime.batching import LossFn, to_device
 from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
+from pscompile.kinds import Collectives, Mode
 
 # Probes of hooks mode's minimum before giving up (each probe is one traced forward + backward).
 _MAX_PROBES = 8
@@ -30,7 +31,7 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
     """
     optimizer, config = _check_arguments(model, optimizer, config)
     try:
-        if config.mode == "compiled":
+        if config.mode == Mode.COMPILED:
             from pscompile.compiled.engine import CompiledEngine
             return CompiledEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         return HooksEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
@@ -68,7 +69,7 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
 def _least_budget(model: nn.Module, batch: Any, optimizer: AdamW, config: Config,
                   loss_fn: LossFn | None) -> tuple[int, int]:
     """(the least budget B from 1 up whose layout's minimum is at most B; the chunk size there)."""
-    if config.mode == "compiled":
+    if config.mode == Mode.COMPILED:
         return _compiled_minimum(model, batch, config, loss_fn)
     return _hooks_minimum(model, batch, optimizer, config, loss_fn, start=1)
 
@@ -85,7 +86,7 @@ def _compiled_minimum(model: nn.Module, batch: Any, config: Config, loss_fn: Los
     batch = to_device(batch, config.torch_device)
     comm = resolve_comm(config.process_group)
     world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
-    per_chunk = config.collectives == "per_chunk"
+    per_chunk = config.collectives == Collectives.PER_CHUNK
     mp = collect_params(model, batch, call_model)
     analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, loss_fn=loss_fn)
     leasts: dict[int, int] = {}             # chunk size -> least budget of its layout

@@ -44,7 +44,7 @@ __all__ = ["save", "load"]
 # ------------------------------------------------------------------------------ writing
 def _meta(engine) -> dict:
     cfg = engine.config
-    return {"mode": cfg.mode, "dtype": str(engine.dtype).replace("torch.", ""), "world_size": engine.world,
+    return {"mode": str(cfg.mode), "dtype": str(engine.dtype).replace("torch.", ""), "world_size": engine.world,
             "rank": engine.rank, "params": {f: list(p.shape) for f, p in engine.params.items()},
             "chunk_size": engine.layout.chunk_size, "num_chunks": engine.layout.num_chunks,
             "torch": str(torch.__version__)}

@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
+from pscompile.kinds import Activations, Backend, Collectives, Mode, Policy, StrEnum
 from pscompile.memory.rates import LINK_PRESETS, calibrated_link
 from pscompile.units import parse_rate, parse_size
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MODES = ("compiled", "hooks")
-_BACKENDS = ("inductor", "eager")
-_PLANNERS = ("belady", "angel")
-_COLLECTIVES = ("group", "per_chunk")
-_ACTIVATIONS = ("auto", "keep", "recompute", "offload")
 
 
 def available_host_bytes() -> int:
@@ -33,6 +29,22 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+ModeName = Literal["compiled", "hooks"]
+BackendName = Literal["inductor", "eager"]
+PolicyName = Literal["belady", "angel"]
+ActivationsName = Literal["auto", "keep", "recompute", "offload"]
+CollectivesName = Literal["group", "per_chunk"]
+
+
+def _choice(value, kind: type[StrEnum], field_name: str, what: str):
+    """``value`` (a member of ``kind`` or its value) as the member; else a ValueError naming the field."""
+    try:
+        return kind(value)
+    except ValueError:
+        names = tuple(m.value for m in kind)
+        raise ValueError(f"{field_name}={value!r} {what}; use one of {names}") from None
 
 
 def default_device() -> str:
@@ -51,13 +63,13 @@ class Config:
     disk_dir: str | None = None
     chunk_size: int | str = "auto"     # elements per chunk, or "auto" (least padding waste)
     dtype: torch.dtype = torch.bfloat16  # compute dtype; master weights and Adam states are fp32
-    mode: str = "compiled"             # "compiled" (FX + passes + torch.compile) | "hooks" (runtime hooks)
-    backend: str = "inductor"          # compiled mode only: "inductor" | "eager"
+    mode: Mode | ModeName = Mode.COMPILED  # "compiled" (FX + passes + torch.compile) | "hooks" (runtime hooks)
+    backend: Backend | BackendName = Backend.INDUCTOR  # compiled mode only: "inductor" | "eager"
     # compiled mode only: how the residency planner picks victims and fetch times. "belady" fetches
     # on demand and evicts the chunk used farthest ahead (the fewest fetches); "angel" is ANGEL-PTM's
     # unified scheduler (Algorithm 1): every later chunk is fetched as soon as it fits, and a node
     # short of room takes the last move back. Both then start fetches as early as they fit
-    planner: str = "belady"
+    planner: Policy | PolicyName = Policy.BELADY
     link_bandwidth: int | str | None = None  # CPU only: emulate a slow device<->host link, e.g. "50MB/s", or
     #   "v100" / "a100" / "h100": as slow, relative to this machine's measured matmul rate, as that GPU's PCIe link
     # CPU only: the race checker (docs/design.md, "The copy contract"): every copy between device and
@@ -74,13 +86,13 @@ class Config:
     # ZeRO collectives: "group" all-gathers a communication group of world_size chunks into one
     # slot and reduce-scatters it; "per_chunk" broadcasts each chunk from its owner and reduces its
     # gradients to it (PatrickStar's choice for 16+ ranks: the device holds one chunk, not a group)
-    collectives: str = "group"
+    collectives: Collectives | CollectivesName = Collectives.GROUP
     # compiled mode: which saved activations leave the device between the forward and the backward.
     # "auto" takes the fewest segments off that let the schedule fit device_memory (none when it
     # fits as is), each the cheaper way for this machine: recomputed in the backward or offloaded to
     # the host and reloaded (host_memory permitting); "keep" keeps all; "recompute" recomputes every
     # segment it can; "offload" offloads every saved storage it can
-    activations: str = "auto"
+    activations: Activations | ActivationsName = Activations.AUTO
     # a step whose gradients hold inf/NaN without loss scaling (float32, bfloat16) raises
     # FloatingPointError; True skips it instead (weights and optimizer states untouched, as with
     # float16's loss scaling)
@@ -119,14 +131,11 @@ class Config:
                 raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive number of elements or 'auto'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
-        if self.mode not in _MODES:
-            raise ValueError(f"mode={self.mode!r} is not a mode; use one of {_MODES}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not a backend; use one of {_BACKENDS}")
-        if self.planner not in _PLANNERS:
-            raise ValueError(f"planner={self.planner!r} is not a planner; use one of {_PLANNERS}")
-        if self.planner != "belady" and self.mode != "compiled":
-            raise ValueError(f"planner={self.planner!r} plans compiled mode's graph; mode='hooks' evicts at run "
+        set_("mode", _choice(self.mode, Mode, "mode", "is not a mode"))
+        set_("backend", _choice(self.backend, Backend, "backend", "is not a backend"))
+        set_("planner", _choice(self.planner, Policy, "planner", "is not a planner"))
+        if self.planner != Policy.BELADY and self.mode != Mode.COMPILED:
+            raise ValueError(f"planner={str(self.planner)!r} plans compiled mode's graph; mode='hooks' evicts at run "
                              "time by farthest next use (planner='belady'); use mode='compiled'")
         if self.link_bandwidth is not None:
             if dev.type != "cpu":
@@ -154,12 +163,10 @@ class Config:
                 raise ValueError(f"process_group={self.process_group!r} must be None (the default group when "
                                  "torch.distributed is initialized), False (no sharding) or a "
                                  "torch.distributed.ProcessGroup")
-        if self.collectives not in _COLLECTIVES:
-            raise ValueError(f"collectives={self.collectives!r} is not supported; use one of {_COLLECTIVES}")
-        if self.activations not in _ACTIVATIONS:
-            raise ValueError(f"activations={self.activations!r} is not a policy; use one of {_ACTIVATIONS}")
-        if self.activations in ("recompute", "offload") and self.mode != "compiled":
-            raise ValueError(f"activations={self.activations!r} is planned in compiled mode's graph; in mode='hooks' "
+        set_("collectives", _choice(self.collectives, Collectives, "collectives", "is not supported"))
+        set_("activations", _choice(self.activations, Activations, "activations", "is not a policy"))
+        if self.activations in (Activations.RECOMPUTE, Activations.OFFLOAD) and self.mode != Mode.COMPILED:
+            raise ValueError(f"activations={str(self.activations)!r} is planned in compiled mode's graph; in mode='hooks' "
                              "wrap the model's blocks in torch.utils.checkpoint (or torch.autograd.graph."
                              "save_on_cpu) instead, or use mode='compiled'")
         if not isinstance(self.skip_nonfinite, bool):

@@ -1,4 +1,5 @@
-"""The names the compiler and the runtimes compare: memory-op kinds, run kinds, phases, moments.
+"""The names the compiler and the runtimes compare: the choices of ``Config`` (mode, backend,
+residency planner, activation policy, ZeRO collectives), memory-op kinds, run kinds, phases, moments.
 
 They are ``str`` enums, so a value prints and serialises as its plain name (``"fetch"``) and
 compares equal to it, while code that branches on a kind names the enum member.
@@ -85,3 +86,45 @@ class MomentKind(StrEnum):
     GRAD = "grad"                # a parameter's gradient was stored
     EVAL_END = "eval_end"        # a forward-only pass is done
     OPT = "opt"                  # one chunk's update
+
+
+# ------------------------------------------------------------------ the choices of Config
+# ``Config`` takes a member or its value ("compiled" or Mode.COMPILED) and holds the member. Where a
+# choice is recorded (checkpoint metadata) it is written as ``str(member)``, its plain value, which
+# ``torch.load(weights_only=True)`` accepts.
+class Mode(StrEnum):
+    """How pscompile runs a model."""
+
+    COMPILED = "compiled"    # the whole iteration captured as one FX graph, every move a node in it
+    HOOKS = "hooks"          # PatrickStar's runtime design: hooks, a warm-up trace, eviction at run time
+
+
+class Backend(StrEnum):
+    """Compiled mode: what runs the compute between memory nodes."""
+
+    INDUCTOR = "inductor"    # regions compiled by Inductor
+    EAGER = "eager"          # regions as the Python code FX generates
+
+
+class Policy(StrEnum):
+    """Compiled mode's residency planner."""
+
+    BELADY = "belady"        # fetch on demand, evict the chunk used farthest ahead
+    ANGEL = "angel"          # ANGEL-PTM's unified scheduler (Algorithm 1)
+
+
+class Activations(StrEnum):
+    """Which saved activations leave the device between the forward and the backward."""
+
+    AUTO = "auto"            # the fewest segments that let the schedule fit, each the cheaper way
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+class Collectives(StrEnum):
+    """ZeRO's collectives."""
+
+    GROUP = "group"          # all-gather a group of world_size chunks, reduce-scatter it
+    PER_CHUNK = "per_chunk"  # broadcast each chunk from its owner, reduce its gradients to it
+

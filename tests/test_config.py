@@ -72,3 +72,16 @@ def test_link_preset_is_calibrated_to_this_machine(monkeypatch):
     assert pscompile.Config(device="cpu", dtype=torch.float32, link_bandwidth="v100").link_bandwidth == 1e7
     with pytest.raises(ValueError, match="v100"):
         pscompile.Config(device="cpu", link_bandwidth="v200")
+
+
+def test_choices_are_enums_given_as_members_or_names():
+    """Config holds every choice as its pscompile enum member, whether given the member or its name;
+    the members compare equal to their names and print as them."""
+    a = pscompile.Config(device="cpu", mode="hooks", backend="eager", collectives="per_chunk")
+    b = pscompile.Config(device="cpu", mode=pscompile.Mode.HOOKS, backend=pscompile.Backend.EAGER,
+                         collectives=pscompile.Collectives.PER_CHUNK)
+    assert a == b and a.mode is pscompile.Mode.HOOKS and a.backend is pscompile.Backend.EAGER
+    assert a.planner is pscompile.Policy.BELADY and a.activations is pscompile.Activations.AUTO
+    assert a.mode == "hooks" and f"{a.mode}" == "hooks" and str(a.collectives) == "per_chunk"
+    with pytest.raises(ValueError, match=r"activations='sometimes' is not a policy; use one of \('auto', 'keep'"):
+        pscompile.Config(device="cpu", activations="sometimes")

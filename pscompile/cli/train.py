@@ -30,6 +30,7 @@ from pscompile.cli.data import Corpus
 from pscompile.dist.launch import init_from_env
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
+from pscompile.kinds import Backend, Mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_LIMIT = ("none", "unlimited")
@@ -248,7 +249,7 @@ def run_train(s: TrainSettings, *, rank: int = 0, world: int = 1) -> dict:
                         param_groups=[{"params": no_decay, "weight_decay": 0.0}]),
         config=Config(mode=s.mode, backend=s.backend, device=s.device, device_memory=s.device_memory, host_memory=s.host_memory,
                       dtype=DTYPES[s.dtype], chunk_size=s.chunk_size,
-                      activations=s.activations if s.mode == "compiled" else "auto", lock_free=s.lock_free,
+                      activations=s.activations if s.mode == Mode.COMPILED else "auto", lock_free=s.lock_free,
                       staleness=s.staleness))
     t_compile = time.perf_counter()
     history: list[StepStats] = []
@@ -257,7 +258,7 @@ def run_train(s: TrainSettings, *, rank: int = 0, world: int = 1) -> dict:
     if world > 1:
         progress.note(f"ZeRO: {world} ranks, each owns {engine.layout.num_chunks} shards of "
                       f"{engine.layout.chunk_size // world:,} elements; progress from rank 0")
-    if s.mode == "compiled":                      # the plan, before anything runs
+    if s.mode == Mode.COMPILED:                      # the plan, before anything runs
         progress.note(schedule_summary(engine, s))
     try:
         for step in range(1, s.steps + 1):
@@ -290,7 +291,7 @@ def schedule_summary(engine, s: TrainSettings) -> str:
     """The compiled schedule's provenance header (passes, budget, planned traffic), and what the
     backend means; ``python -m pscompile inspect`` prints and saves the whole schedule."""
     note = ("# backend eager: the schedule's compute runs node by node; --backend inductor compiles the "
-            "regions between memory nodes (cold compile 20-45 s here)" if s.backend == "eager" else
+            "regions between memory nodes (cold compile 20-45 s here)" if s.backend == Backend.EAGER else
             "# backend inductor: the first step measures node by node, then the regions between memory nodes "
             "are compiled (cold compile 20-45 s here)")
     return engine.schedule.header() + "\n" + note
@@ -378,7 +379,7 @@ def summary_table(r: dict) -> str:
                   f"{m['n_head']} heads, vocab {m['vocab_size']}, seq {m['seq_len']}"),
         ("data", f"{r['corpus']['source']} bytes: {r['corpus']['train_bytes']:,} train / "
                  f"{r['corpus']['val_bytes']:,} val"),
-        ("engine", f"{r['settings']['mode']}" + (f" ({r['settings']['backend']} backend)" if r['settings']['mode'] == "compiled"
+        ("engine", f"{r['settings']['mode']}" + (f" ({r['settings']['backend']} backend)" if r['settings']['mode'] == Mode.COMPILED
                                                    else "") + f" on {r['settings']['device']}, {r['settings']['dtype']}"),
         ("chunks", f"{r['num_chunks']} x {r['chunk_size']:,} elements ({r['utilisation']:.1%} utilised)"),
         ("device budget", "none" if b is None else mib(b)),

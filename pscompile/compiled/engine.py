@@ -40,9 +40,9 @@ from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
-from pscompile.graph.ops import is_memory_node
+from pscompile.graph.ops import activation_move, is_memory_node, mem_op
 from pscompile.graph.pipeline import AnalyzedGraph, Scheduled, minimum_budget
-from pscompile.kinds import MemKind, RunKind
+from pscompile.kinds import Backend, MemKind, RunKind
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.passes.plan_residency import ResidencyPlan
@@ -87,7 +87,7 @@ class _RunRecord:
 class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledState, ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
-        if config.backend == "inductor":
+        if config.backend == Backend.INDUCTOR:
             if not hasattr(importlib.import_module("torch._inductor"), "standalone_compile"):
                 raise ValueError(f"backend='inductor' needs torch._inductor.standalone_compile, which torch "
                                  f"{torch.__version__} lacks (pscompile is tested with torch 2.13); use "
@@ -127,7 +127,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
     @property
     def _sources(self) -> bool:
         """Captures keep model source lines: messages about compiled regions name them."""
-        return self.config.backend == "inductor"
+        return self.config.backend == Backend.INDUCTOR
 
     @property
     def rates(self) -> Rates:
@@ -199,7 +199,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
 
         def around_region(r) -> contextlib.AbstractContextManager:   # what the tracker cannot see inside
             for n in r.effects:
-                self._mark_stored(get(n, "mem"))
+                self._mark_stored(mem_op(n))
             if learning and r.index not in extra:
                 return learn(r)
             tracker.sample_with(extra.get(r.index, 0))
@@ -213,10 +213,10 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         tail = self._tail(sched) if overlapping else frozenset()
 
         def run_memory(n: fx.Node, args: tuple) -> torch.Tensor | None:
-            moves = get(n, "moves")
+            moves = activation_move(n)
             with pause():
                 if moves is None:
-                    mem = get(n, "mem")
+                    mem = mem_op(n)
                     made = self._run_memory_node(mem, args, at_end=n in tail, node=n.name)
                 else:
                     made = self._move_activation(moves, args, node=n.name)

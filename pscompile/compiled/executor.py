@@ -33,8 +33,8 @@ import torch
 from torch import fx
 
 from pscompile.graph import meta as gmeta
-from pscompile.kinds import Phase, StrEnum
-from pscompile.graph.ops import copy_grad_into, folds_into_region, is_memory_node, runs_as_transfer
+from pscompile.kinds import Backend, Phase, StrEnum
+from pscompile.graph.ops import copy_grad_into, folds_into_region, is_memory_node, mem_op, runs_as_transfer
 from pscompile.compiled.probe import warn_fallback
 from pscompile.compiled.regions import (Region, RegionCache, TensorMeta, buffer_aliases, buffer_placeholders,
                                         check_region_args, compile_inductor, eval_chain, fusible_ops,
@@ -151,7 +151,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     regions: list[Region] = []
     region_of: dict[fx.Node, Region] = {}
     cur: Region | None = None
-    defer = backend != "eager"
+    defer = backend != Backend.EAGER
     first_bwd = _first_backward(nodes)
     moved = 0
     mem_count = 0
@@ -274,7 +274,7 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     hits = compiled_now = 0
     distinct: set[str] = set()
     for r in regions:
-        if backend == "eager" or not r.compute:
+        if backend == Backend.EAGER or not r.compute:
             r.fn = r.eager()
             continue
         distinct.add(r.key)
@@ -314,11 +314,11 @@ def _by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_pa
     ensure(output_node.all_input_nodes)
 
     report = LoweringReport(
-        regions=len(regions), compiled=sum(1 for r in regions if r.compute and backend != "eager"),
+        regions=len(regions), compiled=sum(1 for r in regions if r.compute and backend != Backend.EAGER),
         distinct=len(distinct), compiled_now=compiled_now, cache_hits=hits, compile_s=compile_s,
         memory_nodes=mem_count, lifted_views=sum(1 for n in lifted if n.op != "get_attr" and not any(u in lifted for u in n.users)),
         rebuilt_views=rebuilt, moved_getitems=moved, backend=backend,
-        unboxed=sum(1 for r in regions if r.compute and backend != "eager" and r.fallback is None
+        unboxed=sum(1 for r in regions if r.compute and backend != Backend.EAGER and r.fallback is None
                     and not getattr(r.fn, "_pscompile_boxed", False)),
         fallbacks=sum(1 for r in regions if r.fallback is not None))
     return program, regions, report, input_checks
@@ -388,8 +388,8 @@ class Executor:
         if fold_stores and split != "regions":
             raise ValueError("fold_stores=True needs split='regions' (node by node, every store is a step "
                              "of its own)")
-        if backend not in ("inductor", "eager"):
-            raise ValueError(f"backend={backend!r}: expected 'inductor' or 'eager'")
+        if backend not in tuple(Backend):
+            raise ValueError(f"backend={backend!r}: expected one of {tuple(b.value for b in Backend)}")
         self.gm = gm
         self.split = split
         self.backend = backend if split == "regions" else "eager"
@@ -504,7 +504,7 @@ class Executor:
 
     def is_compiled(self, r: Region) -> bool:
         """Region ``r`` runs compiled code (not eager graph code)."""
-        return r.compute and self.backend != "eager" and r.fallback is None
+        return r.compute and self.backend != Backend.EAGER and r.fallback is None
 
     def fall_back(self, key: str, reason: str) -> list[Region]:
         """Regions of structural key ``key`` run as eager graph code from now on; returns them."""
@@ -519,13 +519,13 @@ class Executor:
         for s in self._program:
             if s.kind is StepKind.REGION:
                 r = s.region
-                how = "eager" if (self.backend == "eager" or not r.compute) else \
+                how = "eager" if (self.backend == Backend.EAGER or not r.compute) else \
                     "fallback" if r.fallback is not None else self.backend
                 lines.append(f"region {r.index:3d} {len(r.nodes):4d} nodes  in {len(r.inputs):2d} out "
                              f"{len(r.outputs):2d}  {how:8s} {r.key[:10]}"
                              + (f"  then {len(r.deferred)} stores into slots" if r.deferred else ""))
             elif s.kind is StepKind.MEM:
-                mem = gmeta.get(s.node, "mem")
+                mem = mem_op(s.node)
                 lines.append(f"  mem  {mem.describe() if mem is not None else s.node.format_node()}")
             elif s.kind is StepKind.EVAL:
                 lines.append(f"  eval {s.node.format_node()}")

@@ -30,6 +30,7 @@ from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.probe import Allocation, Probe, measure, region_curve, warn_fallback
 from pscompile.compiled.regions import RegionCache
 from pscompile.errors import BudgetError
+from pscompile.kinds import Backend
 
 if TYPE_CHECKING:
     from pscompile.graph.pipeline import Scheduled
@@ -83,7 +84,7 @@ class RegionLowering:
             # and run the gradient stores into device slots themselves (``_mark_stored``); compiled
             # regions leave them to the executor, right after the region, with no budget only (a
             # gradient then lives to its region's end; under a budget the plan gave it no room)
-            eager = self.config.backend == "eager"
+            eager = self.config.backend == Backend.EAGER
             ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
                           cache=self._region_cache, lift_params=not eager,
                           fold_stores=regions and (eager or self.budget is None))

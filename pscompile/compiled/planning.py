@@ -14,7 +14,7 @@ from typing import Any
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule, capture_and_analyze,
                                       choose_activations, engine_layout, gather_bytes, regather)
-from pscompile.kinds import RunKind
+from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
 from pscompile.optim.placement import device_state_chunks
@@ -64,7 +64,7 @@ class CompiledPlanning:
             analyzed = choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
                                           slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                           device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
-                                          rates=self.rates if self.config.activations == "auto" else None,
+                                          rates=self.rates if self.config.activations == Activations.AUTO else None,
                                           host_room=self.host_room)
             self._captures[key.capture] = analyzed
         self._install_restored(key.capture)

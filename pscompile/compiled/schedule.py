@@ -45,7 +45,7 @@ from torch import fx
 
 from pscompile.kinds import MemKind, Phase, RunKind
 from pscompile.graph.meta import get, held_grad_bytes
-from pscompile.graph.ops import MemOp, is_memory_node
+from pscompile.graph.ops import MemOp, activation_move, is_memory_node, mem_op
 from pscompile.units import format_bytes
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class Schedule:
         held_bytes = 0
         rows = []
         for i, n in enumerate(nodes):
-            mem = get(n, "mem") if is_memory_node(n) else None
+            mem = mem_op(n) if is_memory_node(n) else None
             if mem is not None and mem.kind == MemKind.ACCUMULATE_GRAD and mem.asynchronous:
                 held[(mem.fqn, mem.chunk)] = (n.args[1], mem.nbytes)
                 held_bytes = held_grad_bytes(held.values())
@@ -353,7 +353,7 @@ class Schedule:
             return f"param {fqn} ({where}" + (f" in slot {slot})" if slot is not None else ")")
         if n.op == "output":
             return "loss"
-        moves = get(n, "moves")
+        moves = activation_move(n)
         if moves is not None:
             return moves.describe()
         reloaded = get(n, "reloads")

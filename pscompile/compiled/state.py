@@ -11,6 +11,7 @@ from pscompile.compiled.keys import CaptureKey
 from pscompile.compiled.probe import Allocation
 from pscompile.memory.rates import Rates
 from pscompile.memory.tiers import Tier
+from pscompile.kinds import Activations
 
 
 class CompiledState:
@@ -19,8 +20,8 @@ class CompiledState:
     def _context(self) -> dict:
         """What the saved measurements are valid for."""
         return {"budget": self.budget, "world": self.world, "chunk_size": self.layout.chunk_size,
-                "num_chunks": self.layout.num_chunks, "activations": self.config.activations,
-                "backend": self.config.backend, "dtype": str(self.dtype)}
+                "num_chunks": self.layout.num_chunks, "activations": str(self.config.activations),
+                "backend": str(self.config.backend), "dtype": str(self.dtype)}
 
     def _mode_state(self) -> dict:
         """What this engine measured (per capture: the non-model curve it plans with, the one
@@ -50,7 +51,7 @@ class CompiledState:
         for k, why in regions.get("fallbacks", {}).items():           # and those it ran as eager code
             self._region_cache.fail((self.config.backend, str(k)), str(why))
         rates = saved.get("rates")
-        if rates is not None and self.config.activations == "auto" and Rates(*rates) != self._rates:
+        if rates is not None and self.config.activations == Activations.AUTO and Rates(*rates) != self._rates:
             # the rates the saved run chose its activations with (a measurement on a busy machine
             # may choose otherwise, and recomputed or offloaded segments round differently)
             self._rates = Rates(*map(float, rates))

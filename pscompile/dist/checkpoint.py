@@ -23,6 +23,7 @@ import torch
 
 from pscompile.dist.store import own_pieces
 from pscompile.memory.layout import ChunkLayout, Piece, TensorEntry
+from pscompile.kinds import Collectives
 
 FORMAT = "pscompile.zero-shard"
 VERSION = 1
@@ -55,7 +56,7 @@ def shard_state_dict(store, layout: ChunkLayout, *, rank: int, world: int, extra
     """A rank's shards (``collectives="per_chunk"``: its own chunks whole, empty tensors for the
     others) and what they were cut from."""
     sd = {"format": FORMAT, "version": VERSION, "rank": rank, "world_size": world, "layout": layout_record(layout),
-          "collectives": "per_chunk" if _per_chunk(store) else "group"}
+          "collectives": (Collectives.PER_CHUNK if _per_chunk(store) else Collectives.GROUP).value}
     for key in _LISTS:
         sd[key] = [t.detach().to("cpu", copy=True) for t in getattr(store, key)]
     sd.update(extra)
@@ -69,8 +70,8 @@ def load_shard(store, layout: ChunkLayout, sd: dict, *, rank: int, world: int) -
     if (sd["world_size"], sd["rank"]) != (world, rank):
         raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; this is rank "
                          f"{rank} of {world}: load pscompile.consolidate(paths) instead, which fits any world size")
-    if sd["layout"] != layout_record(layout) or sd.get("collectives", "group") != (
-            "per_chunk" if _per_chunk(store) else "group"):
+    if sd["layout"] != layout_record(layout) or sd.get("collectives", Collectives.GROUP) != (
+            Collectives.PER_CHUNK if _per_chunk(store) else Collectives.GROUP):
         raise ValueError("state_dict's shard was cut from another chunk layout (a different model, chunk_size or "
                          "budget); load pscompile.consolidate(paths) instead")
     for key in _LISTS:
@@ -101,7 +102,7 @@ def consolidate(shards: Iterable[Any]) -> dict:
         raise ValueError("the shards come from different runs (their layouts or world sizes differ)")
     by_rank = {s["rank"]: s for s in sds}
     layout = _layout_of(sds[0]["layout"])
-    per_chunk = world if sds[0].get("collectives") == "per_chunk" else 0
+    per_chunk = world if sds[0].get("collectives") == Collectives.PER_CHUNK else 0
     shard = layout.chunk_size // world
     out: dict = {key: {} for key in _LISTS}
     for e in layout.entries:

@@ -26,6 +26,7 @@ from pscompile.dist.comm import Comm
 from pscompile.memory.layout import ChunkLayout, TensorEntry
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.copies import CopyEngine
+from pscompile.memory.store import BufferKind
 from pscompile.memory.tiers import Link
 
 def own_pieces(entry: TensorEntry, shard: int, rank: int, *,
@@ -114,7 +115,7 @@ class _ZeroStore(ChunkStore):
         super().write_piece(c, offset, src)
 
     # ---- state ---------------------------------------------------------------------------
-    def gather(self, which: str, fqn: str) -> torch.Tensor:
+    def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
         raise AssertionError("a sharded store holds parts of each tensor; use pscompile.dist.checkpoint")
 
     def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:

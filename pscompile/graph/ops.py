@@ -354,6 +354,16 @@ def is_activation_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in ACTIVATION_OPS
 
 
+def mem_op(node: torch.fx.Node) -> MemOp | None:
+    """What memory node ``node`` does (its ``mem`` metadata); None for any other node."""
+    return get_meta(node, "mem")
+
+
+def activation_move(node: torch.fx.Node) -> ActivationMove | None:
+    """What offload, reload or wait_copy node ``node`` does (its ``moves`` metadata); None otherwise."""
+    return get_meta(node, "moves")
+
+
 def is_offload(node: torch.fx.Node) -> bool:
     """An offload: its value is a host copy (no device bytes)."""
     return node.op == "call_function" and node.target is torch.ops.pscompile.offload.default
@@ -365,7 +375,7 @@ def folds_into_region(node: torch.fx.Node) -> bool:
     for it. The engine still marks the chunk dirty and the parameter written."""
     if node.op != "call_function" or node.target is not torch.ops.pscompile.store_grad.default:
         return False
-    mem = get_meta(node, "mem")
+    mem = mem_op(node)
     return mem is not None and mem.slot is not None
 
 

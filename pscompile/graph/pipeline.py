@@ -40,9 +40,9 @@ from torch import fx, nn
 from pscompile.config import Config
 from pscompile.errors import BudgetError, ResidencyError
 from pscompile.graph.capture import CapturedGraph, capture_joint
-from pscompile.graph.meta import get, storage_bytes
-from pscompile.graph.ops import is_offload
-from pscompile.kinds import RunKind
+from pscompile.graph.meta import storage_bytes
+from pscompile.graph.ops import activation_move, is_offload
+from pscompile.kinds import Activations, Collectives, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.optim.placement import device_state_chunks
 from pscompile.passes.annotate_params import ParamUses, annotate_params
@@ -226,7 +226,7 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     all offloaded it refuses (the graph it returns does not fit), even where a mix would fit: the
     least budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
     caller that plans one capture at many budgets rewrite each graph once."""
-    if policy == "keep" or not analyzed.captured.backward:
+    if policy == Activations.KEEP or not analyzed.captured.backward:
         return analyzed
     segments = find_segments(analyzed.captured)
     offloads = find_offloads(analyzed.captured, segments)
@@ -238,25 +238,25 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
 
     total_offload = sum(map(offload_bytes, segments))
     host_fits_all = host_room is None or total_offload <= host_room
-    if policy == "offload" and not host_fits_all:
+    if policy == Activations.OFFLOAD and not host_fits_all:
         raise ValueError(f"activations='offload': the saved activations need {format_bytes(total_offload)} of host "
                          f"memory besides the chunks and host_memory leaves {format_bytes(host_room)}; give more "
                          f"host_memory, or activations='auto' (recomputes what the host cannot take)")
-    every = {"recompute": ["recompute"] * len(by_size),
-             "offload": ["offload" if s.index in offloads else "keep" for s in by_size]}
+    every = {Activations.RECOMPUTE: [Activations.RECOMPUTE] * len(by_size),
+             Activations.OFFLOAD: [Activations.OFFLOAD if s.index in offloads else Activations.KEEP for s in by_size]}
     mixed, room = [], host_room           # auto: each segment the cheaper way, offloads while the host has room
     for s in by_size:
         cheaper = (rates is not None and s.index in offloads
                    and rates.offload_s(offload_bytes(s), s.flops) < rates.recompute_s(s.flops)
                    and (room is None or offload_bytes(s) <= room))
-        mixed.append("offload" if cheaper else "recompute")
+        mixed.append(Activations.OFFLOAD if cheaper else Activations.RECOMPUTE)
         if cheaper and room is not None:
             room -= offload_bytes(s)
 
     def variant(m: int, how_each: Sequence[str], overlap: bool = False) -> AnalyzedGraph:
         chosen = by_size[:m]
-        rec = [s for s, how in zip(chosen, how_each) if how == "recompute"]
-        off = [s for s, how in zip(chosen, how_each) if how == "offload"]
+        rec = [s for s, how in zip(chosen, how_each) if how == Activations.RECOMPUTE]
+        off = [s for s, how in zip(chosen, how_each) if how == Activations.OFFLOAD]
         overlap = overlap and bool(off)
         key = (tuple(s.index for s in rec), tuple(s.index for s in off), overlap)
         if key not in cache:
@@ -306,7 +306,7 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
         return with_first(n, every[policy])
     if n == 0 or fits(0):
         return with_first(0, mixed)
-    fallbacks = ["recompute"] + (["offload"] if host_fits_all and offloads else [])
+    fallbacks = [Activations.RECOMPUTE] + ([Activations.OFFLOAD] if host_fits_all and offloads else [])
 
     def least_of(way: str) -> int:
         return least(variant(n, every[way]))
@@ -375,17 +375,17 @@ def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, s
         return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
                               device_homes=device_homes, state_bytes=state_bytes)
     keep = least(analyzed)
-    if policy == "keep" or not analyzed.captured.backward:
+    if policy == Activations.KEEP or not analyzed.captured.backward:
         return keep
     options = [keep]
-    ways = (policy,) if policy != "auto" else ("recompute", "offload")     # what auto falls back to
+    ways = (policy,) if policy != Activations.AUTO else (Activations.RECOMPUTE, Activations.OFFLOAD)  # auto's fallbacks
     for way in ways:
         try:
             options.append(least(choose_activations(analyzed, layout, policy=way, budget=0, slot_bytes=slot_bytes,
                                                     world=world, device_homes=device_homes, state_bytes=state_bytes,
                                                     host_room=host_room, variants=variants)))
         except ValueError:
-            if policy != "auto":       # the host cannot take them: "offload" says so, auto recomputes
+            if policy != Activations.AUTO:   # the host cannot take them: "offload" says so, auto recomputes
                 raise
     return min(options, key=lambda m: m.nbytes)
 
@@ -405,7 +405,7 @@ def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *
         num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
     host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
     n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
-    owned = (len(range(rank, n, world)) * cs if config.collectives == "per_chunk" and world > 1
+    owned = (len(range(rank, n, world)) * cs if config.collectives == Collectives.PER_CHUNK and world > 1
              else (n - homes) * (cs // world))
     room = max(0, host - owned * (config.dtype.itemsize + 12))
     if disk and room == 0:
@@ -449,7 +449,7 @@ def pick_layout(analyzed: AnalyzedGraph, layouts: Sequence[ChunkLayout], config:
         if least <= budget:
             try:
                 sched = plan_at_budget(a, layout, budget=budget, dtype=config.dtype, world=world, rank=rank,
-                                       per_chunk=config.collectives == "per_chunk" and world > 1,
+                                       per_chunk=config.collectives == Collectives.PER_CHUNK and world > 1,
                                        activations=config.activations, variants=variants, plan_only=True,
                                        planner=config.planner)
             except BudgetError:
@@ -597,7 +597,7 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     i = next(k for k, t in enumerate(timings) if t.name == "insert_memory_ops")
     timings[i] = PassTiming("insert_memory_ops", timings[i].seconds,
                             f"insert_memory_ops: {report.num_memory_nodes} memory nodes")
-    offloaded = sum(get(n, "moves").nbytes for n in gm.graph.nodes if is_offload(n))
+    offloaded = sum(activation_move(n).nbytes for n in gm.graph.nodes if is_offload(n))
     return Scheduled(captured, plan, gm, nonmodel, measured, tuple(timings), kind, os_dev, analyzed.activations,
                      offloaded, fetched_ahead)
 
@@ -703,7 +703,7 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
     kind = RunKind(kind)
     layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world, per_chunk=per_chunk)
     rates = measure_rates(config.torch_device, config.dtype, config.link_bandwidth) \
-        if config.activations == "auto" and config.device_memory is not None else None
+        if config.activations == Activations.AUTO and config.device_memory is not None else None
     return layout, plan_at_budget(analyzed, layout, budget=config.device_memory, dtype=config.dtype, kind=kind,
                                   world=world, rank=rank, per_chunk=per_chunk, activations=config.activations,
                                   rates=rates, planner=config.planner)

@@ -23,7 +23,7 @@ Every copy between tiers goes through the copy engine (``memory/copies.py``) and
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Literal, Mapping
 
 import torch
 
@@ -34,6 +34,10 @@ from pscompile.memory.copies import CopyEngine, ThreadCopies
 from pscompile.memory.tiers import Link, SlotPool, Tier
 
 _HOST = torch.device("cpu")
+
+
+# which of a chunk's buffers: its compute-dtype parameters, or one of its fp32 optimizer lists
+BufferKind = Literal["param", "master", "exp_avg", "exp_avg_sq"]
 
 
 class ChunkStore:
@@ -377,7 +381,7 @@ class ChunkStore:
         if self.os_tier[c] is not Tier.DEVICE and not self.shares_master(c):   # (shared: never overwritten;
             self.host_param[c].copy_(self._states(c)[0])                       # device-homed: made when needed)
 
-    def gather(self, which: str, fqn: str) -> torch.Tensor:
+    def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
         """A CPU fp32 (or compute dtype for ``which='param'``) copy of one tensor from a chunk list."""
         e = self.layout.entry(fqn)
         out = torch.empty(e.numel, dtype=self.dtype if which == "param" else torch.float32)
@@ -390,10 +394,10 @@ class ChunkStore:
                 dst.copy_(piece)
         return out.view(e.shape)
 
-    def _on_device(self, which: str, c: int) -> bool:
+    def _on_device(self, which: BufferKind, c: int) -> bool:
         return self.resident(c) if which == "param" else self.os_tier[c] is Tier.DEVICE
 
-    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
+    def scatter(self, which: BufferKind, fqn: str, value: torch.Tensor) -> None:
         """Write one tensor into an optimizer-state chunk list (used by load_state_dict)."""
         e = self.layout.entry(fqn)
         flat = value.detach().reshape(-1)

@@ -27,6 +27,7 @@ from pscompile.planner.cost import estimate, graph_flops
 from pscompile.planner.hardware import Hardware, hardware_preset
 from pscompile.planner.report import Baseline, PlanReport
 from pscompile.units import format_bytes
+from pscompile.kinds import Activations, Collectives
 
 __all__ = ["plan", "gpt_on_meta", "token_batch", "BASELINE_HOST_BYTES_PER_PARAM"]
 
@@ -80,7 +81,7 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     module, batch, name, batch_desc = _resolve(model, batch)
     cfg = _config(config, hw)
     world = hw.gpus
-    per_chunk = cfg.collectives == "per_chunk" and world > 1
+    per_chunk = cfg.collectives == Collectives.PER_CHUNK and world > 1
     elsize = torch.empty((), dtype=cfg.dtype).element_size()
     layout, analyzed = plan_inputs(module, batch, cfg, world=world, per_chunk=per_chunk, loss_fn=loss_fn)
     params = layout.total_numel
@@ -122,7 +123,7 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
                                     **at_budget)
 
     # the static partition, from the same capture (every activation segment recomputed)
-    rec = choose_activations(analyzed, layout, policy="recompute", budget=None, slot_bytes=slot)
+    rec = choose_activations(analyzed, layout, policy=Activations.RECOMPUTE, budget=None, slot_bytes=slot)
     baseline = Baseline(device_bytes=params * elsize + max(rec.nonmodel),
                         host_bytes=params * BASELINE_HOST_BYTES_PER_PARAM,
                         device_budget=hw.device_budget, host_budget=hw.cpu_memory)

@@ -49,6 +49,7 @@ from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.params import ModelParams, choose_layout, collect_params
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
+from pscompile.kinds import Collectives
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class ChunkEngine:
         self.comm = resolve_comm(config.process_group, bandwidth=config.link_bandwidth)
         self.world = self.comm.world if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
-        self.per_chunk = self.comm is not None and config.collectives == "per_chunk"
+        self.per_chunk = self.comm is not None and config.collectives == Collectives.PER_CHUNK
         if config.lock_free and self.comm is not None:
             raise ValueError(f"lock_free=True is not supported under ZeRO yet ({self.world} ranks): every rank's "
                              "update would need its collectives ordered against the next step's; use "
@@ -328,7 +329,7 @@ class ChunkEngine:
 
     def evaluate(self, batch: Any) -> float:
         """Forward-only loss (validation). Modes that support it override this."""
-        raise NotImplementedError(f"evaluate() is not implemented in mode={self.config.mode!r} yet; "
+        raise NotImplementedError(f"evaluate() is not implemented in mode={str(self.config.mode)!r} yet; "
                                   "use mode='hooks'")
 
     def _detach_from_model(self) -> None:
