@@ -2,8 +2,9 @@
 
 Parameters named and ordered (first use), packed into a ``ChunkLayout``, loaded into a
 ``ChunkStore`` (fp32 masters, compute-dtype chunks, Adam states); the model keeps placeholders.
-The one ``step()`` loop (micro-batching, gradient accumulation, the update, ``StepStats``), the
-chunk-by-chunk optimizer step, state dicts, export, ``close`` and the learning rate live here.
+The one ``step()`` loop (micro-batching, gradient accumulation, the update, ``StepStats``),
+``close`` and the learning rate live here; the chunk-by-chunk optimizer step (clipping, the
+update, lock-free updating) in ``runtime/update.py``, state dicts and export in ``runtime/state.py``.
 A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
 
     _prepare_step(batches)          before any run: plan what the batches need (hooks: trace)
@@ -15,12 +16,10 @@ A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,16 +35,17 @@ from pscompile.memory.store import ChunkStore
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.copies import INLINE_COPY_BYTES
 from pscompile.memory.copy_engines import make_copy_engine
-from pscompile.memory.tiers import Link, Tier, Traffic
+from pscompile.memory.tiers import Link, Traffic
 from pscompile.memory.tracker import NonModelTracker
-from pscompile.optim.adamw import ChunkAdamW, LossScaler, clip_coefficient, grad_sq_sum
+from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.groups import resolve_groups
-from pscompile.optim.lock_free import LockFreeUpdater, UpdateJob
+from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.optim.placement import host_state_chunks, host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
-from pscompile.runtime.interrupts import deferred_interrupts
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.rng import rng_state, set_rng_state
+from pscompile.runtime.state import EngineState
+from pscompile.runtime.update import ChunkUpdate
 from pscompile.runtime.params import ModelParams, choose_layout, collect_params
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
@@ -65,7 +65,7 @@ class MicroRun:
     context: Any = None            # the mode's own record (hooks: the pass; compiled: the schedule)
 
 
-class ChunkEngine:
+class ChunkEngine(ChunkUpdate, EngineState):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         self.config = config
@@ -384,228 +384,6 @@ class ChunkEngine:
         rate with ``lr`` or ``set_lr``)."""
         return dataclasses.replace(self.groups, hps=tuple(self.adam.hps)).describe()
 
-    def _chunk_groups(self, c: int) -> list[tuple[int, list[tuple[int, int]] | None]]:
-        """Chunk ``c``'s parameter groups with their ranges in its home buffers (None: the whole
-        chunk, when one group holds all its parameters)."""
-        if c not in self._chunk_groups_cache:
-            ranges: dict[int, list[tuple[int, int]]] = {}
-            for e, p in self.layout.chunk_members(c):
-                ranges.setdefault(self.groups.index[e.fqn], []).append((p.chunk_offset, p.numel))
-            if len(ranges) <= 1:
-                out = [(next(iter(ranges), len(self.adam.hps) - 1), None)]
-            else:
-                out = [(g, home) for g, rs in ranges.items() if (home := self.store.home_ranges(rs))]
-            self._chunk_groups_cache[c] = out
-        return self._chunk_groups_cache[c]
-
-    def _frozen_ranges(self, c: int, written: set[str]) -> list[tuple[int, int]]:
-        """Ranges of chunk ``c``'s home buffers whose parameters got no gradient."""
-        return self.store.home_ranges([(p.chunk_offset, p.numel) for e, p in self.layout.chunk_members(c)
-                                       if e.fqn not in written])
-
-    def _optimizer_step(self, written: set[str], scale: float, tracker: NonModelTracker,
-                        before_update: Callable[[int], None] = lambda c: None,
-                        grads: list[torch.Tensor] | None = None, *,
-                        norm_source: Callable[[int, list], torch.Tensor | None] | None = None,
-                        order: Iterable[int] | None = None,
-                        after_update: Callable[[int], None] = lambda c: None) -> bool:
-        """Unscale, check overflow, clip, then update chunk by chunk where each chunk's optimizer
-        states live (``before_update(c)`` runs first, e.g. to make room; ``after_update(c)`` after,
-        for every chunk). ``written`` names the
-        parameters whose gradients are in their chunks, or in ``grads`` (fp32 host chunks that
-        accumulated several micro-batches; the param chunks then still hold the parameters).
-        ``norm_source(c, frozen ranges)``: where chunk ``c``'s gradient is read for the norm, if not
-        from ``store.gradient`` (None: from there); ``order``: the chunks in the order to update
-        (each once; the updates are independent, so any order gives the same bits).
-        Returns True if the step was skipped."""
-        store, n = self.store, self.layout.num_chunks
-        has_grad = [store.owns(c) and any(e.fqn in written for e, _ in self.layout.chunk_members(c))
-                    for c in range(n)]
-        if self.updater is not None:
-            return self._queue_update(written, scale, tracker, has_grad, before_update, grads)
-        undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
-        try:
-            factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads, norm_source)
-        except BaseException:
-            self._undo_all(undo)              # the chunks hold gradients: back to the parameters
-            raise
-        if factor is None:
-            return True
-        # The commit: masters and Adam states change chunk by chunk and cannot be undone. Ctrl-C
-        # waits until the update is done; any other failure leaves a partial update, which the
-        # engine refuses to train on or save until a checkpoint is loaded.
-        with deferred_interrupts():
-            try:
-                self._apply_update(written, factor, tracker, has_grad, before_update, grads, order, after_update)
-            except BaseException as e:
-                try:
-                    store.settle_disk()           # no transfer left running, staging buffers back
-                except BaseException:             # noqa: BLE001 -- the first failure is the one raised
-                    pass
-                self._mark_update_failed(e)
-                raise
-        return False
-
-    # ================================================================ lock-free updating
-    def _queue_update(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
-                      before_update: Callable[[int], None], grads: list[torch.Tensor]) -> bool:
-        """Lock-free: unscale, check and clip here (the step fails or skips before anything is
-        queued), then queue the update of ``grads`` (a buffer set) and let the updater publish
-        and start what the staleness bound says. Returns True for a skipped step."""
-        n = self.layout.num_chunks
-        factor = self._unscale_and_clip(written, scale, tracker, has_grad, [False] * n, grads)
-        for c in range(n):
-            before_update(c)                 # the mode's bookkeeping (hooks: its optimizer moments)
-        if factor is None:
-            for g in grads:
-                g.zero_()
-            return True
-        chunks = tuple(c for c in range(n) if has_grad[c])
-        job = UpdateJob(step=self._steps_run, grads=grads, chunks=chunks, factor=factor,
-                        frozen=tuple(self._frozen_ranges(c, written) for c in chunks),
-                        groups=tuple(self._chunk_groups(c) for c in chunks), hps=tuple(self.adam.hps))
-        with deferred_interrupts(), tracker.paused():     # queued and the bound kept, or neither
-            try:
-                self.updater.submit(job)
-            except BaseException as e:
-                self._mark_update_failed(e)
-                raise
-        return False
-
-    def _run_update_job(self, job: UpdateJob) -> None:
-        """On the update thread: AdamW on masters and Adam states from the job's gradients, which
-        it zeroes (the buffer set is free again); the compute-dtype chunks are not touched."""
-        store = self.store
-        self.adam.begin_step()
-        for c, frozen, groups in zip(job.chunks, job.frozen, job.groups):
-            self.adam.update_chunk(None, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                   grad_factor=job.factor, frozen=frozen, grad=job.grads[c], groups=groups,
-                                   hps=job.hps)
-            job.grads[c].zero_()
-            self._next_params[c].copy_(store.master[c])
-
-    def _publish_update(self, job: UpdateJob) -> None:
-        """On the compute thread, between steps: the parameters the update thread cast from the
-        new masters take the place of the old (swapped; the device copies of the old ones are
-        dropped), whose buffers take the next update's."""
-        store, nxt = self.store, self._next_params
-        for c in job.chunks:
-            store.drop(c)
-            store.host_param[c], nxt[c] = nxt[c], store.host_param[c]
-
-    def _abandon_step(self, grads: list[torch.Tensor]) -> None:
-        """A lock-free step failed: its gradients are dropped and no update thread is left
-        running (the one in flight finishes; it is published at the next step)."""
-        for g in grads:
-            g.zero_()
-        try:
-            self.updater.join()
-        except BaseException as e:          # noqa: BLE001 -- the step's own failure is the one raised
-            self._mark_update_failed(e)
-
-    def _mark_update_failed(self, e: BaseException) -> None:
-        self._broken = (f"this engine failed inside the optimizer update ({type(e).__name__}: {e}); its "
-                        "weights and optimizer states are partly updated: load a checkpoint "
-                        "(pscompile.load or load_state_dict) before training or saving again")
-
-    def _apply_queued_updates(self) -> None:
-        """Lock-free: apply every queued update now (state dicts and ``close`` see them all)."""
-        if self.updater is None or self._broken is not None:
-            return
-        try:
-            with deferred_interrupts():
-                self.updater.drain()
-        except BaseException as e:
-            self._mark_update_failed(e)
-            raise
-
-    @property
-    def queued_updates(self) -> int:
-        """Lock-free: steps whose update is not in the parameters yet (0 otherwise)."""
-        return 0 if self.updater is None else self.updater.queued
-
-    def _unscale_and_clip(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
-                          undo: list[bool], grads: list[torch.Tensor] | None,
-                          norm_source: Callable[[int, list], torch.Tensor | None] | None = None) -> float | None:
-        """The gradient norm over every rank; on inf/NaN, undo and skip (or raise). Returns the
-        factor the gradients are multiplied by in the update, None for a skipped step."""
-        store, n = self.store, self.layout.num_chunks
-        sq = 0.0
-        for c in range(n):
-            if not has_grad[c]:
-                continue
-            frozen = self._frozen_ranges(c, written)
-            buf = norm_source(c, frozen) if norm_source is not None else None
-            if buf is not None:                              # (a device copy of it, no frozen ranges)
-                sq += grad_sq_sum(buf)
-                continue
-            buf = store.gradient(c) if grads is None else grads[c]
-            with ExitStack() as stack:
-                if grads is not None or not store.resident(c):
-                    stack.enter_context(tracker.paused())    # host-side work is not device memory
-                for o, k in frozen:                              # no gradient: count as zero
-                    buf[o:o + k].zero_()
-                if frozen and grads is None and store.resident(c):
-                    store.dirty[c] = True
-                sq += grad_sq_sum(buf)
-        if self.comm is not None:          # the global norm: every rank's shards
-            sq = self.comm.sum(sq)
-        inv_scale = 1.0 / scale
-        total_norm = (sq ** 0.5) * inv_scale
-        found_inf = not (sq < float("inf"))     # also catches NaN
-        if found_inf:
-            if self.scaler is None and not self.config.skip_nonfinite:
-                raise FloatingPointError(
-                    f"the gradients contain inf/NaN in {self.dtype} without loss scaling (loss scaling is "
-                    "used with float16 only); the update was not applied (Config(skip_nonfinite=True) skips "
-                    "such steps instead)")
-            self._undo_all(undo)
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if found_inf:
-            return None
-        return inv_scale * clip_coefficient(total_norm, self.hp.max_grad_norm) if self.hp.max_grad_norm \
-            else inv_scale
-
-    def _apply_update(self, written: set[str], factor: float, tracker: NonModelTracker, has_grad: list[bool],
-                      before_update: Callable[[int], None], grads: list[torch.Tensor] | None,
-                      order: Iterable[int] | None = None,
-                      after_update: Callable[[int], None] = lambda c: None) -> None:
-        store, n = self.store, self.layout.num_chunks
-        on_disk = [c for c in range(n) if has_grad[c] and store.os_tier[c] is Tier.DISK]
-        self.adam.begin_step()
-        for c in (range(n) if order is None else order):
-            before_update(c)
-            if has_grad[c]:                                     # (else nothing to update here)
-                self._update_chunk(c, written, factor, tracker, grads, on_disk)
-            after_update(c)
-        store.settle_disk()
-
-    def _update_chunk(self, c: int, written: set[str], factor: float, tracker: NonModelTracker,
-                      grads: list[torch.Tensor] | None, on_disk: list[int]) -> None:
-        """AdamW on chunk ``c`` where its optimizer states live (``on_disk``: the disk homes that
-        get gradients, in order; the next one is staged while this one updates)."""
-        store = self.store
-        with ExitStack() as stack:
-            if store.os_tier[c] is not Tier.DEVICE:
-                stack.enter_context(tracker.paused())       # the update runs on the host
-            buf = store.bring_to_os_tier(c)
-            k = bisect.bisect_right(on_disk, c)              # the next disk chunk after this one
-            if k < len(on_disk) and self.disk_prefetch:
-                store.stage(on_disk[k])                     # the disk reads it while this one updates
-            grad = None
-            if grads is not None:
-                grad = grads[c]
-                if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
-                    grad = torch.empty_like(store.master[c])
-                    self.copies.move(grad, grads[c], "h2d")
-            if store.shares_master(c):          # the new master is the new param chunk: no cast back
-                buf, grad = None, buf if grad is None else grad
-            self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                   grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
-                                   groups=self._chunk_groups(c))
-            store.mark_updated(c)
-
     # ================================================================ the step
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss.
@@ -704,109 +482,3 @@ class ChunkEngine:
         for c in range(self.layout.num_chunks):
             if only is None or only[c]:
                 self.store.restore_from_master(c)
-
-    # ================================================================ state
-    def _scalar_state(self) -> dict:
-        return {**self._mode_state(), "step": self.adam.step_count, "param_groups": self.param_groups,
-                "loss_scale": self.scaler.scale if self.scaler is not None else 1.0,
-                "loss_scale_good_steps": self.scaler.good_steps if self.scaler is not None else 0}
-
-    def state_dict(self) -> dict:
-        """fp32 master weights, Adam states (per parameter fqn), step, loss scale. Sharded (ZeRO):
-        this rank's shards and the layout they are cut from (``pscompile.consolidate`` joins the
-        ranks' dicts into the one-process form). Lock-free: every queued update is applied first."""
-        self._apply_queued_updates()
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
-        if self.comm is not None:
-            return shard_ckpt.shard_state_dict(self.store, self.layout, rank=self.rank, world=self.world,
-                                               extra=self._scalar_state())
-        sd = {
-            "master": {f: self.store.gather("master", f) for f in self.params},
-            "exp_avg": {f: self.store.gather("exp_avg", f) for f in self.params},
-            "exp_avg_sq": {f: self.store.gather("exp_avg_sq", f) for f in self.params},
-            **self._scalar_state(),
-        }
-        self._count_outside_steps()
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Load a one-process (or consolidated) state dict at any world size, or this rank's own
-        shard of a run with the same world size and layout. The parameter groups must hold the
-        same parameters; their saved hyper-parameters (a scheduled learning rate) come back."""
-        hps = self._saved_groups(sd)
-        if self.updater is not None:        # what the queued updates would change is loaded over
-            self.updater.discard()
-        if shard_ckpt.is_shard(sd):
-            if self.comm is None:
-                raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; "
-                                 "load pscompile.consolidate(paths of every rank's state_dict) instead")
-            shard_ckpt.load_shard(self.store, self.layout, sd, rank=self.rank, world=self.world)
-            self._undo_all()
-            self._count_outside_steps()
-            self._load_scalars(sd, hps)
-            return
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            missing = set(self.params) - set(sd[key])
-            if missing:
-                raise ValueError(f"state_dict[{key!r}] lacks parameters {sorted(missing)[:3]}")
-            for f in self.params:
-                if tuple(sd[key][f].shape) != tuple(self.params[f].shape):
-                    raise ValueError(f"state_dict[{key!r}][{f!r}] has shape {tuple(sd[key][f].shape)}, "
-                                     f"the model has {tuple(self.params[f].shape)}")
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            for f in self.params:
-                self.store.scatter(key, f, sd[key][f])
-        self._undo_all()       # param chunks = master cast to the compute dtype
-        self._count_outside_steps()
-        self._load_scalars(sd, hps)
-
-    def _saved_groups(self, sd: dict) -> list[AdamW] | None:
-        """The hyper-parameters of ``sd``'s parameter groups (None for a state dict without them),
-        after checking they hold the parameters this engine's groups hold."""
-        saved = sd.get("param_groups")
-        if saved is None:
-            return None
-        ours = self.param_groups
-        if [list(g["params"]) for g in saved] != [g["params"] for g in ours]:
-            def show(groups):
-                return [f"{len(g['params'])} params ({', '.join(list(g['params'])[:2])}...)" for g in groups]
-            raise ValueError(f"state_dict['param_groups'] holds other parameters than this engine's groups: saved "
-                             f"{show(saved)}, engine {show(ours)}; build the engine with the same "
-                             "AdamW(param_groups=...)")
-        return [dataclasses.replace(hp, lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
-                                    weight_decay=g["weight_decay"]) for hp, g in zip(self.adam.hps, saved)]
-
-    def _mode_state(self) -> dict:
-        """Mode hook: what the mode saves besides the model state (e.g. measurements)."""
-        return {}
-
-    def _load_mode_state(self, sd: dict) -> None:
-        """Mode hook: take back what ``_mode_state`` saved."""
-
-    def _load_scalars(self, sd: dict, hps: list[AdamW] | None = None) -> None:
-        self._broken = None                 # every chunk holds the loaded state now
-        self._load_mode_state(sd)
-        if hps is not None:
-            self.adam.hps = hps
-        self.adam.load_state_dict({"step": sd["step"]})
-        if self.scaler is not None:
-            self.scaler.scale = float(sd["loss_scale"])
-            self.scaler.good_steps = int(sd.get("loss_scale_good_steps", 0))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict with fp32 master weights (tied names included), for export
-        (lock-free: after every queued update)."""
-        self._apply_queued_updates()
-        out: dict[str, torch.Tensor] = {}
-        full = self._full_masters() if self.comm is not None else None    # a collective
-        sd_keys = self.model.state_dict(keep_vars=True)
-        for key, value in sd_keys.items():
-            try:
-                entry = self.layout.entry(key)
-            except KeyError:
-                out[key] = value.detach().clone()
-                continue
-            out[key] = full[entry.fqn].clone() if full is not None else self.store.gather("master", entry.fqn)
-        self._count_outside_steps()
-        return out
