@@ -46,7 +46,7 @@ MiB = 2**20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
 GPU = dict(parity=(2, 256), speed=(24, 2048), vocab=8192, seq=512, batch=4, steps=4, warmup=1,
            ladder=[(8, 2048), (16, 2048), (24, 2048), (32, 2048), (48, 2048), (32, 4096)], chunk=None)
-DRY = dict(parity=(2, 64), speed=(2, 64), vocab=256, seq=32, batch=2, steps=3, warmup=1,
+DRY = dict(parity=(2, 64), speed=(2, 64), vocab=256, seq=32, batch=2, steps=2, warmup=1,
            ladder=[(1, 64), (2, 128), (4, 256), (8, 512)], chunk=4096, device_bytes=64 * MiB)
 
 

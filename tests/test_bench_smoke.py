@@ -217,13 +217,14 @@ def test_budgets_quick(tmp_path):
 
 def test_budgets_inductor_only_quick(tmp_path):
     """bench/budgets.py --inductor-only --quick --arch gpt: compiled mode with Inductor trains at the
-    minimum and 2x within each budget, and says where the compiled regions ran."""
+    2x the minimum within the budget, and says where the compiled regions ran (the quick form; the
+    minimum itself trains through Inductor in test_grad_overlap and test_compiled_parity)."""
     out = tmp_path / "budgets.json"
     _run("budgets.py", "--inductor-only", "--quick", "--arch", "gpt", "--out", str(out))
     res = json.loads(out.read_text())
     (row,) = res["rows"]
     assert row["mode"] == "compiled (inductor)" and row["num_failures"] == 0, row["failures"]
-    assert [t["factor"] for t in row["trained"]] == res["settings"]["inductor_factors"] == [1.0, 2.0]
+    assert [t["factor"] for t in row["trained"]] == res["settings"]["inductor_factors"] == [2.0]
     assert all(t["ok"] and max(t["peaks"]) <= t["budget"] and t["regions"] in (True, False) for t in row["trained"])
     assert any(t["regions"] for t in row["trained"])
 
