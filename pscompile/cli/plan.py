@@ -32,20 +32,20 @@ def gpu_size(text: str) -> int:
     return parse_size(f"{m.group(1)}{m.group(2).upper()}iB" if m else text, "gpu_memory")
 
 
+# the model and batch, named as every command names them: (flag, its old name = the dest, default, help)
+_SHAPE_FLAGS = (("--d-model", "hidden", 4096, "hidden size"),
+                ("--n-layer", "layers", 60, "transformer blocks"),
+                ("--n-head", "heads", 32, "attention heads; must divide --d-model"),
+                ("--vocab-size", "vocab", 50304, "token vocabulary (GPT-2's, padded)"),
+                ("--seq-len", "seq", 1024, "tokens per sequence"),
+                ("--batch-size", "batch", 8, "sequences per GPU per step"))
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt", choices=("gpt",), help="model family (GPT, nanoGPT style)")
-    add_flag(p, "--d-model", old=("--hidden",), dest="hidden", metavar="N", type=int, default=4096,
-             help="hidden size (default 4096)")
-    add_flag(p, "--n-layer", old=("--layers",), dest="layers", metavar="N", type=int, default=60,
-             help="transformer blocks (default 60)")
-    add_flag(p, "--n-head", old=("--heads",), dest="heads", metavar="N", type=int, default=32,
-             help="attention heads; must divide --d-model (default 32)")
-    add_flag(p, "--vocab-size", old=("--vocab",), dest="vocab", metavar="N", type=int, default=50304,
-             help="token vocabulary (default 50304, GPT-2's padded)")
-    add_flag(p, "--seq-len", old=("--seq",), dest="seq", metavar="N", type=int, default=1024,
-             help="tokens per sequence (default 1024)")
-    add_flag(p, "--batch-size", old=("--batch",), dest="batch", metavar="N", type=int, default=8,
-             help="sequences per GPU per step (default 8)")
+    for name, old, default, what in _SHAPE_FLAGS:
+        add_flag(p, name, old=(f"--{old}",), dest=old, metavar="N", type=int, default=default,
+                 help=f"{what} (default {default})")
     p.add_argument("--hardware", default="yard", choices=sorted(HARDWARE),
                    help="a preset machine; the flags below override its sizes")
     p.add_argument("--gpus", metavar="N", type=int, default=None,

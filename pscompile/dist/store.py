@@ -24,9 +24,8 @@ import torch
 
 from pscompile.dist.comm import Comm
 from pscompile.memory.layout import ChunkLayout, TensorEntry
-from pscompile.memory.store import ChunkStore
 from pscompile.memory.copies import CopyEngine
-from pscompile.memory.store import BufferKind
+from pscompile.memory.store import BufferKind, ChunkStore
 from pscompile.memory.tiers import Link
 
 def own_pieces(entry: TensorEntry, shard: int, rank: int, *,
@@ -118,7 +117,7 @@ class _ZeroStore(ChunkStore):
     def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
         raise AssertionError("a sharded store holds parts of each tensor; use pscompile.dist.checkpoint")
 
-    def scatter(self, which: str, fqn: str, value: torch.Tensor) -> None:
+    def scatter(self, which: BufferKind, fqn: str, value: torch.Tensor) -> None:
         """Write this rank's parts of one full tensor into an optimizer-state list."""
         lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         flat = value.detach().reshape(-1)

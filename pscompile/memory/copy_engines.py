@@ -9,6 +9,8 @@ import os
 import torch
 
 from pscompile.memory.copies import CopyEngine, ThreadCopies
+from pscompile.memory.cuda_copies import CudaCopies
+from pscompile.memory.strict_copies import StrictCopies
 from pscompile.memory.tiers import Link
 
 STRICT_ENV = "PSCOMPILE_STRICT_COPIES"
@@ -23,9 +25,7 @@ def make_copy_engine(link: Link, device: torch.device, *, strict: bool = False, 
     """The copy engine for ``device``. The environment variable is for CPU runs: a CUDA device keeps
     its streams (``Config`` refuses ``strict_copies=True`` there)."""
     if device.type == "cuda":
-        from pscompile.memory.cuda_copies import CudaCopies
         return CudaCopies(link, device)
     if strict_requested(strict):
-        from pscompile.memory.strict_copies import StrictCopies
         return StrictCopies(link)
     return ThreadCopies(link, inline_bytes=inline_bytes)
