@@ -1,6 +1,6 @@
 """The GPU acceptance run: one command, JSON plus a Markdown table.
 
-    python bench/gpu.py [--dry-run] [--markdown] [--out bench/results/gpu.json] [--deadline-s 470]
+    python bench/gpu.py [--dry-run] [--quick] [--markdown] [--out bench/results/gpu.json] [--deadline-s 470]
 
 On a CUDA machine (at most 8 minutes on one H100; the lent machines hold torch 2.11):
 
@@ -119,7 +119,8 @@ def run_pscompile(make, data, device: str, budget) -> dict:
     try:
         rows = timed(engine.step, data, device, lambda: dict(
             moved=engine.stats.bytes_moved, peak=engine.stats.peak_device_bytes,
-            allocator_peak=engine.stats.allocator_peak_bytes))
+            allocator_peak=engine.stats.allocator_peak_bytes, forward_s=engine.stats.forward_s,
+            backward_s=engine.stats.backward_s, optimizer_s=engine.stats.optimizer_s))
         over = [r for r in rows if budget is not None and max(r["peak"], r["allocator_peak"] or 0) > budget]
         return dict(first_s=time.perf_counter() - t - sum(r["time_s"] for r in rows[1:]), steps=rows,
                     within_budget=not over, min_device_memory=engine.min_device_memory)
@@ -143,10 +144,25 @@ def guarded(clock: Clock, need_s: float, fn, **label) -> dict:
     """``fn()``'s row with ``label``; ``skipped`` past the deadline, ``error`` if it raised."""
     if clock.left() < need_s:
         return dict(label, skipped=f"deadline: {clock.left():.0f} s left, the row needs ~{need_s:.0f} s")
+    t = time.perf_counter()
     try:
-        return dict(label, **fn())
+        row = dict(label, **fn())
     except Exception as e:                    # noqa: BLE001 -- recorded in the row; the script exits 1
-        return dict(label, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        row = dict(label, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    progress(row, time.perf_counter() - t)
+    return row
+
+
+def progress(row: dict, seconds: float) -> None:
+    """One line per finished row on stderr, so a run cut off by an outer time limit still shows its
+    results so far."""
+    brief = {k: v for k, v in row.items() if k != "steps"}
+    if "steps" in row:
+        brief.update(losses=[round(float(r["loss"]), 4) for r in row["steps"]],
+                     times_s=[round(r["time_s"], 4) for r in row["steps"]])
+        last = row["steps"][-1]
+        brief.update({f"last_{k}": round(last[k], 4) for k in ("forward_s", "backward_s", "optimizer_s") if k in last})
+    print(f"[{seconds:6.1f} s] {json.dumps(brief, default=str)}", file=sys.stderr, flush=True)
 
 
 def minimum_and_full(size, data, s: dict, device: str, dtype) -> tuple[int, int]:
@@ -183,13 +199,14 @@ def parity_rows(s, device, systems, clock) -> list[dict]:
     return out
 
 
-def speed_rows(s, device, systems, clock, rate: float) -> list[dict]:
+def speed_rows(s, device, systems, clock, rate: float, quick: bool = False) -> list[dict]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     data = batches(s, 1 + s["warmup"] + s["steps"])
     out = []
     for name, compiled in (("plain PyTorch", False), ("plain torch.compile", True)):
         if compiled and "compiled inductor" not in systems:
-            out.append(dict(section="speed", system=name, budget_name="none", skipped="dry run without --inductor"))
+            why = "--quick" if quick else "dry run without --inductor"
+            out.append(dict(section="speed", system=name, budget_name="none", skipped=why))
             continue
         row = guarded(clock, 90, lambda: run_plain(s["speed"], data, s, device, dtype, compiled),
                       section="speed", system=name, budget_name="none", budget=None)
@@ -199,6 +216,8 @@ def speed_rows(s, device, systems, clock, rate: float) -> list[dict]:
     minimum, full = minimum_and_full(s["speed"], data, s, device, dtype)
     tight = int(minimum * 1.15)
     budgets = [("none", None), ("mid", (tight + full) // 2), ("tight", tight)]
+    if quick:
+        budgets = [budgets[0], budgets[2]]
     alone: dict[str, float] = {}
     for bname, budget in budgets:
         for name in systems:
@@ -234,6 +253,8 @@ def capacity_rows(s, device, systems, clock, device_bytes: int) -> list[dict]:
                                                           budget, name, s["chunk"])), data, device, budget)
             row = guarded(clock, 60, fn, section="capacity", system=name, size=list(size), budget=budget)
             ok = "steps" in row and row.get("within_budget", True)
+            if "skipped" in row and largest is None:
+                largest = "skipped (deadline)"
             if not ok:
                 break
             largest = dict(size=list(size), params=model(size, s).config.num_params())
@@ -295,6 +316,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the same script on the CPU with tiny shapes")
     ap.add_argument("--inductor", action="store_true", help="dry run: also the Inductor rows (slow on a CPU)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a short lease: speed rows for hooks and compiled eager on 12 layers (not 24) at no and a "
+                         "tight budget, no capacity")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--deadline-s", type=float, default=470.0, help="rows starting later are skipped")
@@ -304,13 +328,17 @@ def main(argv=None) -> int:
         return 2
     device = "cpu" if args.dry_run else "cuda"
     s = dict(DRY if args.dry_run else GPU)
+    if args.quick and not args.dry_run:
+        s["speed"] = (12, 2048)          # half the layers: the same kernels, half the time per row
     clock = Clock(args.deadline_s)
     systems = [n for n in SYSTEMS if n != "compiled inductor" or not args.dry_run or args.inductor]
     device_bytes = s["device_bytes"] if args.dry_run else torch.cuda.get_device_properties(0).total_memory
     rate = link_rate(device)
     rows = parity_rows(s, device, systems, clock)
-    rows += speed_rows(s, device, systems, clock, rate)
-    rows += capacity_rows(s, device, systems, clock, device_bytes)
+    fast = [n for n in systems if n != "compiled inductor"] if args.quick else systems
+    rows += speed_rows(s, device, fast, clock, rate, quick=args.quick)
+    if not args.quick:
+        rows += capacity_rows(s, device, systems, clock, device_bytes)
     meta = dict(device=torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run)", torch=torch.__version__,
                 dry_run=args.dry_run, link_GBps=rate / 1e9, date=time.strftime("%Y-%m-%d"),
                 device_bytes=device_bytes, settings={k: v for k, v in s.items()})

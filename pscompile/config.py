@@ -114,7 +114,7 @@ class Config:
             raise ValueError(f"device={self.device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available on this machine; use device='cpu'")
-        set_("device", str(dev))
+        set_("device", str(canonical_device(dev)))
         if self.device_memory is not None:
             set_("device_memory", parse_size(self.device_memory, "device_memory"))
             if self.device_memory == 0:
@@ -191,6 +191,17 @@ class Config:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+def canonical_device(dev: torch.device) -> torch.device:
+    """The device as the tensors on it name theirs, so that ``t.device == engine.device`` holds for
+    them: ``cpu`` without an index (CPU tensors carry none: ``cpu:0`` would compare unequal), and
+    ``cuda`` with the current device's index (``cuda`` alone compares unequal to ``cuda:0``)."""
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

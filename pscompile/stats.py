@@ -29,7 +29,9 @@ class StepStats:
     offload_bytes: int = 0         # saved activations device -> host (part of d2h_bytes)
     reload_bytes: int = 0          # saved activations host -> device (part of h2d_bytes)
     # CUDA only: the caching allocator's own peak over the step (torch.cuda.max_memory_allocated,
-    # reset when the step starts) -- the independent check of peak_device_bytes; None elsewhere
+    # reset when the step starts) less the device bytes the process held outside the step when it
+    # began (other models, caches; memory/tracker.py) -- the independent check of
+    # peak_device_bytes; None elsewhere
     allocator_peak_bytes: int | None = None
 
     @property

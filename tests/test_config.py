@@ -85,3 +85,25 @@ def test_choices_are_enums_given_as_members_or_names():
     assert a.mode == "hooks" and f"{a.mode}" == "hooks" and str(a.collectives) == "per_chunk"
     with pytest.raises(ValueError, match=r"activations='sometimes' is not a policy; use one of \('auto', 'keep'"):
         pscompile.Config(device="cpu", activations="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "compiled"])
+def test_a_device_named_with_an_index_trains_like_plain_pytorch(mode):
+    """``cpu:0`` names the device CPU tensors call ``cpu`` (and ``cuda`` the one they call
+    ``cuda:0``): the engine compares tensors' devices with its own, so Config names the device as
+    the tensors do. Before, hooks mode kept the parameters' placeholder (NaN) for backward on such
+    a device -- the first GPU run's hooks failure, reproduced on the CPU."""
+    from conftest import make_batches, make_model
+    from pscompile.testing import ReferenceTrainer
+    assert pscompile.Config(device="cpu:0").device == "cpu"
+    if torch.cuda.is_available():
+        assert pscompile.Config(device="cuda").device == f"cuda:{torch.cuda.current_device()}"
+    batches = make_batches("gpt", 3)
+    hp = pscompile.AdamW(lr=1e-3)
+    ref = ReferenceTrainer(make_model("gpt"), optimizer=hp, dtype=torch.float32)
+    engine = pscompile.compile(make_model("gpt"), batches[0], optimizer=hp,
+                               config=pscompile.Config(mode=mode, device="cpu:0", dtype=torch.float32,
+                                                       backend="eager", chunk_size=2048))
+    for b in batches:
+        ours, plain = engine.step(b), ref.step(b)
+        assert abs(ours - plain) <= 1e-5 * abs(plain)

@@ -81,8 +81,8 @@ def test_clip_coefficient():
 
 
 def test_blocked_16bit_update_equals_one_block(monkeypatch):
-    """A 16-bit gradient is updated block by block (``UPDATE_BLOCK``); the kernel is elementwise,
-    so any block size gives the same bits, and every element of the param chunk -- frozen ranges,
+    """A 16-bit gradient is updated block by block (``UPDATE_BLOCK``) on the CPU and a range at a
+    time on a GPU; the kernel is elementwise, so any block size gives the same bits, and every element of the param chunk -- frozen ranges,
     elements of no group, padding -- ends as the cast of its master."""
     import pscompile.optim.adamw as adamw
 
@@ -93,11 +93,13 @@ def test_blocked_16bit_update_equals_one_block(monkeypatch):
     master0[950:] = 0
     grad = torch.randn(1024).bfloat16()
     results = []
-    for block in (64, 1000, 1 << 20):
+    # blocks of 64, 1000, 2^20 (the CPU's blocking), and whole ranges (a GPU's: one kernel call per
+    # range, for the launches a 1.2B-parameter model's 64Ki-element blocks cost on an H200)
+    for block, blocked in ((64, True), (1000, True), (1 << 20, True), (64, False)):
         monkeypatch.setattr(adamw, "UPDATE_BLOCK", block)
         master, ea, eas = master0.clone(), torch.zeros(1024), torch.zeros(1024)
         param = grad.clone()                     # the gradient over the param chunk
-        adam = ChunkAdamW(hp)
+        adam = ChunkAdamW(hp, blocked=blocked)
         adam.begin_step()
         adam.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30), (720, 10)], groups=groups)
         assert torch.equal(param, master.bfloat16())

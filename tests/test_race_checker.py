@@ -50,6 +50,42 @@ def test_copies_of_a_direction_land_in_order_and_after_orders_across_directions(
     assert torch.equal(fetched, slot) and wb.done()
 
 
+def test_a_compute_side_wait_does_not_show_a_device_to_host_copy_to_the_host():
+    """On a GPU, compute waits on the copy's event while the host runs on: the host reads a d2h
+    destination only after a host-side wait (on it, on a later copy of its direction or on one
+    submitted after its compute-side wait) or ``sync_compute``."""
+    q = StrictCopies(Link())
+    home, slot = torch.zeros(4), torch.full((4,), 3.0)
+    q.submit(home, slot, "d2h", node="writeback_1").wait()
+    slot.fill_(9.0)                         # compute may reuse the source after its wait ...
+    assert torch.isnan(home).all()          # ... but the host does not see the copy yet
+    q.sync_compute()
+    assert torch.equal(home, torch.full((4,), 3.0))
+    a, b = torch.zeros(4), torch.zeros(4)
+    q.submit(a, torch.ones(4), "d2h").wait()
+    q.submit(b, torch.ones(4), "h2d").wait_host()       # submitted after a's compute-side wait
+    assert torch.equal(a, torch.ones(4))
+
+
+def test_the_host_may_not_write_a_host_to_device_source_before_it_knows_the_copy_landed():
+    """A host write to an h2d copy's source after only a compute-side wait races the copy on a GPU
+    (the first GPU run's hooks path zeroed the host gradient a device-side update was still
+    reading); a copy ordered after it on the streams may overwrite it."""
+    q = StrictCopies(Link())
+    src, dst = torch.ones(8), torch.zeros(8)
+    q.submit(dst, src, "h2d", node="fetch_1").wait()
+    src.zero_()                                          # the host reuses the buffer too soon
+    with pytest.raises(CopyRaceError, match="host wrote the source of the h2d copy of node fetch_1"):
+        q.sync_compute()
+    src.fill_(1.0)
+    q.submit(dst, src, "h2d", node="fetch_2").wait_host()
+    src.zero_()                                          # known landed: fine
+    q.submit(dst, src, "h2d", node="fetch_3").wait()
+    q.submit(src, torch.full((8,), 2.0), "d2h", node="grad_3").wait_host()    # ordered after fetch_3
+    assert torch.equal(src, torch.full((8,), 2.0)) and torch.equal(dst, torch.zeros(8))
+    q.flush()
+
+
 def test_memory_a_copy_owns_may_not_be_freed_or_reused_before_its_wait():
     q = StrictCopies(Link())
     home, slot = torch.zeros(16), torch.ones(16)

@@ -275,7 +275,9 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         t_back = t_bwd[0] if t_bwd else t_end
         record = _RunRecord(key, sched, observer.samples if observer is not None else None,
                             probe if probe is not None and probe.eager_all else None)
-        return MicroRun(float(loss.detach().float()), tracker, traffic, t_back - t_start, t_end - t_back,
+        value = float(loss.detach().float())
+        self.copies.sync_compute()    # (reading the loss waited for compute already)
+        return MicroRun(value, tracker, traffic, t_back - t_start, t_end - t_back,
                         frozenset(self._written), record)
 
     def _check_traffic(self, sched: Scheduled, traffic, acc: list[torch.Tensor] | None) -> None:

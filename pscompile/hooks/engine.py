@@ -413,6 +413,7 @@ class HooksEngine(ChunkEngine):
         t0 = time.perf_counter()
         loss = extract_loss(self._run_model(self.model, batch), batch, self.loss_fn)
         loss_value = float(loss.detach().float())
+        self.copies.sync_compute()    # (reading the loss waited for compute already)
         for f in self.params:
             self.states[f] = TensorState.HOLD
         t1 = time.perf_counter()
@@ -427,12 +428,14 @@ class HooksEngine(ChunkEngine):
         self._moment(MomentKind.BWD_END, "", ())
         if ps.tracing:
             self._close_window(ps)
+        self.copies.sync_compute()    # the host next writes homes that backward's fetches read
         return loss_value, t1 - t0, time.perf_counter() - t1
 
     def _forward_only(self, ps: _Pass, batch: Any) -> float:
         with torch.no_grad():
             loss = extract_loss(self._run_model(self.model, batch), batch, self.loss_fn)
             value = float(loss.float())
+        self.copies.sync_compute()
         del loss
         self._moment(MomentKind.EVAL_END, "", ())
         if ps.tracing:

@@ -14,6 +14,10 @@ directions independently (PCIe is full duplex). What it promises, and what calle
 - Until one of the two waits, neither buffer may be freed, reused or written by anyone, and ``dst``
   may not be read. ``flush()`` waits for every copy on the host; ``drain()`` does too and returns
   their errors instead of raising (recovery after a failed step).
+- A compute-side wait orders compute, not the host: the host may write a host buffer an h2d copy
+  reads, or read one a d2h copy writes, only once it knows the copy landed -- after a host-side
+  wait on it, on a later copy of its direction or on any copy submitted after its compute-side
+  wait, after a flush, or after ``sync_compute()`` (the host waits for compute).
 - ``move(dst, src, direction)``: a synchronous move (submit, then the wait the direction needs: a
   copy to the host is waited on the host, which may read it next; one to the device on compute).
 - Bytes are counted by the ``Link`` exactly once per copy, as today; ``counted=True`` says the
@@ -83,6 +87,11 @@ class CopyEngine(ABC):
         """A synchronous move: to the host waited on the host (it may read it next), to the device on compute."""
         copy = self.submit(dst, src, direction, node=node)
         copy.wait_host() if direction == "d2h" else copy.wait()
+
+    def sync_compute(self) -> None:
+        """The host waits until compute has run all it was given, and so every copy compute waited
+        on. On the CPU compute is the host: nothing to wait for (the race checker shows those
+        copies' results to the host from here on); CUDA synchronizes the compute stream."""
 
     @abstractmethod
     def drain(self) -> list[BaseException]:

@@ -86,6 +86,9 @@ class CudaCopies(CopyEngine):
         gone = set(map(id, landed))
         self._pending = [c for c in self._pending if id(c) not in gone]
 
+    def sync_compute(self) -> None:
+        self.compute().synchronize()
+
     def idle(self) -> bool:
         return all(stream.query() for stream in self.streams.values())
 

@@ -6,7 +6,11 @@ after a free and would corrupt the curve), and samples the live non-model bytes 
 operator runs* (its inputs are still alive, its outputs exist); storages that died are
 forgotten whenever the count could set a new peak (the samples that matter are exact). Chunk buffers are model data and
 are skipped. On CUDA the sample is the caching allocator's ``memory_allocated`` minus the chunk
-bytes instead. Scratch memory inside a kernel is invisible to both.
+bytes and minus ``external_bytes``: what the process held on the device when the measurement began
+that is neither chunks nor a tensor given to ``add_tensor`` (another model, a reference trainer, an
+earlier engine not yet collected). Like the CPU count, which sees only storages made during the
+step, the figure is then the step's own and does not depend on what else lives on the GPU.
+Scratch memory inside a kernel is invisible to both.
 
 The owner reads ``window_peak`` (largest sample since the last ``start_window``; exact only with
 ``exact_windows=True``, which sweeps after every operator) at its own decision points
@@ -46,6 +50,8 @@ class NonModelTracker(TorchDispatchMode):
         self.num_ops = 0
         self._paused = 0
         self._cuda = device.type == "cuda"
+        self.external_bytes = 0       # CUDA: device bytes held outside this measurement (set once)
+        self._external_set = False
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def add_tensor(self, t: torch.Tensor) -> None:
@@ -84,7 +90,7 @@ class NonModelTracker(TorchDispatchMode):
     def _sample(self, extra: int = 0) -> None:
         model = self.model_bytes()
         if self._cuda:
-            nonmodel = torch.cuda.memory_allocated(self.device) - model + extra
+            nonmodel = torch.cuda.memory_allocated(self.device) - self.external_bytes - model + extra
         else:
             nonmodel = self.live_bytes + extra
             # live_bytes may still count storages that died since the last sweep, so it is an upper
@@ -101,7 +107,7 @@ class NonModelTracker(TorchDispatchMode):
         """Live non-model bytes now."""
         self._sweep()
         if self._cuda:
-            return torch.cuda.memory_allocated(self.device) - self.model_bytes()
+            return torch.cuda.memory_allocated(self.device) - self.external_bytes - self.model_bytes()
         return self.live_bytes
 
     def sample_with(self, extra: int) -> None:
@@ -125,6 +131,10 @@ class NonModelTracker(TorchDispatchMode):
 
     def reset_peaks(self) -> None:
         self._sweep()
+        if self._cuda and not self._external_set:     # the first reset starts the measurement
+            allocated = torch.cuda.memory_allocated(self.device)
+            self.external_bytes = max(0, allocated - self.model_bytes() - self.live_bytes)
+            self._external_set = True
         self.peak_nonmodel = self.peak_total = self.peak_model = 0
         self._sample()
 

@@ -46,9 +46,26 @@ class LossScaler:
                 self.good_steps = 0
 
 
-def grad_sq_sum(buf: torch.Tensor) -> float:
-    """Sum of squares of a gradient chunk, accumulated in fp32 like ``clip_grad_norm_``."""
-    return float(torch.linalg.vector_norm(buf, dtype=torch.float32)) ** 2
+def grad_norm(buf: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of a gradient chunk, accumulated in fp32 like ``clip_grad_norm_`` (a 0-dim tensor
+    on the chunk's device: the host reads every chunk's at once, ``sum_of_squares``)."""
+    return torch.linalg.vector_norm(buf, dtype=torch.float32)
+
+
+def sum_of_squares(norms: list[torch.Tensor]) -> float:
+    """The sum of the squared ``norms``, in their order, in double precision; one read per device
+    (a GPU synchronizes once, not once per chunk)."""
+    values: list[float] = [0.0] * len(norms)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(norms):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([norms[i] for i in idx]).tolist()):
+            values[i] = v
+    sq = 0.0
+    for v in values:
+        sq += v ** 2
+    return sq
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
@@ -58,8 +75,9 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     return min(max_norm / (total_norm + 1e-6), 1.0)
 
 
-# Elements per block of a 16-bit gradient's update: its fp32 upcast (256 KiB) stays in cache between
-# the cast, the kernel and the cast of the new master back (bench/foundation.py, section 3).
+# Elements per block of a 16-bit gradient's update on the CPU: its fp32 upcast (256 KiB) stays in
+# cache between the cast, the kernel and the cast of the new master back (bench/foundation.py,
+# section 3). A GPU updates a whole range per kernel call.
 UPDATE_BLOCK = 1 << 16
 
 
@@ -84,8 +102,9 @@ class ChunkAdamW:
     """The update rule, applied to one chunk at a time; holds the step counter and the
     hyper-parameters of each parameter group (``hps[g]``)."""
 
-    def __init__(self, hps: AdamW | list[AdamW]):
+    def __init__(self, hps: AdamW | list[AdamW], *, blocked: bool | None = None):
         self.hps = [hps] if isinstance(hps, AdamW) else list(hps)
+        self.blocked = blocked      # 16-bit updates in cache-sized blocks (None: on the CPU only)
         self.step_count = 0
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
         self._scratches: dict[torch.device, torch.Tensor] = {}    # one block's fp32 gradient
@@ -138,15 +157,20 @@ class ChunkAdamW:
             if param is not None:
                 param.copy_(master)
             return
-        # 16-bit gradient: block by block, the upcast (in a small reused buffer), the update and the
-        # cast of the new master back into the param chunk, while the block is in cache
-        scratch = self._scratch(master.device)
+        # 16-bit gradient: block by block, the upcast, the update and the cast of the new master
+        # back into the param chunk. On the CPU a block is cache-sized (in a small reused buffer),
+        # so it stays in cache between the three; on a GPU a block is a whole range, because kernel
+        # launches cost there, not caches (the upcast is a temporary the placement reserves room
+        # for: optim/placement.UPDATE_TEMP_BYTES_PER_ELEMENT)
+        blocked = master.device.type == "cpu" if self.blocked is None else self.blocked
+        scratch = self._scratch(master.device) if blocked else None
         for g, ranges in groups:
             args = _kernel_args(hps[g])
             for o, n in ranges:
-                for b0 in range(o, o + n, UPDATE_BLOCK):
-                    b1 = min(b0 + UPDATE_BLOCK, o + n)
-                    gb = scratch[:b1 - b0]
+                for b0 in range(o, o + n, UPDATE_BLOCK if blocked else max(n, 1)):
+                    b1 = min(b0 + UPDATE_BLOCK, o + n) if blocked else o + n
+                    gb = scratch[:b1 - b0] if blocked else torch.empty(b1 - b0, dtype=torch.float32,
+                                                                        device=master.device)
                     gb.copy_(src[b0:b1])
                     if grad_factor != 1.0:
                         gb.mul_(grad_factor)

@@ -454,8 +454,15 @@ class ChunkEngine(ChunkUpdate, EngineState):
             transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s,
             offload_bytes=sum(r.traffic.offload_bytes for r in runs),
             reload_bytes=sum(r.traffic.reload_bytes for r in runs),
-            allocator_peak_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)
+            allocator_peak_bytes=self._allocator_peak(runs))
         return self.stats.loss
+
+    def _allocator_peak(self, runs: list) -> int | None:
+        """CUDA: the caching allocator's peak over the step less the bytes held outside it (the
+        trackers' ``external_bytes``), the figure the budget bounds; None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) - min(r.tracker.external_bytes for r in runs)
 
     def _prepare_step(self, batches: list, *, accumulate: bool) -> None:
         """Mode hook: before any run of a step (hooks mode traces new batch shapes here)."""

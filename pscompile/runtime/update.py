@@ -16,7 +16,7 @@ import torch
 
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
-from pscompile.optim.adamw import clip_coefficient, grad_sq_sum
+from pscompile.optim.adamw import clip_coefficient, grad_norm, sum_of_squares
 from pscompile.optim.lock_free import UpdateJob
 from pscompile.runtime.interrupts import deferred_interrupts
 
@@ -170,14 +170,14 @@ class ChunkUpdate:
         """The gradient norm over every rank; on inf/NaN, undo and skip (or raise). Returns the
         factor the gradients are multiplied by in the update, None for a skipped step."""
         store, n = self.store, self.layout.num_chunks
-        sq = 0.0
+        norms: list[torch.Tensor] = []
         for c in range(n):
             if not has_grad[c]:
                 continue
             frozen = self._frozen_ranges(c, written)
             buf = norm_source(c, frozen) if norm_source is not None else None
             if buf is not None:                              # (a device copy of it, no frozen ranges)
-                sq += grad_sq_sum(buf)
+                norms.append(grad_norm(buf))
                 continue
             buf = store.gradient(c) if grads is None else grads[c]
             with ExitStack() as stack:
@@ -187,7 +187,9 @@ class ChunkUpdate:
                     buf[o:o + k].zero_()
                 if frozen and grads is None and store.resident(c):
                     store.dirty[c] = True
-                sq += grad_sq_sum(buf)
+                norms.append(grad_norm(buf))
+        with tracker.paused():
+            sq = sum_of_squares(norms)
         if self.comm is not None:          # the global norm: every rank's shards
             sq = self.comm.sum(sq)
         inv_scale = 1.0 / scale
@@ -238,7 +240,8 @@ class ChunkUpdate:
                 grad = grads[c]
                 if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
                     grad = torch.empty_like(store.master[c])
-                    self.copies.move(grad, grads[c], "h2d")
+                    # waited on the host: the host zeroes (or refills) grads[c] once the step ends
+                    self.copies.submit(grad, grads[c], "h2d").wait_host()
             if store.shares_master(c):          # the new master is the new param chunk: no cast back
                 buf, grad = None, buf if grad is None else grad
             self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
