@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 import pscompile
-from pscompile.compiled import executor as executor_module
+from pscompile.compiled import program as program_module
 from pscompile.compiled import probe as probe_module
 from pscompile.compiled.regions import Region, TensorMeta, layout_mismatch, written_inputs
 from pscompile.testing import ReferenceTrainer, routed_gather
@@ -96,14 +96,14 @@ def _first_layer_norm_region(graph: fx.Graph) -> bool:
 
 
 def test_a_region_inductor_cannot_compile_runs_as_eager_code(monkeypatch, caplog):
-    real, failed = executor_module.compile_inductor, []
+    real, failed = program_module.compile_inductor, []
 
     def compile_or_fail(graph, metas):
         if not failed and _first_layer_norm_region(graph):
             failed.append(graph)
             raise RuntimeError("injected compiler failure")
         return real(graph, metas)
-    monkeypatch.setattr(executor_module, "compile_inductor", compile_or_fail)
+    monkeypatch.setattr(program_module, "compile_inductor", compile_or_fail)
     with caplog.at_level(logging.WARNING, logger="pscompile"):
         engine = _train_against_plain(_gpt, _tight_gpt())
     (message,) = _warnings(caplog)
@@ -116,7 +116,7 @@ def test_a_region_inductor_cannot_compile_runs_as_eager_code(monkeypatch, caplog
 
 
 def test_a_region_that_fails_on_its_real_inputs_runs_as_eager_code(monkeypatch, caplog):
-    real, broken = executor_module.compile_inductor, []
+    real, broken = program_module.compile_inductor, []
 
     def compile_broken(graph, metas):
         fn = real(graph, metas)
@@ -128,7 +128,7 @@ def test_a_region_that_fails_on_its_real_inputs_runs_as_eager_code(monkeypatch, 
             raise RuntimeError("injected kernel failure")
         broken.append(graph)
         return kernel_fails
-    monkeypatch.setattr(executor_module, "compile_inductor", compile_broken)
+    monkeypatch.setattr(program_module, "compile_inductor", compile_broken)
     with caplog.at_level(logging.WARNING, logger="pscompile"):
         engine = _train_against_plain(_gpt, _tight_gpt())   # would raise if the broken code ran in a step
     (message,) = _warnings(caplog)

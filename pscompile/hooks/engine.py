@@ -17,15 +17,15 @@ fetching it all-gathers it and evicting it releases the remote shards. A gradien
 the parameter's group, which holds its gradients from the first to the last and is pinned
 meanwhile (the trace pins it the same way, so its minimum counts it); when the last one is in,
 the group is reduce-scattered to its owners and released.
+
+The hooks themselves and a pass's state are in ``hooks/param_hooks.py``; this module owns what
+their accesses do (the moments: fetch, evict), the passes, the plans and the step.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
-from collections import Counter
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.hooks.access_plan import AccessPlan, Moment
+from pscompile.hooks.param_hooks import ParamHooks, PassState
 from pscompile.hooks.states import ChunkPlacement, TensorState, chunk_placement
 from pscompile.kinds import MomentKind
 from pscompile.memory.tiers import Tier
@@ -49,58 +50,7 @@ from pscompile.units import format_bytes
 __all__ = ["HooksEngine", "BudgetError"]
 
 
-
-@dataclass(frozen=True)
-class _ChunkRef:
-    """A saved-for-backward view of a parameter, kept as a reference into its chunk."""
-
-    chunk: int
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _SpanRef:
-    """A saved view of a parameter that spans several chunks (gathered for its forward)."""
-
-    fqn: str
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def _weak(method):
-    """A hook that calls ``method`` while its object lives: hooks stored on the model's tensors
-    and modules must not keep the engine (and all its chunks) alive."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args):
-        bound = ref()
-        return None if bound is None else bound(*args)
-    return call
-
-
-@dataclass
-class _Pass:
-    """Mutable state of one forward+backward pass (trace or run)."""
-
-    tracing: bool
-    tracker: NonModelTracker
-    plan: AccessPlan | None = None
-    moment: int = 0
-    recorded: list[Moment] = field(default_factory=list)
-    pins: Counter = field(default_factory=Counter)
-    bwd_node: Any = None
-    bwd_chunks: list[int] = field(default_factory=list)
-    grad_written: set[str] = field(default_factory=set)
-    acc: list[torch.Tensor] | None = None    # fp32 host chunks accumulating gradients (micro-batches)
-    span_bufs: dict[int, str] = field(default_factory=dict)      # gathered buffer ptr -> fqn (forward)
-    grads_left: dict[int, int] = field(default_factory=dict)     # ZeRO: group -> gradients still to come
-    bwd_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # re-gathered for this backward node
-
-
-class HooksEngine(ChunkEngine):
+class HooksEngine(ParamHooks, ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
@@ -111,7 +61,7 @@ class HooksEngine(ChunkEngine):
         self._grad_total = self._grad_counts()
 
         # -- hooks, trace pass, optimizer-state placement -----------------------------------
-        self._pass: _Pass | None = None
+        self._pass: PassState | None = None
         self._handles = self._install_hooks()
         self._traces: dict[tuple, AccessPlan] = {}   # batch signature -> forward/backward moments
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
@@ -124,26 +74,6 @@ class HooksEngine(ChunkEngine):
         except BaseException:
             self.close()          # a failed compile hands the model its weights back
             raise
-
-    # ================================================================ setup helpers
-    def _install_hooks(self) -> list:
-        handles = []
-        pre, post, grad = _weak(self._pre_forward), _weak(self._post_forward), _weak(self._grad_hook)
-        for name, mod in self.model.named_modules(remove_duplicate=False):
-            if name not in self._module_params:
-                continue
-            fqns = self._module_params[name]
-            handles.append(mod.register_forward_pre_hook(lambda m, args, n=name, f=fqns: pre(n, f)))
-            handles.append(mod.register_forward_hook(lambda m, args, out, n=name, f=fqns: post(n, f)))
-        for p in self.params.values():
-            if p.requires_grad:       # frozen parameters get no gradient and no update
-                handles.append(p.register_post_accumulate_grad_hook(grad))
-        return handles
-
-    def _detach_from_model(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     # ================================================================ moments
     def _chunks_of(self, fqns) -> tuple[int, ...]:
@@ -213,173 +143,10 @@ class HooksEngine(ChunkEngine):
         return chunk_placement(states) is not ChunkPlacement.COMPUTE_DEVICE
 
     @staticmethod
-    def _close_window(ps: _Pass) -> None:
+    def _close_window(ps: PassState) -> None:
         last = ps.recorded[-1]
         ps.recorded[-1] = Moment(last.kind, last.label, last.need, ps.tracker.window_peak, last.pinned_bytes,
                                  last.pinned)
-
-    # ================================================================ forward hooks
-    def _materialize(self, fqn: str) -> torch.Tensor:
-        e = self.layout.entry(fqn)
-        if not e.spans:
-            p = e.pieces[0]
-            return self.store.dev_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].view(e.shape)
-        return torch.cat([self.store.dev_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
-                          for p in e.pieces]).view(e.shape)
-
-    def _pre_forward(self, name: str, fqns: list[str]) -> None:
-        ps = self._pass
-        if ps is None:
-            return
-        need = self._chunks_of(fqns)
-        self._moment(MomentKind.FWD, name, need)
-        for c in need:
-            ps.pins[c] += 1
-        for f in fqns:
-            self.states[f] = TensorState.COMPUTE
-            value = self._materialize(f)
-            if self.layout.entry(f).spans:
-                ps.span_bufs[value.untyped_storage().data_ptr()] = f
-            self.params[f].data = value
-
-    def _post_forward(self, name: str, fqns: list[str]) -> None:
-        ps = self._pass
-        if ps is None:
-            return
-        for f in fqns:
-            if self.layout.entry(f).spans:
-                ps.span_bufs.pop(self.params[f].untyped_storage().data_ptr(), None)
-            self.params[f].data = self._dummy.expand(self.params[f].shape)
-            self.states[f] = TensorState.HOLD_AFTER_FWD
-        for c in self._chunks_of(fqns):
-            ps.pins[c] -= 1
-        self._moment(MomentKind.FWD_RELEASE, name, ())
-
-    # ================================================================ backward hooks
-    def _pack(self, t: torch.Tensor):
-        ps = self._pass
-        if ps is None or t.device != self.device:
-            return t
-        ptr = t.untyped_storage().data_ptr()
-        c = self.store.chunk_of_storage(ptr)
-        if c is not None:
-            return _ChunkRef(c, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        fqn = ps.span_bufs.get(ptr)
-        if fqn is not None:     # keep no gathered copy alive until backward: gather again there
-            return _SpanRef(fqn, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        return t
-
-    def _unpack(self, ref):
-        if not isinstance(ref, (_ChunkRef, _SpanRef)):
-            return ref
-        ps = self._pass
-        node = torch._C._current_autograd_node()
-        if node is not ps.bwd_node:
-            self._end_bwd_node()
-            ps.bwd_node = node
-        if isinstance(ref, _SpanRef):
-            return self._unpack_span(ps, node, ref)
-        if ref.chunk not in ps.bwd_chunks:
-            self._moment(MomentKind.BWD, f"{type(node).__name__}:{ref.chunk}", (ref.chunk,))
-            ps.bwd_chunks.append(ref.chunk)
-            ps.pins[ref.chunk] += 1
-        e = self.layout.entry_at(ref.chunk, ref.offset)
-        if e is not None:
-            self.states[e.fqn] = TensorState.COMPUTE
-        buf = self.store.dev_param[ref.chunk]
-        return buf.as_strided(ref.shape, ref.stride, ref.offset)
-
-    def _unpack_span(self, ps: _Pass, node, ref: _SpanRef) -> torch.Tensor:
-        buf = ps.bwd_spans.get(ref.fqn)
-        if buf is None:
-            need = tuple(c for c in self.layout.entry(ref.fqn).chunks if c not in ps.bwd_chunks)
-            if need:
-                self._moment(MomentKind.BWD, f"{type(node).__name__}:{ref.fqn}", need)
-                ps.bwd_chunks.extend(need)
-                for c in need:
-                    ps.pins[c] += 1
-            self.states[ref.fqn] = TensorState.COMPUTE
-            buf = ps.bwd_spans[ref.fqn] = self._materialize(ref.fqn).reshape(-1)
-        return buf.as_strided(ref.shape, ref.stride, ref.offset)
-
-    def _end_bwd_node(self) -> None:
-        ps = self._pass
-        ps.bwd_spans.clear()
-        for c in ps.bwd_chunks:
-            ps.pins[c] -= 1
-            for e, _ in self.layout.chunk_members(c):
-                if self.states[e.fqn] is TensorState.COMPUTE:
-                    self.states[e.fqn] = TensorState.HOLD
-        ps.bwd_chunks = []
-        ps.bwd_node = None
-
-    def _grad_hook(self, param: nn.Parameter) -> None:
-        ps = self._pass
-        if ps is None:
-            return
-        fqn = self._fqn_of[id(param)]
-        if self.comm is not None:
-            self._sharded_grad(ps, fqn, param)
-            return
-        grad = param.grad
-        param.grad = None
-        if grad is not None and not ps.tracing:
-            flat = grad.reshape(-1)
-            with ps.tracker.paused():
-                for p in self.layout.entry(fqn).pieces:
-                    piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
-                    if ps.acc is None:       # the gradient takes its parameter's place in the chunk
-                        self.store.write_piece(p.chunk, p.chunk_offset, piece)
-                    elif self._fresh_acc:    # a zero buffer (lock-free): 0 + g is g
-                        self.copies.move(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
-                    else:                    # accumulate in fp32 on the host; the parameter stays
-                        host = self.copies.host_empty(p.numel, piece.dtype)
-                        self.copies.move(host, piece, "d2h")
-                        ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].add_(host.float())
-            ps.grad_written.add(fqn)
-        del grad
-        self.states[fqn] = TensorState.HOLD_AFTER_BWD
-        self._moment(MomentKind.GRAD, fqn, ())
-
-    def _grad_counts(self) -> dict[int, int]:
-        """ZeRO: per group, the gradients it receives (one per trainable parameter in it)."""
-        left: dict[int, int] = {}
-        for f, p in self.params.items():
-            if p.requires_grad:
-                for c in self.layout.entry(f).chunks:
-                    left[c] = left.get(c, 0) + 1
-        return left
-
-    def _sharded_grad(self, ps: _Pass, fqn: str, param: nn.Parameter) -> None:
-        """ZeRO: the parameter's groups are gathered (a moment that needs them) and pinned from
-        their first gradient; the gradient goes into them; a group whose last gradient is in is
-        reduce-scattered (into its owner's host home, or added into its fp32 accumulation shard)
-        and released."""
-        groups = self.layout.entry(fqn).chunks
-        for c in groups:
-            if ps.grads_left[c] == self._grad_total[c]:
-                ps.pins[c] += 1                      # holds gradients from now on
-        self._moment(MomentKind.GRAD, fqn, groups)
-        grad = param.grad
-        param.grad = None
-        if grad is not None and not ps.tracing:
-            flat = grad.reshape(-1)
-            with ps.tracker.paused():
-                for p in self.layout.entry(fqn).pieces:
-                    self.store.write_piece(p.chunk, p.chunk_offset, flat[p.tensor_offset:p.tensor_offset + p.numel])
-            ps.grad_written.add(fqn)
-        del grad
-        self.states[fqn] = TensorState.HOLD_AFTER_BWD
-        for c in groups:
-            ps.grads_left[c] -= 1
-            if ps.grads_left[c] == 0:
-                self._complete_group(ps, c)
-
-    def _complete_group(self, ps: _Pass, c: int) -> None:
-        ps.pins[c] -= 1
-        if not ps.tracing and self.store.resident(c) and self.store.dirty[c]:
-            with ps.tracker.paused():
-                self.store.reduce_scatter(c, ps.acc[c] if ps.acc is not None else None)
 
     # ================================================================ passes
     def _new_tracker(self, batch: Any, *, tracing: bool) -> NonModelTracker:
@@ -394,7 +161,7 @@ class HooksEngine(ChunkEngine):
         return tracker
 
     @contextmanager
-    def _pass_scope(self, ps: _Pass):
+    def _pass_scope(self, ps: PassState):
         self._pass = ps
         try:
             with ExitStack() as stack:
@@ -408,7 +175,7 @@ class HooksEngine(ChunkEngine):
                 p.grad = None
                 self.states[f] = TensorState.HOLD
 
-    def _forward_backward(self, ps: _Pass, batch: Any, scale: float) -> tuple[float, float, float]:
+    def _forward_backward(self, ps: PassState, batch: Any, scale: float) -> tuple[float, float, float]:
         """Run forward and backward inside a pass; returns (loss, forward_s, backward_s)."""
         t0 = time.perf_counter()
         loss = extract_loss(self._run_model(self.model, batch), batch, self.loss_fn)
@@ -431,7 +198,7 @@ class HooksEngine(ChunkEngine):
         self.copies.sync_compute()    # the host next writes homes that backward's fetches read
         return loss_value, t1 - t0, time.perf_counter() - t1
 
-    def _forward_only(self, ps: _Pass, batch: Any) -> float:
+    def _forward_only(self, ps: PassState, batch: Any) -> float:
         with torch.no_grad():
             loss = extract_loss(self._run_model(self.model, batch), batch, self.loss_fn)
             value = float(loss.float())
@@ -455,7 +222,7 @@ class HooksEngine(ChunkEngine):
             plan = self._trace(batch, train=False)
             self._check_budget(plan)
             self._eval_plans[key] = plan
-        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
+        ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
         with self._pass_scope(ps):
             value = self._forward_only(ps, batch)
         self.eval_peak_device_bytes = ps.tracker.peak_total
@@ -481,7 +248,7 @@ class HooksEngine(ChunkEngine):
         is updated."""
         rng = rng_state(self.device)     # the trace draws no numbers the step after it would see
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        ps = _Pass(tracing=True, tracker=self._new_tracker(batch, tracing=True), grads_left=self._grad_counts())
+        ps = PassState(tracing=True, tracker=self._new_tracker(batch, tracing=True), grads_left=self._grad_counts())
         try:
             with self._pass_scope(ps):
                 if train:
@@ -573,7 +340,7 @@ class HooksEngine(ChunkEngine):
 
     def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
         plan = self._plans[signature(batch)]
-        ps = _Pass(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc,
+        ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc,
                    grads_left=self._grad_counts())
         try:
             with self._pass_scope(ps):
@@ -594,7 +361,7 @@ class HooksEngine(ChunkEngine):
 
     def _update(self, last: MicroRun, written: frozenset[str], divisor: float,
                 acc: list[torch.Tensor] | None) -> bool:
-        ps: _Pass = last.context
+        ps: PassState = last.context
         plan = ps.plan
         first_opt = len(plan.moments) - self.layout.num_chunks
         assert ps.moment == first_opt, "optimizer moments out of step with the plan"
@@ -612,7 +379,7 @@ class HooksEngine(ChunkEngine):
         finally:
             self._pass = None
 
-    def _undo_gradients(self, ps: _Pass) -> None:
+    def _undo_gradients(self, ps: PassState) -> None:
         """After a failed pass: gradients already written over parameters are undone."""
         touched = {c for f in ps.grad_written for c in self.layout.entry(f).chunks}
         for c in sorted(touched):
