@@ -20,7 +20,8 @@ import torch
 import pscompile
 from pscompile.graph.capture import capture_joint
 from pscompile.graph.meta import get
-from pscompile.graph.pipeline import _analyze, _Passes, choose_activations, plan_at_budget, plan_inputs
+from pscompile.graph.analysis import _analyze, _Passes
+from pscompile.graph.pipeline import choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
 from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import find_segments

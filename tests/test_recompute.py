@@ -61,7 +61,7 @@ def test_the_rewritten_graph_computes_the_same_values_with_less_live_memory(kind
     assert not any(getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in clones)
     assert captured.gm.graph is not rewritten.gm.graph and len(list(captured.gm.graph.nodes)) < len(
         list(rewritten.gm.graph.nodes))        # the input graph is left as it was
-    from pscompile.graph.pipeline import _analyze, _Passes
+    from pscompile.graph.analysis import _analyze, _Passes
     before = _analyze(captured, _Passes()).nonmodel
     after = _analyze(rewritten, _Passes()).nonmodel
     assert max(after) < 0.85 * max(before), (max(after), max(before))

@@ -41,7 +41,7 @@ from torch import fx
 from pscompile.compiled.regions import (Region, TensorMeta, first_line, is_view_op, layout_mismatch,
                                         region_source)
 from pscompile.graph.meta import get
-from pscompile.graph.pipeline import executed_nodes
+from pscompile.graph.analysis import executed_nodes
 from pscompile.memory.region_peaks import allocation_peaks
 from pscompile.passes.plan_residency import arrivals
 

@@ -20,6 +20,11 @@ Two stages, each a frozen record with the provenance of every pass (name, second
         insert_memory_ops  the scheduled graph: memory nodes, parameters read as slot views
         verify_schedule    the invariants, replayed symbolically
 
+The first stage and the records all stages share are in ``graph/analysis.py``, the minimum budget
+and the activation choice in ``graph/minimum.py``; this module schedules, picks the chunk layout
+and runs the stages in order (``plan_inputs``, ``plan_at_budget``, ``schedule_model``,
+``BudgetSweep``), and re-exports the names of the other two.
+
 Nothing here touches a chunk store or a real tensor: the inputs are the captured graph (fake
 tensors), the ``ChunkLayout``, the budget and what the device holds besides the planned chunks
 (``DeviceMemory``), and a non-model curve (the static estimate, or the one measured in the warm-up
@@ -30,7 +35,6 @@ read: each schedule's graph carries its own metadata.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -39,380 +43,51 @@ from torch import fx, nn
 
 from pscompile.config import Config
 from pscompile.errors import BudgetError, ResidencyError
-from pscompile.graph.capture import CapturedGraph, capture_joint
+from pscompile.graph.analysis import (
+    AnalyzedGraph,
+    DeviceMemory,
+    PassTiming,
+    Scheduled,
+    _Passes,
+    capture_and_analyze,
+    describe_node,
+    executed_nodes,
+    gather_bytes,
+    grad_store_points,
+    grad_stores,
+    node_reads,
+    node_windows,
+    regather,
+    with_gathers,
+)
 from pscompile.graph.meta import storage_bytes
+from pscompile.graph.minimum import (
+    Minimum,
+    choose_activations,
+    config_least,
+    least_budget,
+    minimum_budget,
+)
 from pscompile.graph.ops import activation_move, is_offload
 from pscompile.kinds import Activations, Collectives, RunKind
 from pscompile.memory.layout import ChunkLayout
-from pscompile.optim.placement import device_state_chunks
-from pscompile.passes.annotate_params import ParamUses, annotate_params
-from pscompile.passes.estimate_nonmodel import estimate_nonmodel
-from pscompile.passes.insert_memory_ops import insert_memory_ops
-from pscompile.passes.plan_lookahead import Lookahead, plan_lookahead
-from pscompile.passes.plan_residency import GradStore, ResidencyPlan, arrival_windows, plan_residency
-from pscompile.passes.prefetch_fetches import prefetch_fetches
-from pscompile.passes.overlap_grad_copies import overlap_grad_copies
 from pscompile.memory.rates import Rates, measure_rates
-from pscompile.passes.offload_activations import find_offloads, offload_activations
-from pscompile.passes.recompute_activations import ActivationPlan, find_segments, recompute_activations
+from pscompile.optim.placement import device_state_chunks
+from pscompile.passes.insert_memory_ops import insert_memory_ops
+from pscompile.passes.overlap_grad_copies import overlap_grad_copies
+from pscompile.passes.plan_lookahead import plan_lookahead
+from pscompile.passes.plan_residency import GradStore, plan_residency
+from pscompile.passes.prefetch_fetches import prefetch_fetches
 from pscompile.passes.verify_schedule import verify_schedule
 from pscompile.runtime.batching import call_model
 from pscompile.runtime.params import ModelParams, choose_layout, collect_params
 from pscompile.units import format_bytes
 
-__all__ = ["PassTiming", "AnalyzedGraph", "DeviceMemory", "Scheduled", "capture_and_analyze",
-           "build_schedule", "choose_activations", "gather_bytes", "with_gathers", "grad_stores", "regather", "config_least", "pick_layout", "LayoutChoice", "engine_layout", "layout_candidates", "BudgetSweep", "plan_inputs", "least_budget", "plan_at_budget", "schedule_model", "minimum_budget", "Minimum", "grad_store_points", "node_reads",
-           "node_windows", "executed_nodes"]
-
-
-@dataclass(frozen=True)
-class PassTiming:
-    """Provenance of one pass: what ran, how long it took, its one-line summary."""
-
-    name: str
-    seconds: float
-    summary: str
-
-
-@dataclass(frozen=True)
-class AnalyzedGraph:
-    """A captured graph with the analyses every schedule of it starts from."""
-
-    captured: CapturedGraph
-    uses: ParamUses
-    nonmodel: tuple[int, ...]            # static estimate per node, gradients dying at their store
-    grad_store_points: Mapping[str, int]  # fqn -> node after which its gradient takes the param's place
-    passes: tuple[PassTiming, ...]
-    activations: ActivationPlan | None = None   # what recompute_activations chose (None: not asked)
-    gathers: Mapping[str, int] | None = None    # fqn -> bytes of its gathered copy (tensors spanning chunks)
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """The device as the planner sees it: the budget, the slot size, and the optimizer-state
-    chunks that live on the device (resident in slots 0..k-1 for the whole iteration)."""
-
-    budget: int | None                     # device_memory in bytes; None = unlimited
-    slot_bytes: int                        # one parameter chunk in the compute dtype
-    os_device_chunks: frozenset[int] = frozenset()
-    os_device_bytes: int = 0               # their fp32 master + exp_avg + exp_avg_sq bytes
-    world: int = 1                         # ZeRO: ranks each chunk (a communication group) is sharded over
-    rank: int = 0                          # ... and which of them plans (its shard is its host home)
-    per_chunk: bool = False                # ZeRO collectives per chunk (broadcast/reduce), not per group
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """One schedule: the plan, the rewritten graph, and how they were made."""
-
-    captured: CapturedGraph
-    plan: ResidencyPlan
-    gm: fx.GraphModule | None          # None: planned only (``build_schedule(plan_only=True)``)
-    nonmodel: tuple[int, ...]          # per node of the captured graph, the curve planned with
-    measured: bool                     # that curve was measured (else: the static estimate)
-    passes: tuple[PassTiming, ...]
-    kind: RunKind = RunKind.TRAIN
-    os_device: frozenset[int] = frozenset()   # chunks whose optimizer states were on the device
-    activations: ActivationPlan | None = None  # the analyzed graph's recomputation and offloading
-    offload_bytes: int = 0                     # saved activations the graph sends to the host (and back)
-    lookahead: Lookahead | None = None         # training: chunks fetched for the next step after their update
-
-
-class _Passes:
-    """Runs passes in order and records their provenance."""
-
-    def __init__(self, earlier: tuple[PassTiming, ...] = ()):
-        self.timings = list(earlier)
-
-    def run(self, name: str, fn: Callable[[], Any], summary: Callable[[Any], str]) -> Any:
-        t0 = time.perf_counter()
-        out = fn()
-        self.timings.append(PassTiming(name, time.perf_counter() - t0, summary(out)))
-        return out
-
-
-def grad_store_points(captured: CapturedGraph, uses: ParamUses) -> dict[str, int]:
-    """The node after which each gradient overwrites its parameter's chunk space: once the
-    gradient exists and the parameter's last (view-aware) read is done."""
-    nodes = list(captured.gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    out = {}
-    for fqn, grad_node in zip(captured.grad_fqns, nodes[-1].args[0][1:]):
-        last = uses[fqn].last_use
-        out[fqn] = max(index[grad_node], last if last is not None else 0)
-    return out
-
-
-def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn.Parameter],
-                        dtype: torch.dtype, backward: bool = True,
-                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                        gathers: Mapping[str, int] | None = None, sources: bool = False) -> AnalyzedGraph:
-    """Capture the iteration of ``model`` on ``batch`` (fake tensors: the model may live on the
-    meta device) and run the analyses every schedule of it shares. float16 graphs take the loss
-    scale as their last input (``capture_joint(loss_scale=True)``). ``gathers`` (``gather_bytes``
-    of the layout): each reader of a tensor that spans chunks holds a gathered copy of it, which
-    the non-model curve counts. ``sources``: nodes keep their model source line (``capture_joint``)."""
-    passes = _Passes()
-    captured = passes.run("capture_joint" if backward else "capture_forward",
-                          lambda: capture_joint(model, batch, params=dict(params), loss_fn=loss_fn,
-                                                param_dtype=dtype, backward=backward,
-                                                loss_scale=dtype == torch.float16, sources=sources),
-                          lambda c: c.summary)
-    return _analyze(captured, passes, gathers=gathers)
-
-
-def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPlan | None = None,
-             gathers: Mapping[str, int] | None = None) -> AnalyzedGraph:
-    uses = passes.run("annotate_params", lambda: annotate_params(captured), lambda u: u.summary)
-    stores = grad_store_points(captured, uses)
-    curve = passes.run("estimate_nonmodel", lambda: estimate_nonmodel(captured, uses, grads_stored_at=stores),
-                       lambda c: c.summary)
-    nonmodel = with_gathers(curve.without_outputs, captured, gathers)
-    return AnalyzedGraph(captured, uses, nonmodel, stores, tuple(passes.timings), activations,
-                         dict(gathers) if gathers else None)
-
-
-def regather(analyzed: AnalyzedGraph, gathers: Mapping[str, int] | None) -> AnalyzedGraph:
-    """``analyzed`` for another layout: its curve with the gathered copies of ``gathers`` instead
-    of its own (the capture and every other analysis do not depend on the layout)."""
-    if dict(gathers or {}) == dict(analyzed.gathers or {}):
-        return analyzed
-    base = with_gathers(analyzed.nonmodel, analyzed.captured, {f: -b for f, b in (analyzed.gathers or {}).items()})
-    return replace(analyzed, nonmodel=with_gathers(base, analyzed.captured, gathers),
-                   gathers=dict(gathers) if gathers else None)
-
-
-def gather_bytes(layout: ChunkLayout, dtype: torch.dtype) -> dict[str, int]:
-    """fqn -> bytes of the gathered copy a reader of it holds, for every tensor that spans chunks
-    (its pages sit in separate slots; ``insert_memory_ops`` concatenates them for each reader)."""
-    elsize = torch.empty((), dtype=dtype).element_size()
-    return {e.fqn: e.numel * elsize for e in layout.entries if e.spans}
-
-
-def with_gathers(curve: Sequence[int], captured: CapturedGraph,
-                 gathers: Mapping[str, int] | None) -> tuple[int, ...]:
-    """``curve`` with each node's gathered copies added: a node that reads a tensor spanning chunks
-    runs while the copy made right before it is live (once per tensor it reads)."""
-    if not gathers:
-        return tuple(curve)
-    return tuple(b + sum(gathers.get(f, 0) for f in set(fqns)) for b, fqns in zip(curve, captured.param_reads))
-
-
-def grad_stores(entry, elsize: int) -> list[GradStore]:
-    """The stores of one parameter's gradient: one per page (one in all when it fits a chunk)."""
-    if not entry.spans:
-        p = entry.pieces[0]
-        return [GradStore(p.chunk, entry.fqn, p.chunk_offset, entry.numel * elsize)]
-    return [GradStore(p.chunk, entry.fqn, p.chunk_offset, p.numel * elsize, p.tensor_offset, p.numel)
-            for p in entry.pieces]
-
-
-def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
-                       slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0,
-                       variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
-                       host_room: int | None = None) -> AnalyzedGraph:
-    """The analyzed graph to plan with under ``policy`` (``Config.activations``).
-
-    "keep": ``analyzed`` as it is. "recompute": every segment with saved activations recomputed.
-    "offload": every segment's offloadable storages (``offload_activations.find_offloads``) on the
-    host, the rest kept; ``ValueError`` if the host has no room for them (``host_room`` bytes besides
-    the chunks; None: unlimited). "auto": none when the graph fits ``budget`` as it is
-    (``minimum_budget`` on its static curve), else the fewest segments, largest saved bytes first,
-    that let it fit (by bisection), each taken off the device the cheaper way by ``rates``:
-    recomputed (its FLOPs at the device's rate) or offloaded (its bytes twice over the link, less
-    what overlaps compute: ``Rates.offload_s``; only while the host has room; without ``rates``
-    never). If all of them that way do not fit, the
-    fewest recomputed, or else offloaded, that fit. Below the least budget of all recomputed and
-    all offloaded it refuses (the graph it returns does not fit), even where a mix would fit: the
-    least budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
-    caller that plans one capture at many budgets rewrite each graph once."""
-    if policy == Activations.KEEP or not analyzed.captured.backward:
-        return analyzed
-    segments = find_segments(analyzed.captured)
-    offloads = find_offloads(analyzed.captured, segments)
-    by_size = sorted(segments, key=lambda s: -s.saved_bytes)
-    cache: dict[tuple, AnalyzedGraph] = {} if variants is None else variants
-
-    def offload_bytes(s) -> int:
-        return sum(o.nbytes for o in offloads.get(s.index, ()))
-
-    total_offload = sum(map(offload_bytes, segments))
-    host_fits_all = host_room is None or total_offload <= host_room
-    if policy == Activations.OFFLOAD and not host_fits_all:
-        raise ValueError(f"activations='offload': the saved activations need {format_bytes(total_offload)} of host "
-                         f"memory besides the chunks and host_memory leaves {format_bytes(host_room)}; give more "
-                         f"host_memory, or activations='auto' (recomputes what the host cannot take)")
-    every = {Activations.RECOMPUTE: [Activations.RECOMPUTE] * len(by_size),
-             Activations.OFFLOAD: [Activations.OFFLOAD if s.index in offloads else Activations.KEEP for s in by_size]}
-    mixed, room = [], host_room           # auto: each segment the cheaper way, offloads while the host has room
-    for s in by_size:
-        cheaper = (rates is not None and s.index in offloads
-                   and rates.offload_s(offload_bytes(s), s.flops) < rates.recompute_s(s.flops)
-                   and (room is None or offload_bytes(s) <= room))
-        mixed.append(Activations.OFFLOAD if cheaper else Activations.RECOMPUTE)
-        if cheaper and room is not None:
-            room -= offload_bytes(s)
-
-    def variant(m: int, how_each: Sequence[str], overlap: bool = False) -> AnalyzedGraph:
-        chosen = by_size[:m]
-        rec = [s for s, how in zip(chosen, how_each) if how == Activations.RECOMPUTE]
-        off = [s for s, how in zip(chosen, how_each) if how == Activations.OFFLOAD]
-        overlap = overlap and bool(off)
-        key = (tuple(s.index for s in rec), tuple(s.index for s in off), overlap)
-        if key not in cache:
-            plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in rec)),
-                                  tuple(sorted(s.index for s in off)), sum(map(offload_bytes, off)), overlap)
-            if not rec and not off:
-                cache[key] = replace(analyzed, activations=plan)
-            else:
-                passes = _Passes(analyzed.passes)
-                captured = analyzed.captured
-                if rec:
-                    captured = passes.run("recompute_activations", lambda: recompute_activations(captured, rec),
-                                          lambda c: f"recompute_activations: {len(rec)} of {len(segments)} segments, "
-                                                    f"{format_bytes(sum(s.saved_bytes for s in rec))} of saved "
-                                                    f"activations recomputed")
-                if off:
-                    moves = [o for s in off for o in offloads[s.index]]
-                    captured = passes.run("offload_activations",
-                                          lambda: offload_activations(captured, moves, overlap=overlap),
-                                          lambda c: f"offload_activations: {len(off)} of {len(segments)} segments, "
-                                                    f"{len(moves)} storages, {format_bytes(plan.offload_bytes)} of "
-                                                    f"saved activations wait on the host"
-                                                    + (", copies overlapped" if overlap else ""))
-                cache[key] = _analyze(captured, passes, plan, analyzed.gathers)
-        # one cache serves every layout: a rewrite is analyzed once, and carries this layout's gathers
-        got = regather(cache[key], analyzed.gathers)
-        return replace(got, activations=replace(got.activations, policy=policy))
-
-    def least(a: AnalyzedGraph) -> int:
-        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
-                              device_homes=device_homes, state_bytes=state_bytes).nbytes
-
-    def fits_graph(a: AnalyzedGraph) -> bool:
-        return budget is None or least(a) <= budget
-
-    def fits(m: int, how_each: Sequence[str] = mixed) -> bool:
-        return fits_graph(variant(m, how_each))
-
-    def with_first(m: int, how_each: Sequence[str]) -> AnalyzedGraph:
-        """The choice: offloads overlapped with compute where that still fits (a reload issued one
-        ahead holds its bytes longer), else waited for where they are."""
-        overlapped = variant(m, how_each, overlap=True)
-        return overlapped if fits_graph(overlapped) else variant(m, how_each)
-
-    n = len(by_size)
-    if policy in every:
-        return with_first(n, every[policy])
-    if n == 0 or fits(0):
-        return with_first(0, mixed)
-    fallbacks = [Activations.RECOMPUTE] + ([Activations.OFFLOAD] if host_fits_all and offloads else [])
-
-    def least_of(way: str) -> int:
-        return least(variant(n, every[way]))
-    smallest = min(fallbacks, key=least_of)
-    if budget < least_of(smallest):
-        # below what all recomputed or all offloaded fits in, auto refuses (the least budget must not
-        # depend on the measured rates), whatever a mix might fit in
-        return with_first(n, every[smallest])
-    # the fewest segments that fit, each the cheaper way; if even all of them that way do not fit,
-    # the fewest recomputed, or else offloaded (one of the two fits all: the budget is above its least)
-    how = next(h for h in (mixed, *(every[w] for w in fallbacks)) if fits(n, h))
-    lo, hi = 1, n                      # the smallest m with fits(m)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid, how):
-            hi = mid
-        else:
-            lo = mid + 1
-    return with_first(lo if fits(lo, how) else n, how)
-
-
-@dataclass(frozen=True)
-class Minimum:
-    """The smallest budget a capture's schedules fit in, and the node that sets it."""
-
-    nbytes: int          # chunks read at ``node`` x slot bytes + its window of non-model bytes
-    node: int            # index in the captured graph
-    chunks: int          # chunks ``node`` reads
-    slot_bytes: int
-    window: int          # non-model bytes its chunks must fit next to
-
-    def describe(self, nodes: Sequence[fx.Node]) -> str:
-        return (f"at {describe_node(nodes[self.node])}, {self.chunks} chunk(s) of {self.slot_bytes} bytes "
-                f"read there + {self.window} bytes of non-model data")
-
-
-def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
-                   slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0) -> Minimum:
-    """The smallest ``device_memory`` every schedule of ``analyzed`` fits in with this layout and
-    curve: at every node, the chunks it reads next to its window (``node_windows``), optimizer
-    states on the host. plan_residency succeeds at any budget from here up (it may evict everything
-    else), and so do the passes after it, which keep its per-node bounds. Sharded (``world > 1``),
-    a group that holds some of its gradients counts as read until it holds all of them.
-    ``device_homes``: the first chunks live on the device for the whole iteration (the host cannot
-    hold them), each with ``state_bytes`` of optimizer states."""
-    reads = node_reads(analyzed.captured, layout, hold_grads=analyzed.grad_store_points if world > 1 else None)
-    windows = node_windows(analyzed.captured, nonmodel)
-    best = Minimum(0, 0, 0, slot_bytes, 0)
-    homes = set(range(device_homes))
-    for i, (chunks, w) in enumerate(zip(reads, windows)):
-        chunks = set(chunks) | homes
-        need = len(chunks) * slot_bytes + w + device_homes * state_bytes
-        if need > best.nbytes:
-            best = Minimum(need, i, len(chunks), slot_bytes, w)
-    return best
-
-
-def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, slot_bytes: int, world: int = 1,
-                 device_homes: int = 0, state_bytes: int = 0, host_room: int | None = None,
-                 variants: dict[tuple, AnalyzedGraph] | None = None) -> Minimum:
-    """The smallest budget some graph ``choose_activations`` picks under ``policy`` fits in:
-    ``analyzed``'s own minimum, or (unless "keep") that of the graph with every segment taken off
-    the device the policy's way ("auto": all recomputed, or all offloaded where the host has room),
-    whichever is smallest. It does not depend on the measured rates, only the choice above it does."""
-    def least(a: AnalyzedGraph) -> Minimum:
-        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
-                              device_homes=device_homes, state_bytes=state_bytes)
-    keep = least(analyzed)
-    if policy == Activations.KEEP or not analyzed.captured.backward:
-        return keep
-    options = [keep]
-    ways = (policy,) if policy != Activations.AUTO else (Activations.RECOMPUTE, Activations.OFFLOAD)  # auto's fallbacks
-    for way in ways:
-        try:
-            options.append(least(choose_activations(analyzed, layout, policy=way, budget=0, slot_bytes=slot_bytes,
-                                                    world=world, device_homes=device_homes, state_bytes=state_bytes,
-                                                    host_room=host_room, variants=variants)))
-        except ValueError:
-            if policy != Activations.AUTO:   # the host cannot take them: "offload" says so, auto recomputes
-                raise
-    return min(options, key=lambda m: m.nbytes)
-
-
-def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *, world: int = 1,
-                 rank: int = 0, variants: dict[tuple, AnalyzedGraph] | None = None) -> int:
-    """The least budget of one layout under ``config``, as the engine counts it: ``least_budget``
-    with the chunks the host cannot hold on the device (their optimizer states with them) and the
-    host room offloaded activations may use. ``analyzed`` carries this layout's gathered copies."""
-    from pscompile.config import available_host_bytes
-    from pscompile.memory.disk_states import STAGED_SETS
-    from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
-    slot_bytes = layout.chunk_size * config.dtype.itemsize
-    state_bytes = 3 * 4 * layout.chunk_size
-    disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
-    homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
-        num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
-    host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-    n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
-    owned = (len(range(rank, n, world)) * cs if config.collectives == Collectives.PER_CHUNK and world > 1
-             else (n - homes) * (cs // world))
-    room = max(0, host - owned * (config.dtype.itemsize + 12))
-    if disk and room == 0:
-        room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,
-                                        staging_chunks=STAGED_SETS, host_budget=host)[1])
-    return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
-                        device_homes=homes, state_bytes=state_bytes, host_room=room, variants=variants).nbytes
+__all__ = ["AnalyzedGraph", "BudgetSweep", "DeviceMemory", "LayoutChoice", "Minimum", "PassTiming", "Scheduled",
+           "build_schedule", "capture_and_analyze", "choose_activations", "config_least", "engine_layout",
+           "executed_nodes", "gather_bytes", "grad_store_points", "grad_stores", "layout_candidates",
+           "least_budget", "minimum_budget", "node_reads", "node_windows", "pick_layout", "plan_at_budget",
+           "plan_inputs", "regather", "schedule_model", "with_gathers"]
 
 
 @dataclass(frozen=True)
@@ -466,50 +141,6 @@ def pick_layout(analyzed: AnalyzedGraph, layouts: Sequence[ChunkLayout], config:
     else:
         best = min(range(len(rows)), key=lambda i: rows[i].least)
     return layouts[best], tuple(rows), plans[best]
-
-
-def node_windows(captured: CapturedGraph, nonmodel: Sequence[int]) -> tuple[int, ...]:
-    """Per node of the captured graph, the non-model bytes its chunks must fit next to
-    (``passes.plan_residency.arrival_windows``): parameter views and the output do not execute at
-    their place in the scheduled graph, everything else does."""
-    return arrival_windows(nonmodel, executed_nodes(captured))
-
-
-def executed_nodes(captured: CapturedGraph) -> list[bool]:
-    """Per node of the captured graph, whether it executes at its place in a scheduled graph
-    (parameter views are rebuilt right before each reader; the output runs nothing)."""
-    return list(captured.executed)
-
-
-def node_reads(captured: CapturedGraph, layout: ChunkLayout, *,
-               hold_grads: Mapping[str, int] | None = None) -> list[list[int]]:
-    """Per node of the captured graph, the chunks it reads (through parameter views), in order.
-
-    ``hold_grads`` (ZeRO: fqn -> the node after which its gradient is stored): a gathered group
-    takes its gradients in its own slot and can leave the device only once all of them are there
-    (they are reduce-scattered then), so it counts as read by every node from its first gradient
-    store to its last."""
-    reads = []
-    chunks_of: dict[str, tuple[int, ...]] = {}
-    for fqns in captured.param_reads:
-        chunks: list[int] = []
-        for fqn in fqns:
-            if fqn not in chunks_of:
-                chunks_of[fqn] = tuple(layout.entry(fqn).chunks)
-            for c in chunks_of[fqn]:
-                if c not in chunks:
-                    chunks.append(c)
-        reads.append(chunks)
-    held: dict[int, tuple[int, int]] = {}
-    for fqn, at in (hold_grads or {}).items():
-        for c in layout.entry(fqn).chunks:
-            lo, hi = held.get(c, (at, at))
-            held[c] = (min(lo, at), max(hi, at))
-    for c, (lo, hi) in held.items():
-        for i in range(lo, hi + 1):
-            if c not in reads[i]:
-                reads[i].append(c)
-    return reads
 
 
 def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
@@ -741,10 +372,3 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
                           start=start)
 
 
-def describe_node(node: fx.Node) -> str:
-    """``node NAME (TARGET, module path)`` for error messages."""
-    stack = node.meta.get("nn_module_stack")
-    where = ""
-    if stack:
-        where = ", " + list(stack.values())[-1][0]
-    return f"node {node.name} ({node.target}{where})"

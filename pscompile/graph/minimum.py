@@ -1,0 +1,247 @@
+"""The smallest budget a schedule fits, and the activation plan that lets it fit
+(``graph/pipeline.py`` runs these between analysis and scheduling).
+
+    minimum_budget(analyzed, layout, nonmodel=, ...)                         -> Minimum
+        max over nodes of (chunks read there x slot bytes + the non-model window)
+    choose_activations(analyzed, layout, policy=, budget=, ...)           -> AnalyzedGraph
+        recompute_activations  the saved activations of the fewest segments that let the
+                               schedule fit the budget, recomputed in the backward (then the
+                               two analyses again, on the rewritten graph); offloads likewise
+    least_budget / config_least: the smallest budget over the activation choices a policy allows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from torch import fx
+
+from pscompile.config import Config
+from pscompile.graph.analysis import (
+    AnalyzedGraph,
+    _analyze,
+    _Passes,
+    describe_node,
+    node_reads,
+    node_windows,
+    regather,
+)
+from pscompile.kinds import Activations, Collectives
+from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.rates import Rates
+from pscompile.passes.offload_activations import find_offloads, offload_activations
+from pscompile.passes.recompute_activations import (
+    ActivationPlan,
+    find_segments,
+    recompute_activations,
+)
+from pscompile.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Minimum:
+    """The smallest budget a capture's schedules fit in, and the node that sets it."""
+
+    nbytes: int          # chunks read at ``node`` x slot bytes + its window of non-model bytes
+    node: int            # index in the captured graph
+    chunks: int          # chunks ``node`` reads
+    slot_bytes: int
+    window: int          # non-model bytes its chunks must fit next to
+
+    def describe(self, nodes: Sequence[fx.Node]) -> str:
+        return (f"at {describe_node(nodes[self.node])}, {self.chunks} chunk(s) of {self.slot_bytes} bytes "
+                f"read there + {self.window} bytes of non-model data")
+
+
+def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Sequence[int],
+                   slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0) -> Minimum:
+    """The smallest ``device_memory`` every schedule of ``analyzed`` fits in with this layout and
+    curve: at every node, the chunks it reads next to its window (``node_windows``), optimizer
+    states on the host. plan_residency succeeds at any budget from here up (it may evict everything
+    else), and so do the passes after it, which keep its per-node bounds. Sharded (``world > 1``),
+    a group that holds some of its gradients counts as read until it holds all of them.
+    ``device_homes``: the first chunks live on the device for the whole iteration (the host cannot
+    hold them), each with ``state_bytes`` of optimizer states."""
+    reads = node_reads(analyzed.captured, layout, hold_grads=analyzed.grad_store_points if world > 1 else None)
+    windows = node_windows(analyzed.captured, nonmodel)
+    best = Minimum(0, 0, 0, slot_bytes, 0)
+    homes = set(range(device_homes))
+    for i, (chunks, w) in enumerate(zip(reads, windows)):
+        chunks = set(chunks) | homes
+        need = len(chunks) * slot_bytes + w + device_homes * state_bytes
+        if need > best.nbytes:
+            best = Minimum(need, i, len(chunks), slot_bytes, w)
+    return best
+
+
+def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
+                       slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0,
+                       variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
+                       host_room: int | None = None) -> AnalyzedGraph:
+    """The analyzed graph to plan with under ``policy`` (``Config.activations``).
+
+    "keep": ``analyzed`` as it is. "recompute": every segment with saved activations recomputed.
+    "offload": every segment's offloadable storages (``offload_activations.find_offloads``) on the
+    host, the rest kept; ``ValueError`` if the host has no room for them (``host_room`` bytes besides
+    the chunks; None: unlimited). "auto": none when the graph fits ``budget`` as it is
+    (``minimum_budget`` on its static curve), else the fewest segments, largest saved bytes first,
+    that let it fit (by bisection), each taken off the device the cheaper way by ``rates``:
+    recomputed (its FLOPs at the device's rate) or offloaded (its bytes twice over the link, less
+    what overlaps compute: ``Rates.offload_s``; only while the host has room; without ``rates``
+    never). If all of them that way do not fit, the
+    fewest recomputed, or else offloaded, that fit. Below the least budget of all recomputed and
+    all offloaded it refuses (the graph it returns does not fit), even where a mix would fit: the
+    least budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
+    caller that plans one capture at many budgets rewrite each graph once."""
+    if policy == Activations.KEEP or not analyzed.captured.backward:
+        return analyzed
+    segments = find_segments(analyzed.captured)
+    offloads = find_offloads(analyzed.captured, segments)
+    by_size = sorted(segments, key=lambda s: -s.saved_bytes)
+    cache: dict[tuple, AnalyzedGraph] = {} if variants is None else variants
+
+    def offload_bytes(s) -> int:
+        return sum(o.nbytes for o in offloads.get(s.index, ()))
+
+    total_offload = sum(map(offload_bytes, segments))
+    host_fits_all = host_room is None or total_offload <= host_room
+    if policy == Activations.OFFLOAD and not host_fits_all:
+        raise ValueError(f"activations='offload': the saved activations need {format_bytes(total_offload)} of host "
+                         f"memory besides the chunks and host_memory leaves {format_bytes(host_room)}; give more "
+                         f"host_memory, or activations='auto' (recomputes what the host cannot take)")
+    every = {Activations.RECOMPUTE: [Activations.RECOMPUTE] * len(by_size),
+             Activations.OFFLOAD: [Activations.OFFLOAD if s.index in offloads else Activations.KEEP for s in by_size]}
+    mixed, room = [], host_room           # auto: each segment the cheaper way, offloads while the host has room
+    for s in by_size:
+        cheaper = (rates is not None and s.index in offloads
+                   and rates.offload_s(offload_bytes(s), s.flops) < rates.recompute_s(s.flops)
+                   and (room is None or offload_bytes(s) <= room))
+        mixed.append(Activations.OFFLOAD if cheaper else Activations.RECOMPUTE)
+        if cheaper and room is not None:
+            room -= offload_bytes(s)
+
+    def variant(m: int, how_each: Sequence[str], overlap: bool = False) -> AnalyzedGraph:
+        chosen = by_size[:m]
+        rec = [s for s, how in zip(chosen, how_each) if how == Activations.RECOMPUTE]
+        off = [s for s, how in zip(chosen, how_each) if how == Activations.OFFLOAD]
+        overlap = overlap and bool(off)
+        key = (tuple(s.index for s in rec), tuple(s.index for s in off), overlap)
+        if key not in cache:
+            plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in rec)),
+                                  tuple(sorted(s.index for s in off)), sum(map(offload_bytes, off)), overlap)
+            if not rec and not off:
+                cache[key] = replace(analyzed, activations=plan)
+            else:
+                passes = _Passes(analyzed.passes)
+                captured = analyzed.captured
+                if rec:
+                    captured = passes.run("recompute_activations", lambda: recompute_activations(captured, rec),
+                                          lambda c: f"recompute_activations: {len(rec)} of {len(segments)} segments, "
+                                                    f"{format_bytes(sum(s.saved_bytes for s in rec))} of saved "
+                                                    f"activations recomputed")
+                if off:
+                    moves = [o for s in off for o in offloads[s.index]]
+                    captured = passes.run("offload_activations",
+                                          lambda: offload_activations(captured, moves, overlap=overlap),
+                                          lambda c: f"offload_activations: {len(off)} of {len(segments)} segments, "
+                                                    f"{len(moves)} storages, {format_bytes(plan.offload_bytes)} of "
+                                                    f"saved activations wait on the host"
+                                                    + (", copies overlapped" if overlap else ""))
+                cache[key] = _analyze(captured, passes, plan, analyzed.gathers)
+        # one cache serves every layout: a rewrite is analyzed once, and carries this layout's gathers
+        got = regather(cache[key], analyzed.gathers)
+        return replace(got, activations=replace(got.activations, policy=policy))
+
+    def least(a: AnalyzedGraph) -> int:
+        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
+                              device_homes=device_homes, state_bytes=state_bytes).nbytes
+
+    def fits_graph(a: AnalyzedGraph) -> bool:
+        return budget is None or least(a) <= budget
+
+    def fits(m: int, how_each: Sequence[str] = mixed) -> bool:
+        return fits_graph(variant(m, how_each))
+
+    def with_first(m: int, how_each: Sequence[str]) -> AnalyzedGraph:
+        """The choice: offloads overlapped with compute where that still fits (a reload issued one
+        ahead holds its bytes longer), else waited for where they are."""
+        overlapped = variant(m, how_each, overlap=True)
+        return overlapped if fits_graph(overlapped) else variant(m, how_each)
+
+    n = len(by_size)
+    if policy in every:
+        return with_first(n, every[policy])
+    if n == 0 or fits(0):
+        return with_first(0, mixed)
+    fallbacks = [Activations.RECOMPUTE] + ([Activations.OFFLOAD] if host_fits_all and offloads else [])
+
+    def least_of(way: str) -> int:
+        return least(variant(n, every[way]))
+    smallest = min(fallbacks, key=least_of)
+    if budget < least_of(smallest):
+        # below what all recomputed or all offloaded fits in, auto refuses (the least budget must not
+        # depend on the measured rates), whatever a mix might fit in
+        return with_first(n, every[smallest])
+    # the fewest segments that fit, each the cheaper way; if even all of them that way do not fit,
+    # the fewest recomputed, or else offloaded (one of the two fits all: the budget is above its least)
+    how = next(h for h in (mixed, *(every[w] for w in fallbacks)) if fits(n, h))
+    lo, hi = 1, n                      # the smallest m with fits(m)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid, how):
+            hi = mid
+        else:
+            lo = mid + 1
+    return with_first(lo if fits(lo, how) else n, how)
+
+
+def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, slot_bytes: int, world: int = 1,
+                 device_homes: int = 0, state_bytes: int = 0, host_room: int | None = None,
+                 variants: dict[tuple, AnalyzedGraph] | None = None) -> Minimum:
+    """The smallest budget some graph ``choose_activations`` picks under ``policy`` fits in:
+    ``analyzed``'s own minimum, or (unless "keep") that of the graph with every segment taken off
+    the device the policy's way ("auto": all recomputed, or all offloaded where the host has room),
+    whichever is smallest. It does not depend on the measured rates, only the choice above it does."""
+    def least(a: AnalyzedGraph) -> Minimum:
+        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
+                              device_homes=device_homes, state_bytes=state_bytes)
+    keep = least(analyzed)
+    if policy == Activations.KEEP or not analyzed.captured.backward:
+        return keep
+    options = [keep]
+    ways = (policy,) if policy != Activations.AUTO else (Activations.RECOMPUTE, Activations.OFFLOAD)  # auto's fallbacks
+    for way in ways:
+        try:
+            options.append(least(choose_activations(analyzed, layout, policy=way, budget=0, slot_bytes=slot_bytes,
+                                                    world=world, device_homes=device_homes, state_bytes=state_bytes,
+                                                    host_room=host_room, variants=variants)))
+        except ValueError:
+            if policy != Activations.AUTO:   # the host cannot take them: "offload" says so, auto recomputes
+                raise
+    return min(options, key=lambda m: m.nbytes)
+
+
+def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *, world: int = 1,
+                 rank: int = 0, variants: dict[tuple, AnalyzedGraph] | None = None) -> int:
+    """The least budget of one layout under ``config``, as the engine counts it: ``least_budget``
+    with the chunks the host cannot hold on the device (their optimizer states with them) and the
+    host room offloaded activations may use. ``analyzed`` carries this layout's gathered copies."""
+    from pscompile.config import available_host_bytes
+    from pscompile.memory.disk_states import STAGED_SETS
+    from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
+    slot_bytes = layout.chunk_size * config.dtype.itemsize
+    state_bytes = 3 * 4 * layout.chunk_size
+    disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
+    homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
+        num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
+    host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
+    n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
+    owned = (len(range(rank, n, world)) * cs if config.collectives == Collectives.PER_CHUNK and world > 1
+             else (n - homes) * (cs // world))
+    room = max(0, host - owned * (config.dtype.itemsize + 12))
+    if disk and room == 0:
+        room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,
+                                        staging_chunks=STAGED_SETS, host_budget=host)[1])
+    return least_budget(analyzed, layout, policy=config.activations, slot_bytes=slot_bytes, world=world,
+                        device_homes=homes, state_bytes=state_bytes, host_room=room, variants=variants).nbytes
