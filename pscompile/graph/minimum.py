@@ -30,6 +30,7 @@ from pscompile.graph.analysis import (
 from pscompile.kinds import Activations, Collectives
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates
+from pscompile.memory.model_bytes import ModelBytes, owned_elements
 from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import (
     ActivationPlan,
@@ -230,16 +231,16 @@ def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *
     from pscompile.config import available_host_bytes
     from pscompile.memory.disk_states import STAGED_SETS
     from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
-    slot_bytes = layout.chunk_size * config.dtype.itemsize
-    state_bytes = 3 * 4 * layout.chunk_size
+    mb = ModelBytes(config.dtype.itemsize)
+    slot_bytes, state_bytes = mb.param_chunk(layout.chunk_size), mb.state_chunk(layout.chunk_size)
     disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
     homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
-        num_chunks=layout.num_chunks, chunk_bytes=slot_bytes + state_bytes, host_budget=config.host_memory)
+        num_chunks=layout.num_chunks, chunk_bytes=mb.chunk(layout.chunk_size), host_budget=config.host_memory)
     host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
     n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
-    owned = (len(range(rank, n, world)) * cs if config.collectives == Collectives.PER_CHUNK and world > 1
-             else (n - homes) * (cs // world))
-    room = max(0, host - owned * (config.dtype.itemsize + 12))
+    owned = owned_elements(n, cs, rank=rank, world=world, per_chunk=config.collectives == Collectives.PER_CHUNK,
+                           device_homes=homes)
+    room = max(0, host - owned * mb.per_element)
     if disk and room == 0:
         room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,
                                         staging_chunks=STAGED_SETS, host_budget=host)[1])

@@ -10,6 +10,8 @@ every chunk's states on the device.
 
 from __future__ import annotations
 
+from pscompile.memory.model_bytes import STATE_BYTES
+
 # Bytes of device temporaries one chunk update needs, per element: the fp32 upcast of the
 # gradient plus the fp32 temporary of the norm.
 UPDATE_TEMP_BYTES_PER_ELEMENT = 8
@@ -37,7 +39,7 @@ def host_state_chunks(*, num_chunks: int, chunk_size: int, param_bytes: int, sta
     and the host bytes left over, when the host holds every compute-dtype chunk (``param_bytes``
     per element), the staging buffers of ``staging_chunks`` disk chunks and those states. The
     rest live on disk. A negative leftover means not even the fixed part fits."""
-    state = 12 * chunk_size
+    state = STATE_BYTES * chunk_size
     fixed = num_chunks * chunk_size * param_bytes + staging_chunks * state
     on_host = max(0, min(num_chunks, (host_budget - fixed) // state))
     return on_host, host_budget - fixed - on_host * state

@@ -22,6 +22,7 @@ from pscompile.config import Config
 from pscompile.errors import BudgetError
 from pscompile.graph.pipeline import choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
+from pscompile.memory.model_bytes import STATE_BYTES, ModelBytes, owned_elements
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.planner.cost import estimate, graph_flops
 from pscompile.planner.hardware import Hardware, hardware_preset
@@ -90,15 +91,16 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     rates = Rates(hw.peak_flops * hw.efficiency, hw.pcie)
 
     # the host and disk tiers, as the engine checks them (runtime/engine.py)
-    owned = layout.num_chunks * (layout.chunk_size // world)
-    host_need = owned * (elsize + 12)
+    mb = ModelBytes(elsize)
+    owned = owned_elements(layout.num_chunks, layout.chunk_size, world=world)
+    host_need = owned * mb.per_element
     disk_budget = (hw.disk or 0) // world
     disk_bytes, overflow = 0, []
     if host_need > hw.host_budget:
         disk_bytes = host_need - hw.host_budget
         if hw.disk is None or disk_bytes > disk_budget or owned * elsize > hw.host_budget:
             overflow.append(f"CPU memory: the chunks need {format_bytes(host_need)} per GPU "
-                            f"({owned / 1e9:.2f}B elements x {elsize + 12} bytes) > its share "
+                            f"({owned / 1e9:.2f}B elements x {mb.per_element} bytes) > its share "
                             f"{format_bytes(hw.host_budget)}" + ("" if hw.disk is None else
                                                                  f" and the disk's {format_bytes(disk_budget)}"))
     host_room = max(0, hw.host_budget - host_need)
@@ -150,8 +152,8 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
                                                  host_params=owned - device_states, device_params=device_states)
     acts = scheduled.activations.describe() if scheduled.activations is not None else "activations kept"
     return PlanReport(fits=not overflow, overflow="; ".join(overflow),
-                      device_model_bytes=p.num_slots * p.slot_bytes + device_states * 12,
-                      host_model_bytes=min(host_need, hw.host_budget) - device_states * 12,
+                      device_model_bytes=p.num_slots * p.slot_bytes + device_states * STATE_BYTES,
+                      host_model_bytes=min(host_need, hw.host_budget) - device_states * STATE_BYTES,
                       disk_model_bytes=disk_bytes, activations=acts, peak_device_bytes=p.peak_device_bytes,
                       h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, offload_bytes=scheduled.offload_bytes,
                       allgather_bytes=p.allgather_bytes, reduce_scatter_bytes=p.reduce_scatter_bytes,

@@ -37,6 +37,7 @@ from pscompile.memory.copies import INLINE_COPY_BYTES
 from pscompile.memory.copy_engines import make_copy_engine
 from pscompile.memory.tiers import Link, Traffic
 from pscompile.memory.tracker import NonModelTracker
+from pscompile.memory.model_bytes import ModelBytes, owned_elements
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.lock_free import LockFreeUpdater
@@ -104,14 +105,13 @@ class ChunkEngine(ChunkUpdate, EngineState):
         self.layout = self._choose_layout(mp, batch if micro is None else micro[0])
 
         # -- chunk store, optimizer, host budget --------------------------------------------
-        elsize = torch.empty((), dtype=self.dtype).element_size()
+        mb = ModelBytes.of(self.dtype)
+        elsize = mb.param_bytes
         host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        owned = (len(range(self.rank, self.layout.num_chunks, self.world)) * self.layout.chunk_size if self.per_chunk
-                 else self.layout.num_chunks * (self.layout.chunk_size // self.world))
-        # lock-free updating keeps staleness + 1 fp32 gradient buffer sets and a second set of
-        # compute-dtype chunks (the next parameters, written by the update thread) on the host
+        owned = owned_elements(self.layout.num_chunks, self.layout.chunk_size, rank=self.rank, world=self.world,
+                               per_chunk=self.per_chunk)
         grad_sets = config.staleness + 1 if config.lock_free else 0
-        host_need = owned * (elsize + 12 + (4 * grad_sets + elsize if config.lock_free else 0))
+        host_need = owned * mb.host_per_element(lock_free=config.lock_free, staleness=config.staleness)
         # Chunks the host cannot hold live on the device (their optimizer states with them): the
         # first ``min_device_homes`` chunks at least, whatever the placement rule says
         self.min_device_homes = 0
@@ -123,12 +123,12 @@ class ChunkEngine(ChunkUpdate, EngineState):
         elif host_need > host_budget and config.lock_free:
             raise ValueError(
                 f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks with lock-free updating: "
-                f"they need {format_bytes(host_need)} ({self.layout.num_chunks} chunks x {elsize + 12} bytes/param, "
+                f"they need {format_bytes(host_need)} ({self.layout.num_chunks} chunks x {mb.per_element} bytes/param, "
                 f"plus {grad_sets} fp32 gradient buffer sets for staleness={config.staleness} and a second "
                 f"compute-dtype copy, {elsize + 4 * grad_sets} bytes/param); the update thread "
                 f"works on host memory, so give host_memory >= {host_need}, a smaller staleness, or lock_free=False")
         elif host_need > host_budget:
-            chunk_need = self.layout.chunk_size * (elsize + 12)
+            chunk_need = mb.chunk(self.layout.chunk_size)
             self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
                                                           host_budget=host_budget)
             self.host_room = max(0, host_budget - (self.layout.num_chunks - self.min_device_homes) * chunk_need)
