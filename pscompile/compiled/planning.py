@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, build_schedule, capture_and_analyze,
-                                      choose_activations, engine_layout, gather_bytes, regather)
+from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, capture_and_analyze, choose_activations,
+                                      engine_layout, gather_bytes, plan_at_budget, regather)
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
@@ -83,8 +83,8 @@ class CompiledPlanning:
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None) -> Scheduled:
-        sched = build_schedule(analyzed, self.layout, nonmodel=nonmodel, memory=self._device_memory(),
-                               dtype=self.dtype, kind=kind, measured=measured, start=start,
+        sched = plan_at_budget(analyzed, self.layout, budget=self.budget, dtype=self.dtype, kind=kind,
+                               nonmodel=nonmodel, memory=self._device_memory(), measured=measured, start=start,
                                lookahead=self._overlaps_update and measured, planner=self.config.planner)
         self._ensure_slots(sched.plan)
         if sched.lookahead is not None:

@@ -71,6 +71,7 @@ from pscompile.graph.minimum import (
 from pscompile.graph.ops import activation_move, is_offload
 from pscompile.kinds import Activations, Collectives, RunKind
 from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.model_bytes import ModelBytes
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.optim.placement import device_state_chunks
 from pscompile.passes.insert_memory_ops import insert_memory_ops
@@ -346,29 +347,39 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
                    variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
                    host_room: int | None = None, plan_only: bool = False, planner: str = "belady",
                    measured: bool | None = None, lookahead: bool = False,
-                   start: Mapping[int, int] | None = None) -> Scheduled:
+                   start: Mapping[int, int] | None = None, memory: DeviceMemory | None = None) -> Scheduled:
     """The schedule the compiled engine plans for ``analyzed`` at ``budget``: the activation
     policy's choice for the budget (``activations``: a ``Config.activations`` value; None plans
     ``analyzed`` as it is; ``variants`` as in ``choose_activations``), optimizer states placed by
     ``optim.placement`` for the curve's peak (on the host with ZeRO), then ``build_schedule``.
     ``measured`` (default: whether ``nonmodel`` was given) plans as after the measuring step;
     ``lookahead`` and ``start`` as in ``build_schedule`` (a training step of one rank that fetches
-    the next step's first chunks after their update, and the step that starts with them)."""
+    the next step's first chunks after their update, and the step that starts with them).
+    ``memory``: the device as a running engine holds it (its optimizer states placed already);
+    None places them by the rule. Every schedule is planned here: the engine's, the minimum's,
+    the budget sweep's and the planner's."""
     if activations is not None:
         slot = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
         analyzed = choose_activations(analyzed, layout, policy=activations, budget=budget, slot_bytes=slot,
                                       world=world, variants=variants, rates=rates, host_room=host_room)
     nonmodel = analyzed.nonmodel if nonmodel is None else tuple(nonmodel)
-    slot_bytes = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
-    state_bytes = 3 * layout.chunk_size * 4                  # fp32 master, exp_avg, exp_avg_sq
-    count = device_state_chunks(budget=budget, peak_nonmodel=max(nonmodel), num_chunks=layout.num_chunks,
-                                chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
-                                state_chunk_bytes=state_bytes) if world == 1 else 0
-    memory = DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank,
-                          per_chunk=per_chunk)
+    if memory is None:
+        memory = _placed_memory(layout, budget=budget, dtype=dtype, peak_nonmodel=max(nonmodel), world=world,
+                                rank=rank, per_chunk=per_chunk)
     measured = nonmodel is not analyzed.nonmodel if measured is None else measured
     return build_schedule(analyzed, layout, nonmodel=nonmodel, memory=memory, dtype=dtype, kind=kind,
                           measured=measured, plan_only=plan_only, planner=planner, lookahead=lookahead,
                           start=start)
 
 
+def _placed_memory(layout: ChunkLayout, *, budget: int | None, dtype: torch.dtype, peak_nonmodel: int,
+                   world: int, rank: int, per_chunk: bool) -> DeviceMemory:
+    """The device with optimizer states placed by ``optim.placement`` for ``peak_nonmodel`` (on the
+    host with ZeRO)."""
+    mb = ModelBytes.of(dtype)
+    slot_bytes, state_bytes = mb.param_chunk(layout.chunk_size), mb.state_chunk(layout.chunk_size)
+    count = device_state_chunks(budget=budget, peak_nonmodel=peak_nonmodel, num_chunks=layout.num_chunks,
+                                chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
+                                state_chunk_bytes=state_bytes) if world == 1 else 0
+    return DeviceMemory(budget, slot_bytes, frozenset(range(count)), count * state_bytes, world=world, rank=rank,
+                        per_chunk=per_chunk)
