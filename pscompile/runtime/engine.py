@@ -104,7 +104,45 @@ class ChunkEngine(ChunkUpdate, EngineState):
         self.groups = resolve_groups(optimizer, self.params, mp.aliases)
         self.layout = self._choose_layout(mp, batch if micro is None else micro[0])
 
-        # -- chunk store, optimizer, host budget --------------------------------------------
+        # -- host and disk tiers, copies, the chunk store -------------------------------------
+        self._place_host_tiers(config)
+        self._make_store(config)
+        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
+        # Released parameters point at one NaN element broadcast to their shape: any use outside
+        # the hooks' access/release gives NaN instead of stale values.
+        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            self._load_into_chunks()
+        self.adam = ChunkAdamW(list(self.groups.hps))
+        self._chunk_groups_cache: dict[int, list] = {}
+        self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
+                       if self.dtype == torch.float16 else None)
+        self._move_buffers()
+        self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
+        self.stats = None
+        self.closed = False
+        self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
+        # queue the next disk chunk's reads before this one's update (False: read each when its
+        # update starts; bench/disk.py compares the two)
+        self.disk_prefetch = True
+        # lock-free updating: the update thread and the gradient buffer sets it reads
+        self.updater = (LockFreeUpdater(staleness=config.staleness, run=self._run_update_job,
+                                        publish=self._publish_update,
+                                        sets=[[torch.zeros(self.store.home_numel, dtype=torch.float32)
+                                               for _ in range(self.layout.num_chunks)]
+                                              for _ in range(config.staleness + 1)])
+                        if config.lock_free else None)
+        # lock-free: the update thread casts new masters here; publishing swaps them in
+        self._next_params = ([self.store.host_param_pool.acquire() for _ in range(self.layout.num_chunks)]
+                             if config.lock_free else [])
+        self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
+        self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
+
+    def _place_host_tiers(self, config: Config) -> None:
+        """Where model data lives when the host cannot hold it all: ``min_device_homes`` chunks on
+        the device (their optimizer states with them), or ``disk_chunks`` whose states live on disk;
+        ``host_room``, the host bytes besides the chunks (offloaded activations). Raises when no
+        tier can take what the host cannot."""
         mb = ModelBytes.of(self.dtype)
         elsize = mb.param_bytes
         host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
@@ -148,6 +186,9 @@ class ChunkEngine(ChunkUpdate, EngineState):
                     f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param){where}; give "
                     f"host_memory >= {host_need}, more device_memory, or Config(disk_dir=...) to keep the "
                     "optimizer states the host cannot hold on disk")
+
+    def _make_store(self, config: Config) -> None:
+        """The link, the copy engine and the chunk store (one process, or a ZeRO store)."""
         self.link = Link(config.link_bandwidth)
         # every copy between device and host goes through it (docs/design.md, "The copy contract")
         self.copies = make_copy_engine(self.link, self.device, strict=config.strict_copies, inline_bytes=INLINE_COPY_BYTES)
@@ -166,35 +207,6 @@ class ChunkEngine(ChunkUpdate, EngineState):
                       if self.per_chunk else
                       ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
                                    copies=self.copies))
-        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
-        # Released parameters point at one NaN element broadcast to their shape: any use outside
-        # the hooks' access/release gives NaN instead of stale values.
-        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            self._load_into_chunks()
-        self.adam = ChunkAdamW(list(self.groups.hps))
-        self._chunk_groups_cache: dict[int, list] = {}
-        self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
-                       if self.dtype == torch.float16 else None)
-        self._move_buffers()
-        self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
-        self.stats = None
-        self.closed = False
-        self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
-        # queue the next disk chunk's reads before this one's update (False: read each when its
-        # update starts; bench/disk.py compares the two)
-        self.disk_prefetch = True
-        # lock-free updating: the update thread and the gradient buffer sets it reads
-        self.updater = (LockFreeUpdater(staleness=config.staleness, run=self._run_update_job,
-                                        publish=self._publish_update,
-                                        sets=[[torch.zeros(self.store.home_numel, dtype=torch.float32)
-                                               for _ in range(self.layout.num_chunks)] for _ in range(grad_sets)])
-                        if config.lock_free else None)
-        # lock-free: the update thread casts new masters here; publishing swaps them in
-        self._next_params = ([self.store.host_param_pool.acquire() for _ in range(self.layout.num_chunks)]
-                             if config.lock_free else [])
-        self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
-        self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
 
     def _disk_homes(self, host_budget: int, elsize: int) -> frozenset[int]:
         """The chunks (the last ones) whose optimizer states live on disk: the host keeps every
