@@ -152,23 +152,15 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
     def _run_graph(self, key: ScheduleKey, sched: Scheduled, batch: Any,
                    acc: list[torch.Tensor] | None, loss_scale: float = 1.0) -> MicroRun:
         """Run one scheduled graph (memory nodes as planned) and check the bytes it moved against
-        the plan. On failure, stored gradients are undone and slots reset to the plan's start."""
+        the plan. On failure, stored gradients are undone and slots reset to the plan's start.
+        (Long because its closures -- around_region, run_memory, learn -- share the run's tracker
+        and what it is measuring; the steps before and after are methods of their own.)"""
         t_start = time.perf_counter()
         self._count_outside_steps()
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
                                   exact_windows=not sched.measured)
-        accs = acc if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in sched.plan.actions) else []
-        comm_before = (self.comm.traffic.allgather_bytes, self.comm.traffic.reduce_scatter_bytes) \
-            if self.comm is not None else (0, 0)
-        model_inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param, *accs]
-        rest = [*[self.model.get_buffer(f) for f in sched.captured.buffer_fqns],
-                *sched.captured.flatten_batch(batch)]
-        if self.scaler is not None and sched.kind.backward:        # float16: the graph's loss-scale input
-            rest.append(torch.tensor(loss_scale, dtype=torch.float32, device=self.device))
-        for t in rest:
-            tracker.add_tensor(t)
-        tracker.reset_peaks()
-        inputs = model_inputs + rest
+        comm_before = self._comm_bytes()
+        inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()
         executor = self._executor_for(key, sched)
         observer = _NodeMemory(tracker) if not sched.measured else None
@@ -250,27 +242,14 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             self._reading.clear()
             self._homing.clear()
         except BaseException:
-            self.copies.drain()              # no copy is left running into memory the recovery frees
-            self._land(errors=False)
-            self._abandon_in_flight()
-            self._grad_copies.clear()
-            self._reading.clear()
-            self._homing.clear()
-            self._copying.clear()
-            self._recover(restore=acc is None)
+            self._abort_run(acc)
             raise
         traffic = self.link.reset()
         if overlapping:                      # writebacks may still be landing: ``_update`` checks the bytes
             self._check_moved = (sched, traffic)
         else:
             self._check_traffic(sched, traffic, acc)
-        if self.comm is not None:
-            comm = (self.comm.traffic.allgather_bytes - comm_before[0],
-                    self.comm.traffic.reduce_scatter_bytes - comm_before[1])
-            if comm != (sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes):
-                self._recover(restore=acc is None)
-                raise RuntimeError(f"executor: all-gathered/reduce-scattered {comm} bytes, the schedule planned "
-                                   f"{(sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes)}")
+        self._check_comm(sched, comm_before, acc)
         t_end = time.perf_counter()
         t_back = t_bwd[0] if t_bwd else t_end
         record = _RunRecord(key, sched, observer.samples if observer is not None else None,
@@ -280,17 +259,20 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         return MicroRun(value, tracker, traffic, t_back - t_start, t_end - t_back,
                         frozenset(self._written), record)
 
-    def _check_traffic(self, sched: Scheduled, traffic, acc: list[torch.Tensor] | None) -> None:
-        """The bytes a run moved (a training run: with the fetches it issued for the next step,
-        which its plan counts) must be the bytes its schedule planned; otherwise the run is undone
-        and this raises."""
-        moved = (traffic.h2d_bytes, traffic.d2h_bytes)
-        planned = (sched.plan.h2d_bytes + sched.offload_bytes, sched.plan.d2h_bytes + sched.offload_bytes)
-        if moved != planned or traffic.offload_bytes != sched.offload_bytes or traffic.reload_bytes != sched.offload_bytes:
-            self._recover(restore=acc is None)
-            raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes (activations: {traffic.offload_bytes} offloaded, "
-                               f"{traffic.reload_bytes} reloaded), the schedule planned {planned} "
-                               f"({sched.offload_bytes} each way)")
+    def _graph_inputs(self, sched: Scheduled, batch: Any, acc: list[torch.Tensor] | None, loss_scale: float,
+                      tracker: NonModelTracker) -> list:
+        """The scheduled graph's inputs: slots, host chunks, the accumulation chunks it adds into,
+        then buffers, the batch (and float16's loss scale), which ``tracker`` counts as non-model."""
+        accs = acc if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in sched.plan.actions) else []
+        model_inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param, *accs]
+        rest = [*[self.model.get_buffer(f) for f in sched.captured.buffer_fqns],
+                *sched.captured.flatten_batch(batch)]
+        if self.scaler is not None and sched.kind.backward:        # float16: the graph's loss-scale input
+            rest.append(torch.tensor(loss_scale, dtype=torch.float32, device=self.device))
+        for t in rest:
+            tracker.add_tensor(t)
+        tracker.reset_peaks()
+        return model_inputs + rest
 
     def _tail(self, sched: Scheduled) -> frozenset[fx.Node]:
         """The memory nodes of ``sched`` after its last compute node (the end of the step)."""

@@ -7,15 +7,23 @@ lowers exactly as the saved one did from its first step (docs/design.md, section
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
+
 from pscompile.compiled.keys import CaptureKey
 from pscompile.compiled.probe import Allocation
 from pscompile.memory.rates import Rates
 from pscompile.memory.tiers import Tier
 from pscompile.kinds import Activations
 
+if TYPE_CHECKING:
+    from pscompile.graph.pipeline import Scheduled
+
 
 class CompiledState:
-    """Mixin of ``CompiledEngine``: its part of the state dict, and recovery after a failed run."""
+    """Mixin of ``CompiledEngine``: its part of the state dict, the checks of what a run moved, and
+    recovery after a failed run."""
 
     def _context(self) -> dict:
         """What the saved measurements are valid for."""
@@ -89,6 +97,46 @@ class CompiledState:
         for key in list(self._schedules):
             if key.capture == cap:
                 self._replan(key, self._measured[cap], measured=True)
+
+    def _abort_run(self, acc: list[torch.Tensor] | None) -> None:
+        """After a failed run: no copy left running into memory the recovery frees, nothing in
+        flight remembered, stored gradients undone and slots back at the plan's start."""
+        self.copies.drain()
+        self._land(errors=False)
+        self._abandon_in_flight()
+        self._grad_copies.clear()
+        self._reading.clear()
+        self._homing.clear()
+        self._copying.clear()
+        self._recover(restore=acc is None)
+
+    def _comm_bytes(self) -> tuple[int, int]:
+        if self.comm is None:
+            return 0, 0
+        return self.comm.traffic.allgather_bytes, self.comm.traffic.reduce_scatter_bytes
+
+    def _check_comm(self, sched: Scheduled, before: tuple[int, int], acc: list[torch.Tensor] | None) -> None:
+        """ZeRO: the run all-gathered and reduce-scattered exactly what the schedule planned."""
+        if self.comm is None:
+            return
+        now = self._comm_bytes()
+        comm = (now[0] - before[0], now[1] - before[1])
+        if comm != (sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes):
+            self._recover(restore=acc is None)
+            raise RuntimeError(f"executor: all-gathered/reduce-scattered {comm} bytes, the schedule planned "
+                               f"{(sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes)}")
+
+    def _check_traffic(self, sched: Scheduled, traffic, acc: list[torch.Tensor] | None) -> None:
+        """The bytes a run moved (a training run: with the fetches it issued for the next step,
+        which its plan counts) must be the bytes its schedule planned; otherwise the run is undone
+        and this raises."""
+        moved = (traffic.h2d_bytes, traffic.d2h_bytes)
+        planned = (sched.plan.h2d_bytes + sched.offload_bytes, sched.plan.d2h_bytes + sched.offload_bytes)
+        if moved != planned or traffic.offload_bytes != sched.offload_bytes or traffic.reload_bytes != sched.offload_bytes:
+            self._recover(restore=acc is None)
+            raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes (activations: {traffic.offload_bytes} offloaded, "
+                               f"{traffic.reload_bytes} reloaded), the schedule planned {planned} "
+                               f"({sched.offload_bytes} each way)")
 
     def _recover(self, *, restore: bool = True) -> None:
         """After a failed graph run: undo stored gradients (``restore``; accumulation leaves the
