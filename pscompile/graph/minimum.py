@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from torch import fx
 
@@ -76,6 +76,69 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     return best
 
 
+def _cheaper_ways(by_size: Sequence, offloads: Mapping, offload_bytes: Callable, rates: Rates | None,
+                  room: int | None) -> list[str]:
+    """"auto": each segment the cheaper way, recomputed or offloaded (offloads while the host has
+    ``room``; without ``rates`` none)."""
+    mixed = []
+    for s in by_size:
+        cheaper = (rates is not None and s.index in offloads
+                   and rates.offload_s(offload_bytes(s), s.flops) < rates.recompute_s(s.flops)
+                   and (room is None or offload_bytes(s) <= room))
+        mixed.append(Activations.OFFLOAD if cheaper else Activations.RECOMPUTE)
+        if cheaper and room is not None:
+            room -= offload_bytes(s)
+    return mixed
+
+
+class _Variants:
+    """The rewritten graphs ``choose_activations`` weighs: the first ``m`` segments by saved bytes,
+    each recomputed or offloaded, rewritten and analyzed once (``cache``; one serves every layout)."""
+
+    def __init__(self, analyzed: AnalyzedGraph, policy: str, segments, offloads: Mapping, by_size: Sequence,
+                 cache: dict[tuple, AnalyzedGraph]):
+        self.analyzed, self.policy, self.segments = analyzed, policy, segments
+        self.offloads, self.by_size, self.cache = offloads, by_size, cache
+
+    def offload_bytes(self, s) -> int:
+        return sum(o.nbytes for o in self.offloads.get(s.index, ()))
+
+    def make(self, m: int, how_each: Sequence[str], overlap: bool = False) -> AnalyzedGraph:
+        chosen = self.by_size[:m]
+        rec = [s for s, how in zip(chosen, how_each) if how == Activations.RECOMPUTE]
+        off = [s for s, how in zip(chosen, how_each) if how == Activations.OFFLOAD]
+        overlap = overlap and bool(off)
+        key = (tuple(s.index for s in rec), tuple(s.index for s in off), overlap)
+        if key not in self.cache:
+            plan = ActivationPlan(self.policy, self.segments, tuple(sorted(s.index for s in rec)),
+                                  tuple(sorted(s.index for s in off)), sum(map(self.offload_bytes, off)), overlap)
+            self.cache[key] = self._rewrite(rec, off, plan, overlap)
+        # one cache serves every layout: a rewrite is analyzed once, and carries this layout's gathers
+        got = regather(self.cache[key], self.analyzed.gathers)
+        return replace(got, activations=replace(got.activations, policy=self.policy))
+
+    def _rewrite(self, rec: list, off: list, plan: ActivationPlan, overlap: bool) -> AnalyzedGraph:
+        analyzed, segments = self.analyzed, self.segments
+        if not rec and not off:
+            return replace(analyzed, activations=plan)
+        passes = _Passes(analyzed.passes)
+        captured = analyzed.captured
+        if rec:
+            captured = passes.run("recompute_activations", lambda: recompute_activations(captured, rec),
+                                  lambda c: f"recompute_activations: {len(rec)} of {len(segments)} segments, "
+                                            f"{format_bytes(sum(s.saved_bytes for s in rec))} of saved "
+                                            f"activations recomputed")
+        if off:
+            moves = [o for s in off for o in self.offloads[s.index]]
+            captured = passes.run("offload_activations",
+                                  lambda: offload_activations(captured, moves, overlap=overlap),
+                                  lambda c: f"offload_activations: {len(off)} of {len(segments)} segments, "
+                                            f"{len(moves)} storages, {format_bytes(plan.offload_bytes)} of "
+                                            f"saved activations wait on the host"
+                                            + (", copies overlapped" if overlap else ""))
+        return _analyze(captured, passes, plan, analyzed.gathers)
+
+
 def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
                        slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0,
                        variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
@@ -102,9 +165,8 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     by_size = sorted(segments, key=lambda s: -s.saved_bytes)
     cache: dict[tuple, AnalyzedGraph] = {} if variants is None else variants
 
-    def offload_bytes(s) -> int:
-        return sum(o.nbytes for o in offloads.get(s.index, ()))
-
+    variants_of = _Variants(analyzed, policy, segments, offloads, by_size, cache)
+    offload_bytes = variants_of.offload_bytes
     total_offload = sum(map(offload_bytes, segments))
     host_fits_all = host_room is None or total_offload <= host_room
     if policy == Activations.OFFLOAD and not host_fits_all:
@@ -113,46 +175,8 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
                          f"host_memory, or activations='auto' (recomputes what the host cannot take)")
     every = {Activations.RECOMPUTE: [Activations.RECOMPUTE] * len(by_size),
              Activations.OFFLOAD: [Activations.OFFLOAD if s.index in offloads else Activations.KEEP for s in by_size]}
-    mixed, room = [], host_room           # auto: each segment the cheaper way, offloads while the host has room
-    for s in by_size:
-        cheaper = (rates is not None and s.index in offloads
-                   and rates.offload_s(offload_bytes(s), s.flops) < rates.recompute_s(s.flops)
-                   and (room is None or offload_bytes(s) <= room))
-        mixed.append(Activations.OFFLOAD if cheaper else Activations.RECOMPUTE)
-        if cheaper and room is not None:
-            room -= offload_bytes(s)
-
-    def variant(m: int, how_each: Sequence[str], overlap: bool = False) -> AnalyzedGraph:
-        chosen = by_size[:m]
-        rec = [s for s, how in zip(chosen, how_each) if how == Activations.RECOMPUTE]
-        off = [s for s, how in zip(chosen, how_each) if how == Activations.OFFLOAD]
-        overlap = overlap and bool(off)
-        key = (tuple(s.index for s in rec), tuple(s.index for s in off), overlap)
-        if key not in cache:
-            plan = ActivationPlan(policy, segments, tuple(sorted(s.index for s in rec)),
-                                  tuple(sorted(s.index for s in off)), sum(map(offload_bytes, off)), overlap)
-            if not rec and not off:
-                cache[key] = replace(analyzed, activations=plan)
-            else:
-                passes = _Passes(analyzed.passes)
-                captured = analyzed.captured
-                if rec:
-                    captured = passes.run("recompute_activations", lambda: recompute_activations(captured, rec),
-                                          lambda c: f"recompute_activations: {len(rec)} of {len(segments)} segments, "
-                                                    f"{format_bytes(sum(s.saved_bytes for s in rec))} of saved "
-                                                    f"activations recomputed")
-                if off:
-                    moves = [o for s in off for o in offloads[s.index]]
-                    captured = passes.run("offload_activations",
-                                          lambda: offload_activations(captured, moves, overlap=overlap),
-                                          lambda c: f"offload_activations: {len(off)} of {len(segments)} segments, "
-                                                    f"{len(moves)} storages, {format_bytes(plan.offload_bytes)} of "
-                                                    f"saved activations wait on the host"
-                                                    + (", copies overlapped" if overlap else ""))
-                cache[key] = _analyze(captured, passes, plan, analyzed.gathers)
-        # one cache serves every layout: a rewrite is analyzed once, and carries this layout's gathers
-        got = regather(cache[key], analyzed.gathers)
-        return replace(got, activations=replace(got.activations, policy=policy))
+    mixed = _cheaper_ways(by_size, offloads, offload_bytes, rates, host_room)
+    variant = variants_of.make
 
     def least(a: AnalyzedGraph) -> int:
         return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
