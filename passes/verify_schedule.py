@@ -61,183 +61,235 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     slots of ``initial`` whose fetch is still in flight when the run starts (each needs a wait). ``world`` > 1:
     chunks are groups sharded over that many ranks; ``grad_fqns`` the gradients the graph makes
     (each of their groups must be reduce-scattered exactly once)."""
-    slot_of_ph = {n: gmeta.get(n, "slot") for n in gm.graph.nodes
-                  if n.op == "placeholder" and gmeta.get(n, "slot") is not None}
-    host_of_ph = {n: gmeta.get(n, "host_chunk") for n in gm.graph.nodes
-                  if n.op == "placeholder" and gmeta.get(n, "host_chunk") is not None}
-    acc_of_ph = {n: gmeta.get(n, "acc_chunk") for n in gm.graph.nodes
-                 if n.op == "placeholder" and gmeta.get(n, "acc_chunk") is not None}
-    holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
-    dirty: set[int] = set()
-    pending: set[int] = set(arriving)   # slots whose asynchronous fetch has not been waited for
-    # (parameter, chunk) of an asynchronous accumulate_grad -> (its gradient, page bytes), until its wait
-    copying: dict[tuple[str, int], tuple[fx.Node, int]] = {}
-    held = 0                        # device bytes those gradients keep alive (gmeta.held_grad_bytes)
-    reduced: set[int] = set()       # groups reduce-scattered (ZeRO)
-    sharded = world > 1
-    arrive, leave = ((MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, MemKind.RELEASE_REMOTE) if sharded
-                     else (MemKind.FETCH, MemKind.DROP))
-    reduce_kind = MemKind.REDUCE if per_chunk else MemKind.REDUCE_SCATTER
-    nonmodel = 0
-    peak, peak_node, count = 0, "start", 0
+    replay = _Replay(gm, layout, initial=initial, arriving=arriving, world=world, per_chunk=per_chunk)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":      # the batch and buffers are live from the start
+            replay.nonmodel = gmeta.get(node, "nonmodel", replay.nonmodel)
+        elif is_memory_node(node):
+            replay.memory_node(node)
+        else:
+            replay.compute_node(node)
+            replay.charge(node, slot_bytes=slot_bytes, os_device_bytes=os_device_bytes, budget=budget)
+    replay.finish(os_device_chunks=os_device_chunks, final=final, grad_fqns=grad_fqns)
+    return VerifyReport(replay.count, replay.peak, replay.peak_node)
 
-    def fail(node: fx.Node, why: str):
-        raise ScheduleError(f"verify_schedule: node {node.name} ({node.format_node()[:120]}): {why}")
 
-    stored: dict[tuple[str, int], int] = {}     # (fqn, page) -> stores of that gradient page
+def _fail(node: fx.Node, why: str):
+    raise ScheduleError(f"verify_schedule: node {node.name} ({node.format_node()[:120]}): {why}")
 
-    def check_page(node: fx.Node, mem) -> None:
+
+class _Replay:
+    """The symbolic state of the device while a scheduled graph is replayed node by node."""
+
+    def __init__(self, gm: fx.GraphModule, layout: ChunkLayout, *, initial: dict[int, int],
+                 arriving: frozenset[int], world: int, per_chunk: bool):
+        def placeholders(key: str) -> dict[fx.Node, int]:
+            return {n: gmeta.get(n, key) for n in gm.graph.nodes
+                    if n.op == "placeholder" and gmeta.get(n, key) is not None}
+        self.layout, self.world, self.per_chunk = layout, world, per_chunk
+        self.slot_of = placeholders("slot")
+        self.host_of = placeholders("host_chunk")
+        self.acc_of = placeholders("acc_chunk")
+        self.holds: dict[int, int] = {slot: chunk for chunk, slot in initial.items()}   # slot -> chunk
+        self.dirty: set[int] = set()
+        self.pending: set[int] = set(arriving)   # slots whose asynchronous fetch has not been waited for
+        # (parameter, chunk) of an asynchronous accumulate_grad -> (its gradient, page bytes), until its wait
+        self.copying: dict[tuple[str, int], tuple[fx.Node, int]] = {}
+        self.held = 0                   # device bytes those gradients keep alive (gmeta.held_grad_bytes)
+        self.reduced: set[int] = set()  # groups reduce-scattered (ZeRO)
+        self.stored: dict[tuple[str, int], int] = {}     # (fqn, page) -> stores of that gradient page
+        self.sharded = world > 1
+        self.arrive, self.leave = ((MemKind.BROADCAST if per_chunk else MemKind.ALLGATHER, MemKind.RELEASE_REMOTE)
+                                   if self.sharded else (MemKind.FETCH, MemKind.DROP))
+        self.reduce_kind = MemKind.REDUCE if per_chunk else MemKind.REDUCE_SCATTER
+        self.nonmodel = 0
+        self.peak, self.peak_node, self.count = 0, "start", 0
+
+    # ---- memory nodes ----------------------------------------------------------------------
+    def memory_node(self, node: fx.Node) -> None:
+        self.count += 1
+        mem = mem_op(node)
+        if mem is None:
+            _fail(node, "memory node without its MemOp metadata")
+        if (mem.kind.arrives or mem.kind.leaves or mem.kind.reduces) and \
+                mem.kind not in (self.arrive, self.leave, self.reduce_kind):
+            where = "sharded over " + str(self.world) + " ranks" if self.sharded else "of one rank"
+            _fail(node, f"{mem.kind} in a schedule {where}; chunks arrive by {self.arrive}, leave by "
+                        f"{self.leave} and reduce by {self.reduce_kind} here")
+        if mem.kind.arrives:
+            self._arrive(node, mem)
+        elif mem.kind == MemKind.WAIT and mem.slot is None:     # a gradient's copy has landed
+            self._grad_landed(node, mem)
+        elif mem.kind == MemKind.WAIT:
+            slot = self.slot_of.get(node.args[0])
+            if slot not in self.pending or self.holds.get(slot) != mem.chunk:
+                _fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
+            self.pending.discard(slot)
+        elif mem.kind.leaves:
+            self._leave(node, mem)
+        elif mem.kind.reduces:
+            self._reduce(node, mem)
+        elif mem.kind == MemKind.WRITEBACK:
+            slot = self.slot_of.get(node.args[1])
+            if self.holds.get(slot) != mem.chunk or self.host_of.get(node.args[0]) != mem.chunk:
+                _fail(node, f"writeback of chunk {mem.chunk} from slot {slot}, which holds {self.holds.get(slot)}")
+            self.dirty.discard(mem.chunk)
+        elif mem.kind == MemKind.ACCUMULATE_GRAD:
+            if self.acc_of.get(node.args[0]) != mem.chunk:
+                _fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
+            self._check_page(node, mem)
+            if mem.asynchronous:          # the gradient stays on the device until its wait
+                self.copying[(mem.fqn, mem.chunk)] = (node.args[1], mem.nbytes)
+                self.held = gmeta.held_grad_bytes(self.copying.values())
+        elif mem.kind == MemKind.STORE_GRAD:
+            self._store(node, mem)
+
+    def _arrive(self, node: fx.Node, mem) -> None:
+        if mem.kind == MemKind.BROADCAST and node.args[2] != mem.chunk % self.world:
+            _fail(node, f"broadcast of chunk {mem.chunk} from rank {node.args[2]}; its owner is rank "
+                        f"{mem.chunk % self.world}")
+        slot = self.slot_of.get(node.args[0])
+        if slot in self.holds:
+            _fail(node, f"fetch of chunk {mem.chunk} into slot {slot}, which still holds chunk {self.holds[slot]}")
+        if self.host_of.get(node.args[1]) != mem.chunk:
+            _fail(node, f"fetch of chunk {mem.chunk} reads another host chunk")
+        self.holds[slot] = mem.chunk
+        if mem.asynchronous:
+            self.pending.add(slot)
+
+    def _grad_landed(self, node: fx.Node, mem) -> None:
+        grad, _ = self.copying.pop((mem.fqn, mem.chunk), (None, 0))
+        self.held = gmeta.held_grad_bytes(self.copying.values())
+        if grad is None or node.args[0] is not grad:
+            _fail(node, f"wait for the copy of {mem.fqn}'s gradient to chunk {mem.chunk} without an "
+                        "asynchronous accumulate_grad of that gradient in flight")
+
+    def _leave(self, node: fx.Node, mem) -> None:
+        slot = self.slot_of.get(node.args[0])
+        if slot in self.pending:
+            _fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot} before the wait for its fetch")
+        if self.holds.get(slot) != mem.chunk:
+            _fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot}, which holds {self.holds.get(slot)}")
+        if mem.chunk in self.dirty:
+            _fail(node, f"{mem.kind} of chunk {mem.chunk} loses gradients: no "
+                        f"{'reduce_scatter' if self.sharded else 'writeback'} before it")
+        del self.holds[slot]
+
+    def _reduce(self, node: fx.Node, mem) -> None:
+        slot = self.slot_of.get(node.args[1])
+        if self.holds.get(slot) != mem.chunk:
+            _fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot}, which holds {self.holds.get(slot)}")
+        target = self.acc_of.get(node.args[0]) if node.args[4] else self.host_of.get(node.args[0])
+        if target != mem.chunk:
+            _fail(node, f"{mem.kind} of chunk {mem.chunk} writes another chunk's home")
+        if self.per_chunk and node.args[2] != mem.chunk % self.world:
+            _fail(node, f"reduce of chunk {mem.chunk} to rank {node.args[2]}; its owner is rank "
+                        f"{mem.chunk % self.world}")
+        if mem.chunk in self.reduced:
+            _fail(node, f"chunk {mem.chunk} is reduced twice (its gradients would count twice)")
+        self.reduced.add(mem.chunk)
+        self.dirty.discard(mem.chunk)
+
+    def _store(self, node: fx.Node, mem) -> None:
+        dest = node.args[0]
+        if self.sharded and mem.chunk in self.reduced:
+            _fail(node, f"gradient of {mem.fqn} stored after chunk {mem.chunk} was reduced: "
+                        "it would never reach its owner")
+        if self.sharded and dest not in self.slot_of:
+            _fail(node, f"gradient of {mem.fqn} stored outside its gathered group {mem.chunk}")
+        if dest in self.slot_of:
+            slot = self.slot_of[dest]
+            if slot in self.pending:
+                _fail(node, f"gradient of {mem.fqn} stored into slot {slot} before the wait "
+                            "for its asynchronous fetch")
+            if self.holds.get(slot) != mem.chunk:
+                _fail(node, f"gradient of {mem.fqn} stored into slot {slot}, which holds "
+                            f"{self.holds.get(slot)}, not chunk {mem.chunk}")
+            self.dirty.add(mem.chunk)
+        elif self.host_of.get(dest) != mem.chunk:
+            _fail(node, f"gradient of {mem.fqn} stored into the wrong host chunk")
+        self._check_page(node, mem)
+
+    def _check_page(self, node: fx.Node, mem) -> None:
         """A gradient store writes one page of its parameter, at the layout's place."""
-        entry = layout.entry(mem.fqn)
+        entry = self.layout.entry(mem.fqn)
         start, numel = node.args[3:5] if len(node.args) >= 5 else (0, -1)
         k = next((k for k, p in enumerate(entry.pieces) if p.chunk == mem.chunk), None)
         if k is None:
-            fail(node, f"gradient of {mem.fqn} goes to chunk {mem.chunk}, which holds none of it")
+            _fail(node, f"gradient of {mem.fqn} goes to chunk {mem.chunk}, which holds none of it")
         p = entry.pieces[k]
         whole = (p.chunk_offset, 0, -1) if not entry.spans else (p.chunk_offset, p.tensor_offset, p.numel)
         if (node.args[2], start, numel) != whole:
-            fail(node, f"gradient of {mem.fqn} stored at (offset, start, numel) {(node.args[2], start, numel)}, "
-                       f"layout says {whole}")
-        stored[(mem.fqn, k)] = stored.get((mem.fqn, k), 0) + 1
+            _fail(node, f"gradient of {mem.fqn} stored at (offset, start, numel) {(node.args[2], start, numel)}, "
+                        f"layout says {whole}")
+        self.stored[(mem.fqn, k)] = self.stored.get((mem.fqn, k), 0) + 1
 
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":      # the batch and buffers are live from the start
-            nonmodel = gmeta.get(node, "nonmodel", nonmodel)
-            continue
-        if is_memory_node(node):
-            count += 1
-            mem = mem_op(node)
-            if mem is None:
-                fail(node, "memory node without its MemOp metadata")
-            if (mem.kind.arrives or mem.kind.leaves or mem.kind.reduces) and mem.kind not in (arrive, leave, reduce_kind):
-                fail(node, f"{mem.kind} in a schedule {'sharded over ' + str(world) + ' ranks' if sharded else 'of one rank'}; "
-                           f"chunks arrive by {arrive}, leave by {leave} and reduce by {reduce_kind} here")
-            if mem.kind.arrives:
-                if mem.kind == MemKind.BROADCAST and node.args[2] != mem.chunk % world:
-                    fail(node, f"broadcast of chunk {mem.chunk} from rank {node.args[2]}; its owner is rank "
-                               f"{mem.chunk % world}")
-                slot = slot_of_ph.get(node.args[0])
-                if slot in holds:
-                    fail(node, f"fetch of chunk {mem.chunk} into slot {slot}, which still holds chunk {holds[slot]}")
-                if host_of_ph.get(node.args[1]) != mem.chunk:
-                    fail(node, f"fetch of chunk {mem.chunk} reads another host chunk")
-                holds[slot] = mem.chunk
-                if mem.asynchronous:
-                    pending.add(slot)
-            elif mem.kind == MemKind.WAIT and mem.slot is None:     # a gradient's copy has landed
-                grad, _ = copying.pop((mem.fqn, mem.chunk), (None, 0))
-                held = gmeta.held_grad_bytes(copying.values())
-                if grad is None or node.args[0] is not grad:
-                    fail(node, f"wait for the copy of {mem.fqn}'s gradient to chunk {mem.chunk} without an "
-                               "asynchronous accumulate_grad of that gradient in flight")
-            elif mem.kind == MemKind.WAIT:
-                slot = slot_of_ph.get(node.args[0])
-                if slot not in pending or holds.get(slot) != mem.chunk:
-                    fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
-                pending.discard(slot)
-            elif mem.kind.leaves:
-                slot = slot_of_ph.get(node.args[0])
-                if slot in pending:
-                    fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot} before the wait for its fetch")
-                if holds.get(slot) != mem.chunk:
-                    fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
-                if mem.chunk in dirty:
-                    fail(node, f"{mem.kind} of chunk {mem.chunk} loses gradients: no "
-                               f"{'reduce_scatter' if sharded else 'writeback'} before it")
-                del holds[slot]
-            elif mem.kind.reduces:
-                slot = slot_of_ph.get(node.args[1])
-                if holds.get(slot) != mem.chunk:
-                    fail(node, f"{mem.kind} of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
-                target = acc_of_ph.get(node.args[0]) if node.args[4] else host_of_ph.get(node.args[0])
-                if target != mem.chunk:
-                    fail(node, f"{mem.kind} of chunk {mem.chunk} writes another chunk's home")
-                if per_chunk and node.args[2] != mem.chunk % world:
-                    fail(node, f"reduce of chunk {mem.chunk} to rank {node.args[2]}; its owner is rank {mem.chunk % world}")
-                if mem.chunk in reduced:
-                    fail(node, f"chunk {mem.chunk} is reduced twice (its gradients would count twice)")
-                reduced.add(mem.chunk)
-                dirty.discard(mem.chunk)
-            elif mem.kind == MemKind.WRITEBACK:
-                slot = slot_of_ph.get(node.args[1])
-                if holds.get(slot) != mem.chunk or host_of_ph.get(node.args[0]) != mem.chunk:
-                    fail(node, f"writeback of chunk {mem.chunk} from slot {slot}, which holds {holds.get(slot)}")
-                dirty.discard(mem.chunk)
-            elif mem.kind == MemKind.ACCUMULATE_GRAD:
-                if acc_of_ph.get(node.args[0]) != mem.chunk:
-                    fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
-                check_page(node, mem)
-                if mem.asynchronous:          # the gradient stays on the device until its wait
-                    copying[(mem.fqn, mem.chunk)] = (node.args[1], mem.nbytes)
-                    held = gmeta.held_grad_bytes(copying.values())
-            elif mem.kind == MemKind.STORE_GRAD:
-                dest = node.args[0]
-                if sharded and mem.chunk in reduced:
-                    fail(node, f"gradient of {mem.fqn} stored after chunk {mem.chunk} was reduced: "
-                               "it would never reach its owner")
-                if sharded and dest not in slot_of_ph:
-                    fail(node, f"gradient of {mem.fqn} stored outside its gathered group {mem.chunk}")
-                if dest in slot_of_ph:
-                    if slot_of_ph[dest] in pending:
-                        fail(node, f"gradient of {mem.fqn} stored into slot {slot_of_ph[dest]} before the wait "
-                                   "for its asynchronous fetch")
-                    if holds.get(slot_of_ph[dest]) != mem.chunk:
-                        fail(node, f"gradient of {mem.fqn} stored into slot {slot_of_ph[dest]}, which holds "
-                                   f"{holds.get(slot_of_ph[dest])}, not chunk {mem.chunk}")
-                    dirty.add(mem.chunk)
-                elif host_of_ph.get(dest) != mem.chunk:
-                    fail(node, f"gradient of {mem.fqn} stored into the wrong host chunk")
-                check_page(node, mem)
-            continue
+    # ---- compute nodes ---------------------------------------------------------------------
+    def compute_node(self, node: fx.Node) -> None:
+        """A parameter page is read from the slot holding its chunk, at its place; a parameter is
+        made from its pages in order."""
+        layout, holds = self.layout, self.holds
         fqn = gmeta.get(node, "param")
         page = gmeta.get(node, "page")
         if page is not None:                  # one page of a parameter, read from its slot
             pfqn, k = page
             p = layout.entry(pfqn).pieces[k]
-            slot = slot_of_ph.get(node.args[0])
+            slot = self.slot_of.get(node.args[0])
             if slot is None or holds.get(slot) != p.chunk:
-                fail(node, f"reads {pfqn} from slot {slot}, which holds {holds.get(slot)}, not its chunk {p.chunk}")
-            if slot in pending:
-                fail(node, f"reads {pfqn} from slot {slot} before the wait for its asynchronous fetch")
+                _fail(node, f"reads {pfqn} from slot {slot}, which holds {holds.get(slot)}, not its chunk {p.chunk}")
+            if slot in self.pending:
+                _fail(node, f"reads {pfqn} from slot {slot} before the wait for its asynchronous fetch")
             if tuple(node.args[1:4]) != (0, p.chunk_offset, p.chunk_offset + p.numel):
-                fail(node, f"reads {pfqn} at elements {tuple(node.args[2:4])}, layout says "
-                           f"{(p.chunk_offset, p.chunk_offset + p.numel)}")
+                _fail(node, f"reads {pfqn} at elements {tuple(node.args[2:4])}, layout says "
+                            f"{(p.chunk_offset, p.chunk_offset + p.numel)}")
         if fqn is not None and isinstance(node.args[0], fx.Node) and (
                 gmeta.get(node.args[0], "page") is not None or gmeta.get(node.args[0], "gather") is not None):
             src = node.args[0]                # the parameter's root: its one page, or all of them gathered
             pages = list(src.args[0]) if gmeta.get(src, "gather") is not None else [src]
             want = [(fqn, k) for k in range(len(layout.entry(fqn).pieces))]
             if [gmeta.get(a, "page") for a in pages] != want:
-                fail(node, f"makes {fqn} from pages {[gmeta.get(a, 'page') for a in pages]}; the layout has {want}")
+                _fail(node, f"makes {fqn} from pages {[gmeta.get(a, 'page') for a in pages]}; the layout has {want}")
         if fqn is None:         # parameter views are rebuilt right before their reader: they allocate
-            nonmodel = gmeta.get(node, "nonmodel", nonmodel)    # nothing and keep the reader's moment
-        used = len(holds) * slot_bytes + os_device_bytes + nonmodel + held
-        if used > peak:
-            peak, peak_node = used, node.name
+            self.nonmodel = gmeta.get(node, "nonmodel", self.nonmodel)    # nothing and keep the reader's moment
+
+    def charge(self, node: fx.Node, *, slot_bytes: int, os_device_bytes: int, budget: int | None) -> None:
+        """The planned device bytes at ``node``: resident slots, device optimizer states, its
+        non-model bytes and the gradients still copying; within the budget."""
+        used = len(self.holds) * slot_bytes + os_device_bytes + self.nonmodel + self.held
+        if used > self.peak:
+            self.peak, self.peak_node = used, node.name
         if budget is not None and used > budget:
-            fail(node, f"planned device bytes {used} exceed device_memory={budget}")
-    if pending:
-        raise ScheduleError(f"verify_schedule: asynchronous fetches into slots {sorted(pending)} are never waited for")
-    if copying:
-        raise ScheduleError(f"verify_schedule: the copies of gradients {sorted(f for f, _ in copying)[:6]} to the host "
-                            "are never waited for")
-    if final is None and set(holds.values()) != set(os_device_chunks):
-        raise ScheduleError(f"verify_schedule: the iteration ends with chunks {sorted(holds.values())} on the "
-                            f"device; expected {sorted(os_device_chunks)} (those updated on the device)")
-    if final is not None and {c: k for k, c in holds.items()} != dict(final):
-        raise ScheduleError(f"verify_schedule: the iteration ends with chunk->slot "
-                            f"{ {c: k for k, c in sorted(holds.items())} }; the plan promised {dict(final)}")
-    if dirty - set(os_device_chunks):
-        raise ScheduleError(f"verify_schedule: chunks {sorted(dirty - set(os_device_chunks))} end dirty on the "
-                            "device (their gradients never reach the host update)")
-    pages = {(f, k) for f in grad_fqns for k in range(len(layout.entry(f).pieces))}
-    if grad_fqns and (set(stored) != pages or any(v != 1 for v in stored.values())):
-        wrong = sorted(p for p in pages | set(stored) if stored.get(p, 0) != 1)
-        raise ScheduleError(f"verify_schedule: gradient pages (fqn, page) {wrong[:6]} are not stored exactly "
-                            "once")
-    if sharded and grad_fqns:
-        expected = {c for f in grad_fqns for c in layout.entry(f).chunks}
-        if expected != reduced:
-            raise ScheduleError(f"verify_schedule: chunks {sorted(expected - reduced)} receive gradients that are "
-                                "never reduced")
-    return VerifyReport(count, peak, peak_node)
+            _fail(node, f"planned device bytes {used} exceed device_memory={budget}")
+
+    # ---- the end ---------------------------------------------------------------------------
+    def finish(self, *, os_device_chunks: frozenset[int], final: dict[int, int] | None,
+               grad_fqns: tuple[str, ...]) -> None:
+        """Every wait came, the residency the plan promised, no chunk left dirty, every gradient
+        page stored once and (ZeRO) every group that got gradients reduced."""
+        holds, layout = self.holds, self.layout
+        if self.pending:
+            raise ScheduleError(f"verify_schedule: asynchronous fetches into slots {sorted(self.pending)} are never "
+                                "waited for")
+        if self.copying:
+            raise ScheduleError(f"verify_schedule: the copies of gradients {sorted(f for f, _ in self.copying)[:6]} "
+                                "to the host are never waited for")
+        if final is None and set(holds.values()) != set(os_device_chunks):
+            raise ScheduleError(f"verify_schedule: the iteration ends with chunks {sorted(holds.values())} on the "
+                                f"device; expected {sorted(os_device_chunks)} (those updated on the device)")
+        if final is not None and {c: k for k, c in holds.items()} != dict(final):
+            raise ScheduleError(f"verify_schedule: the iteration ends with chunk->slot "
+                                f"{ {c: k for k, c in sorted(holds.items())} }; the plan promised {dict(final)}")
+        if self.dirty - set(os_device_chunks):
+            raise ScheduleError(f"verify_schedule: chunks {sorted(self.dirty - set(os_device_chunks))} end dirty on "
+                                "the device (their gradients never reach the host update)")
+        pages = {(f, k) for f in grad_fqns for k in range(len(layout.entry(f).pieces))}
+        stored = self.stored
+        if grad_fqns and (set(stored) != pages or any(v != 1 for v in stored.values())):
+            wrong = sorted(p for p in pages | set(stored) if stored.get(p, 0) != 1)
+            raise ScheduleError(f"verify_schedule: gradient pages (fqn, page) {wrong[:6]} are not stored exactly "
+                                "once")
+        if self.sharded and grad_fqns:
+            expected = {c for f in grad_fqns for c in layout.entry(f).chunks}
+            if expected != self.reduced:
+                raise ScheduleError(f"verify_schedule: chunks {sorted(expected - self.reduced)} receive gradients "
+                                    "that are never reduced")
