@@ -1,5 +1,6 @@
 """One rank's ZeRO schedule, planned without a process group (meta-device models), at every budget
-from the minimum up, and verify_schedule's collective invariants: each broken on purpose."""
+from the minimum up, and verify_schedule's collective invariants: each broken on purpose (and two
+of one rank's: a fetch never waited for, a drop before its fetch's wait)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,42 @@ def test_verify_catches_a_plain_fetch_in_a_sharded_schedule(planned):
     gmeta.put(node, "mem", dataclasses.replace(gmeta.get(node, "mem"), kind=MemKind.FETCH))
     with pytest.raises(ScheduleError, match="chunks arrive by allgather"):
         _verify(sched, layout, sched.gm)
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank schedule that fetches asynchronously (a budget 1.2x its minimum)."""
+    layout, analyzed = _inputs("gpt", world=1)
+    least = minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=layout.chunk_size * 4).nbytes
+    sched = plan_at_budget(analyzed, layout, budget=int(least * 1.2), dtype=torch.float32)
+    verify = lambda: verify_schedule(sched.gm, layout, slot_bytes=layout.chunk_size * 4,   # noqa: E731
+                                     budget=int(least * 1.2), initial=dict(sched.plan.initial),
+                                     grad_fqns=sched.captured.grad_fqns)
+    verify()                                   # the real schedule passes
+    return sched.gm, verify
+
+
+def _slot_waits(gm):
+    return [n for n in _memory_nodes(gm, MemKind.WAIT) if gmeta.get(n, "mem").slot is not None]
+
+
+def test_verify_catches_a_fetch_never_waited_for(one_rank):
+    gm, verify = one_rank
+    gm.graph.erase_node(_slot_waits(gm)[-1])
+    with pytest.raises(ScheduleError, match="before the wait for its asynchronous fetch|never waited for"):
+        verify()
+
+
+def test_verify_catches_a_drop_before_its_fetch_is_waited_for(one_rank):
+    """A drop between a fetch and its wait: on a GPU the slot would go back while the copy still
+    writes it."""
+    gm, verify = one_rank
+    drop = _memory_nodes(gm, MemKind.DROP)[0]
+    chunk = gmeta.get(drop, "mem").chunk
+    fetch = next(n for n in _memory_nodes(gm, MemKind.FETCH) if gmeta.get(n, "mem").chunk == chunk
+                 and gmeta.get(n, "mem").asynchronous)
+    with gm.graph.inserting_after(fetch):
+        early = gm.graph.call_function(drop.target, drop.args)
+    early.meta.update(drop.meta)
+    with pytest.raises(ScheduleError, match=f"drop of chunk {chunk} from slot .* before the wait for its fetch"):
+        verify()
