@@ -104,7 +104,19 @@ class Config:
     staleness: int = 1                 # lock_free only: steps an update may lag (>= 1)
 
     def __post_init__(self):
-        set_ = object.__setattr__.__get__(self)
+        dev = self._check_device()
+        self._check_sizes()
+        self._check_choices()
+        self._check_link(dev)
+        self._check_copies_and_group(dev)
+        self._check_training_flags()
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_device(self) -> torch.device:
+        """``device`` as its tensors name it (``cpu``, ``cuda:N``)."""
+        set_ = self._set
         device = self.device if self.device is not None else default_device()
         try:
             dev = torch.device(device)
@@ -115,6 +127,11 @@ class Config:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available on this machine; use device='cpu'")
         set_("device", str(canonical_device(dev)))
+        return dev
+
+    def _check_sizes(self) -> None:
+        """The budgets, the disk folder, the chunk size and the dtype."""
+        set_ = self._set
         if self.device_memory is not None:
             set_("device_memory", parse_size(self.device_memory, "device_memory"))
             if self.device_memory == 0:
@@ -131,12 +148,26 @@ class Config:
                 raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive number of elements or 'auto'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
+
+    def _check_choices(self) -> None:
+        """The enum choices, as members, and the pairs of them that do not go together."""
+        set_ = self._set
         set_("mode", _choice(self.mode, Mode, "mode", "is not a mode"))
         set_("backend", _choice(self.backend, Backend, "backend", "is not a backend"))
         set_("planner", _choice(self.planner, Policy, "planner", "is not a planner"))
         if self.planner != Policy.BELADY and self.mode != Mode.COMPILED:
             raise ValueError(f"planner={str(self.planner)!r} plans compiled mode's graph; mode='hooks' evicts at run "
                              "time by farthest next use (planner='belady'); use mode='compiled'")
+        set_("collectives", _choice(self.collectives, Collectives, "collectives", "is not supported"))
+        set_("activations", _choice(self.activations, Activations, "activations", "is not a policy"))
+        if self.activations in (Activations.RECOMPUTE, Activations.OFFLOAD) and self.mode != Mode.COMPILED:
+            raise ValueError(f"activations={str(self.activations)!r} is planned in compiled mode's graph; in mode='hooks' "
+                             "wrap the model's blocks in torch.utils.checkpoint (or torch.autograd.graph."
+                             "save_on_cpu) instead, or use mode='compiled'")
+
+    def _check_link(self, dev: torch.device) -> None:
+        """``link_bandwidth``: a rate, or a GPU preset calibrated on this machine (CPU only)."""
+        set_ = self._set
         if self.link_bandwidth is not None:
             if dev.type != "cpu":
                 raise ValueError("link_bandwidth emulates a slow link on the CPU only; leave it None on CUDA")
@@ -148,6 +179,9 @@ class Config:
                     set_("link_bandwidth", parse_rate(self.link_bandwidth, "link_bandwidth"))
                 except ValueError as e:
                     raise ValueError(f"{e}; or a GPU preset, one of {sorted(LINK_PRESETS)}") from None
+
+    def _check_copies_and_group(self, dev: torch.device) -> None:
+        """``strict_copies`` (CPU only) and ``process_group``."""
         if not isinstance(self.strict_copies, bool):
             raise ValueError(f"strict_copies={self.strict_copies!r} must be True or False")
         if self.strict_copies and dev.type != "cpu":
@@ -163,12 +197,9 @@ class Config:
                 raise ValueError(f"process_group={self.process_group!r} must be None (the default group when "
                                  "torch.distributed is initialized), False (no sharding) or a "
                                  "torch.distributed.ProcessGroup")
-        set_("collectives", _choice(self.collectives, Collectives, "collectives", "is not supported"))
-        set_("activations", _choice(self.activations, Activations, "activations", "is not a policy"))
-        if self.activations in (Activations.RECOMPUTE, Activations.OFFLOAD) and self.mode != Mode.COMPILED:
-            raise ValueError(f"activations={str(self.activations)!r} is planned in compiled mode's graph; in mode='hooks' "
-                             "wrap the model's blocks in torch.utils.checkpoint (or torch.autograd.graph."
-                             "save_on_cpu) instead, or use mode='compiled'")
+
+    def _check_training_flags(self) -> None:
+        """Non-finite skipping, lock-free updating and loss scaling."""
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite={self.skip_nonfinite!r} must be True or False")
         if not isinstance(self.lock_free, bool):
