@@ -120,7 +120,11 @@ def _schema_aliases_input(node: fx.Node) -> bool:
 
 
 def annotate_params(captured: CapturedGraph) -> ParamUses:
-    """Annotate ``param``/``reads``/``last_use``/``phase`` metadata and return the uses per parameter."""
+    """Annotate ``param``/``reads``/``last_use``/``phase`` metadata and return the uses per parameter.
+
+    Long on purpose: one walk over the graph whose closures share what it has learned of each
+    parameter's views and readers.
+    """
     graph = captured.gm.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}

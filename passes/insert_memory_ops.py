@@ -38,6 +38,7 @@ collectives (a micro-batch of accumulation reduce-scatters into its fp32 ``acc``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -68,6 +69,21 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
     return chain[::-1]
 
 
+@dataclass
+class _Operands:
+    """What the memory nodes of one schedule read: its placeholders, the copied nodes (``env``),
+    each gradient's node, the residency replayed while emitting, and the ZeRO rank and world."""
+
+    slots: list
+    hosts: list
+    accs: list
+    env: dict
+    grad_node_of: dict
+    resident: dict
+    rank: int
+    world: int
+
+
 def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayout, *,
                       param_fqns: tuple[str, ...], grad_fqns: tuple[str, ...],
                       compute_dtype: torch.dtype, nonmodel: Sequence[int] | None = None,
@@ -77,7 +93,11 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
 
     Every node copied from ``gm`` gets metadata of its own (``gm`` is shared by every schedule of
     one capture and is never written): ``src_index``, its index in ``gm``, and ``nonmodel``, its
-    entry of the curve this schedule was planned with (when given)."""
+    entry of the curve this schedule was planned with (when given).
+
+    Long on purpose: the copy of the graph and the parameter views rebuilt at each reader share the new
+    graph, the node map and each reader's view cache (the memory nodes are ``_emit``).
+    """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     old_nodes = list(gm.graph.nodes)
@@ -117,73 +137,6 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     output_node = next(n for n in old_nodes if n.op == "output")
     loss_node, *grad_nodes = output_node.args[0]
     grad_node_of = dict(zip(grad_fqns, grad_nodes))
-
-    def emit(a) -> None:
-        if a.kind == MemKind.FETCH:
-            node = graph.call_function(torch.ops.pscompile.fetch.default, (slots[a.slot], hosts[a.chunk]))
-            resident[a.chunk] = a.slot
-            mem = MemOp(MemKind.FETCH, a.chunk, a.slot, "host", "device", a.nbytes,
-                        asynchronous=a.asynchronous)
-        elif a.kind == MemKind.ALLGATHER:
-            node = graph.call_function(torch.ops.pscompile.allgather.default,
-                                       (slots[a.slot], hosts[a.chunk], rank, world))
-            resident[a.chunk] = a.slot
-            mem = MemOp(MemKind.ALLGATHER, a.chunk, a.slot, "host+ranks", "device", a.nbytes,
-                        asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
-        elif a.kind == MemKind.BROADCAST:
-            owner = a.chunk % world
-            node = graph.call_function(torch.ops.pscompile.broadcast.default,
-                                       (slots[a.slot], hosts[a.chunk], owner, rank))
-            resident[a.chunk] = a.slot
-            mem = MemOp(MemKind.BROADCAST, a.chunk, a.slot, "host" if owner == rank else f"rank {owner}", "device",
-                        a.nbytes, asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
-        elif a.kind == MemKind.REDUCE:
-            owner = a.chunk % world
-            dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
-            node = graph.call_function(torch.ops.pscompile.reduce.default,
-                                       (dest, slots[a.slot], owner, rank, a.to_acc))
-            mem = MemOp(MemKind.REDUCE, a.chunk, a.slot, "device+ranks",
-                        ("acc" if a.to_acc else "host") if owner == rank else f"rank {owner}",
-                        a.nbytes, comm_bytes=a.comm_bytes, world=world)
-        elif a.kind == MemKind.RELEASE_REMOTE:
-            node = graph.call_function(torch.ops.pscompile.release_remote.default, (slots[a.slot],))
-            del resident[a.chunk]
-            mem = MemOp(MemKind.RELEASE_REMOTE, a.chunk, a.slot, "device", "-", 0, world=world)
-        elif a.kind == MemKind.REDUCE_SCATTER:
-            dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
-            node = graph.call_function(torch.ops.pscompile.reduce_scatter.default,
-                                       (dest, slots[a.slot], rank, world, a.to_acc))
-            mem = MemOp(MemKind.REDUCE_SCATTER, a.chunk, a.slot, "device+ranks", "acc" if a.to_acc else "host",
-                        a.nbytes, comm_bytes=a.comm_bytes, world=world)
-        elif a.kind == MemKind.WAIT and a.slot is None:     # an asynchronous accumulate_grad has landed
-            g = a.grad
-            node = graph.call_function(torch.ops.pscompile.wait_grad.default, (env[grad_node_of[g.fqn]],))
-            mem = MemOp(MemKind.WAIT, a.chunk, None, "-", "-", 0, g.fqn)
-        elif a.kind == MemKind.WAIT:
-            node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
-            mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0, world=world)
-        elif a.kind == MemKind.WRITEBACK:
-            node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
-            mem = MemOp(MemKind.WRITEBACK, a.chunk, a.slot, "device", "host", a.nbytes)
-        elif a.kind == MemKind.DROP:
-            node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
-            del resident[a.chunk]
-            mem = MemOp(MemKind.DROP, a.chunk, a.slot, "device", "-", 0)
-        elif a.kind == MemKind.ACCUMULATE_GRAD:
-            g = a.grad
-            node = graph.call_function(torch.ops.pscompile.accumulate_grad.default,
-                                       (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset, *_page(g)))
-            mem = MemOp(MemKind.ACCUMULATE_GRAD, a.chunk, None, "device", "host", a.nbytes, g.fqn,
-                        asynchronous=a.asynchronous)
-        else:
-            g = a.grad
-            grad = env[grad_node_of[g.fqn]]
-            dest = slots[a.slot] if a.slot is not None else hosts[a.chunk]
-            node = graph.call_function(torch.ops.pscompile.store_grad.default, (dest, grad, g.offset, *_page(g)))
-            mem = MemOp(MemKind.STORE_GRAD, a.chunk, a.slot, "device", "device" if a.slot is not None else "host",
-                        a.nbytes, g.fqn)
-        node.meta["val"] = None
-        gmeta.put(node, "mem", mem)
 
     def page(fqn: str, i: int, p) -> fx.Node:
         flat = graph.call_function(aten.slice.Tensor, (slots[resident[p.chunk]], 0, p.chunk_offset,
@@ -226,9 +179,10 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
         cache[arg] = cur
         return cur
 
+    operands = _Operands(slots, hosts, accs, env, grad_node_of, resident, rank, world)
     for i, n in enumerate(old_nodes):
         for a in actions.get(i, ()):
-            emit(a)
+            _emit(graph, a, operands)
         if n.op == "placeholder" or gmeta.get(n, "param") is not None:
             continue              # parameters and their views are re-created at each reader
         if n.op == "output":
@@ -241,8 +195,80 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
             return env[a]
         env[n] = own_meta(graph.node_copy(n, arg_map), n)
     for a in actions.get(len(old_nodes), ()):        # end of the iteration
-        emit(a)
+        _emit(graph, a, operands)
     graph.output((env[loss_node],))
     graph.lint()
     out = gmeta.graph_module(gm, graph)
     return out
+
+
+def _emit(graph: fx.Graph, a, op: "_Operands") -> None:
+    """The memory node of plan action ``a`` (its op and ``MemOp`` metadata) at the end of ``graph``;
+    ``op.resident`` follows the chunks that arrive and leave."""
+    slots, hosts, accs, env, grad_node_of = op.slots, op.hosts, op.accs, op.env, op.grad_node_of
+    resident, rank, world = op.resident, op.rank, op.world
+    if a.kind == MemKind.FETCH:
+        node = graph.call_function(torch.ops.pscompile.fetch.default, (slots[a.slot], hosts[a.chunk]))
+        resident[a.chunk] = a.slot
+        mem = MemOp(MemKind.FETCH, a.chunk, a.slot, "host", "device", a.nbytes,
+                    asynchronous=a.asynchronous)
+    elif a.kind == MemKind.ALLGATHER:
+        node = graph.call_function(torch.ops.pscompile.allgather.default,
+                                   (slots[a.slot], hosts[a.chunk], rank, world))
+        resident[a.chunk] = a.slot
+        mem = MemOp(MemKind.ALLGATHER, a.chunk, a.slot, "host+ranks", "device", a.nbytes,
+                    asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
+    elif a.kind == MemKind.BROADCAST:
+        owner = a.chunk % world
+        node = graph.call_function(torch.ops.pscompile.broadcast.default,
+                                   (slots[a.slot], hosts[a.chunk], owner, rank))
+        resident[a.chunk] = a.slot
+        mem = MemOp(MemKind.BROADCAST, a.chunk, a.slot, "host" if owner == rank else f"rank {owner}", "device",
+                    a.nbytes, asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
+    elif a.kind == MemKind.REDUCE:
+        owner = a.chunk % world
+        dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
+        node = graph.call_function(torch.ops.pscompile.reduce.default,
+                                   (dest, slots[a.slot], owner, rank, a.to_acc))
+        mem = MemOp(MemKind.REDUCE, a.chunk, a.slot, "device+ranks",
+                    ("acc" if a.to_acc else "host") if owner == rank else f"rank {owner}",
+                    a.nbytes, comm_bytes=a.comm_bytes, world=world)
+    elif a.kind == MemKind.RELEASE_REMOTE:
+        node = graph.call_function(torch.ops.pscompile.release_remote.default, (slots[a.slot],))
+        del resident[a.chunk]
+        mem = MemOp(MemKind.RELEASE_REMOTE, a.chunk, a.slot, "device", "-", 0, world=world)
+    elif a.kind == MemKind.REDUCE_SCATTER:
+        dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
+        node = graph.call_function(torch.ops.pscompile.reduce_scatter.default,
+                                   (dest, slots[a.slot], rank, world, a.to_acc))
+        mem = MemOp(MemKind.REDUCE_SCATTER, a.chunk, a.slot, "device+ranks", "acc" if a.to_acc else "host",
+                    a.nbytes, comm_bytes=a.comm_bytes, world=world)
+    elif a.kind == MemKind.WAIT and a.slot is None:     # an asynchronous accumulate_grad has landed
+        g = a.grad
+        node = graph.call_function(torch.ops.pscompile.wait_grad.default, (env[grad_node_of[g.fqn]],))
+        mem = MemOp(MemKind.WAIT, a.chunk, None, "-", "-", 0, g.fqn)
+    elif a.kind == MemKind.WAIT:
+        node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
+        mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0, world=world)
+    elif a.kind == MemKind.WRITEBACK:
+        node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
+        mem = MemOp(MemKind.WRITEBACK, a.chunk, a.slot, "device", "host", a.nbytes)
+    elif a.kind == MemKind.DROP:
+        node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
+        del resident[a.chunk]
+        mem = MemOp(MemKind.DROP, a.chunk, a.slot, "device", "-", 0)
+    elif a.kind == MemKind.ACCUMULATE_GRAD:
+        g = a.grad
+        node = graph.call_function(torch.ops.pscompile.accumulate_grad.default,
+                                   (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset, *_page(g)))
+        mem = MemOp(MemKind.ACCUMULATE_GRAD, a.chunk, None, "device", "host", a.nbytes, g.fqn,
+                    asynchronous=a.asynchronous)
+    else:
+        g = a.grad
+        grad = env[grad_node_of[g.fqn]]
+        dest = slots[a.slot] if a.slot is not None else hosts[a.chunk]
+        node = graph.call_function(torch.ops.pscompile.store_grad.default, (dest, grad, g.offset, *_page(g)))
+        mem = MemOp(MemKind.STORE_GRAD, a.chunk, a.slot, "device", "device" if a.slot is not None else "host",
+                    a.nbytes, g.fqn)
+    node.meta["val"] = None
+    gmeta.put(node, "mem", mem)

@@ -194,7 +194,12 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     docstring); ``reads`` must keep each group resident from its first gradient store to its last
     (``pipeline.node_reads`` does).
 
-    ``policy``: ``"belady"`` or ``"angel"`` (the module doc)."""
+    ``policy``: ``"belady"`` or ``"angel"`` (the module doc).
+
+    Long on purpose: one Belady simulation over the access sequence. Its closures share the residency
+    being simulated (slots, next uses, pending stores and copies); as separate functions each would
+    take that whole state.
+    """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not a residency policy; use one of {POLICIES}")
     angel = policy == Policy.ANGEL

@@ -111,7 +111,11 @@ class Executor:
         ``split="nodes"``; ``on_backward()`` is called once, when the first backward step starts;
         ``around_region(region)`` is a context entered around each region's call;
         ``call_region(region, compiled, args)``, if given, calls each region instead of
-        ``region.fn(args)`` (``compiled``: the region's ``fn`` is compiled code; ``probe.Probe``)."""
+        ``region.fn(args)`` (``compiled``: the region's ``fn`` is compiled code; ``probe.Probe``).
+
+        Long on purpose: the executor's hot loop, inlined (a call per step costs on every step of every
+        run).
+        """
         if len(inputs) != len(self.placeholders):
             raise ValueError(f"executor: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
         for i, name, shape, stride, dtype in self._input_checks:

@@ -123,7 +123,11 @@ class MemoryMoves:
         (a training step's memory nodes after its last compute, ``_overlaps_update``): a drop whose
         chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it.
         Every copy goes through the copy engine (``memory/copies.py``) and names ``node``; waits are
-        compute-side, except where the host reads what landed (gradients it adds or updates from)."""
+        compute-side, except where the host reads what landed (gradients it adds or updates from).
+
+        Long on purpose: one dispatch over the memory kinds, each a few lines, so each kind's copy and
+        wait sit side by side.
+        """
         store, q = self.store, self.copies
         if mem.kind == MemKind.FETCH:
             slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)

@@ -152,6 +152,9 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     ``sources``: record the model source line of every forward node (``source_line(node)``,
     ``file.py:12 in fn: code``) for messages about compiled regions; it makes the capture slower
     (about 2x on small models).
+
+    Long on purpose: the steps of one trace (parameter views, the joint loss-and-gradients function,
+    the traced graph's outputs named and checked) share one fake mode and the parameters' fake values.
     """
     t0 = time.perf_counter()
     names_of: dict[int, list[str]] = {}

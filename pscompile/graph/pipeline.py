@@ -160,7 +160,10 @@ def build_schedule(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     is that next step's: it starts with ``start``'s chunks in flight, ends like a cold step, and
     fetches the same chunks ahead again. ``planner``: ``plan_residency``'s victim policy
     (``Config.planner``). Raises ``BudgetError`` naming the node and the budget it
-    needs when ``memory.budget`` is too small."""
+    needs when ``memory.budget`` is too small.
+
+    Long on purpose: the passes of the second stage in order, each stamped with its provenance.
+    """
     kind = RunKind(kind)
     captured = analyzed.captured
     nodes = list(captured.gm.graph.nodes)

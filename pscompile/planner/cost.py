@@ -104,7 +104,11 @@ def graph_flops(gm: fx.GraphModule) -> int:
 def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, device_params: int) -> Cost:
     """The cost of one iteration of ``scheduled`` (a ``pipeline.Scheduled``) on one GPU of ``hw``.
     ``host_params`` / ``device_params``: parameters this GPU updates with optimizer states on the
-    host / on the device."""
+    host / on the device.
+
+    Long on purpose: one replay of the schedule's timeline (compute per node, each copy engine, the
+    collectives, the optimizer), whose running clocks every part of it advances.
+    """
     captured, plan = scheduled.captured, scheduled.plan
     nodes = list(captured.gm.graph.nodes)
     rate = hw.peak_flops * hw.efficiency

@@ -76,7 +76,11 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     activation policy, planner and collectives (its device, budgets and link are the hardware's).
     ``model``: an ``nn.Module`` (build it under ``torch.device("meta")``) with an example batch,
     or a ``GPTConfig`` with the batch shape ``(batch, seq)``. Never raises for a model that does
-    not fit: the report says where it overflows."""
+    not fit: the report says where it overflows.
+
+    Long on purpose: it is the planner's one sequence (layout, host and disk tiers, schedule, cost,
+    report) and reads top to bottom as the report does.
+    """
     t0 = time.perf_counter()
     hw = hardware_preset(hardware) if isinstance(hardware, str) else hardware
     module, batch, name, batch_desc = _resolve(model, batch)
