@@ -209,25 +209,32 @@ class ParamHooks:
         if self.comm is not None:
             self._sharded_grad(ps, fqn, param)
             return
+        self._take_grad(ps, fqn, param, lambda p, piece: self._home_grad_piece(ps, p, piece))
+        self._moment(MomentKind.GRAD, fqn, ())
+
+    def _take_grad(self, ps: PassState, fqn: str, param: nn.Parameter, write) -> None:
+        """Hand each piece of ``param``'s gradient to ``write(piece_of_layout, values)`` (not while
+        tracing), then forget the gradient."""
         grad = param.grad
         param.grad = None
         if grad is not None and not ps.tracing:
             flat = grad.reshape(-1)
             with ps.tracker.paused():
                 for p in self.layout.entry(fqn).pieces:
-                    piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
-                    if ps.acc is None:       # the gradient takes its parameter's place in the chunk
-                        self.store.write_piece(p.chunk, p.chunk_offset, piece)
-                    elif self._fresh_acc:    # a zero buffer (lock-free): 0 + g is g
-                        self.copies.move(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
-                    else:                    # accumulate in fp32 on the host; the parameter stays
-                        host = self.copies.host_empty(p.numel, piece.dtype)
-                        self.copies.move(host, piece, "d2h")
-                        ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].add_(host.float())
+                    write(p, flat[p.tensor_offset:p.tensor_offset + p.numel])
             ps.grad_written.add(fqn)
         del grad
         self.states[fqn] = TensorState.HOLD_AFTER_BWD
-        self._moment(MomentKind.GRAD, fqn, ())
+
+    def _home_grad_piece(self, ps: PassState, p, piece: torch.Tensor) -> None:
+        if ps.acc is None:       # the gradient takes its parameter's place in the chunk
+            self.store.write_piece(p.chunk, p.chunk_offset, piece)
+        elif self._fresh_acc:    # a zero buffer (lock-free): 0 + g is g
+            self.copies.move(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
+        else:                    # accumulate in fp32 on the host; the parameter stays
+            host = self.copies.host_empty(p.numel, piece.dtype)
+            self.copies.move(host, piece, "d2h")
+            ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].add_(host.float())
 
     def _grad_counts(self) -> dict[int, int]:
         """ZeRO: per group, the gradients it receives (one per trainable parameter in it)."""
@@ -248,16 +255,7 @@ class ParamHooks:
             if ps.grads_left[c] == self._grad_total[c]:
                 ps.pins[c] += 1                      # holds gradients from now on
         self._moment(MomentKind.GRAD, fqn, groups)
-        grad = param.grad
-        param.grad = None
-        if grad is not None and not ps.tracing:
-            flat = grad.reshape(-1)
-            with ps.tracker.paused():
-                for p in self.layout.entry(fqn).pieces:
-                    self.store.write_piece(p.chunk, p.chunk_offset, flat[p.tensor_offset:p.tensor_offset + p.numel])
-            ps.grad_written.add(fqn)
-        del grad
-        self.states[fqn] = TensorState.HOLD_AFTER_BWD
+        self._take_grad(ps, fqn, param, lambda p, piece: self.store.write_piece(p.chunk, p.chunk_offset, piece))
         for c in groups:
             ps.grads_left[c] -= 1
             if ps.grads_left[c] == 0:
