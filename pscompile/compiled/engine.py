@@ -110,8 +110,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
         self.eval_plan: ResidencyPlan | None = None
-        self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
-        self.eval_bytes_moved: int | None = None
         self._rates: Rates | None = None
         try:
             try:
@@ -382,13 +380,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self.last_plan = runs[-1].context.scheduled.plan
         self._last_key = runs[-1].context.key
 
-    def evaluate(self, batch: Any) -> float:
-        """The loss of ``batch`` from a forward pass only: no gradients, no update. It runs its own
-        forward-only schedule (captured, planned, measured and lowered like a training step's, under
-        the same budget). Like plain PyTorch, dropout follows the model's train()/eval() mode."""
-        self._check_open()
-        self._check_batch(batch, None, "evaluate")
-        batch = to_device(batch, self.device)
+    def _evaluate(self, batch: Any) -> tuple[float, int, int]:
         key, sched = self._runnable(batch, RunKind.EVAL)
         with torch.no_grad():
             run = self._run_graph(key, sched, batch, None)
@@ -397,10 +389,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         if run.context.samples is not None:
             self._remeasure(key, run.context.samples)
         self._adopt_pending_curves()
-        self.eval_peak_device_bytes = run.tracker.peak_total
-        self.eval_bytes_moved = run.traffic.h2d_bytes + run.traffic.d2h_bytes
         self.eval_plan = sched.plan
-        return self._global_mean(run.loss)
+        return run.loss, run.tracker.peak_total, run.traffic.h2d_bytes + run.traffic.d2h_bytes
 
     def _remeasure(self, key: ScheduleKey, samples: dict[int, int]) -> None:
         """Replace the static non-model estimate by the measured one and plan again (every
@@ -431,17 +421,12 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
                                   state_bytes=self.store.os_chunk_bytes).nbytes
                    for key, s in self._schedules.items())
 
-    def describe(self) -> str:
-        """A few lines on how the model was laid out and placed."""
-        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
-        return "\n".join([
-            f"compiled mode ({self.config.backend} backend) on {self.device}, compute dtype "
-            f"{str(self.dtype).replace('torch.', '')}, device_memory {budget} (minimum "
-            f"{format_bytes(self.min_device_memory)})",
-            f"layout: {self.layout.describe()}; order: {self.order_source}",
-            self.describe_tiers(),
-            *([plan.describe()] if (plan := self.schedule.scheduled.activations) is not None else []),
-        ])
+    def _mode_title(self) -> str:
+        return f"compiled mode ({self.config.backend} backend)"
+
+    def _describe_lines(self) -> list[str]:
+        plan = self.schedule.scheduled.activations
+        return [self.describe_tiers(), *([plan.describe()] if plan is not None else [])]
 
     @property
     def schedule(self) -> Schedule:

@@ -66,8 +66,6 @@ class HooksEngine(ParamHooks, ChunkEngine):
         self._traces: dict[tuple, AccessPlan] = {}   # batch signature -> forward/backward moments
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
         self._eval_plans: dict[tuple, AccessPlan] = {}  # forward-only moments, per batch signature
-        self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
-        self.eval_bytes_moved: int | None = None
         self.stats: StepStats | None = None
         try:
             self._plan_for(batch)
@@ -209,13 +207,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
             self._close_window(ps)
         return value
 
-    def evaluate(self, batch: Any) -> float:
-        """The loss of ``batch`` from a forward pass only: no gradients, no update. Parameters are
-        fetched and released by the same machinery, under the same budget (its own trace per batch
-        shape). Like plain PyTorch, dropout follows the model's train()/eval() mode."""
-        self._check_open()
-        self._check_batch(batch, None, "evaluate")
-        batch = to_device(batch, self.device)
+    def _evaluate(self, batch: Any) -> tuple[float, int, int]:
         key = signature(batch)
         plan = self._eval_plans.get(key)
         if plan is None:
@@ -225,10 +217,8 @@ class HooksEngine(ParamHooks, ChunkEngine):
         ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
         with self._pass_scope(ps):
             value = self._forward_only(ps, batch)
-        self.eval_peak_device_bytes = ps.tracker.peak_total
         traffic = self.link.reset()
-        self.eval_bytes_moved = traffic.h2d_bytes + traffic.d2h_bytes
-        return self._global_mean(value)
+        return value, ps.tracker.peak_total, traffic.h2d_bytes + traffic.d2h_bytes
 
     def _plan_for(self, batch: Any) -> AccessPlan:
         sig = signature(batch)
@@ -313,18 +303,14 @@ class HooksEngine(ParamHooks, ChunkEngine):
                 f"a smaller batch or a smaller chunk_size (now {self.layout.chunk_size:,} elements)",
                 minimum=need + os_bytes, detail=detail)
 
-    def describe(self) -> str:
-        """A few lines on how the model was laid out and placed."""
+    def _mode_title(self) -> str:
+        return "hooks mode"
+
+    def _describe_lines(self) -> list[str]:
         n = self.layout.num_chunks
         on_dev = sum(t is Tier.DEVICE for t in self.store.os_tier)
-        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
-        return "\n".join([
-            f"hooks mode on {self.device}, compute dtype {str(self.dtype).replace('torch.', '')}, "
-            f"device_memory {budget} (minimum {format_bytes(self.min_device_memory)})",
-            f"layout: {self.layout.describe()}; order: {self.order_source}",
-            f"optimizer states: {on_dev}/{n} chunks on the device, {n - on_dev} on the host",
-            self.describe_tiers(),
-        ])
+        return [f"optimizer states: {on_dev}/{n} chunks on the device, {n - on_dev} on the host",
+                self.describe_tiers()]
 
     @property
     def min_device_memory(self) -> int:

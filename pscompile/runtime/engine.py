@@ -24,28 +24,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from pscompile.config import AdamW, Config, available_host_bytes
+from pscompile.config import AdamW, Config
 from pscompile.dist import checkpoint as shard_ckpt
-from pscompile.errors import BudgetError
 from pscompile.dist.comm import resolve_comm
 from pscompile.dist.store import OwnedChunkStore, ShardedStore
 from pscompile.memory.disk import DiskQueue, SlotFile
-from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.copies import INLINE_COPY_BYTES
 from pscompile.memory.copy_engines import make_copy_engine
 from pscompile.memory.tiers import Link, Traffic
 from pscompile.memory.tracker import NonModelTracker
-from pscompile.memory.model_bytes import ModelBytes, owned_elements
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.lock_free import LockFreeUpdater
-from pscompile.optim.placement import host_state_chunks, host_shortfall_chunks
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.state import EngineState
+from pscompile.runtime.tiers import HostTiers
 from pscompile.runtime.update import ChunkUpdate
 from pscompile.runtime.params import ModelParams, choose_layout, collect_params
 from pscompile.stats import StepStats
@@ -66,7 +63,7 @@ class MicroRun:
     context: Any = None            # the mode's own record (hooks: the pass; compiled: the schedule)
 
 
-class ChunkEngine(ChunkUpdate, EngineState):
+class ChunkEngine(ChunkUpdate, EngineState, HostTiers):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         self.config = config
@@ -120,6 +117,8 @@ class ChunkEngine(ChunkUpdate, EngineState):
         self._move_buffers()
         self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
         self.stats = None
+        self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
+        self.eval_bytes_moved: int | None = None
         self.closed = False
         self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
         # queue the next disk chunk's reads before this one's update (False: read each when its
@@ -137,55 +136,6 @@ class ChunkEngine(ChunkUpdate, EngineState):
                              if config.lock_free else [])
         self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
         self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
-
-    def _place_host_tiers(self, config: Config) -> None:
-        """Where model data lives when the host cannot hold it all: ``min_device_homes`` chunks on
-        the device (their optimizer states with them), or ``disk_chunks`` whose states live on disk;
-        ``host_room``, the host bytes besides the chunks (offloaded activations). Raises when no
-        tier can take what the host cannot."""
-        mb = ModelBytes.of(self.dtype)
-        elsize = mb.param_bytes
-        host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        owned = owned_elements(self.layout.num_chunks, self.layout.chunk_size, rank=self.rank, world=self.world,
-                               per_chunk=self.per_chunk)
-        grad_sets = config.staleness + 1 if config.lock_free else 0
-        host_need = owned * mb.host_per_element(lock_free=config.lock_free, staleness=config.staleness)
-        # Chunks the host cannot hold live on the device (their optimizer states with them): the
-        # first ``min_device_homes`` chunks at least, whatever the placement rule says
-        self.min_device_homes = 0
-        self.host_room = max(0, host_budget - host_need)    # host bytes besides the chunks (offloaded activations)
-        # With a disk tier, the optimizer states the host cannot hold live on disk instead
-        self.disk_chunks: frozenset[int] = frozenset()
-        if host_need > host_budget and config.disk_dir is not None:
-            self.disk_chunks = self._disk_homes(host_budget, elsize)
-        elif host_need > host_budget and config.lock_free:
-            raise ValueError(
-                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks with lock-free updating: "
-                f"they need {format_bytes(host_need)} ({self.layout.num_chunks} chunks x {mb.per_element} bytes/param, "
-                f"plus {grad_sets} fp32 gradient buffer sets for staleness={config.staleness} and a second "
-                f"compute-dtype copy, {elsize + 4 * grad_sets} bytes/param); the update thread "
-                f"works on host memory, so give host_memory >= {host_need}, a smaller staleness, or lock_free=False")
-        elif host_need > host_budget:
-            chunk_need = mb.chunk(self.layout.chunk_size)
-            self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
-                                                          host_budget=host_budget)
-            self.host_room = max(0, host_budget - (self.layout.num_chunks - self.min_device_homes) * chunk_need)
-            device_need = self.min_device_homes * chunk_need
-            if self.world > 1 or (self.budget is not None and device_need > self.budget):
-                owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
-                where = ("" if self.world > 1 else
-                         f", and device_memory={format_bytes(self.budget)} cannot take the other "
-                         f"{self.min_device_homes} chunks ({format_bytes(device_need)} before any activation)")
-                detail = (f"to hold the {self.min_device_homes} chunks host_memory={format_bytes(host_budget)} "
-                          f"cannot ({format_bytes(device_need)} before any activation; Config(disk_dir=...) "
-                          "keeps their optimizer states on disk instead)")
-                error = ValueError if self.world > 1 else \
-                    lambda text: BudgetError(text, minimum=device_need, detail=detail)   # a search goes on from there
-                raise error(
-                    f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned}: they need "
-                    f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param){where}; give "
-                    f"host_memory >= {host_need}, more device_memory, or Config(disk_dir=...) to keep the "
-                    "optimizer states the host cannot hold on disk")
 
     def _make_store(self, config: Config) -> None:
         """The link, the copy engine and the chunk store (one process, or a ZeRO store)."""
@@ -207,32 +157,6 @@ class ChunkEngine(ChunkUpdate, EngineState):
                       if self.per_chunk else
                       ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
                                    copies=self.copies))
-
-    def _disk_homes(self, host_budget: int, elsize: int) -> frozenset[int]:
-        """The chunks (the last ones) whose optimizer states live on disk: the host keeps every
-        compute-dtype chunk, the staging buffers of ``STAGED_SETS`` disk chunks and as many chunks' states
-        as fit. Sets ``host_room``."""
-        if self.world > 1:
-            raise ValueError(f"disk_dir={self.config.disk_dir!r}: the disk tier is not available under ZeRO yet; "
-                             "give host_memory for this rank's shard, or run one process")
-        n, cs = self.layout.num_chunks, self.layout.chunk_size
-        on_host, room = host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=elsize,
-                                          staging_chunks=STAGED_SETS, host_budget=host_budget)
-        if room < 0:
-            fixed = host_budget - room
-            raise ValueError(
-                f"host_memory={format_bytes(host_budget)} cannot hold this model's compute-dtype chunks and the disk "
-                f"tier's staging buffers ({format_bytes(fixed)}: {n} chunks x {elsize} bytes/param, plus "
-                f"{STAGED_SETS} chunks of optimizer states); give host_memory >= {fixed}")
-        self.host_room = room
-        return frozenset(range(on_host, n))
-
-    def _disk_bytes(self) -> tuple[int, int]:
-        """Bytes the disk tier has read and written so far."""
-        if self.store.disk is None:
-            return 0, 0
-        t = self.store.disk.queue.traffic
-        return t.read_bytes, t.write_bytes
 
     def _count_outside_steps(self) -> None:
         """Finish the disk tier's transfers (written back, staging buffers returned) and move what
@@ -340,9 +264,36 @@ class ChunkEngine(ChunkUpdate, EngineState):
         return value if self.comm is None else self.comm.sum(value) / self.world
 
     def evaluate(self, batch: Any) -> float:
-        """Forward-only loss (validation). Modes that support it override this."""
-        raise NotImplementedError(f"evaluate() is not implemented in mode={str(self.config.mode)!r} yet; "
-                                  "use mode='hooks'")
+        """The loss of ``batch`` from a forward pass only: no gradients, no update, under the same
+        budget (hooks mode: its own trace per batch shape; compiled mode: its own forward-only
+        schedule, captured, planned, measured and lowered like a training step's). Like plain
+        PyTorch, dropout follows the model's train()/eval() mode. ``eval_peak_device_bytes`` and
+        ``eval_bytes_moved`` then tell what it took."""
+        self._check_open()
+        self._check_batch(batch, None, "evaluate")
+        loss, self.eval_peak_device_bytes, self.eval_bytes_moved = self._evaluate(to_device(batch, self.device))
+        return self._global_mean(loss)
+
+    def _evaluate(self, batch: Any) -> tuple[float, int, int]:
+        """Mode-specific: (this rank's loss, peak device bytes, bytes moved) of a forward pass."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """A few lines on how the model was laid out and placed."""
+        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
+        return "\n".join([
+            f"{self._mode_title()} on {self.device}, compute dtype {str(self.dtype).replace('torch.', '')}, "
+            f"device_memory {budget} (minimum {format_bytes(self.min_device_memory)})",
+            f"layout: {self.layout.describe()}; order: {self.order_source}",
+            *self._describe_lines(),
+        ])
+
+    def _mode_title(self) -> str:
+        raise NotImplementedError
+
+    def _describe_lines(self) -> list[str]:
+        """Mode-specific: the lines after the layout's."""
+        return [self.describe_tiers()]
 
     def _detach_from_model(self) -> None:
         """Mode-specific: remove whatever the mode attached to the model."""

@@ -1,0 +1,97 @@
+"""Where model data lives when the host cannot hold it all: a mixin of ``ChunkEngine``
+(``runtime/engine.py``).
+
+The host keeps every chunk's compute-dtype copy and optimizer states when it can
+(``memory/model_bytes.py`` counts them). When it cannot, the first chunks live on the device
+(``min_device_homes``, their optimizer states with them), or, with ``Config(disk_dir=...)``, the
+last chunks keep their optimizer states on disk (``disk_chunks``). ``host_room`` is what the host
+has besides the chunks (offloaded activations use it).
+"""
+
+from __future__ import annotations
+
+from pscompile.config import Config, available_host_bytes
+from pscompile.errors import BudgetError
+from pscompile.memory.disk_states import STAGED_SETS
+from pscompile.memory.model_bytes import ModelBytes, owned_elements
+from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
+from pscompile.units import format_bytes
+
+
+class HostTiers:
+    """Mixin of ``ChunkEngine``: the host and disk tiers' placement (see the module docstring)."""
+
+    def _place_host_tiers(self, config: Config) -> None:
+        """Where model data lives when the host cannot hold it all: ``min_device_homes`` chunks on
+        the device (their optimizer states with them), or ``disk_chunks`` whose states live on disk;
+        ``host_room``, the host bytes besides the chunks (offloaded activations). Raises when no
+        tier can take what the host cannot."""
+        mb = ModelBytes.of(self.dtype)
+        elsize = mb.param_bytes
+        host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
+        owned = owned_elements(self.layout.num_chunks, self.layout.chunk_size, rank=self.rank, world=self.world,
+                               per_chunk=self.per_chunk)
+        grad_sets = config.staleness + 1 if config.lock_free else 0
+        host_need = owned * mb.host_per_element(lock_free=config.lock_free, staleness=config.staleness)
+        # Chunks the host cannot hold live on the device (their optimizer states with them): the
+        # first ``min_device_homes`` chunks at least, whatever the placement rule says
+        self.min_device_homes = 0
+        self.host_room = max(0, host_budget - host_need)    # host bytes besides the chunks (offloaded activations)
+        # With a disk tier, the optimizer states the host cannot hold live on disk instead
+        self.disk_chunks: frozenset[int] = frozenset()
+        if host_need > host_budget and config.disk_dir is not None:
+            self.disk_chunks = self._disk_homes(host_budget, elsize)
+        elif host_need > host_budget and config.lock_free:
+            raise ValueError(
+                f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks with lock-free updating: "
+                f"they need {format_bytes(host_need)} ({self.layout.num_chunks} chunks x {mb.per_element} bytes/param, "
+                f"plus {grad_sets} fp32 gradient buffer sets for staleness={config.staleness} and a second "
+                f"compute-dtype copy, {elsize + 4 * grad_sets} bytes/param); the update thread "
+                f"works on host memory, so give host_memory >= {host_need}, a smaller staleness, or lock_free=False")
+        elif host_need > host_budget:
+            chunk_need = mb.chunk(self.layout.chunk_size)
+            self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
+                                                          host_budget=host_budget)
+            self.host_room = max(0, host_budget - (self.layout.num_chunks - self.min_device_homes) * chunk_need)
+            device_need = self.min_device_homes * chunk_need
+            if self.world > 1 or (self.budget is not None and device_need > self.budget):
+                owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
+                where = ("" if self.world > 1 else
+                         f", and device_memory={format_bytes(self.budget)} cannot take the other "
+                         f"{self.min_device_homes} chunks ({format_bytes(device_need)} before any activation)")
+                detail = (f"to hold the {self.min_device_homes} chunks host_memory={format_bytes(host_budget)} "
+                          f"cannot ({format_bytes(device_need)} before any activation; Config(disk_dir=...) "
+                          "keeps their optimizer states on disk instead)")
+                error = ValueError if self.world > 1 else \
+                    lambda text: BudgetError(text, minimum=device_need, detail=detail)   # a search goes on from there
+                raise error(
+                    f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned}: they need "
+                    f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param){where}; give "
+                    f"host_memory >= {host_need}, more device_memory, or Config(disk_dir=...) to keep the "
+                    "optimizer states the host cannot hold on disk")
+
+    def _disk_homes(self, host_budget: int, elsize: int) -> frozenset[int]:
+        """The chunks (the last ones) whose optimizer states live on disk: the host keeps every
+        compute-dtype chunk, the staging buffers of ``STAGED_SETS`` disk chunks and as many chunks' states
+        as fit. Sets ``host_room``."""
+        if self.world > 1:
+            raise ValueError(f"disk_dir={self.config.disk_dir!r}: the disk tier is not available under ZeRO yet; "
+                             "give host_memory for this rank's shard, or run one process")
+        n, cs = self.layout.num_chunks, self.layout.chunk_size
+        on_host, room = host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=elsize,
+                                          staging_chunks=STAGED_SETS, host_budget=host_budget)
+        if room < 0:
+            fixed = host_budget - room
+            raise ValueError(
+                f"host_memory={format_bytes(host_budget)} cannot hold this model's compute-dtype chunks and the disk "
+                f"tier's staging buffers ({format_bytes(fixed)}: {n} chunks x {elsize} bytes/param, plus "
+                f"{STAGED_SETS} chunks of optimizer states); give host_memory >= {fixed}")
+        self.host_room = room
+        return frozenset(range(on_host, n))
+
+    def _disk_bytes(self) -> tuple[int, int]:
+        """Bytes the disk tier has read and written so far."""
+        if self.store.disk is None:
+            return 0, 0
+        t = self.store.disk.queue.traffic
+        return t.read_bytes, t.write_bytes
