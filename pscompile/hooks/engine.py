@@ -368,7 +368,6 @@ class HooksEngine(ParamHooks, ChunkEngine):
     def _undo_gradients(self, ps: PassState) -> None:
         """After a failed pass: gradients already written over parameters are undone."""
         touched = {c for f in ps.grad_written for c in self.layout.entry(f).chunks}
-        for c in sorted(touched):
-            self.store.restore_from_master(c)
+        self._undo_all([c in touched for c in range(self.layout.num_chunks)])
         self._count_outside_steps()
 

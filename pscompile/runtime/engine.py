@@ -448,7 +448,9 @@ class ChunkEngine(ChunkUpdate, EngineState, HostTiers):
     def _after_step(self, batches: list, runs: list[MicroRun], *, accumulate: bool) -> None:
         """Mode hook: bookkeeping after a successful step."""
 
-    def _undo_all(self, only=None) -> None:
+    def _undo_all(self, only: list[bool] | None = None) -> None:
+        """Gradients written over parameter chunks are undone (each chunk ``only`` marks, or all):
+        the chunk is made again from its fp32 master. Both modes undo a failed step with it."""
         for c in range(self.layout.num_chunks):
             if only is None or only[c]:
                 self.store.restore_from_master(c)
