@@ -17,7 +17,6 @@ from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, ca
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
-from pscompile.optim.placement import device_state_chunks
 from pscompile.runtime.params import ModelParams
 
 
@@ -109,11 +108,7 @@ class CompiledPlanning:
         or a new batch shape, that leaves less margin), and schedules planned for the old placement
         are planned again."""
         peak = max([peak_nonmodel] + [max(s.nonmodel) for s in self._schedules.values()])
-        n = self.layout.num_chunks
-        count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=n,
-                                    chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
-                                    state_chunk_bytes=self.store.os_chunk_bytes) if not self.states_on_host_only else 0
-        count = max(count, self.min_device_homes)       # what the host cannot hold lives on the device
+        count = self._device_state_count(peak)
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
             return

@@ -39,7 +39,7 @@ from pscompile.hooks.states import ChunkPlacement, TensorState, chunk_placement
 from pscompile.kinds import MomentKind
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
-from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT, device_state_chunks
+from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.batching import LossFn, extract_loss, signature, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
@@ -264,12 +264,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
         """Device-aware placement (``pscompile.optim.placement``) for the largest non-model peak of
         every traced batch shape; rebuilds the plans with the optimizer's moments."""
         peak = max((t.peak_nonmodel for t in self._traces.values()), default=0)
-        count = device_state_chunks(budget=self.budget, peak_nonmodel=peak, num_chunks=self.layout.num_chunks,
-                                    chunk_size=self.layout.chunk_size,
-                                    param_chunk_bytes=self.store.param_chunk_bytes,
-                                    state_chunk_bytes=self.store.os_chunk_bytes) if not self.states_on_host_only else 0
-        count = max(count, self.min_device_homes)       # what the host cannot hold lives on the device
-        self.store.place_optimizer_states(range(count))
+        self.store.place_optimizer_states(range(self._device_state_count(peak)))
         self._count_outside_steps()
         opt = self._optimizer_moments()
         self._plans = {sig: AccessPlan(t.moments + opt) for sig, t in self._traces.items()}

@@ -14,12 +14,23 @@ from pscompile.config import Config, available_host_bytes
 from pscompile.errors import BudgetError
 from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.model_bytes import ModelBytes, owned_elements
-from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks
+from pscompile.optim.placement import device_state_chunks, host_shortfall_chunks, host_state_chunks
 from pscompile.units import format_bytes
 
 
 class HostTiers:
     """Mixin of ``ChunkEngine``: the host and disk tiers' placement (see the module docstring)."""
+
+    def _device_state_count(self, peak_nonmodel: int) -> int:
+        """How many chunks (the first ones) keep their optimizer states on the device, both modes:
+        the placement rule (``optim.placement.device_state_chunks``) for ``peak_nonmodel``, none
+        where updates must run on the host (ZeRO, lock-free), and at least the chunks the host
+        cannot hold."""
+        count = 0 if self.states_on_host_only else device_state_chunks(
+            budget=self.budget, peak_nonmodel=peak_nonmodel, num_chunks=self.layout.num_chunks,
+            chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
+            state_chunk_bytes=self.store.os_chunk_bytes)
+        return max(count, self.min_device_homes)
 
     def _place_host_tiers(self, config: Config) -> None:
         """Where model data lives when the host cannot hold it all: ``min_device_homes`` chunks on
