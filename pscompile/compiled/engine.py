@@ -100,8 +100,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._last_key: ScheduleKey | None = None
         self._init_moves()
         self._os_placed = False
-        # id(scheduled gm) -> the memory nodes after its last compute node
-        self._tails: dict[int, tuple[fx.GraphModule, frozenset[fx.Node]]] = {}
         self._check_moved: tuple[Scheduled, Any] | None = None   # a run whose bytes are checked after its update
         self._init_lowering()
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
@@ -163,8 +161,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         executor = self._executor_for(key, sched)
         observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
-        known = self._region_extra.get(id(sched.gm))
-        extra = known[1] if known is not None and known[0] is sched.gm else {}
+        extra = self._region_extra.get(sched.gm, {})
 
         # node by node, the tracker sees every operator (a dispatch mode); regions are sampled at
         # every step boundary instead: live storages plus what each region allocates inside, so steps
@@ -172,9 +169,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         # the real inputs a probing run kept (``probe.measure``); an eager region's by the tracker in
         # the executor's first run, which samples every operator (exact windows) and records each
         # region's rise above its start. A probing run runs every region as eager code and learns all.
-        probing = self._probing.get(id(sched.gm))
-        probe = probing[1] if probing is not None and probing[0] is sched.gm and executor.split == "regions" else None
-        learning = executor.split == "regions" and (self._unlearned.get(id(sched.gm)) is sched.gm or (
+        probe = self._probing.get(sched.gm) if executor.split == "regions" else None
+        learning = executor.split == "regions" and (sched.gm in self._unlearned or (
             probe is not None and probe.eager_all))
         learned: dict[int, int] = {}
         if learning:
@@ -234,7 +230,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
                     probe.learned[i] = max(probe.learned.get(i, 0), v)
             elif learning:                   # (a failed run learns nothing: its next run measures again)
                 extra.update(learned)
-                del self._unlearned[id(sched.gm)]
+                self._unlearned.discard(sched.gm)
             if probe is not None and not probe.eager_all:    # only checked layouts: settled now
                 self._settle_probe(key, sched, probe)
             self._reading.clear()
@@ -274,8 +270,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
 
     def _tail(self, sched: Scheduled) -> frozenset[fx.Node]:
         """The memory nodes of ``sched`` after its last compute node (the end of the step)."""
-        known = self._tails.get(id(sched.gm))
-        if known is None or known[0] is not sched.gm:
+        known = self._tails.get(sched.gm)
+        if known is None:
             tail = []
             for n in reversed(list(sched.gm.graph.nodes)):
                 if n.op == "output":
@@ -283,8 +279,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
                 if not is_memory_node(n):
                     break
                 tail.append(n)
-            known = self._tails[id(sched.gm)] = (sched.gm, frozenset(tail))
-        return known[1]
+            known = self._tails[sched.gm] = frozenset(tail)
+        return known
 
     # ---------------------------------------------------------------- the step (ChunkEngine.step)
     def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:

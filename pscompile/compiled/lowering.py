@@ -48,23 +48,27 @@ class RegionLowering:
     def _init_lowering(self) -> None:
         self._region_cache = RegionCache()         # compiled regions, shared by every schedule
         self._allocs: dict[str, Allocation] = {}   # region key -> what its compiled code allocates (probe.py)
-        # id(scheduled gm) -> the probe of its executor's first run(s): layouts checked; with
+        # (every table below is keyed by a schedule's graph itself: a graph module hashes by identity,
+        # and the table keeps it alive until _forget_lowering drops it with its schedule)
+        # scheduled gm -> the probe of its executor's first run(s): layouts checked; with
         # ``eager_all``, compiled regions run as eager code and unmeasured ones keep their inputs
-        self._probing: dict[int, tuple[fx.GraphModule, Probe]] = {}
-        self._executors: dict[int, Executor] = {}  # id(scheduled gm) -> its executor
-        # id(scheduled gm) -> region index -> bytes the region allocates beyond what is live when it
+        self._probing: dict[fx.GraphModule, Probe] = {}
+        self._executors: dict[fx.GraphModule, Executor] = {}   # scheduled gm -> its executor
+        # scheduled gm -> region index -> bytes the region allocates beyond what is live when it
         # starts: a compiled region's measured once with the profiler (the tracker cannot see inside),
         # an eager region's by the tracker, operator by operator, in the first run of its executor
-        self._region_extra: dict[int, tuple[fx.GraphModule, dict[int, int]]] = {}
-        self._unlearned: dict[int, fx.GraphModule] = {}    # id(gm): eager regions not yet measured
+        self._region_extra: dict[fx.GraphModule, dict[int, int]] = {}
+        self._unlearned: set[fx.GraphModule] = set()        # eager regions not yet measured
+        self._tails: dict[fx.GraphModule, frozenset[fx.Node]] = {}   # its memory nodes after the last compute
         self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
         self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
         self._node_by_node: set[CaptureKey] = set()       # captures whose regions did not fit: run eagerly
 
     def _forget_lowering(self, gm: fx.GraphModule) -> None:
         """Drop what was made for the schedule of ``gm`` (it is being replaced)."""
-        for made in (self._executors, self._region_extra, self._unlearned, self._probing):
-            made.pop(id(gm), None)
+        for made in (self._executors, self._region_extra, self._probing, self._tails):
+            made.pop(gm, None)
+        self._unlearned.discard(gm)
 
     def _executor_for(self, key: ScheduleKey, sched: Scheduled) -> Executor:
         """The executor of a schedule: node by node for a measuring run; regions between memory
@@ -76,8 +80,8 @@ class RegionLowering:
         layouts its compiled regions receive; otherwise the plan is checked for the regions as
         eager code (which that run runs them as), and they are measured on their real inputs, and
         the plan checked again, after it (``_settle_probe``)."""
-        ex = self._executors.get(id(sched.gm))
-        if ex is None or ex.gm is not sched.gm:
+        ex = self._executors.get(sched.gm)
+        if ex is None:
             regions = sched.measured and key.capture not in self._node_by_node
             # eager regions read parameters as the graph does (no region is shared, so none is lifted
             # out: a gathered parameter is made where the node-by-node measurement saw it made)
@@ -88,12 +92,12 @@ class RegionLowering:
             ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
                           cache=self._region_cache, lift_params=not eager,
                           fold_stores=regions and (eager or self.budget is None))
-            self._executors[id(sched.gm)] = ex
+            self._executors[sched.gm] = ex
             if regions:
                 compiled = ex.compiled_regions()
                 known = all(r.key in self._allocs for r in compiled)
                 if compiled:
-                    self._probing[id(sched.gm)] = (sched.gm, Probe(self._allocs.__contains__, eager_all=not known))
+                    self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=not known)
                 ex = self._check_region_curve(key, sched, ex, {} if known else None)
         return ex
 
@@ -116,8 +120,8 @@ class RegionLowering:
             curve = agreed if agreed != tuple(sched.nonmodel) else None
         if curve is not None:          # the regions need more than this plan gives them: run node
             self._pending_curves[key.capture] = curve     # by node until it is planned again
-            self._probing.pop(id(sched.gm), None)
-            ex = self._executors[id(sched.gm)] = Executor(sched.gm, split="nodes")
+            self._probing.pop(sched.gm, None)
+            ex = self._executors[sched.gm] = Executor(sched.gm, split="nodes")
             return ex
         if learned is None:
             return ex
@@ -126,9 +130,9 @@ class RegionLowering:
         if learned:
             extra.update({r.index: v for r in ex.regions if not ex.is_compiled(r)
                           and (v := learned.get(r.index)) is not None})
-        self._region_extra[id(sched.gm)] = (sched.gm, extra)
+        self._region_extra[sched.gm] = extra
         if not learned:
-            self._unlearned[id(sched.gm)] = sched.gm
+            self._unlearned.add(sched.gm)
         return ex
 
     def _settle_probe(self, key: ScheduleKey, sched: Scheduled, probe: Probe) -> None:
@@ -136,17 +140,17 @@ class RegionLowering:
         become eager code. After a probing run (``eager_all``; between steps, no activation live)
         the compiled regions are measured on the real inputs it kept, and the plan is checked
         against the measurements (``_check_region_curve``)."""
-        entry = self._probing.pop(id(sched.gm), None)
-        if entry is None or entry[1] is not probe:
+        if self._probing.get(sched.gm) is not probe:
             return
+        del self._probing[sched.gm]
         allocs, failed = measure(probe.saved, self.device) if probe.eager_all else ({}, {})
         self._allocs.update(allocs)
         for stage, problems in (("checking its inputs' layout", probe.mismatched),
                                 ("running it on its real inputs", failed)):
             for region_key, (r, why) in problems.items():
                 self._fall_back(region_key, r, stage, why)
-        ex = self._executors.get(id(sched.gm))
-        if not probe.eager_all or ex is None or ex.gm is not sched.gm or ex.split != "regions":
+        ex = self._executors.get(sched.gm)
+        if not probe.eager_all or ex is None or ex.split != "regions":
             return                      # (without eager_all the plan was checked when ex was made)
         self._check_region_curve(key, sched, ex, probe.learned)
         self._lower(key)
@@ -155,13 +159,13 @@ class RegionLowering:
         """Regions of ``region_key`` run as eager graph code in every executor from now on."""
         warn_fallback(r, stage, why)
         self._region_cache.fail((self.config.backend, region_key), f"{stage}: {why}")
-        for gm_id, ex in list(self._executors.items()):
+        for gm, ex in list(self._executors.items()):
             changed = ex.fall_back(region_key, f"{stage}: {why}") if ex.split == "regions" else []
-            known = self._region_extra.get(gm_id)
+            known = self._region_extra.get(gm)
             if changed and known is not None:     # what they allocate as eager code: learned in the next run
                 for r in changed:
-                    known[1].pop(r.index, None)
-                self._unlearned[gm_id] = known[0]
+                    known.pop(r.index, None)
+                self._unlearned.add(gm)
 
     def _lower(self, key: ScheduleKey) -> None:
         """Make the executor of ``key``'s schedule now, not inside the next step, and plan again
