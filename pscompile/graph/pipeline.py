@@ -362,7 +362,7 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, budget: int 
     None places them by the rule. Every schedule is planned here: the engine's, the minimum's,
     the budget sweep's and the planner's."""
     if activations is not None:
-        slot = layout.chunk_size * torch.empty((), dtype=dtype).element_size()
+        slot = ModelBytes.of(dtype).param_chunk(layout.chunk_size)
         analyzed = choose_activations(analyzed, layout, policy=activations, budget=budget, slot_bytes=slot,
                                       world=world, variants=variants, rates=rates, host_room=host_room)
     nonmodel = analyzed.nonmodel if nonmodel is None else tuple(nonmodel)

@@ -87,7 +87,8 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     cfg = _config(config, hw)
     world = hw.gpus
     per_chunk = cfg.collectives == Collectives.PER_CHUNK and world > 1
-    elsize = torch.empty((), dtype=cfg.dtype).element_size()
+    mb = ModelBytes.of(cfg.dtype)
+    elsize = mb.param_bytes
     layout, analyzed = plan_inputs(module, batch, cfg, world=world, per_chunk=per_chunk, loss_fn=loss_fn)
     params = layout.total_numel
     slot = layout.chunk_size * elsize
@@ -95,7 +96,6 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     rates = Rates(hw.peak_flops * hw.efficiency, hw.pcie)
 
     # the host and disk tiers, as the engine checks them (runtime/engine.py)
-    mb = ModelBytes(elsize)
     owned = owned_elements(layout.num_chunks, layout.chunk_size, world=world)
     host_need = owned * mb.per_element
     disk_budget = (hw.disk or 0) // world
