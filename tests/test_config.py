@@ -1,5 +1,7 @@
 """Config and AdamW validate their fields and name them in the error."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,10 +102,12 @@ def test_a_device_named_with_an_index_trains_like_plain_pytorch(mode):
         assert pscompile.Config(device="cuda").device == f"cuda:{torch.cuda.current_device()}"
     batches = make_batches("gpt", 3)
     hp = pscompile.AdamW(lr=1e-3)
+    config = pscompile.Config(mode=mode, device="cpu:0", dtype=torch.float32, backend="eager", chunk_size=2048)
+    budget = pscompile.min_device_memory(make_model("gpt"), batches[0], config) + 2 * 2048 * 4   # evicts
     ref = ReferenceTrainer(make_model("gpt"), optimizer=hp, dtype=torch.float32)
     engine = pscompile.compile(make_model("gpt"), batches[0], optimizer=hp,
-                               config=pscompile.Config(mode=mode, device="cpu:0", dtype=torch.float32,
-                                                       backend="eager", chunk_size=2048))
+                               config=dataclasses.replace(config, device_memory=budget))
     for b in batches:
         ours, plain = engine.step(b), ref.step(b)
         assert abs(ours - plain) <= 1e-5 * abs(plain)
+        assert engine.stats.num_evictions > 0 and engine.stats.peak_device_bytes <= budget
