@@ -33,8 +33,8 @@ import torch
 from tabulate import tabulate
 
 import pscompile
-from pscompile.graph.pipeline import (capture_and_analyze, config_least, gather_bytes, layout_candidates,
-                                      plan_at_budget, regather)
+from pscompile.graph.pipeline import (PlanRequest, capture_and_analyze, config_least, gather_bytes,
+                                      layout_candidates, plan_at_budget, regather)
 from pscompile.memory.layout import build_layout
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.runtime.batching import call_model
@@ -139,7 +139,8 @@ def chunk_size_rows(s: dict) -> tuple[list[list], list[dict]]:
             least = config_least(a, layout, cfg)
             moved = None
             if least <= budget:
-                sched = plan_at_budget(a, layout, budget=budget, dtype=torch.float32, activations=cfg.activations)
+                request = PlanRequest(budget=budget, dtype=torch.float32, activations=cfg.activations)
+                sched = plan_at_budget(a, layout, request)
                 moved = sched.plan.h2d_bytes + sched.plan.d2h_bytes + 2 * sched.offload_bytes
             what = ("picked" if cs == picked else "candidate" if cs in candidates else "-") + \
                 (" (whole)" if cs == whole else "")

@@ -192,7 +192,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
 
     ``world > 1``: chunks are communication groups sharded over ``world`` ranks (see the module
     docstring); ``reads`` must keep each group resident from its first gradient store to its last
-    (``pipeline.node_reads`` does).
+    (``analysis.node_reads`` does).
 
     ``policy``: ``"belady"`` or ``"angel"`` (the module doc).
 

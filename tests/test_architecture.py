@@ -128,3 +128,39 @@ def test_no_file_outside_the_repository_is_cited():
             if b in text:
                 offenders.append(f"{f.relative_to(ROOT)}: {b}")
     assert not offenders, offenders
+
+
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _sources() -> list[Path]:
+    return [*ROOT.joinpath("pscompile").rglob("*.py"), *ROOT.joinpath("passes").rglob("*.py")]
+
+
+def long_functions(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """Functions over ``MAX_FUNCTION_LINES`` whose docstring does not say why ("Long on purpose")."""
+    out = []
+    for f in paths:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and "Long on purpose" not in (ast.get_docstring(node) or ""):
+                    out.append(f"{f.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_no_file_over_the_limit_and_no_long_function_without_its_reason():
+    """docs/design.md's rule: files of one job, functions that fit on a screen (a longer one says
+    why beside it)."""
+    big = [f"{f.relative_to(ROOT)} ({n} lines)" for f in _sources()
+           if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not big, big
+    assert not long_functions(_sources())
+
+
+def test_the_function_length_check_finds_a_long_function_without_its_reason(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    src = tmp_path / "m.py"
+    src.write_text(f'def f():\n    """short"""\n{body}\n\n\ndef g():\n    """Long on purpose: a table."""\n{body}\n')
+    assert [s.split(" ")[1] for s in long_functions([src], tmp_path)] == ["f"]

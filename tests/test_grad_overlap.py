@@ -154,8 +154,9 @@ def test_accumulation_overlaps_its_copies_and_trains_to_the_same_bits(monkeypatc
     state = engine.state_dict()
     engine.close()
 
-    import pscompile.graph.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "overlap_grad_copies", lambda plan, *a, **k: (plan, SimpleNamespace(summary="off")))
+    import pscompile.graph.schedule_passes as schedule_passes
+    monkeypatch.setattr(schedule_passes, "overlap_grad_copies",
+                        lambda plan, *a, **k: (plan, SimpleNamespace(summary="off")))
     sync, micro = _accum_engine(budget)
     sync_losses = [sync.step(micro[4 * (s % 2):4 * (s % 2) + 4]) for s in range(3)]
     mems = [get(n, "mem") for n in sync.schedule_of(micro[0], "accum").gm.graph.nodes if is_memory_node(n)]

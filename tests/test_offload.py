@@ -21,7 +21,7 @@ import pscompile
 from pscompile.graph.capture import capture_joint
 from pscompile.graph.meta import get
 from pscompile.graph.analysis import _analyze, _Passes
-from pscompile.graph.pipeline import choose_activations, plan_at_budget, plan_inputs
+from pscompile.graph.pipeline import PlanRequest, choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
 from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import find_segments
@@ -134,11 +134,11 @@ def test_every_budget_from_the_offload_minimum_plans_and_verifies():
     layout, analyzed = plan_inputs(model, batch, config)
     variants: dict = {}
     for budget in sorted({least + 2048 * k for k in range(12)} | {least + (keep - least) * k // 16 for k in range(17)}):
-        sched = plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, activations="offload",
+        sched = plan_at_budget(analyzed, layout, PlanRequest(budget=budget, dtype=torch.float32, activations="offload"),
                                variants=variants)          # verify_schedule runs inside: a broken plan raises
         assert sched.plan.peak_device_bytes <= budget and sched.offload_bytes > 0
     with pytest.raises(pscompile.BudgetError, match=f"give device_memory >= {least}"):
-        plan_at_budget(analyzed, layout, budget=least - 1, dtype=torch.float32, activations="offload")
+        plan_at_budget(analyzed, layout, PlanRequest(budget=least - 1, dtype=torch.float32, activations="offload"))
     for budget in (least, least + (keep - least) // 2):
         _train("gpt", "offload", budget, steps=2)
 
@@ -165,7 +165,7 @@ def test_auto_offloads_over_a_fast_link_and_recomputes_over_a_slow_one():
     assert len(tight.activations.offloaded) <= 1 and tight.activations.recomputed
     assert tight.activations.offload_bytes <= one
     for chosen in (fast, slow, tight):
-        plan_at_budget(chosen, layout, budget=budget if chosen is not tight else least, dtype=torch.float32)
+        plan_at_budget(chosen, layout, PlanRequest(budget=budget if chosen is not tight else least, dtype=torch.float32))
 
 
 def test_offload_refuses_a_host_without_room_and_hooks_mode():
@@ -223,13 +223,14 @@ def test_auto_plans_and_verifies_at_every_budget_from_its_minimum(kind, rates):
     variants: dict = {}
     mixes = set()
     for budget in sorted({least + 1024 * k for k in range(8)} | {least + (keep - least) * k // 24 for k in range(26)}):
-        sched = plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, activations="auto",
+        sched = plan_at_budget(analyzed, layout, PlanRequest(budget=budget, dtype=torch.float32, activations="auto"),
                                variants=variants, rates=rates)
         assert sched.plan.peak_device_bytes <= budget
         mixes.add((sched.activations.recomputed, sched.activations.offloaded))
     assert len(mixes) >= 3, mixes
     with pytest.raises(pscompile.BudgetError, match=f"give device_memory >= {least}"):
-        plan_at_budget(analyzed, layout, budget=least - 1, dtype=torch.float32, activations="auto", rates=rates)
+        plan_at_budget(analyzed, layout, PlanRequest(budget=least - 1, dtype=torch.float32, activations="auto"),
+                       rates=rates)
 
 
 def test_copies_overlap_compute_where_the_budget_allows():

@@ -130,7 +130,7 @@ def test_the_steady_state_charges_the_chunks_fetched_ahead_once():
     flight (one GPU, float32): walking it, the host->device engine carries exactly the bytes the
     plan counts (its own fetches and those ahead), each once; with loss scaling (float16) there
     is no such step and the two estimates are one."""
-    from pscompile.graph.pipeline import plan_at_budget, plan_inputs
+    from pscompile.graph.pipeline import PlanRequest, plan_at_budget, plan_inputs
     batch = make_batches("gpt", 1)[0]
     torch.manual_seed(0)
     least = pscompile.min_device_memory(GPT(gpt_config("gpt-tiny")), batch, _config())
@@ -138,11 +138,10 @@ def test_the_steady_state_charges_the_chunks_fetched_ahead_once():
     with torch.device("meta"):
         meta = GPT(gpt_config("gpt-tiny"))
     layout, analyzed = plan_inputs(meta, batch, _config(device_memory=budget))
-    kw = dict(budget=budget, dtype=torch.float32, activations="recompute")
-    first = plan_at_budget(analyzed, layout, lookahead=True, plan_only=True, **kw)
+    request = PlanRequest(budget, torch.float32, activations="recompute", lookahead=True, plan_only=True)
+    first = plan_at_budget(analyzed, layout, request)
     assert first.lookahead is not None and first.lookahead.fetches, "no chunk fetched ahead: proves nothing"
-    steady = plan_at_budget(analyzed, layout, lookahead=True, start=dict(first.lookahead.fetches), plan_only=True,
-                            **kw)
+    steady = plan_at_budget(analyzed, layout, dataclasses.replace(request, start=dict(first.lookahead.fetches)))
     hw = dataclasses.replace(_machine(budget), pcie=1e6)
     cost = estimate(steady, hw, model_flops=1, host_params=layout.total_numel, device_params=0)
     assert cost.h2d_s * 1e6 == pytest.approx(steady.plan.h2d_bytes, rel=1e-9)

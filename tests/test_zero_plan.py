@@ -12,7 +12,8 @@ import torch
 import pscompile
 from pscompile.errors import BudgetError, ScheduleError
 from pscompile.graph import meta as gmeta
-from pscompile.graph.pipeline import minimum_budget, plan_at_budget, plan_inputs
+from pscompile.graph.minimum import minimum_budget
+from pscompile.graph.pipeline import PlanRequest, plan_at_budget, plan_inputs
 from pscompile.graph.ops import is_memory_node
 from pscompile.kinds import MemKind, RunKind
 from pscompile.models.bert import BertMLM, bert_config
@@ -56,10 +57,10 @@ def test_every_budget_from_the_minimum_up_plans_and_verifies(kind, planner):
     slot = layout.chunk_size * 4
     least = minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=slot, world=WORLD).nbytes
     with pytest.raises(BudgetError):
-        plan_at_budget(analyzed, layout, budget=least - 1, dtype=torch.float32, world=WORLD, planner=planner)
+        plan_at_budget(analyzed, layout, PlanRequest(budget=least - 1, dtype=torch.float32, world=WORLD, planner=planner))
     releases_seen = 0
     for budget in [least + k * slot // 3 for k in range(0, 3 * layout.num_chunks + 2)] + [None]:
-        sched = plan_at_budget(analyzed, layout, budget=budget, dtype=torch.float32, world=WORLD, planner=planner)
+        sched = plan_at_budget(analyzed, layout, PlanRequest(budget=budget, dtype=torch.float32, world=WORLD, planner=planner))
         assert sched.plan.policy == planner
         _check(sched, layout, budget)
         releases_seen += sum(a.kind == MemKind.RELEASE_REMOTE and a.before < sched.plan.num_nodes
@@ -78,7 +79,7 @@ def test_the_minimum_counts_groups_held_for_their_gradients():
 
 def test_accumulation_reduce_scatters_into_the_fp32_shards():
     layout, analyzed = _inputs("gpt", kind_run=RunKind.ACCUM)
-    sched = plan_at_budget(analyzed, layout, budget=None, dtype=torch.float32, kind=RunKind.ACCUM, world=WORLD)
+    sched = plan_at_budget(analyzed, layout, PlanRequest(budget=None, dtype=torch.float32, kind=RunKind.ACCUM, world=WORLD))
     rs = [a for a in sched.plan.actions if a.kind == MemKind.REDUCE_SCATTER]
     assert rs and all(a.to_acc for a in rs)
     assert not any(a.kind == MemKind.ACCUMULATE_GRAD for a in sched.plan.actions)
@@ -96,7 +97,7 @@ def _memory_nodes(gm, kind):
 @pytest.fixture
 def planned():
     layout, analyzed = _inputs("gpt")
-    sched = plan_at_budget(analyzed, layout, budget=None, dtype=torch.float32, world=WORLD)
+    sched = plan_at_budget(analyzed, layout, PlanRequest(budget=None, dtype=torch.float32, world=WORLD))
     _verify(sched, layout, sched.gm)           # the real schedule passes
     return sched, layout
 
@@ -150,7 +151,7 @@ def one_rank():
     """A one-rank schedule that fetches asynchronously (a budget 1.2x its minimum)."""
     layout, analyzed = _inputs("gpt", world=1)
     least = minimum_budget(analyzed, layout, nonmodel=analyzed.nonmodel, slot_bytes=layout.chunk_size * 4).nbytes
-    sched = plan_at_budget(analyzed, layout, budget=int(least * 1.2), dtype=torch.float32)
+    sched = plan_at_budget(analyzed, layout, PlanRequest(budget=int(least * 1.2), dtype=torch.float32))
     verify = lambda: verify_schedule(sched.gm, layout, slot_bytes=layout.chunk_size * 4,   # noqa: E731
                                      budget=int(least * 1.2), initial=dict(sched.plan.initial),
                                      grad_fqns=sched.captured.grad_fqns)

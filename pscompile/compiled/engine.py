@@ -41,7 +41,8 @@ from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.ops import activation_move, is_memory_node, mem_op
-from pscompile.graph.pipeline import AnalyzedGraph, Scheduled, minimum_budget
+from pscompile.graph.minimum import minimum_budget
+from pscompile.graph.pipeline import AnalyzedGraph, Scheduled
 from pscompile.kinds import Backend, MemKind, RunKind
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tracker import NonModelTracker
@@ -104,7 +105,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._init_lowering()
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
         self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
-        self._restored: dict[str, dict] = {}      # repr(capture key) -> what a loaded checkpoint measured
+        self._restored: dict[str, dict] = {}      # CaptureKey.token -> what a loaded checkpoint measured
         self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
         self.eval_plan: ResidencyPlan | None = None
@@ -149,8 +150,9 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
                    acc: list[torch.Tensor] | None, loss_scale: float = 1.0) -> MicroRun:
         """Run one scheduled graph (memory nodes as planned) and check the bytes it moved against
         the plan. On failure, stored gradients are undone and slots reset to the plan's start.
-        (Long because its closures -- around_region, run_memory, learn -- share the run's tracker
-        and what it is measuring; the steps before and after are methods of their own.)"""
+
+        Long on purpose: its closures (around_region, run_memory, learn) share the run's tracker
+        and what it is measuring; the steps before and after are methods of their own."""
         t_start = time.perf_counter()
         self._count_outside_steps()
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
@@ -406,7 +408,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
     # ================================================================ inspection
     @property
     def min_device_memory(self) -> int:
-        """The smallest budget every schedule planned so far fits in (``pipeline.minimum_budget``:
+        """The smallest budget every schedule planned so far fits in (``minimum.minimum_budget``:
         at every node, the chunks it reads next to its window of non-model bytes, optimizer states
         on the host), with the measured curve where there is one. It is the minimum of the graphs
         the activation policy chose for this budget; with more recomputation a smaller budget may

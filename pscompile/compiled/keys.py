@@ -21,6 +21,15 @@ class CaptureKey:
     training: bool          # model.training when it was captured
     batch: tuple            # runtime.batching.signature of the batch
 
+    @property
+    def token(self) -> str:
+        """The name a checkpoint keeps this capture's measurements under: the kind of capture, then
+        the batch's structure and each leaf's shape and dtype (or a non-tensor leaf's value)."""
+        spec, *leaves = self.batch
+        parts = [f"{list(x[0])}:{str(x[1]).replace('torch.', '')}" if isinstance(x, tuple) else str(x) for x in leaves]
+        return "|".join([("fwd+bwd" if self.backward else "fwd") + ("/train" if self.training else "/eval"),
+                         str(spec)] + parts)
+
 
 @dataclass(frozen=True)
 class ScheduleKey:

@@ -13,10 +13,11 @@ from typing import Any
 
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, capture_and_analyze, choose_activations,
-                                      engine_layout, gather_bytes, plan_at_budget, regather)
+                                      PlanRequest, engine_layout, gather_bytes, plan_at_budget, regather)
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
+from pscompile.optim.placement import update_overlaps_next_step
 from pscompile.runtime.params import ModelParams
 
 
@@ -82,9 +83,10 @@ class CompiledPlanning:
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None) -> Scheduled:
-        sched = plan_at_budget(analyzed, self.layout, budget=self.budget, dtype=self.dtype, kind=kind,
-                               nonmodel=nonmodel, memory=self._device_memory(), measured=measured, start=start,
-                               lookahead=self._overlaps_update and measured, planner=self.config.planner)
+        request = PlanRequest(self.budget, self.dtype, kind, self.world, self.rank, self.per_chunk,
+                              planner=self.config.planner, measured=measured, start=start,
+                              lookahead=self._overlaps_update and measured)
+        sched = plan_at_budget(analyzed, self.layout, request, nonmodel=nonmodel, memory=self._device_memory())
         self._ensure_slots(sched.plan)
         if sched.lookahead is not None:
             while len(self._slots) <= max((k for _, k in sched.lookahead.fetches), default=-1):
@@ -93,13 +95,10 @@ class CompiledPlanning:
 
     @property
     def _overlaps_update(self) -> bool:
-        """A training step ends while its optimizer step starts: the chunks' gradient norms are
-        taken where they are (a writeback still landing: from the device), each chunk is updated as
-        its writeback lands, and the next step's first chunks are fetched as soon as they are
-        updated (``plan_lookahead``). For one rank whose chunks the host updates in place (not
-        lock-free, no loss scaling, no optimizer states on disk); the others take the plain path."""
-        return (self.world == 1 and self.updater is None and self.scaler is None
-                and all(t is not Tier.DISK for t in self.store.os_tier))
+        """``optim.placement.update_overlaps_next_step`` for this engine."""
+        return update_overlaps_next_step(world=self.world, lock_free=self.updater is not None,
+                                         loss_scaled=self.scaler is not None,
+                                         disk_states=any(t is Tier.DISK for t in self.store.os_tier))
 
     def _fit_optimizer_states(self, peak_nonmodel: int) -> None:
         """Device-aware optimizer-state placement (``pscompile.optim.placement``) for the largest

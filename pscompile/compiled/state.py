@@ -36,7 +36,7 @@ class CompiledState:
         measured node by node, its region re-plans) and where the optimizer states live. A resumed
         engine plans, cuts and compiles exactly the regions this one runs, instead of measuring
         again in an eager run whose kernels round differently from Inductor's."""
-        captures = {repr(cap): {"static": list(self._captures[cap].nonmodel), "measured": list(curve),
+        captures = {cap.token: {"static": list(self._captures[cap].nonmodel), "measured": list(curve),
                                 "node": list(self._node_curves.get(cap, curve)),
                                 "rounds": self._region_rounds.get(cap, 0), "node_by_node": cap in self._node_by_node}
                     for cap, curve in self._measured.items() if cap in self._captures}
@@ -86,7 +86,9 @@ class CompiledState:
 
     def _install_restored(self, cap: CaptureKey) -> None:
         """Plan ``cap`` with a loaded checkpoint's measurements, if it has them for this graph."""
-        entry = self._restored.pop(repr(cap), None)
+        entry = self._restored.pop(cap.token, None)
+        if entry is None:                   # a checkpoint written before captures had a token
+            entry = self._restored.pop(repr(cap), None)
         if entry is None or list(self._captures[cap].nonmodel) != list(entry["static"]):
             return
         self._measured[cap] = tuple(entry["measured"])

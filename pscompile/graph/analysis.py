@@ -70,7 +70,7 @@ class Scheduled:
 
     captured: CapturedGraph
     plan: ResidencyPlan
-    gm: fx.GraphModule | None          # None: planned only (``build_schedule(plan_only=True)``)
+    gm: fx.GraphModule | None          # None: planned only (``PlanRequest(plan_only=True)``)
     nonmodel: tuple[int, ...]          # per node of the captured graph, the curve planned with
     measured: bool                     # that curve was measured (else: the static estimate)
     passes: tuple[PassTiming, ...]
@@ -79,6 +79,7 @@ class Scheduled:
     activations: ActivationPlan | None = None  # the analyzed graph's recomputation and offloading
     offload_bytes: int = 0                     # saved activations the graph sends to the host (and back)
     lookahead: Lookahead | None = None         # training: chunks fetched for the next step after their update
+    request: Any = None                        # the ``PlanRequest`` it was planned for
 
 
 class _Passes:

@@ -43,3 +43,13 @@ def host_state_chunks(*, num_chunks: int, chunk_size: int, param_bytes: int, sta
     fixed = num_chunks * chunk_size * param_bytes + staging_chunks * state
     on_host = max(0, min(num_chunks, (host_budget - fixed) // state))
     return on_host, host_budget - fixed - on_host * state
+
+
+def update_overlaps_next_step(*, world: int, lock_free: bool, loss_scaled: bool, disk_states: bool) -> bool:
+    """Whether a training step's optimizer update overlaps the next step (compiled mode): each
+    chunk is updated as its writeback lands and the next step's first chunks are fetched as soon as
+    they are updated (``plan_lookahead``). For one rank whose chunks the host updates in place:
+    not lock-free, no loss scaling (its inf check needs every gradient first), no optimizer states
+    on disk. The engine runs it and the planner plans the steady state by this one rule."""
+    return world == 1 and not lock_free and not loss_scaled and not disk_states
+

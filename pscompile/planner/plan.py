@@ -20,9 +20,10 @@ from torch import nn
 
 from pscompile.config import Config
 from pscompile.errors import BudgetError
-from pscompile.graph.pipeline import choose_activations, plan_at_budget, plan_inputs
+from pscompile.graph.pipeline import PlanRequest, choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
 from pscompile.memory.model_bytes import STATE_BYTES, ModelBytes, owned_elements
+from pscompile.optim.placement import update_overlaps_next_step
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.planner.cost import estimate, graph_flops
 from pscompile.planner.hardware import Hardware, hardware_preset
@@ -111,22 +112,23 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
 
     scheduled, steady, minimum = None, None, None
     variants: dict = {}
-    at_budget = dict(budget=hw.device_budget, dtype=cfg.dtype, world=world, per_chunk=per_chunk,
-                     activations=cfg.activations, rates=rates, host_room=host_room, planner=cfg.planner,
-                     variants=variants)
+    request = PlanRequest.for_config(cfg, budget=hw.device_budget, world=world, per_chunk=per_chunk,
+                                     host_room=host_room)
     try:
-        scheduled = plan_at_budget(analyzed, layout, **at_budget)
+        scheduled = plan_at_budget(analyzed, layout, request, rates=rates, variants=variants)
     except BudgetError as e:
         minimum = e.minimum
         overflow.insert(0, f"GPU memory: {' '.join(str(e).split())[:300]}")
-    if scheduled is not None and world == 1 and cfg.dtype != torch.float16 and not cfg.lock_free and not disk_bytes:
-        # the steady state, as the engine runs it from its third step (compiled/engine.py,
-        # ``_overlaps_update``: one GPU, no loss scaling, no lock-free or disk optimizer states):
-        # each step fetches the next one's first chunks after their update, and starts with them
-        ahead = plan_at_budget(analyzed, layout, lookahead=True, plan_only=True, **at_budget).lookahead
+    overlaps = update_overlaps_next_step(world=world, lock_free=cfg.lock_free, loss_scaled=cfg.dtype == torch.float16,
+                                         disk_states=bool(disk_bytes))
+    if scheduled is not None and overlaps:
+        # the steady state, as the engine runs it from its third step: each step fetches the
+        # next one's first chunks after their update, and starts with them
+        first = replace(request, lookahead=True, plan_only=True)
+        ahead = plan_at_budget(analyzed, layout, first, rates=rates, variants=variants).lookahead
         if ahead is not None and ahead.fetches:
-            steady = plan_at_budget(analyzed, layout, lookahead=True, start=dict(ahead.fetches), plan_only=True,
-                                    **at_budget)
+            steady = plan_at_budget(analyzed, layout, replace(first, start=dict(ahead.fetches)), rates=rates,
+                                    variants=variants)
 
     # the static partition, from the same capture (every activation segment recomputed)
     rec = choose_activations(analyzed, layout, policy=Activations.RECOMPUTE, budget=None, slot_bytes=slot)
