@@ -12,13 +12,15 @@ The payload is itself a ``torch.save`` of ``{"state", "rng", "meta"}``. Writing 
 temporary file in the target folder, flushed and fsynced, then renamed over the target (and the
 folder fsynced), so a crash leaves the old checkpoint or the new one, never half of one.
 
-One process writes one file at ``path``. Under ZeRO ``path`` is a folder: every rank writes
-``rank{r}.pt`` and rank 0 writes ``manifest.json`` (format, world size, the files) after all of
-them are in place.
+One process writes one file at ``path``. Under ZeRO ``path`` is a folder that every rank writes
+into and rank 0 commits with one atomic rename of its manifest (``sharded_checkpoint.py``: a new
+folder per save, the manifest naming the step, an id and every file's size and SHA-256; the ranks
+agree before any of them loads).
 
 ``load`` checks everything before it changes anything: the envelope (a truncated or corrupted file
 is refused, naming the file), the version, and the metadata against the engine (compute dtype, world
-size and rank, parameter names and shapes, the chunk layout where shards depend on it); every
+size and rank, parameter names and shapes, the chunk layout where shards depend on it), then the
+state itself (``engine.state_problems``: every field, shape, the step, finite masters); every
 difference is listed in one ``ValueError``. Only then does it load the state and the RNG.
 """
 
@@ -32,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-from pscompile.runtime.rng import rng_state, set_rng_state
+from pscompile import sharded_checkpoint as sharded
+from pscompile.files import remove_stale, write_atomic
+from pscompile.runtime.rng import rng_state, rng_problems, set_rng_state
 
 FORMAT = "pscompile.checkpoint"
 VERSION = 1
@@ -47,28 +51,7 @@ def _meta(engine) -> dict:
     return {"mode": str(cfg.mode), "dtype": str(engine.dtype).replace("torch.", ""), "world_size": engine.world,
             "rank": engine.rank, "params": {f: list(p.shape) for f, p in engine.params.items()},
             "chunk_size": engine.layout.chunk_size, "num_chunks": engine.layout.num_chunks,
-            "torch": str(torch.__version__)}
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:                                    # the rename itself survives a crash once the folder is synced
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+            "step": engine.adam.step_count, "torch": str(torch.__version__)}
 
 
 def _envelope(payload: dict) -> bytes:
@@ -86,25 +69,19 @@ def save(engine, path: str | os.PathLike) -> Path:
     per rank and a manifest; a collective, every rank calls it). Returns the path written."""
     path = Path(path)
     payload = {"state": engine.state_dict(), "rng": rng_state(engine.device), "meta": _meta(engine)}
-    data = _envelope(payload)
-    if engine.world == 1:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, data)
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path / f"rank{engine.rank}.pt", data)
-    engine.comm.barrier()
-    if engine.rank == 0:
-        manifest = {"format": FORMAT, "version": VERSION, "world_size": engine.world,
-                    "files": [f"rank{r}.pt" for r in range(engine.world)]}
-        _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
-    engine.comm.barrier()
+    if engine.world > 1:
+        return sharded.save_sharded(engine, path, {"format": FORMAT, "version": sharded.VERSION, **payload})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, _envelope(payload))
+    remove_stale(path.parent, path.name)          # what a killed save of this file left
     return path
 
 
 # ------------------------------------------------------------------------------ reading
 def _read(file: Path) -> dict:
-    """The payload of one checkpoint file, verified; ``ValueError`` naming the file otherwise."""
+    """The payload of one checkpoint file, verified; ``ValueError`` naming the file otherwise. A
+    one-process file is an envelope (its payload's SHA-256 inside); a rank file of a sharded
+    checkpoint is the payload itself (its SHA-256 is in the manifest, checked before this)."""
     if not file.is_file():
         raise FileNotFoundError(f"pscompile.load: no checkpoint file at {file}")
     try:
@@ -115,9 +92,11 @@ def _read(file: Path) -> dict:
     if not isinstance(env, dict) or env.get("format") != FORMAT:
         raise ValueError(f"pscompile.load: {file} is not a pscompile checkpoint (no format={FORMAT!r}; an "
                          "engine.state_dict() file loads with engine.load_state_dict(torch.load(...)))")
+    if env.get("version") == sharded.VERSION and "state" in env:
+        return env
     if env.get("version") != VERSION:
         raise ValueError(f"pscompile.load: {file} has checkpoint format version {env.get('version')!r}; this "
-                         f"pscompile reads version {VERSION}")
+                         f"pscompile reads {VERSION} and {sharded.VERSION}")
     body = env.get("payload")
     if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != env.get("sha256"):
         raise ValueError(f"pscompile.load: {file} is corrupted (the SHA-256 of its payload differs from the one "
@@ -147,31 +126,33 @@ def _differences(meta: dict, engine) -> list[str]:
     return out
 
 
+def _checked(engine, file: Path) -> dict:
+    """The payload of ``file`` if it fits ``engine`` and holds a state it can load."""
+    payload = _read(file)
+    if not isinstance(payload, dict) or not {"state", "rng", "meta"} <= set(payload):
+        raise ValueError(f"pscompile.load: {file} lacks {sorted({'state', 'rng', 'meta'} - set(payload or {}))}; "
+                         "nothing was loaded")
+    problems = _differences(payload["meta"], engine)
+    problems += engine.state_problems(payload["state"]) + rng_problems(engine.device, payload["rng"])
+    if problems:
+        raise ValueError(f"pscompile.load: {file} does not fit this engine; nothing was loaded:\n  - "
+                         + "\n  - ".join(problems))
+    return payload
+
+
 def load(engine, path: str | os.PathLike) -> None:
     """Load the checkpoint at ``path`` into ``engine`` (built for the same model, dtype and world
-    size; a collective under ZeRO). Nothing changes unless every check passes."""
+    size; a collective under ZeRO, where every rank loads or none). Nothing changes unless every
+    check passes."""
     path = Path(path)
     if engine.world > 1:
-        manifest_file = path / MANIFEST
-        if not manifest_file.is_file():
-            raise FileNotFoundError(f"pscompile.load: {path} has no {MANIFEST}: not a complete {engine.world}-rank "
-                                    "checkpoint (written by pscompile.save under torch.distributed)")
-        manifest = json.loads(manifest_file.read_text())
-        if manifest.get("world_size") != engine.world:
-            raise ValueError(f"pscompile.load: {path} was written by {manifest.get('world_size')} ranks, this run "
-                             f"has {engine.world}; load pscompile.consolidate of its state dicts instead")
-        file = path / f"rank{engine.rank}.pt"
+        payload = sharded.read_rank_payload(engine, path, lambda file: _checked(engine, file))
     else:
         if path.is_dir():
             manifest_file = path / MANIFEST
             ranks = json.loads(manifest_file.read_text()).get("world_size", "?") if manifest_file.is_file() else "?"
             raise ValueError(f"pscompile.load: {path} is a folder (a sharded checkpoint of {ranks} ranks); one "
                              "process loads a file")
-        file = path
-    payload = _read(file)
-    problems = _differences(payload["meta"], engine)
-    if problems:
-        raise ValueError(f"pscompile.load: {file} does not fit this engine; nothing was loaded:\n  - "
-                         + "\n  - ".join(problems))
+        payload = _checked(engine, path)
     engine.load_state_dict(payload["state"])
     set_rng_state(engine.device, payload["rng"])

@@ -274,3 +274,77 @@ def fp16_and_opt_out(rank: int, world: int, port: int, out_dir: str) -> None:
                os.path.join(out_dir, f"fp16-rank{rank}.pt"))
     solo.close()
     leave()
+
+
+def killed_save(rank: int, world: int, port: int, out_dir: str, moment: str) -> None:
+    """Hooks mode, two steps: a committed ``pscompile.save`` after the first, then a second save
+    into the same folder during which one rank dies at ``moment``:
+
+    - "rank1-before-file": rank 1 dies before writing its file (rank 0 has written its own);
+    - "rank0-before-commit": every rank file is written, rank 0 dies before the manifest;
+    - "rank0-after-commit": rank 0 dies after the manifest, before removing the old folder.
+
+    Each rank keeps its state dict after each step (what a load must give back) and what the save
+    raised on it."""
+    import pscompile.sharded_checkpoint as sharded
+    join(rank, world, port, timeout_s=30.0)
+    batch = split(make_batches("gpt", 1)[0], rank, world)
+    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("hooks"))
+    folder = os.path.join(out_dir, "ckpt")
+    engine.step(batch)
+    torch.save(engine.state_dict(), os.path.join(out_dir, f"state1-rank{rank}.pt"))
+    pscompile.save(engine, folder)
+    engine.step(batch)
+    torch.save(engine.state_dict(), os.path.join(out_dir, f"state2-rank{rank}.pt"))
+    write, remove = sharded.write_atomic, sharded._remove_uncommitted
+
+    def dying_write(path, content):
+        name = os.path.basename(str(path))
+        if (moment == "rank1-before-file" and rank == 1 and name.startswith("rank")) or \
+                (moment == "rank0-before-commit" and rank == 0 and name == sharded.MANIFEST):
+            os._exit(0)
+        return write(path, content)
+
+    def dying_remove(path, keep):
+        if moment == "rank0-after-commit":
+            os._exit(0)
+        return remove(path, keep)
+    sharded.write_atomic, sharded._remove_uncommitted = dying_write, dying_remove
+    try:
+        pscompile.save(engine, folder)
+        outcome = "saved"
+    except Exception as e:          # the surviving rank: the other died mid-save
+        outcome = f"{type(e).__name__}: {e}"
+    torch.save(outcome, os.path.join(out_dir, f"outcome-rank{rank}.pt"))
+    os._exit(0)
+
+
+def load_checkpoint(rank: int, world: int, port: int, out_dir: str, name: str) -> None:
+    """A fresh hooks engine per rank loads ``out_dir/name``; each saves its state dict after the
+    load, or what the load raised and its state dict before and after the attempt."""
+    join(rank, world, port)
+    batch = split(make_batches("gpt", 1)[0], rank, world)
+    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("hooks"))
+    before = engine.state_dict()
+    try:
+        pscompile.load(engine, os.path.join(out_dir, name))
+        out = {"state": engine.state_dict(), "error": None}
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}", "unchanged": _same(before, engine.state_dict())}
+    torch.save(out, os.path.join(out_dir, f"loaded-{name}-rank{rank}.pt"))
+    leave()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a["master"], b["master"])) and a["step"] == b["step"]
+
+
+def load_and_save(rank: int, world: int, port: int, out_dir: str, name: str) -> None:
+    """Load ``out_dir/name``, take a step and save into it again."""
+    join(rank, world, port)
+    batch = split(make_batches("gpt", 1)[0], rank, world)
+    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("hooks"))
+    pscompile.load(engine, os.path.join(out_dir, name))
+    engine.step(batch)
+    pscompile.save(engine, os.path.join(out_dir, name))
+    leave()

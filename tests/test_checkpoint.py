@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
 import multiprocessing as mp
 
 import pytest
@@ -206,3 +208,49 @@ def test_a_failed_step_leaves_the_random_numbers_where_they_were(mode):
         mode=mode, backend="eager", device="cpu", dtype=torch.float32))
     torch.manual_seed(5)
     assert fresh.step(batch) == loss               # as if the failed step had never happened
+
+
+def test_a_checkpoint_that_passes_its_checksum_is_still_checked_field_by_field(tmp_path):
+    """Crafted payloads with a recomputed checksum (missing step, negative step, NaN masters, a
+    wrong-size RNG state, a wrong shape) are refused naming the field, the engine and the random
+    numbers unchanged."""
+    from pscompile.checkpoint import _envelope
+    engine, batch = _engine()
+    engine.step(batch)
+    good = torch.load(pscompile.save(engine, tmp_path / "a.ckpt"), weights_only=True)
+    payload = torch.load(io.BytesIO(good["payload"]), weights_only=True)
+    other, _ = _engine()
+    before, rng = snapshot(other), torch.get_rng_state()
+    fqn = next(iter(payload["state"]["master"]))
+    nan_master = {**payload["state"]["master"], fqn: torch.full_like(payload["state"]["master"][fqn], float("nan"))}
+    wrong_shape = {**payload["state"]["exp_avg"], fqn: torch.zeros(3)}
+    cases = {
+        "no step": ({k: v for k, v in payload["state"].items() if k != "step"}, "state_dict\\['step'\\]"),
+        "negative step": (dict(payload["state"], step=-5), "state_dict\\['step'\\].*got -5"),
+        "nan masters": (dict(payload["state"], master=nan_master), f"state_dict\\['master'\\]\\['{fqn}'\\] holds inf"),
+        "wrong shape": (dict(payload["state"], exp_avg=wrong_shape), f"state_dict\\['exp_avg'\\]\\['{fqn}'\\] has shape"),
+    }
+    for name, (state, message) in cases.items():
+        bad = tmp_path / f"{name.replace(' ', '-')}.ckpt"
+        bad.write_bytes(_envelope({**payload, "state": state}))
+        with pytest.raises(ValueError, match=message):
+            pscompile.load(other, bad)
+    short_rng = {**payload, "rng": {"cpu": payload["rng"]["cpu"][:-8]}}
+    (tmp_path / "rng.ckpt").write_bytes(_envelope(short_rng))
+    with pytest.raises(ValueError, match="rng\\['cpu'\\]: a torch.uint8 tensor of shape"):
+        pscompile.load(other, tmp_path / "rng.ckpt")
+    assert same_state(snapshot(other), before) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_save_never_writes_through_a_planted_link_and_removes_what_a_killed_save_left(tmp_path):
+    engine, _ = _engine()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for name in (f".run.ckpt.tmp{os.getpid()}", ".run.ckpt.tmp"):        # the old, predictable names
+        (tmp_path / name).symlink_to(victim)
+    (tmp_path / ".run.ckpt.abc123.pscompile-tmp").write_bytes(b"x" * 1000)   # a killed save's temporary
+    pscompile.save(engine, tmp_path / "run.ckpt")
+    assert victim.read_text() == "keep me"
+    assert not (tmp_path / ".run.ckpt.abc123.pscompile-tmp").exists()
+    other, _ = _engine()
+    pscompile.load(other, tmp_path / "run.ckpt")

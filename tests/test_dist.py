@@ -8,6 +8,7 @@ PyTorch accumulating the ranks' parts as micro-batches, ``(loss / k).backward()`
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -137,7 +138,9 @@ def test_a_two_rank_checkpoint_resumes_in_one_and_in_two_processes(tmp_path, mod
     again = torch.load(tmp_path / f"resume-{mode}-shard-rank0.pt")
     assert again == fresh[steps // 2:], "two processes resumed from their shards"
     folder = tmp_path / f"psckpt-{mode}"
-    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "rank0.pt", "rank1.pt"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["manifest.json", manifest["folder"]])
+    assert sorted(p.name for p in (folder / manifest["folder"]).iterdir()) == ["rank0.pt", "rank1.pt"]
     spawn(dist_worker.resume, str(tmp_path), mode, "pscompile", steps)
     again = torch.load(tmp_path / f"resume-{mode}-pscompile-rank0.pt")
     assert again == fresh[steps // 2:], "two processes resumed from pscompile.save"
@@ -169,6 +172,9 @@ def test_consolidate_refuses_an_incomplete_set(parity_runs):
         pscompile.consolidate([ranks[0]["state"]])
     with pytest.raises(ValueError, match="sharded run"):
         pscompile.consolidate([{"master": {}}])
+    behind = dict(ranks[1]["state"], step=ranks[1]["state"]["step"] - 1)     # rank 1's file of an older save
+    with pytest.raises(ValueError, match=r"different steps \(ranks 0..1: steps \[3, 2\]\)"):
+        pscompile.consolidate([ranks[0]["state"], behind])
 
 
 @pytest.mark.parametrize("mode", ["compiled", "hooks"])

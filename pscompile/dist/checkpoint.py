@@ -63,17 +63,38 @@ def shard_state_dict(store, layout: ChunkLayout, *, rank: int, world: int, extra
     return sd
 
 
+def shard_problems(store, layout: ChunkLayout, sd: dict, *, rank: int, world: int) -> list[str]:
+    """What keeps a shard from loading here: another version, rank, world size or layout, or
+    lists of the wrong length or shapes."""
+    if sd.get("version") != VERSION:
+        return [f"state_dict has shard format version {sd.get('version')!r}; this pscompile reads {VERSION}"]
+    if (sd.get("world_size"), sd.get("rank")) != (world, rank):
+        return [f"state_dict is rank {sd.get('rank')}'s shard of a {sd.get('world_size')}-rank run; this is rank "
+                f"{rank} of {world}: load pscompile.consolidate(paths) instead, which fits any world size"]
+    if sd.get("layout") != layout_record(layout) or sd.get("collectives", Collectives.GROUP) != (
+            Collectives.PER_CHUNK if _per_chunk(store) else Collectives.GROUP):
+        return ["state_dict's shard was cut from another chunk layout (a different model, chunk_size or "
+                "budget); load pscompile.consolidate(paths) instead"]
+    out = []
+    for key in _LISTS:
+        ours, theirs = getattr(store, key), sd.get(key)
+        if not isinstance(theirs, list) or len(theirs) != len(ours):
+            out.append(f"state_dict[{key!r}]: a list of {len(ours)} shards is needed")
+            continue
+        for g, (dst, src) in enumerate(zip(ours, theirs)):
+            if not isinstance(src, torch.Tensor) or src.shape != dst.shape or not src.is_floating_point():
+                out.append(f"state_dict[{key!r}][{g}]: a float tensor of shape {tuple(dst.shape)} is needed, got "
+                           f"{tuple(getattr(src, 'shape', ()))}")
+            elif key == "master" and not bool(torch.isfinite(src).all()):
+                out.append(f"state_dict['master'][{g}] holds inf or NaN")
+    return out
+
+
 def load_shard(store, layout: ChunkLayout, sd: dict, *, rank: int, world: int) -> None:
     """Load a shard written by the same rank of the same world size and layout."""
-    if sd.get("version") != VERSION:
-        raise ValueError(f"state_dict has shard format version {sd.get('version')!r}; this pscompile reads {VERSION}")
-    if (sd["world_size"], sd["rank"]) != (world, rank):
-        raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; this is rank "
-                         f"{rank} of {world}: load pscompile.consolidate(paths) instead, which fits any world size")
-    if sd["layout"] != layout_record(layout) or sd.get("collectives", Collectives.GROUP) != (
-            Collectives.PER_CHUNK if _per_chunk(store) else Collectives.GROUP):
-        raise ValueError("state_dict's shard was cut from another chunk layout (a different model, chunk_size or "
-                         "budget); load pscompile.consolidate(paths) instead")
+    problems = shard_problems(store, layout, sd, rank=rank, world=world)
+    if problems:
+        raise ValueError("; ".join(problems))
     for key in _LISTS:
         for dst, src in zip(getattr(store, key), sd[key]):
             dst.copy_(src)
@@ -100,6 +121,10 @@ def consolidate(shards: Iterable[Any]) -> dict:
     if any(s["layout"] != sds[0]["layout"] or s["world_size"] != world
            or s.get("collectives") != sds[0].get("collectives") for s in sds):
         raise ValueError("the shards come from different runs (their layouts or world sizes differ)")
+    steps = [s.get("step") for s in sorted(sds, key=lambda s: s["rank"])]
+    if len(set(steps)) > 1:
+        raise ValueError(f"the shards come from different steps (ranks 0..{world - 1}: steps {steps}): a "
+                         "checkpoint mixed from two saves; consolidate the files of one pscompile.save")
     by_rank = {s["rank"]: s for s in sds}
     layout = _layout_of(sds[0]["layout"])
     per_chunk = world if sds[0].get("collectives") == Collectives.PER_CHUNK else 0

@@ -8,6 +8,8 @@ changes anything. ``full_state_dict`` gives the model's trained weights under th
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 import torch
 
@@ -42,33 +44,57 @@ class EngineState:
         self._count_outside_steps()
         return sd
 
+    def state_problems(self, sd: Any) -> list[str]:
+        """Everything that keeps ``sd`` from loading into this engine (empty: it loads), checked
+        before anything changes: its fields, every tensor's shape, the step, finite masters, the
+        parameter groups, and for a shard its rank, world size and layout."""
+        if not isinstance(sd, dict):
+            return [f"state_dict: a dict is needed, got {type(sd).__name__}"]
+        out = _scalar_problems(sd, loss_scaled=self.scaler is not None)
+        try:
+            self._saved_groups(sd)
+        except ValueError as e:
+            out.append(str(e))
+        if shard_ckpt.is_shard(sd):
+            if self.comm is None:
+                return out + [f"state_dict is rank {sd.get('rank')}'s shard of a {sd.get('world_size')}-rank run; "
+                              "load pscompile.consolidate(paths of every rank's state_dict) instead"]
+            return out + shard_ckpt.shard_problems(self.store, self.layout, sd, rank=self.rank, world=self.world)
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            part = sd.get(key)
+            if not isinstance(part, dict):
+                out.append(f"state_dict[{key!r}]: a dict of parameter name -> tensor is needed")
+                continue
+            missing = set(self.params) - set(part)
+            if missing:
+                out.append(f"state_dict[{key!r}] lacks parameters {sorted(missing)[:3]}")
+            for f in sorted(set(self.params) & set(part)):
+                t, want = part[f], tuple(self.params[f].shape)
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point():
+                    out.append(f"state_dict[{key!r}][{f!r}] has shape {tuple(getattr(t, 'shape', ()))}, "
+                               f"the model has {want}" if isinstance(t, torch.Tensor) and t.is_floating_point()
+                               else f"state_dict[{key!r}][{f!r}]: a float tensor of shape {want} is needed")
+                elif key == "master" and not bool(torch.isfinite(t).all()):
+                    out.append(f"state_dict['master'][{f!r}] holds inf or NaN")
+        return out
+
     def load_state_dict(self, sd: dict) -> None:
         """Load a one-process (or consolidated) state dict at any world size, or this rank's own
         shard of a run with the same world size and layout. The parameter groups must hold the
-        same parameters; their saved hyper-parameters (a scheduled learning rate) come back."""
+        same parameters; their saved hyper-parameters (a scheduled learning rate) come back.
+        Every check (``state_problems``) passes before anything changes."""
+        problems = self.state_problems(sd)
+        if problems:
+            raise ValueError("load_state_dict: nothing was loaded:\n  - " + "\n  - ".join(problems))
         hps = self._saved_groups(sd)
         if self.updater is not None:        # what the queued updates would change is loaded over
             self.updater.discard()
         if shard_ckpt.is_shard(sd):
-            if self.comm is None:
-                raise ValueError(f"state_dict is rank {sd['rank']}'s shard of a {sd['world_size']}-rank run; "
-                                 "load pscompile.consolidate(paths of every rank's state_dict) instead")
             shard_ckpt.load_shard(self.store, self.layout, sd, rank=self.rank, world=self.world)
-            self._undo_all()
-            self._count_outside_steps()
-            self._load_scalars(sd, hps)
-            return
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            missing = set(self.params) - set(sd[key])
-            if missing:
-                raise ValueError(f"state_dict[{key!r}] lacks parameters {sorted(missing)[:3]}")
-            for f in self.params:
-                if tuple(sd[key][f].shape) != tuple(self.params[f].shape):
-                    raise ValueError(f"state_dict[{key!r}][{f!r}] has shape {tuple(sd[key][f].shape)}, "
-                                     f"the model has {tuple(self.params[f].shape)}")
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            for f in self.params:
-                self.store.scatter(key, f, sd[key][f])
+        else:
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                for f in self.params:
+                    self.store.scatter(key, f, sd[key][f])
         self._undo_all()       # param chunks = master cast to the compute dtype
         self._count_outside_steps()
         self._load_scalars(sd, hps)
@@ -122,3 +148,16 @@ class EngineState:
             out[key] = full[entry.fqn].clone() if full is not None else self.store.gather("master", entry.fqn)
         self._count_outside_steps()
         return out
+
+
+def _scalar_problems(sd: dict, *, loss_scaled: bool) -> list[str]:
+    """The step and the loss scale of a state dict."""
+    out = []
+    step = sd.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        out.append(f"state_dict['step']: the number of steps taken (an int >= 0) is needed, got {step!r}")
+    scale = sd.get("loss_scale", 1.0)
+    if loss_scaled and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
+        out.append(f"state_dict['loss_scale']: a finite positive number is needed, got {scale!r}")
+    return out
+

@@ -1,0 +1,108 @@
+"""Files a checkpoint writes: atomic, exclusively created, hashed while they are written.
+
+``write_atomic`` streams the bytes of a ``torch.save`` (or given bytes) into a temporary file that
+only this call can have created (``tempfile.mkstemp`` in the target folder: ``O_CREAT | O_EXCL``,
+so a planted file or symlink at a predictable name is never written through), hashes them on the
+way, flushes and fsyncs, renames it over the target and fsyncs the folder. A crash leaves the old
+file or the new one; the temporary file of a failed write is removed, and ``remove_stale``
+removes those a killed process left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TMP_SUFFIX = ".pscompile-tmp"
+BLOCK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Digest:
+    """A file's size and SHA-256, as a manifest records them."""
+
+    nbytes: int
+    sha256: str
+
+    def record(self) -> dict:
+        return {"bytes": self.nbytes, "sha256": self.sha256}
+
+
+class _Hashing:
+    """A writable file that hashes and counts what passes through it (``torch.save`` writes its
+    zip archive sequentially through ``write``)."""
+
+    def __init__(self, f):
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` survive a crash (where the platform allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, content: Any) -> Digest:
+    """Write ``content`` (bytes, or any object, streamed with ``torch.save``) to ``path`` atomically;
+    its digest. Nothing is left behind if the write fails."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            out = _Hashing(f)
+            if isinstance(content, (bytes, bytearray)):
+                out.write(content)
+            else:
+                torch.save(content, out)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_folder(path.parent)
+    return Digest(out.n, out.h.hexdigest())
+
+
+def digest(path: Path) -> Digest:
+    """The size and SHA-256 of the file at ``path``, read in blocks."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK):
+            h.update(block)
+            n += len(block)
+    return Digest(n, h.hexdigest())
+
+
+def remove_stale(folder: Path, name: str = "*") -> None:
+    """Remove the temporary files killed writes of ``name`` (default: of any file) left in ``folder``."""
+    for p in Path(folder).glob(f".{name}.*{TMP_SUFFIX}"):
+        try:
+            p.unlink()
+        except OSError:
+            pass
