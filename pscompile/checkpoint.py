@@ -1,113 +1,80 @@
 """``pscompile.save`` / ``pscompile.load``: checkpoints that resume a run exactly.
 
-A checkpoint holds what the next step depends on: the engine's ``state_dict()`` (fp32 masters,
-Adam states, step count, loss-scaler state; under ZeRO this rank's shards and their layout), the
-random number generators (dropout draws the same numbers after a load) and the configuration that
-must match. It is written with ``torch.save`` and read with ``torch.load(weights_only=True)``,
-inside an envelope that carries a format name, a version and the SHA-256 of the payload::
+A checkpoint holds what the next step depends on: every chunk's fp32 master and Adam states (under
+ZeRO this rank's shards), the step count, the parameter groups, the loss scale and what the mode
+measured (``engine.checkpoint_header`` / ``checkpoint_tensors``), the random number generators
+(dropout draws the same numbers after a load) and metadata that must match (compute dtype,
+parameter names and shapes, the chunk layout). One process writes one file at ``path``
+(``checkpoint_file.py``: a JSON header, the tensors streamed chunk by chunk, a SHA-256 at the end)
+through an exclusive temporary, fsync and rename (``files.py``), so a crash leaves the old
+checkpoint or the new one. Under ZeRO ``path`` is a folder that every rank writes into and rank 0
+commits with one atomic rename of its manifest (``sharded_checkpoint.py``).
 
-    {"format": "pscompile.checkpoint", "version": 1, "sha256": "<hex>", "payload": <bytes>}
-
-The payload is itself a ``torch.save`` of ``{"state", "rng", "meta"}``. Writing is atomic: a
-temporary file in the target folder, flushed and fsynced, then renamed over the target (and the
-folder fsynced), so a crash leaves the old checkpoint or the new one, never half of one.
-
-One process writes one file at ``path``. Under ZeRO ``path`` is a folder that every rank writes
-into and rank 0 commits with one atomic rename of its manifest (``sharded_checkpoint.py``: a new
-folder per save, the manifest naming the step, an id and every file's size and SHA-256; the ranks
-agree before any of them loads).
-
-``load`` checks everything before it changes anything: the envelope (a truncated or corrupted file
-is refused, naming the file), the version, and the metadata against the engine (compute dtype, world
-size and rank, parameter names and shapes, the chunk layout where shards depend on it), then the
-state itself (``engine.state_problems``: every field, shape, the step, finite masters); every
-difference is listed in one ``ValueError``. Only then does it load the state and the RNG.
+``load`` checks everything before it changes anything: the file's size and SHA-256 (a truncated or
+corrupted file is refused, naming it), its format, the metadata against the engine, the state's
+scalars (``engine.state_problems``: the step, the parameter groups, the loss scale), every master
+finite and the generators' sizes; every difference is listed in one ``ValueError``. Under ZeRO the
+ranks then agree, and all load or none. A checkpoint of this engine's layout loads chunk by chunk
+straight from the file; one of another chunk size or world size (saved on 2 ranks and loaded on 1,
+or on 1 and loaded on 2) is read into the one-process state dict first. Version-1 files (a
+``torch.save`` envelope) still load (``checkpoint_legacy.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
 from pathlib import Path
 
 import torch
 
+from pscompile import checkpoint_legacy as legacy
 from pscompile import sharded_checkpoint as sharded
+from pscompile.checkpoint_file import CheckpointReader, is_checkpoint_file, write_checkpoint
 from pscompile.files import remove_stale, write_atomic
-from pscompile.runtime.rng import rng_state, rng_problems, set_rng_state
-
-FORMAT = "pscompile.checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
+from pscompile.runtime.checkpoint_state import full_state_from
+from pscompile.runtime.rng import rng_problems, rng_state, set_rng_state
 
 __all__ = ["save", "load"]
 
 
 # ------------------------------------------------------------------------------ writing
 def _meta(engine) -> dict:
-    cfg = engine.config
-    return {"mode": str(cfg.mode), "dtype": str(engine.dtype).replace("torch.", ""), "world_size": engine.world,
-            "rank": engine.rank, "params": {f: list(p.shape) for f, p in engine.params.items()},
+    return {"mode": str(engine.config.mode), "dtype": str(engine.dtype).replace("torch.", ""),
+            "world_size": engine.world, "rank": engine.rank,
+            "params": {f: list(p.shape) for f, p in engine.params.items()},
             "chunk_size": engine.layout.chunk_size, "num_chunks": engine.layout.num_chunks,
             "step": engine.adam.step_count, "torch": str(torch.__version__)}
 
 
-def _envelope(payload: dict) -> bytes:
-    inner = io.BytesIO()
-    torch.save(payload, inner)
-    body = inner.getvalue()
-    outer = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(body).hexdigest(), "payload": body},
-               outer)
-    return outer.getvalue()
+def _writer(engine, ckpt_id: str | None = None):
+    """The function that streams ``engine``'s checkpoint into an open file (returns its hash)."""
+    engine._check_open()
+    rng = rng_state(engine.device)
+    header = {"meta": {**_meta(engine), "id": ckpt_id}, "rng": sorted(rng), **engine.checkpoint_header()}
+    tensors = [(f"rng.{k}", t.dtype, t.numel(), (lambda t=t: t)) for k, t in sorted(rng.items())]
+    tensors += engine.checkpoint_tensors()
+    return lambda f: write_checkpoint(f, header, tensors)
 
 
 def save(engine, path: str | os.PathLike) -> Path:
-    """Write ``engine``'s checkpoint to ``path`` (one process: a file; ZeRO: a folder of one file
-    per rank and a manifest; a collective, every rank calls it). Returns the path written."""
+    """Write ``engine``'s checkpoint to ``path`` (one process: a file; ZeRO: a folder committed by
+    its manifest; a collective, every rank calls it). Returns the path written."""
     path = Path(path)
-    payload = {"state": engine.state_dict(), "rng": rng_state(engine.device), "meta": _meta(engine)}
     if engine.world > 1:
-        return sharded.save_sharded(engine, path, {"format": FORMAT, "version": sharded.VERSION, **payload})
+        return sharded.save_sharded(engine, path, lambda ckpt_id: _writer(engine, ckpt_id))
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, _envelope(payload))
+    write_atomic(path, _writer(engine))
     remove_stale(path.parent, path.name)          # what a killed save of this file left
     return path
 
 
 # ------------------------------------------------------------------------------ reading
-def _read(file: Path) -> dict:
-    """The payload of one checkpoint file, verified; ``ValueError`` naming the file otherwise. A
-    one-process file is an envelope (its payload's SHA-256 inside); a rank file of a sharded
-    checkpoint is the payload itself (its SHA-256 is in the manifest, checked before this)."""
-    if not file.is_file():
-        raise FileNotFoundError(f"pscompile.load: no checkpoint file at {file}")
-    try:
-        env = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:          # truncated, not a torch.save file, or not ours
-        raise ValueError(f"pscompile.load: {file} is not a complete pscompile checkpoint (truncated or "
-                         f"corrupted: {type(e).__name__}: {str(e)[:120]}); nothing was loaded") from e
-    if not isinstance(env, dict) or env.get("format") != FORMAT:
-        raise ValueError(f"pscompile.load: {file} is not a pscompile checkpoint (no format={FORMAT!r}; an "
-                         "engine.state_dict() file loads with engine.load_state_dict(torch.load(...)))")
-    if env.get("version") == sharded.VERSION and "state" in env:
-        return env
-    if env.get("version") != VERSION:
-        raise ValueError(f"pscompile.load: {file} has checkpoint format version {env.get('version')!r}; this "
-                         f"pscompile reads {VERSION} and {sharded.VERSION}")
-    body = env.get("payload")
-    if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != env.get("sha256"):
-        raise ValueError(f"pscompile.load: {file} is corrupted (the SHA-256 of its payload differs from the one "
-                         "written with it); nothing was loaded")
-    return torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-
-
-def _differences(meta: dict, engine) -> list[str]:
+def _differences(meta: dict, engine, *, same_place: bool) -> list[str]:
+    """What in ``meta`` does not fit ``engine`` (``same_place``: the world size and rank too)."""
     want = _meta(engine)
     out = []
-    for key, what in (("dtype", "compute dtype"), ("world_size", "world size"), ("rank", "rank")):
+    keys = (("dtype", "compute dtype"),) + ((("world_size", "world size"), ("rank", "rank")) if same_place else ())
+    for key, what in keys:
         if meta.get(key) != want[key]:
             out.append(f"{what}: checkpoint {meta.get(key)!r}, engine {want[key]!r}")
     saved, ours = meta.get("params", {}), want["params"]
@@ -119,40 +86,110 @@ def _differences(meta: dict, engine) -> list[str]:
     for f in sorted(set(saved) & set(ours)):
         if list(saved[f]) != list(ours[f]):
             out.append(f"shape of {f}: checkpoint {tuple(saved[f])}, engine {tuple(ours[f])}")
-    if engine.world > 1 and (meta.get("chunk_size"), meta.get("num_chunks")) != (want["chunk_size"],
-                                                                                 want["num_chunks"]):
-        out.append(f"chunk layout (shards are cut from it): checkpoint {meta.get('num_chunks')} chunks of "
-                   f"{meta.get('chunk_size')}, engine {want['num_chunks']} of {want['chunk_size']}")
     return out
 
 
-def _checked(engine, file: Path) -> dict:
-    """The payload of ``file`` if it fits ``engine`` and holds a state it can load."""
-    payload = _read(file)
-    if not isinstance(payload, dict) or not {"state", "rng", "meta"} <= set(payload):
-        raise ValueError(f"pscompile.load: {file} lacks {sorted({'state', 'rng', 'meta'} - set(payload or {}))}; "
-                         "nothing was loaded")
-    problems = _differences(payload["meta"], engine)
-    problems += engine.state_problems(payload["state"]) + rng_problems(engine.device, payload["rng"])
-    if problems:
-        raise ValueError(f"pscompile.load: {file} does not fit this engine; nothing was loaded:\n  - "
-                         + "\n  - ".join(problems))
-    return payload
+def _finite_master(name: str, t: torch.Tensor, block: int = 1 << 16) -> str | None:
+    """A master holding inf or NaN (checked in blocks: ``isfinite`` makes temporaries several
+    times its input's size)."""
+    if name.startswith("master.") and not all(bool(torch.isfinite(t[i:i + block]).all())
+                                              for i in range(0, t.numel(), block)):
+        return f"{name} (the fp32 master of chunk {name.split('.')[1]}) holds inf or NaN"
+    return None
+
+
+def _rng_of(reader: CheckpointReader) -> dict:
+    return {k: reader.read(f"rng.{k}") for k in reader.header.get("rng", [])}
+
+
+def _prepare(engine, files: list[Path], manifest: dict | None) -> tuple:
+    """Open and check the files for ``engine``: (how to load, what to load, readers, problems)."""
+    readers: list[CheckpointReader] = []
+    own = files[engine.rank] if len(files) == engine.world else None
+    try:
+        readers.append(CheckpointReader(own if own is not None else files[0]))
+        direct = own is not None and engine.fits_directly(readers[0].header)
+        if not direct:                  # every file, in rank order (the one open already reused)
+            first, readers = readers[0], []
+            for f in files:
+                readers.append(first if f == first.path else CheckpointReader(f))
+        problems = []
+        for r in readers:
+            header = r.header
+            if manifest is not None and (header["meta"].get("id"), header["meta"].get("step")) != \
+                    (manifest["id"], manifest["step"]):
+                problems.append(f"{r.path.name} belongs to checkpoint {header['meta'].get('id')!r} at step "
+                                f"{header['meta'].get('step')!r}; the manifest committed {manifest['id']!r} at step "
+                                f"{manifest['step']!r}")
+            problems += r.verify(_finite_master)[1]
+        problems += _differences(readers[0].header["meta"], engine, same_place=direct)
+        problems += rng_problems(engine.device, _rng_of(readers[0]))
+        if problems:                    # (another model: no state to read)
+            return direct, None, readers, problems
+        state = readers[0].header["state"] if direct else full_state_from(readers)
+        problems += engine.scalar_problems(state) if direct else engine.state_problems(state)
+        return direct, state, readers, problems
+    except BaseException:
+        for r in readers:
+            r.f.close()
+        raise
 
 
 def load(engine, path: str | os.PathLike) -> None:
-    """Load the checkpoint at ``path`` into ``engine`` (built for the same model, dtype and world
-    size; a collective under ZeRO, where every rank loads or none). Nothing changes unless every
-    check passes."""
+    """Load the checkpoint at ``path`` into ``engine`` (built for the same model and dtype; any
+    world size; a collective under ZeRO, where every rank loads or none). Nothing changes unless
+    every check passes (a load is also how an engine a failed step left broken recovers)."""
+    if engine.closed:
+        raise RuntimeError("pscompile.load: this engine was closed; load into a new one")
     path = Path(path)
-    if engine.world > 1:
-        payload = sharded.read_rank_payload(engine, path, lambda file: _checked(engine, file))
-    else:
+    if not path.is_dir() and not is_checkpoint_file(path):
+        return _load_legacy(engine, path)
+    readers, problem, manifest = [], None, None
+    try:
         if path.is_dir():
-            manifest_file = path / MANIFEST
-            ranks = json.loads(manifest_file.read_text()).get("world_size", "?") if manifest_file.is_file() else "?"
-            raise ValueError(f"pscompile.load: {path} is a folder (a sharded checkpoint of {ranks} ranks); one "
-                             "process loads a file")
-        payload = _checked(engine, path)
+            manifest = sharded.read_manifest(path)
+            if manifest["version"] == 1:
+                return _load_legacy(engine, path)
+            files = sharded.committed_files(path, manifest)
+        else:
+            files = [path]
+        direct, state, readers, problems = _prepare(engine, files, manifest)
+        if problems:
+            problem = f"{path} does not fit this engine; nothing was loaded:\n  - " + "\n  - ".join(problems)
+    except (OSError, ValueError, KeyError) as e:
+        problem = str(e).replace("pscompile.load: ", "")
+    try:
+        if engine.comm is not None:
+            sharded.agree(engine, problem, f"the checkpoint at {path}")
+        elif problem is not None:
+            raise ValueError(f"pscompile.load: {problem}" + ("" if "nothing was loaded" in problem else
+                                                              "; nothing was loaded"))
+        if direct:
+            engine.load_checkpoint_tensors(readers[0])
+        else:
+            engine.load_state_dict(state)
+        set_rng_state(engine.device, _rng_of(readers[0]))
+    finally:
+        for r in readers:
+            r.f.close()
+
+
+def _load_legacy(engine, path: Path) -> None:
+    """A version-1 checkpoint: one envelope file, or a folder of them with a version-1 manifest."""
+    def checked(file: Path) -> dict:
+        payload = legacy.read_envelope(file)
+        problems = _differences(payload["meta"], engine, same_place=True)
+        problems += engine.state_problems(payload["state"]) + rng_problems(engine.device, payload["rng"])
+        if problems:
+            raise ValueError(f"pscompile.load: {file} does not fit this engine; nothing was loaded:\n  - "
+                             + "\n  - ".join(problems))
+        return payload
+    if engine.world > 1:
+        payload = sharded.read_rank_payload(engine, path, checked)
+    elif path.is_dir():
+        raise ValueError(f"pscompile.load: {path} is a version-1 folder of a sharded run; load it with its world "
+                         "size, or pscompile.consolidate its rank files")
+    else:
+        payload = checked(path)
     engine.load_state_dict(payload["state"])
     set_rng_state(engine.device, payload["rng"])

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 TMP_SUFFIX = ".pscompile-tmp"
-BLOCK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -65,18 +64,26 @@ def fsync_folder(folder: Path) -> None:
 
 
 def write_atomic(path: Path, content: Any) -> Digest:
-    """Write ``content`` (bytes, or any object, streamed with ``torch.save``) to ``path`` atomically;
-    its digest. Nothing is left behind if the write fails."""
+    """Write ``content`` to ``path`` atomically; its digest. ``content``: bytes; a function that
+    writes to the open file and returns the hex SHA-256 it computed itself (the digest is then its
+    size and that hash, e.g. ``checkpoint_file.write_checkpoint``'s); or any object, streamed with
+    ``torch.save``. Nothing is left behind if the write fails."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
-            out = _Hashing(f)
-            if isinstance(content, (bytes, bytearray)):
-                out.write(content)
+            if callable(content):
+                sha = content(f)
+                f.flush()
+                done = Digest(f.tell(), sha)
             else:
-                torch.save(content, out)
-            f.flush()
+                out = _Hashing(f)
+                if isinstance(content, (bytes, bytearray)):
+                    out.write(content)
+                else:
+                    torch.save(content, out)
+                f.flush()
+                done = Digest(out.n, out.h.hexdigest())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -86,17 +93,7 @@ def write_atomic(path: Path, content: Any) -> Digest:
             pass
         raise
     fsync_folder(path.parent)
-    return Digest(out.n, out.h.hexdigest())
-
-
-def digest(path: Path) -> Digest:
-    """The size and SHA-256 of the file at ``path``, read in blocks."""
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK):
-            h.update(block)
-            n += len(block)
-    return Digest(n, h.hexdigest())
+    return done
 
 
 def remove_stale(folder: Path, name: str = "*") -> None:

@@ -1,10 +1,10 @@
 """ZeRO checkpoints: a folder every rank writes into, committed in one atomic step.
 
     path/
-      manifest.json                 the commit: format, version 2, world size, step, id, the
+      manifest.json                 the commit: format, version 3, world size, step, id, the
                                     folder of this checkpoint and every file's size and SHA-256
       step00000004-3f9c.../         one folder per save (its step and a fresh id)
-        rank0.pt  rank1.pt          each rank's payload, streamed with torch.save
+        rank0.pt  rank1.pt          each rank's checkpoint file (checkpoint_file.py), streamed
 
 A save writes a *new* folder beside the committed one, so nothing the committed checkpoint reads is
 touched: every rank writes its file (exclusive temporary, fsync, rename), the ranks exchange their
@@ -14,9 +14,10 @@ remove the folders the new manifest does not name (the previous checkpoint, and 
 killed save left). A kill of any rank at any moment leaves the previous manifest, which names the
 previous folder, whole.
 
-A load reads the manifest, checks its own file against the recorded size and hash and the id and
-step inside it, checks the payload against the engine, and then the ranks agree: if any rank found
-a problem, every rank raises (listing each rank's problem) and no rank changes anything.
+A load (``checkpoint.load``) reads the manifest, checks every file it reads against the recorded
+size and hash and the id and step in its header, checks it against the engine, and then the ranks
+agree (``agree``): if any rank found a problem, every rank raises (listing each rank's problem) and
+no rank changes anything.
 """
 
 from __future__ import annotations
@@ -27,28 +28,27 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from pscompile.files import Digest, digest, remove_stale, write_atomic
+from pscompile.files import remove_stale, write_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "pscompile.checkpoint"
-VERSION = 2
+VERSION = 3                     # the manifest of version-3 files (version 1: the old layout)
 
 
 def _folder_name(step: int, ckpt_id: str) -> str:
     return f"step{step:08d}-{ckpt_id}"
 
 
-def save_sharded(engine, path: Path, payload: dict) -> Path:
-    """Write this rank's ``payload`` into a new checkpoint folder under ``path`` and commit it (a
-    collective: every rank calls it)."""
+def save_sharded(engine, path: Path, writer: Callable[[str], Callable]) -> Path:
+    """Write this rank's file of a new checkpoint under ``path`` and commit it (a collective: every
+    rank calls it). ``writer(id)``: what streams this rank's file (returning its SHA-256)."""
     comm = engine.comm
-    step = int(payload["meta"]["step"])
+    step = int(engine.adam.step_count)
     ckpt_id = comm.gather_objects(uuid.uuid4().hex[:16])[0]      # rank 0's id, on every rank
-    payload["meta"]["id"] = ckpt_id
     path.mkdir(parents=True, exist_ok=True)
     folder = path / _folder_name(step, ckpt_id)
     folder.mkdir(exist_ok=True)
-    mine = write_atomic(folder / f"rank{engine.rank}.pt", payload)
+    mine = write_atomic(folder / f"rank{engine.rank}.pt", writer(ckpt_id))
     digests = comm.gather_objects(mine.record())                # every rank's file is durable now
     if engine.rank == 0:
         manifest = {"format": FORMAT, "version": VERSION, "world_size": engine.world, "step": step,
@@ -83,7 +83,8 @@ def read_manifest(path: Path, world: int | None = None) -> dict:
         manifest = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"pscompile.load: {file} is not valid JSON ({e}); nothing was loaded") from e
-    if not isinstance(manifest, dict) or manifest.get("version") not in (1, VERSION):
+    if not isinstance(manifest, dict) or manifest.get("version") not in (1, VERSION) or not isinstance(
+            manifest.get("files"), (dict, list)):
         raise ValueError(f"pscompile.load: {file} has manifest version "
                          f"{manifest.get('version') if isinstance(manifest, dict) else None!r}; this pscompile "
                          f"reads 1 and {VERSION}")
@@ -95,7 +96,7 @@ def read_manifest(path: Path, world: int | None = None) -> dict:
 
 def committed_files(path: Path, manifest: dict) -> list[Path]:
     """The rank files of the committed checkpoint, each checked against the manifest's size and
-    hash (version 2). ``ValueError`` naming the first file that is missing or differs."""
+    hash. ``ValueError`` naming the first file that is missing or differs."""
     if manifest["version"] == 1:
         return [path / f for f in manifest["files"]]
     out = []
@@ -105,13 +106,17 @@ def committed_files(path: Path, manifest: dict) -> list[Path]:
 
 
 def check_file(file: Path, want: dict) -> Path:
-    """``file`` if it is the one a manifest recorded (size, SHA-256)."""
+    """``file`` if it has the size and the SHA-256 (written at its end) a manifest recorded;
+    ``checkpoint_file.CheckpointReader.verify`` then checks that hash against its bytes."""
     if not file.is_file():
         raise ValueError(f"pscompile.load: {file} is missing: the checkpoint is incomplete; nothing was loaded")
-    got = digest(file)
-    if got != Digest(int(want["bytes"]), str(want["sha256"])):
-        raise ValueError(f"pscompile.load: {file} is not the file its manifest committed ({got.nbytes} bytes, "
-                         f"SHA-256 {got.sha256[:12]}...; the manifest says {want['bytes']} bytes, "
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        f.seek(max(0, size - 32))
+        end = f.read(32).hex()
+    if (size, end) != (int(want["bytes"]), str(want["sha256"])):
+        raise ValueError(f"pscompile.load: {file} is not the file its manifest committed ({size} bytes, "
+                         f"SHA-256 {end[:12]}...; the manifest says {want['bytes']} bytes, "
                          f"{str(want['sha256'])[:12]}...): corrupted or from another save; nothing was loaded")
     return file
 
@@ -126,23 +131,13 @@ def agree(engine, problem: str | None, what: str) -> None:
 
 
 def read_rank_payload(engine, path: Path, read: Callable[[Path], dict]) -> dict:
-    """This rank's payload of the committed checkpoint at ``path``, after every rank checked its
-    own (file, id, step and ``read``'s checks) and all agreed."""
+    """This rank's payload of a version-1 ZeRO checkpoint at ``path`` (rank files beside a
+    version-1 manifest, which records no step or hash), after every rank checked its own
+    (``read``) and the ranks found they all hold the same step."""
     problem, payload = None, None
     try:
-        manifest = read_manifest(path, engine.world)
-        if manifest["version"] == 1:
-            payload = read(path / f"rank{engine.rank}.pt")
-        else:
-            name = f"rank{engine.rank}.pt"
-            if name not in manifest.get("files", {}):
-                raise ValueError(f"pscompile.load: {path / MANIFEST} names no {name}")
-            payload = read(check_file(path / manifest["folder"] / name, manifest["files"][name]))
-            meta = payload.get("meta", {})
-            if (meta.get("id"), meta.get("step")) != (manifest["id"], manifest["step"]):
-                raise ValueError(f"pscompile.load: {name} belongs to checkpoint {meta.get('id')!r} at step "
-                                 f"{meta.get('step')!r}, the manifest committed {manifest['id']!r} at step "
-                                 f"{manifest['step']!r}; nothing was loaded")
+        read_manifest(path, engine.world)
+        payload = read(path / f"rank{engine.rank}.pt")
     except (OSError, ValueError) as e:
         problem = str(e)
     steps = engine.comm.gather_objects(None if payload is None else payload.get("state", {}).get("step"))

@@ -231,3 +231,17 @@ def same_state(a: dict, b: dict) -> bool:
     """Two ``snapshot``s hold the same step and the same masters and Adam states, bit for bit."""
     return a["step"] == b["step"] and all(torch.equal(a[k][f], b[k][f])
                                           for k in ("master", "exp_avg", "exp_avg_sq") for f in a[k])
+
+
+def rewrite_checkpoint(src, dst, *, header=None, tensors=None) -> None:
+    """Copy the pscompile checkpoint file ``src`` to ``dst`` with its header (``header(dict) ->
+    dict``) or tensors (``tensors(dict) -> dict``) changed and its SHA-256 recomputed: a tampered
+    file that passes its checksum."""
+    from pscompile.checkpoint_file import CheckpointReader, write_checkpoint
+    with CheckpointReader(src) as r:
+        head = {k: v for k, v in r.header.items() if k not in ("tensors", "format", "version")}
+        ts = {name: r.read(name) for name in r.records}
+    head = header(head) if header else head
+    ts = tensors(ts) if tensors else ts
+    with open(dst, "wb") as f:
+        write_checkpoint(f, head, [(n, t.dtype, t.numel(), (lambda t=t: t)) for n, t in ts.items()])

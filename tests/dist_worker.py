@@ -147,7 +147,8 @@ def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[
 
 def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str | None, steps: int) -> None:
     """GPT under an evicting budget: load ``load`` (None: start fresh; "shard": this rank's file
-    of a 2-rank run; "full": the consolidated dict; "pscompile": the ``pscompile.save`` folder),
+    of a 2-rank run; "full": the consolidated dict; "pscompile": the ``pscompile.save`` folder;
+    "psfolder": that folder on one rank; "psfile": a one-process ``pscompile.save`` file on two),
     run ``steps`` steps, save the losses; a fresh run also saves every rank's state dict and a
     ``pscompile.save`` checkpoint after its first ``steps // 2`` steps."""
     join(rank, world, port)
@@ -159,8 +160,10 @@ def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str 
         engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"), weights_only=True))
     elif load == "full":
         engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-full.pt"), weights_only=True))
-    elif load == "pscompile":
+    elif load in ("pscompile", "psfolder"):             # psfolder: the 2-rank folder, on 1 rank
         pscompile.load(engine, os.path.join(out_dir, f"psckpt-{mode}"))
+    elif load == "psfile":                               # a one-process file, on 2 ranks
+        pscompile.load(engine, os.path.join(out_dir, f"psfile-{mode}.ckpt"))
     losses = []
     for i, b in enumerate(batches):
         if load is None and i == steps // 2:

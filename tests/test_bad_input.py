@@ -127,20 +127,22 @@ def _truncated_checkpoint(tmp):
     pscompile.load(engine, tmp / "t.ckpt")
 
 
-def _crafted_checkpoint(tmp, **state):
-    """A checkpoint whose payload was changed and its checksum recomputed."""
-    import io
-    from pscompile.checkpoint import _envelope
+def _crafted_checkpoint(tmp, **change):
+    """A checkpoint changed after it was written, its checksum recomputed."""
+    from conftest import rewrite_checkpoint
     engine = _stepped()
-    env = torch.load(pscompile.save(engine, tmp / "c.ckpt"), weights_only=True)
-    payload = torch.load(io.BytesIO(env["payload"]), weights_only=True)
-    (tmp / "c.ckpt").write_bytes(_envelope({**payload, "state": {**payload["state"], **state}}))
-    pscompile.load(engine, tmp / "c.ckpt")
+    pscompile.save(engine, tmp / "c.ckpt")
+    rewrite_checkpoint(tmp / "c.ckpt", tmp / "crafted.ckpt", **change)
+    pscompile.load(engine, tmp / "crafted.ckpt")
+
+
+def _negative_step(tmp):
+    _crafted_checkpoint(tmp, header=lambda h: {**h, "state": {**h["state"], "step": -5}})
 
 
 def _nan_masters(tmp):
-    masters = {f: torch.full_like(t, float("nan")) for f, t in _stepped().state_dict()["master"].items()}
-    _crafted_checkpoint(tmp, master=masters)
+    _crafted_checkpoint(tmp, tensors=lambda ts: {n: torch.full_like(t, float("nan")) if n.startswith("master.") else t
+                                                 for n, t in ts.items()})
 
 
 def _compile(**kw):
@@ -201,7 +203,7 @@ TABLE = [   # (input, what raises it, exception, words of its message)
      "the update was not applied"),
     ("a checkpoint of another model", _foreign_checkpoint, ValueError, "does not fit this engine; nothing was loaded"),
     ("a truncated checkpoint", _truncated_checkpoint, ValueError, "nothing was loaded"),
-    ("a checkpoint with `step=-5` (checksum recomputed)", lambda tmp: _crafted_checkpoint(tmp, step=-5), ValueError,
+    ("a checkpoint with `step=-5` (checksum recomputed)", _negative_step, ValueError,
      "state_dict['step']: the number of steps taken (an int >= 0) is needed, got -5"),
     ("a checkpoint with NaN masters (checksum recomputed)", _nan_masters, ValueError, "holds inf or NaN"),
 ]

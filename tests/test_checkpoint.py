@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import multiprocessing as mp
 
@@ -20,7 +19,7 @@ import torch
 
 import ckpt_worker
 import pscompile
-from conftest import make_batches, make_model, same_state, snapshot
+from conftest import make_batches, make_model, rewrite_checkpoint, same_state, snapshot
 
 N = 3
 
@@ -157,12 +156,10 @@ def test_broken_or_foreign_checkpoints_are_refused_and_nothing_is_loaded(tmp_pat
         with pytest.raises(ValueError, match=message) as err:
             pscompile.load(other, bad)
         assert str(bad) in str(err.value) and "nothing was loaded" in str(err.value), name
-    # a payload byte flipped inside an intact envelope: only the checksum can tell
-    env = torch.load(path, weights_only=True)
-    body = bytearray(env["payload"])
+    # one data byte flipped in an intact file: only the checksum can tell
+    body = bytearray(data)
     body[len(body) // 2] ^= 0x01
-    env["payload"] = bytes(body)
-    torch.save(env, tmp_path / "flipped.ckpt")
+    (tmp_path / "flipped.ckpt").write_bytes(bytes(body))
     with pytest.raises(ValueError, match="is corrupted \\(the SHA-256"):
         pscompile.load(other, tmp_path / "flipped.ckpt")
     torch.save(engine.state_dict(), tmp_path / "plain.pt")                 # a state dict, not a checkpoint
@@ -211,34 +208,33 @@ def test_a_failed_step_leaves_the_random_numbers_where_they_were(mode):
 
 
 def test_a_checkpoint_that_passes_its_checksum_is_still_checked_field_by_field(tmp_path):
-    """Crafted payloads with a recomputed checksum (missing step, negative step, NaN masters, a
-    wrong-size RNG state, a wrong shape) are refused naming the field, the engine and the random
-    numbers unchanged."""
-    from pscompile.checkpoint import _envelope
+    """Tampered files with a recomputed checksum (missing step, negative step, NaN masters, a
+    wrong-size RNG state, a wrong-size chunk) are refused naming the field, the engine and the
+    random numbers unchanged."""
     engine, batch = _engine()
     engine.step(batch)
-    good = torch.load(pscompile.save(engine, tmp_path / "a.ckpt"), weights_only=True)
-    payload = torch.load(io.BytesIO(good["payload"]), weights_only=True)
+    path = pscompile.save(engine, tmp_path / "a.ckpt")
     other, _ = _engine()
     before, rng = snapshot(other), torch.get_rng_state()
-    fqn = next(iter(payload["state"]["master"]))
-    nan_master = {**payload["state"]["master"], fqn: torch.full_like(payload["state"]["master"][fqn], float("nan"))}
-    wrong_shape = {**payload["state"]["exp_avg"], fqn: torch.zeros(3)}
+
+    def state(**changes):
+        return lambda h: {**h, "state": {**{k: v for k, v in h["state"].items() if k not in changes},
+                                         **{k: v for k, v in changes.items() if v is not None}}}
+
+    def tensor(name, value):
+        return lambda ts: {**ts, name: value(ts[name])}
     cases = {
-        "no step": ({k: v for k, v in payload["state"].items() if k != "step"}, "state_dict\\['step'\\]"),
-        "negative step": (dict(payload["state"], step=-5), "state_dict\\['step'\\].*got -5"),
-        "nan masters": (dict(payload["state"], master=nan_master), f"state_dict\\['master'\\]\\['{fqn}'\\] holds inf"),
-        "wrong shape": (dict(payload["state"], exp_avg=wrong_shape), f"state_dict\\['exp_avg'\\]\\['{fqn}'\\] has shape"),
+        "no-step": (dict(header=state(step=None)), "state_dict\\['step'\\]"),
+        "negative-step": (dict(header=state(step=-5)), "state_dict\\['step'\\].*got -5"),
+        "nan-master": (dict(tensors=tensor("master.0", lambda t: torch.full_like(t, float("nan")))),
+                       "master.0 \\(the fp32 master of chunk 0\\) holds inf or NaN"),
+        "short-rng": (dict(tensors=tensor("rng.cpu", lambda t: t[:-8])), "rng\\['cpu'\\]: a torch.uint8 tensor"),
+        "short-chunk": (dict(tensors=tensor("exp_avg.1", lambda t: t[:-1])), "does not fit|cannot fill"),
     }
-    for name, (state, message) in cases.items():
-        bad = tmp_path / f"{name.replace(' ', '-')}.ckpt"
-        bad.write_bytes(_envelope({**payload, "state": state}))
+    for name, (change, message) in cases.items():
+        rewrite_checkpoint(path, tmp_path / f"{name}.ckpt", **change)
         with pytest.raises(ValueError, match=message):
-            pscompile.load(other, bad)
-    short_rng = {**payload, "rng": {"cpu": payload["rng"]["cpu"][:-8]}}
-    (tmp_path / "rng.ckpt").write_bytes(_envelope(short_rng))
-    with pytest.raises(ValueError, match="rng\\['cpu'\\]: a torch.uint8 tensor of shape"):
-        pscompile.load(other, tmp_path / "rng.ckpt")
+            pscompile.load(other, tmp_path / f"{name}.ckpt")
     assert same_state(snapshot(other), before) and torch.equal(torch.get_rng_state(), rng)
 
 
@@ -254,3 +250,17 @@ def test_save_never_writes_through_a_planted_link_and_removes_what_a_killed_save
     assert not (tmp_path / ".run.ckpt.abc123.pscompile-tmp").exists()
     other, _ = _engine()
     pscompile.load(other, tmp_path / "run.ckpt")
+
+
+def test_a_version_1_checkpoint_still_loads(tmp_path):
+    """The format before streaming (a torch.save envelope around a torch.save payload) loads."""
+    from pscompile.checkpoint import _meta
+    from pscompile.checkpoint_legacy import envelope
+    from pscompile.runtime.rng import rng_state
+    engine, batch = _engine()
+    engine.step(batch)
+    payload = {"state": engine.state_dict(), "rng": rng_state(engine.device), "meta": _meta(engine)}
+    (tmp_path / "v1.ckpt").write_bytes(envelope(payload))
+    other, _ = _engine()
+    pscompile.load(other, tmp_path / "v1.ckpt")
+    assert same_state(snapshot(other), snapshot(engine))

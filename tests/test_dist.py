@@ -144,14 +144,23 @@ def test_a_two_rank_checkpoint_resumes_in_one_and_in_two_processes(tmp_path, mod
     spawn(dist_worker.resume, str(tmp_path), mode, "pscompile", steps)
     again = torch.load(tmp_path / f"resume-{mode}-pscompile-rank0.pt")
     assert again == fresh[steps // 2:], "two processes resumed from pscompile.save"
-    engine = pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], config=dist_worker.config(mode, None))
-    with pytest.raises(ValueError, match="is a folder \\(a sharded checkpoint of 2 ranks\\)"):
-        pscompile.load(engine, folder)       # one process cannot take a two-rank checkpoint folder
-    spawn(dist_worker.resume, str(tmp_path), mode, "full", steps, world=1)
-    one = torch.load(tmp_path / f"resume-{mode}-full-rank0.pt")
-    assert len(one) == steps - steps // 2
-    for a, b in zip(one, fresh[steps // 2:]):
-        assert rel(a, b) <= 1e-5, f"one process resumed: {one} vs {fresh[steps // 2:]}"
+    # resharded: one process loads the two-rank folder (the state consolidate gives), and saves it
+    # as a one-process file that two ranks load again
+    engine = pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], optimizer=dist_worker.HP,
+                               config=dist_worker.config(mode, None))
+    pscompile.load(engine, folder)
+    full, mine = pscompile.consolidate(shards), engine.state_dict()
+    assert mine["step"] == full["step"] == steps // 2
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(mine[key][f], full[key][f]) for f in full[key]), key
+    pscompile.save(engine, tmp_path / f"psfile-{mode}.ckpt")
+    engine.close()
+    for load, world in (("psfolder", 1), ("psfile", WORLD), ("full", 1)):
+        spawn(dist_worker.resume, str(tmp_path), mode, load, steps, world=world)
+        again = torch.load(tmp_path / f"resume-{mode}-{load}-rank0.pt")
+        assert len(again) == steps - steps // 2
+        for a, b in zip(again, fresh[steps // 2:]):
+            assert rel(a, b) <= 1e-5, f"{load} on {world} rank(s) resumed: {again} vs {fresh[steps // 2:]}"
 
 
 @pytest.mark.parametrize("how", ["exit", "stall"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.rng import rng_state, set_rng_state
+from pscompile.runtime.checkpoint_state import CheckpointState
 from pscompile.runtime.state import EngineState
 from pscompile.runtime.tiers import HostTiers
 from pscompile.runtime.update import ChunkUpdate
@@ -63,7 +65,7 @@ class MicroRun:
     context: Any = None            # the mode's own record (hooks: the pass; compiled: the schedule)
 
 
-class ChunkEngine(ChunkUpdate, EngineState, HostTiers):
+class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         self.config = config
@@ -157,6 +159,9 @@ class ChunkEngine(ChunkUpdate, EngineState, HostTiers):
                       if self.per_chunk else
                       ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
                                    copies=self.copies))
+        # the copy threads, the disk tier's I/O thread and file: released by close(), or when the
+        # engine is garbage-collected without it
+        self._release = weakref.finalize(self, _release_resources, self.copies, self.store.disk)
 
     def _count_outside_steps(self) -> None:
         """Finish the disk tier's transfers (written back, staging buffers returned) and move what
@@ -218,9 +223,7 @@ class ChunkEngine(ChunkUpdate, EngineState, HostTiers):
         try:
             self._give_back()
         finally:
-            self.copies.close()              # (every copy landed: no copy thread outlives close)
-            if self.store.disk is not None:
-                self.store.disk.close()
+            self._release()                  # (every copy landed: no copy or I/O thread outlives close)
 
     def _give_back(self) -> None:
         with torch.no_grad():
@@ -454,3 +457,13 @@ class ChunkEngine(ChunkUpdate, EngineState, HostTiers):
         for c in range(self.layout.num_chunks):
             if only is None or only[c]:
                 self.store.restore_from_master(c)
+
+
+def _release_resources(copies, disk) -> None:
+    """Stop the copy engine's threads and close the disk tier (its thread, descriptor and file)."""
+    try:
+        copies.close()
+    finally:
+        if disk is not None:
+            disk.close()
+

@@ -44,17 +44,24 @@ class EngineState:
         self._count_outside_steps()
         return sd
 
+    def scalar_problems(self, state: Any) -> list[str]:
+        """What keeps a checkpoint's scalars (step, loss scale, parameter groups) from loading."""
+        if not isinstance(state, dict):
+            return [f"state: a dict is needed, got {type(state).__name__}"]
+        out = _scalar_problems(state, loss_scaled=self.scaler is not None)
+        try:
+            self._saved_groups(state)
+        except (ValueError, KeyError, TypeError) as e:
+            out.append(f"param_groups: {e}")
+        return out
+
     def state_problems(self, sd: Any) -> list[str]:
         """Everything that keeps ``sd`` from loading into this engine (empty: it loads), checked
         before anything changes: its fields, every tensor's shape, the step, finite masters, the
         parameter groups, and for a shard its rank, world size and layout."""
+        out = self.scalar_problems(sd)
         if not isinstance(sd, dict):
-            return [f"state_dict: a dict is needed, got {type(sd).__name__}"]
-        out = _scalar_problems(sd, loss_scaled=self.scaler is not None)
-        try:
-            self._saved_groups(sd)
-        except ValueError as e:
-            out.append(str(e))
+            return out
         if shard_ckpt.is_shard(sd):
             if self.comm is None:
                 return out + [f"state_dict is rank {sd.get('rank')}'s shard of a {sd.get('world_size')}-rank run; "

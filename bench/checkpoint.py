@@ -1,0 +1,151 @@
+"""Checkpoint memory, size and speed: ``pscompile.save`` / ``load`` against ``torch.save`` /
+``torch.load`` of the engine's state dict, and against the disk's own sequential rate.
+
+Each row runs in a fresh process (the peak resident memory of a process only grows): an engine
+(hooks mode, float32, one step taken) on a stack of square Linear layers, then the operation with
+the kernel's peak-RSS counter reset just before it (``/proc/self/clear_refs``), so "extra peak" is
+the operation's own: the peak minus the resident memory before it. Freed heap memory is given back
+first (``malloc_trim``) and large buffers come from fresh pages (``MALLOC_MMAP_THRESHOLD_``), so an
+allocation cannot hide in memory the process already holds. The bound is the issue's: 1.2x
+one chunk's state (fp32 master + two Adam states = 12 bytes per element of a chunk). The disk row
+writes (fsync) and reads the same number of bytes with plain file I/O.
+
+    python bench/checkpoint.py            # ~1.2 GB of state
+    python bench/checkpoint.py --quick    # ~100 MB, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+STATE_BYTES_PER_ELEMENT = 12
+
+
+def _status(key: str) -> int:
+    return int(re.search(key + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _reset_peak() -> int:
+    """Give freed heap memory back to the system (else a later allocation reuses it unseen), reset
+    the peak-RSS counter, and return the resident memory now."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def _engine(width: int, layers: int, chunk: int):
+    import torch
+    import pscompile
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    x = torch.randn(4, width)
+
+    def loss_fn(out, batch):
+        return out.square().mean()
+    engine = pscompile.compile(model, (x,), loss_fn=loss_fn,
+                               config=pscompile.Config(mode="hooks", dtype=torch.float32, chunk_size=chunk))
+    engine.step((x,))
+    return engine
+
+
+def worker(op: str, width: int, layers: int, chunk: int, folder: str) -> dict:
+    """One measurement, in this (fresh) process."""
+    import torch
+    import pscompile
+    engine = _engine(width, layers, chunk)
+    elements = sum(p.numel() for p in engine.params.values())
+    path = Path(folder) / ("ps.ckpt" if op.startswith("pscompile") else "torch.pt")
+    if op.endswith("load"):          # the file the load reads, written before the measurement
+        pscompile.save(engine, path) if op.startswith("pscompile") else torch.save(engine.state_dict(), path)
+    base = _reset_peak()
+    t0 = time.perf_counter()
+    if op == "pscompile.save":
+        pscompile.save(engine, path)
+    elif op == "pscompile.load":
+        pscompile.load(engine, path)
+    elif op == "torch.save":
+        torch.save(engine.state_dict(), path)
+    else:
+        engine.load_state_dict(torch.load(path, weights_only=True))
+    seconds = time.perf_counter() - t0
+    return {"op": op, "seconds": seconds, "extra_peak_bytes": _status("VmHWM") - base,
+            "file_bytes": path.stat().st_size, "state_bytes": STATE_BYTES_PER_ELEMENT * elements,
+            "chunk_state_bytes": STATE_BYTES_PER_ELEMENT * engine.layout.chunk_size,
+            "num_chunks": engine.layout.num_chunks}
+
+
+def disk_rate(nbytes: int, folder: str) -> dict:
+    """Sequential write (fsync) and read of ``nbytes`` with plain file I/O, 8 MiB blocks."""
+    block = os.urandom(8 << 20)
+    path = Path(folder) / "raw.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(0, nbytes, len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(8 << 20):
+            pass
+    read = time.perf_counter() - t0
+    path.unlink()
+    return {"write_s": write, "read_s": read}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="about 100 MB of state instead of 1.2 GB")
+    ap.add_argument("--out", default=None, help="where to write the JSON (default bench/results/checkpoint.json)")
+    ap.add_argument("--worker", nargs=5, metavar=("OP", "WIDTH", "LAYERS", "CHUNK", "FOLDER"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        op, width, layers, chunk, folder = args.worker
+        print(json.dumps(worker(op, int(width), int(layers), int(chunk), folder)))
+        return
+    width, layers, chunk = (1024, 8, 1 << 20) if args.quick else (4096, 6, 4 << 20)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as folder:
+        for op in ("pscompile.save", "pscompile.load", "torch.save", "torch.load"):
+            # large buffers from mmap (fresh pages, counted when touched), never from a reused heap
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+            proc = subprocess.run([sys.executable, __file__, "--worker", op, str(width), str(layers), str(chunk),
+                                   folder], capture_output=True, text=True, timeout=900, env=env)
+            if proc.returncode != 0:
+                sys.exit(f"{op} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"[{op}] {rows[-1]['seconds']:.2f} s", file=sys.stderr)
+        disk = disk_rate(rows[0]["file_bytes"], folder)
+    mib = 1 << 20
+    table = [[r["op"], f"{r['state_bytes'] / mib:,.0f}", f"{r['file_bytes'] / r['state_bytes']:.3f}",
+              f"{r['extra_peak_bytes'] / mib:,.1f}", f"{r['extra_peak_bytes'] / r['chunk_state_bytes']:.2f}",
+              f"{r['extra_peak_bytes'] / r['state_bytes']:.3f}", f"{r['seconds']:.2f}",
+              f"{(disk['write_s'] if 'save' in r['op'] else disk['read_s']) / r['seconds']:.2f}"] for r in rows]
+    print(f"Checkpoint of {rows[0]['num_chunks']} chunks of {chunk:,} elements (one chunk's state: "
+          f"{rows[0]['chunk_state_bytes'] / mib:.0f} MiB); each row a fresh process; extra peak = peak RSS during "
+          f"the call minus RSS before it; disk rate = plain sequential write (fsync) / read of the same bytes")
+    print(tabulate(table, headers=["operation", "state MiB", "file / state", "extra peak MiB",
+                                   "extra / chunk state", "extra / state", "seconds", "disk time / time"]))
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "checkpoint.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"quick": args.quick, "width": width, "layers": layers, "chunk_size": chunk,
+                               "rows": rows, "disk": disk}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""What a checkpoint file streams, and loading it back chunk by chunk: a mixin of ``ChunkEngine``.
+
+The file (``checkpoint_file.py``) holds each chunk's optimizer state as it lives in the chunk store
+(under ZeRO: this rank's shard of each group), named ``master.{c}``, ``exp_avg.{c}``,
+``exp_avg_sq.{c}``, and in its header the state dict's scalars (step, parameter groups, loss scale,
+the mode's measurements), the chunk layout and, under ZeRO, the rank's place. A file of this
+engine's own layout (and rank) loads straight into the chunks; any other (another chunk size, or
+another world size: a checkpoint resharded) is read tensor by tensor into the one-process state
+dict and loaded with ``load_state_dict``, which takes it at any world size.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import torch
+
+from pscompile.checkpoint_file import CheckpointReader, TensorSource
+from pscompile.dist import checkpoint as shard_ckpt
+from pscompile.dist.store import own_pieces
+from pscompile.kinds import Collectives
+from pscompile.memory.disk_states import LISTS
+
+
+class CheckpointState:
+    """Mixin of ``ChunkEngine``: the checkpoint file's tensors and header, and loading them."""
+
+    def _state_used(self) -> list[int]:
+        """Per chunk (ZeRO: per group shard): how many of its leading elements hold parameters;
+        the rest is padding, which a checkpoint neither writes nor reads."""
+        used = [0] * len(self.store.master)
+        per_chunk = self.world if hasattr(self.store, "owner") else 0
+        for e in self.layout.entries:
+            for g, so, _, n in own_pieces(e, self.store.home_numel, self.rank, per_chunk_world=per_chunk):
+                used[g] = max(used[g], so + n)
+        return used
+
+    def checkpoint_tensors(self) -> list[TensorSource]:
+        """Every chunk's optimizer-state buffers (the part that holds parameters), each fetched
+        when it is written (a host buffer as it is; a device one through a host copy of one
+        chunk). Lock-free: after every queued update."""
+        self._apply_queued_updates()
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        return [(f"{key}.{c}", torch.float32, n, partial(self._state_on_host, c, i, n))
+                for c, n in enumerate(self._state_used()) for i, key in enumerate(LISTS)]
+
+    def _state_on_host(self, c: int, i: int, n: int) -> torch.Tensor:
+        t = self.store._states(c)[i][:n]
+        if t.device.type == "cpu":
+            return t
+        staged = torch.empty(n, dtype=t.dtype)
+        self.copies.move(staged, t, "d2h")
+        return staged
+
+    def checkpoint_header(self) -> dict:
+        """The header's engine part: the scalars of the state dict, the layout, the rank's place."""
+        shard = None
+        if self.comm is not None:
+            shard = {"rank": self.rank, "world_size": self.world,
+                     "collectives": str(Collectives.PER_CHUNK if hasattr(self.store, "owner") else Collectives.GROUP)}
+        return {"state": self._scalar_state(), "layout": shard_ckpt.layout_record(self.layout), "shard": shard}
+
+    def fits_directly(self, header: dict) -> bool:
+        """The file was written by an engine of this layout and this rank's place: it loads
+        chunk by chunk (else ``full_state_from`` reads it into a state dict)."""
+        mine = self.checkpoint_header()
+        ours = [(f"{key}.{c}", n) for c, n in enumerate(self._state_used()) for key in LISTS]
+        theirs = [(n, k) for n, _, k in header.get("tensors", []) if not n.startswith("rng.")]
+        return header.get("layout") == mine["layout"] and header.get("shard") == mine["shard"] and ours == theirs
+
+    def load_checkpoint_tensors(self, reader: CheckpointReader) -> None:
+        """Load a verified file of this engine's layout (``fits_directly``), chunk by chunk, then
+        the scalars. Its scalars were checked (``state_problems``) before."""
+        state = reader.header["state"]
+        hps = self._saved_groups(state)
+        if self.updater is not None:        # what the queued updates would change is loaded over
+            self.updater.discard()
+        for c, n in enumerate(self._state_used()):
+            bufs = self.store._states(c, write=True)
+            for i, key in enumerate(LISTS):
+                dst = bufs[i]
+                if dst.device.type == "cpu" and dst.is_contiguous():
+                    reader.read_into(f"{key}.{c}", dst[:n])
+                    dst[n:].zero_()
+                else:
+                    staged = torch.zeros(dst.numel(), dtype=dst.dtype)
+                    reader.read_into(f"{key}.{c}", staged[:n])
+                    self.copies.submit(dst, staged, "h2d").wait_host()
+        if self.store.disk is not None:
+            self.store.disk.flush()
+        self._undo_all()       # param chunks = master cast to the compute dtype
+        self._count_outside_steps()
+        self._load_scalars(state, hps)
+
+
+def full_state_from(readers: Sequence[CheckpointReader]) -> dict:
+    """The one-process state dict (``{"master": {fqn: tensor}, ..., "step", ...}``) that the files
+    of one checkpoint hold (one file, or every rank's of a ZeRO checkpoint in rank order), read
+    tensor by tensor (the whole state in memory once: the path of a resharded or re-laid-out load)."""
+    header = readers[0].header
+    layout = shard_ckpt._layout_of(header["layout"])
+    shard = header.get("shard")
+    world = shard["world_size"] if shard else 1
+    per_chunk = world if shard and shard["collectives"] == str(Collectives.PER_CHUNK) else 0
+    size = layout.chunk_size if per_chunk or world == 1 else layout.chunk_size // world
+    out: dict = {key: {} for key in LISTS}
+    for e in layout.entries:
+        for key in LISTS:
+            flat = torch.empty(e.numel, dtype=torch.float32)
+            for r in range(world):
+                for g, so, to, n in own_pieces(e, size, r, per_chunk_world=per_chunk):
+                    readers[r].read_into(f"{key}.{g}", flat[to:to + n], start=so)
+            out[key][e.fqn] = flat.view(e.shape)
+    return {**header["state"], **out}
