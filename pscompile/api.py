@@ -10,7 +10,7 @@ from torch import nn
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.hooks.engine import HooksEngine
-from pscompile.runtime.batching import LossFn, to_device
+from pscompile.runtime.batching import LossFn, tensor_problem, to_device
 from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
 from pscompile.kinds import Collectives, Mode
@@ -30,6 +30,9 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
     model needs raises ``BudgetError`` naming the smallest budget that compile accepts.
     """
     optimizer, config = _check_arguments(model, optimizer, config)
+    problem = tensor_problem(batch)
+    if problem is not None:
+        raise ValueError(f"compile(): {problem}")
     try:
         if config.mode == Mode.COMPILED:
             from pscompile.compiled.engine import CompiledEngine

@@ -60,12 +60,13 @@ def save(engine, path: str | os.PathLike) -> Path:
     """Write ``engine``'s checkpoint to ``path`` (one process: a file; ZeRO: a folder committed by
     its manifest; a collective, every rank calls it). Returns the path written."""
     path = Path(path)
-    if engine.world > 1:
-        return sharded.save_sharded(engine, path, lambda ckpt_id: _writer(engine, ckpt_id))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, _writer(engine))
-    remove_stale(path.parent, path.name)          # what a killed save of this file left
-    return path
+    with engine.exclusive("save"):
+        if engine.world > 1:
+            return sharded.save_sharded(engine, path, lambda ckpt_id: _writer(engine, ckpt_id))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, _writer(engine))
+        remove_stale(path.parent, path.name)          # what a killed save of this file left
+        return path
 
 
 # ------------------------------------------------------------------------------ reading
@@ -141,7 +142,11 @@ def load(engine, path: str | os.PathLike) -> None:
     every check passes (a load is also how an engine a failed step left broken recovers)."""
     if engine.closed:
         raise RuntimeError("pscompile.load: this engine was closed; load into a new one")
-    path = Path(path)
+    with engine.exclusive("load"):
+        _load(engine, Path(path))
+
+
+def _load(engine, path: Path) -> None:
     if not path.is_dir() and not is_checkpoint_file(path):
         return _load_legacy(engine, path)
     readers, problem, manifest = [], None, None

@@ -21,6 +21,9 @@ def parse_size(value: int | float | str, field: str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{field}={value!r} is not a size; use bytes (int) or a string like '512MiB'")
     if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{field}={value!r} is not a number of bytes; give a finite size like 2 << 30 or "
+                             f"'2GiB' (None means no limit)")
         if value < 0:
             raise ValueError(f"{field}={value!r} must be >= 0 bytes")
         return int(value)

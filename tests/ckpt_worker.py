@@ -48,3 +48,30 @@ def run(mode: str, dtype: str, budget: int | None, seed: int, steps: range, out:
         pscompile.save(engine, save)
     torch.save({"losses": losses, "evictions": evictions, "state": engine.state_dict()}, out)
     engine.close()
+
+
+def killed_save(path: str, state_out: str, after_tensors: int) -> None:
+    """Save after one step, take another, and die (``os._exit``, no cleanup) in the middle of the
+    second save, once ``after_tensors`` of its tensors are written."""
+    import os
+    torch.set_num_threads(1)
+    batch = make_batches("gpt", 1)[0]
+    engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("hooks", "float32", None))
+    engine.step(batch)
+    pscompile.save(engine, path)
+    torch.save(engine.state_dict(), state_out)
+    engine.step(batch)
+    tensors, real = [0], engine.checkpoint_tensors
+
+    def dying():
+        def die_after(get):
+            def get_or_die():
+                tensors[0] += 1
+                if tensors[0] > after_tensors:
+                    os._exit(0)
+                return get()
+            return get_or_die
+        return [(n, d, k, die_after(get)) for n, d, k, get in real()]
+    engine.checkpoint_tensors = dying
+    pscompile.save(engine, path)
+    raise AssertionError("the save should have died")

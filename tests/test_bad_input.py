@@ -14,6 +14,8 @@ a clean engine gives. Models that cannot be captured keep the capture's own advi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -104,6 +106,46 @@ def _closed():
     engine = _stepped()
     engine.close()
     engine.step(GOOD)
+
+
+def _closed_then(call):
+    engine = _stepped()
+    engine.close()
+    call(engine)
+
+
+def _frozen(mode):
+    model = make_model("gpt").requires_grad_(False)
+    pscompile.compile(model, GOOD, config=_hooks(mode=mode))
+
+
+def _second_thread():
+    """Another thread calls step() while one runs (held inside the model's forward)."""
+    import threading
+    engine, inside, done, seen = _stepped(), threading.Event(), threading.Event(), []
+    real = engine.model.forward
+
+    def slow_forward(*a, **k):
+        inside.set()
+        done.wait(30)
+        return real(*a, **k)
+    engine.model.forward = slow_forward
+    runner = threading.Thread(target=lambda: seen.append(engine.step(GOOD)))
+    runner.start()
+    try:
+        assert inside.wait(30), "the first step never entered the model"
+        engine.step(GOOD)
+    finally:
+        done.set()
+        runner.join()
+
+
+def _grad_batch():
+    """A float input that requires grad (a model fed by another model's output, say)."""
+    x = torch.randn(4, 8)
+    engine = pscompile.compile(torch.nn.Linear(8, 8), (x,), config=_hooks(),
+                               loss_fn=lambda out, batch: out.square().mean())
+    engine.step((x.clone().requires_grad_(),))
 
 
 def _nan_weights():
@@ -203,6 +245,26 @@ TABLE = [   # (input, what raises it, exception, words of its message)
      "the update was not applied"),
     ("a checkpoint of another model", _foreign_checkpoint, ValueError, "does not fit this engine; nothing was loaded"),
     ("a truncated checkpoint", _truncated_checkpoint, ValueError, "nothing was loaded"),
+    ("`device_memory=float(\"nan\")`", lambda tmp: _hooks(device_memory=float("nan")), ValueError,
+     "device_memory=nan is not a number of bytes"),
+    ("`host_memory=float(\"inf\")`", lambda tmp: _hooks(host_memory=float("inf")), ValueError,
+     "host_memory=inf is not a number of bytes"),
+    ("a model whose parameters are all frozen (hooks mode)", lambda tmp: _frozen("hooks"), ValueError,
+     "model has no trainable parameter"),
+    ("a model whose parameters are all frozen (compiled mode)", lambda tmp: _frozen("compiled"), ValueError,
+     "model has no trainable parameter"),
+    ("a batch tensor with `requires_grad=True`",
+     lambda tmp: _grad_batch(), ValueError, "requires grad"),
+    ("a batch on the meta device", lambda tmp: pscompile.compile(make_model("gpt"), tuple(t.to("meta") for t in GOOD),
+                                                                 config=_hooks()), ValueError, "is on the meta device"),
+    ("`state_dict()` after `close()`", lambda tmp: _closed_then(lambda e: e.state_dict()), RuntimeError,
+     "state_dict() of a closed engine"),
+    ("`pscompile.save` after `close()`", lambda tmp: _closed_then(lambda e: pscompile.save(e, tmp / "x.ckpt")),
+     RuntimeError, "this engine was closed"),
+    ("`pscompile.load` into a closed engine",
+     lambda tmp: _closed_then(lambda e: pscompile.load(e, tmp / "x.ckpt")), RuntimeError, "load into a new one"),
+    ("a second thread calling `step()` while one runs", lambda tmp: _second_thread(), RuntimeError,
+     "while another thread runs this engine's step()"),
     ("a checkpoint with `step=-5` (checksum recomputed)", _negative_step, ValueError,
      "state_dict['step']: the number of steps taken (an int >= 0) is needed, got -5"),
     ("a checkpoint with NaN masters (checksum recomputed)", _nan_masters, ValueError, "holds inf or NaN"),
@@ -220,3 +282,18 @@ def test_every_bad_input_in_the_readme_table_gets_its_error(tmp_path):
         rows.append(f"| {what} | `{error.__name__}` | {words.replace('|', '&#124;')} |")
         assert rows[-1] in readme, f"docs/reliability.md's bad-input table lacks the row\n{rows[-1]}"
     assert len(rows) >= 15
+
+
+@pytest.mark.parametrize("argv", [["plan", "--json", "{tmp}/no/such/../../f/x.json"], ["plan", "--json", "{tmp}"],
+                                  ["inspect", "--out", "{tmp}/file.txt"]])
+def test_a_cli_output_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, capsys, argv):
+    from pscompile.cli.main import main
+    (tmp_path / "file.txt").write_text("a file, not a folder")
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f").chmod(0o500)               # (root may write anyway: then the folder case below decides)
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if argv[0] == "plan" and argv[2].endswith("x.json") and os.access(tmp_path / "f", os.W_OK) and os.geteuid() == 0:
+        argv[2] = "/proc/x.json"                # a place even root cannot write
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: --" in err and ("cannot write" in err or "is a folder" in err or "is a file" in err), err

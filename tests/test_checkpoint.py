@@ -264,3 +264,26 @@ def test_a_version_1_checkpoint_still_loads(tmp_path):
     other, _ = _engine()
     pscompile.load(other, tmp_path / "v1.ckpt")
     assert same_state(snapshot(other), snapshot(engine))
+
+
+@pytest.mark.parametrize("after_tensors", [0, 7])
+def test_a_process_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path, after_tensors):
+    """One process dies (no cleanup) while streaming its second save over the first: the file is
+    still the first save, which loads; the killed save's temporary is removed by the next save."""
+    path = tmp_path / "run.ckpt"
+    p = mp.get_context("spawn").Process(target=ckpt_worker.killed_save,
+                                        args=(str(path), str(tmp_path / "state1.pt"), after_tensors))
+    p.start()
+    p.join(300)
+    assert p.exitcode == 0
+    leftovers = [f for f in tmp_path.iterdir() if f.name.startswith(".run.ckpt.")]
+    assert len(leftovers) == 1, "the killed save left no temporary: it did not die mid-write"
+    engine = pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], optimizer=ckpt_worker.HP,
+                               config=ckpt_worker.config("hooks", "float32", None))
+    pscompile.load(engine, path)
+    want = torch.load(tmp_path / "state1.pt", weights_only=True)
+    got = engine.state_dict()
+    assert got["step"] == want["step"] == 1
+    assert all(torch.equal(got["master"][f], want["master"][f]) for f in want["master"])
+    pscompile.save(engine, path)
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".run.ckpt.")]

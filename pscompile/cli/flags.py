@@ -9,7 +9,10 @@ that still works and prints, once per use, which name replaces it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 def deprecated_aliases(canonical: str, aliases: tuple[str, ...]) -> type[argparse.Action]:
@@ -27,3 +30,27 @@ def add_flag(p: argparse.ArgumentParser, name: str, *, old: tuple[str, ...] = ()
     if old:
         kw["action"] = deprecated_aliases(name, old)
     p.add_argument(name, *old, **kw)
+
+
+def check_output(path: str | None, flag: str, *, folder: bool = False) -> None:
+    """Before a command runs: ``path`` (a file, or with ``folder`` a folder made if missing) can be
+    written; a ``ValueError`` naming the flag otherwise (the command then exits 2, having run
+    nothing)."""
+    if path is None:
+        return
+    p = Path(path)
+    if not folder and p.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder; give a file path")
+    if folder and p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path}: is a file; give a folder (made if missing)")
+    where = p if folder else p.parent
+    while not where.exists():
+        where = where.parent
+    try:                                  # the real test: a file made and removed there
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".pscompile-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in {where} ({e.strerror}); give a path in a folder you can "
+                         "write to") from e
+

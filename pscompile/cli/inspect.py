@@ -11,6 +11,7 @@ import torch
 
 from pscompile.api import compile as ps_compile
 from pscompile.cli.data import Corpus
+from pscompile.cli.flags import check_output
 from pscompile.cli.train import DTYPES, TrainSettings, parse_chunk_size, size_or_none, build_model
 from pscompile.config import Config
 
@@ -41,6 +42,7 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
+    check_output(args.out, "--out", folder=True)
     """Compile a GPT preset in compiled mode (eager backend) on one random batch, print the
     schedule's header and its first memory nodes, and save the whole schedule into ``--out``."""
 

@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, whatever the source
         print(f"pscompile {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except OSError as e:                    # a file or folder the command reads or writes
+        print(f"pscompile {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"pscompile {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from pscompile.cli.flags import add_flag
+from pscompile.cli.flags import add_flag, check_output
 from pscompile.config import Config
+from pscompile.files import write_atomic
 from pscompile.models.gpt import GPTConfig
 from pscompile.planner import HARDWARE, hardware_preset, plan, search
 from pscompile.planner.search import DIMENSIONS
@@ -69,6 +70,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    check_output(args.json, "--json")
     hw = hardware_preset(args.hardware).with_(gpus=args.gpus, cpu_memory=args.cpu_memory, disk=args.disk,
                                               gpu_memory=None if args.gpu_memory is None else gpu_size(args.gpu_memory))
     chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)
@@ -94,5 +96,5 @@ def plan_command(args: argparse.Namespace) -> int:
         out = {"dimension": res.dimension, "value": res.value, "tried": res.tried,
                "report": None if res.report is None else res.report.as_dict()}
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        write_atomic(Path(args.json), json.dumps(out, indent=1, default=str).encode())
     return 0

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -27,7 +28,9 @@ from tabulate import tabulate
 from pscompile.api import compile as ps_compile
 from pscompile.config import AdamW, Config
 from pscompile.cli.data import Corpus
+from pscompile.cli.flags import check_output
 from pscompile.dist.launch import init_from_env
+from pscompile.files import write_atomic
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
 from pscompile.kinds import Backend, Mode
@@ -428,6 +431,7 @@ def summary_table(r: dict) -> str:
 
 def train_command(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
+    check_output(s.json_path, "--json")
     rank, world, joined = init_from_env(s.device)
     # after a failure the error propagates without tearing the group down (the launcher stops the
     # other ranks; destroying it under their collectives could hang them)
@@ -439,7 +443,6 @@ def train_command(args: argparse.Namespace) -> int:
         return 0
     print(summary_table(result), flush=True)
     if s.json_path:
-        with open(s.json_path, "w") as f:
-            json.dump(result, f, indent=2)
+        write_atomic(Path(s.json_path), json.dumps(result, indent=2).encode())
         print(f"summary written to {s.json_path}")
     return 0

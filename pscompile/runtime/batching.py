@@ -108,3 +108,22 @@ def micro_batches(batch: Any) -> list | None:
     if isinstance(batch, list) and all(isinstance(b, (tuple, dict)) for b in batch):
         return batch
     return None
+
+
+def tensor_problem(batch: Any) -> str | None:
+    """A batch tensor the engine cannot train on: one on the meta device (no data) or one that
+    requires grad (pscompile differentiates the loss by the parameters only); naming it and what
+    would work."""
+    leaves, _ = tree_flatten_with_path(batch)
+    for path, leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        where = f"batch{keystr(path)}"
+        if leaf.is_meta:
+            return (f"{where} is on the meta device (it has shapes but no data); give real tensors (a model "
+                    "built on meta can be planned with pscompile.plan, not trained)")
+        if leaf.requires_grad:
+            return (f"{where} requires grad; pscompile computes the gradients of the parameters only: pass "
+                    "it with requires_grad=False (tensor.detach())")
+    return None
+

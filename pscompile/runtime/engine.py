@@ -16,7 +16,9 @@ A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -39,7 +41,8 @@ from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.lock_free import LockFreeUpdater
-from pscompile.runtime.batching import LossFn, call_model, micro_batches, structure, structure_error, to_device
+from pscompile.runtime.batching import (LossFn, call_model, micro_batches, structure, structure_error,
+                                       tensor_problem, to_device)
 from pscompile.runtime.materialize import materialize_meta
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.checkpoint_state import CheckpointState
@@ -138,6 +141,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
                              if config.lock_free else [])
         self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
         self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
+        self._lock, self._busy = threading.Lock(), ""   # one call at a time (``exclusive``)
 
     def _make_store(self, config: Config) -> None:
         """The link, the copy engine and the chunk store (one process, or a ZeRO store)."""
@@ -266,16 +270,31 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
         """The mean of a per-rank value over the ranks (the loss, like DDP's)."""
         return value if self.comm is None else self.comm.sum(value) / self.world
 
+    @contextlib.contextmanager
+    def exclusive(self, call: str):
+        """``call`` runs alone on this engine: a second thread entering step, evaluate, state_dict,
+        save or load while one runs is refused (an engine's chunks, slots and copies are one run's)."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"{call}() while another thread runs this engine's {self._busy}(); an engine runs one "
+                               "call at a time: call it from one thread (or give each thread its own engine)")
+        self._busy = call
+        try:
+            yield
+        finally:
+            self._busy = ""
+            self._lock.release()
+
     def evaluate(self, batch: Any) -> float:
         """The loss of ``batch`` from a forward pass only: no gradients, no update, under the same
         budget (hooks mode: its own trace per batch shape; compiled mode: its own forward-only
         schedule, captured, planned, measured and lowered like a training step's). Like plain
         PyTorch, dropout follows the model's train()/eval() mode. ``eval_peak_device_bytes`` and
         ``eval_bytes_moved`` then tell what it took."""
-        self._check_open()
-        self._check_batch(batch, None, "evaluate")
-        loss, self.eval_peak_device_bytes, self.eval_bytes_moved = self._evaluate(to_device(batch, self.device))
-        return self._global_mean(loss)
+        with self.exclusive("evaluate"):
+            self._check_open()
+            self._check_batch(batch, None, "evaluate")
+            loss, self.eval_peak_device_bytes, self.eval_bytes_moved = self._evaluate(to_device(batch, self.device))
+            return self._global_mean(loss)
 
     def _evaluate(self, batch: Any) -> tuple[float, int, int]:
         """Mode-specific: (this rank's loss, peak device bytes, bytes moved) of a forward pass."""
@@ -305,10 +324,13 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
         """A ``TypeError`` naming the argument when ``batch`` (or a micro-batch) is not of the form
         the engine was compiled for; before anything runs, so nothing changes."""
         for i, b in enumerate([batch] if micro is None else micro):
+            which = "" if micro is None else f" (micro-batch {i})"
             problem = structure_error(self.batch_structure, b)
             if problem is not None:
-                which = "" if micro is None else f" (micro-batch {i})"
                 raise TypeError(f"{call}(){which}: {problem}")
+            problem = tensor_problem(b)
+            if problem is not None:
+                raise ValueError(f"{call}(){which}: {problem}")
 
     def _check_open(self) -> None:
         if self.closed:
@@ -358,6 +380,11 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
         fp32 chunks on the host, then one update follows with the mean gradient (like
         ``(loss / k).backward()`` per micro-batch in plain PyTorch); the mean loss is returned.
         A failed step leaves the weights and optimizer states as they were."""
+        with self.exclusive("step"):
+            return self._step(batch)
+
+    def _step(self, batch: Any) -> float:
+        """``step``, run alone. (Long on purpose where it is: the one step loop both modes share.)"""
         self._check_open()
         t_start = time.perf_counter()
         if self.device.type == "cuda":        # the allocator's peak over this step, beside ours

@@ -29,6 +29,10 @@ def check_model(model: nn.Module) -> None:
                              "call that engine's close(), which gives the model its trained weights back, "
                              "before compiling the model again, or compile another model")
         devices.setdefault(p.device.type if p.device.type in ("meta", "cpu") else str(p.device), name)
+    if devices and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model has no trainable parameter (requires_grad is False for all "
+                         f"{sum(1 for _ in model.parameters())}); pscompile trains parameters: unfreeze those to "
+                         "train (p.requires_grad_(True)), or run the frozen model without pscompile")
     real = {d: n for d, n in devices.items() if d != "meta"}
     if len(real) > 1:
         raise ValueError("model has parameters on several devices (" + ", ".join(

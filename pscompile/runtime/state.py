@@ -29,6 +29,13 @@ class EngineState:
         """fp32 master weights, Adam states (per parameter fqn), step, loss scale. Sharded (ZeRO):
         this rank's shards and the layout they are cut from (``pscompile.consolidate`` joins the
         ranks' dicts into the one-process form). Lock-free: every queued update is applied first."""
+        with self.exclusive("state_dict"):
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
+        if self.closed:
+            raise RuntimeError("state_dict() of a closed engine: its state went back to the model at close() "
+                               "(model.state_dict() holds the trained weights); save before closing")
         self._apply_queued_updates()
         if self._broken is not None:
             raise RuntimeError(self._broken)
