@@ -287,3 +287,46 @@ def test_a_process_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint
     assert all(torch.equal(got["master"][f], want["master"][f]) for f in want["master"])
     pscompile.save(engine, path)
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".run.ckpt.")]
+
+
+def test_understated_measurements_in_a_checkpoint_are_dropped_after_one_step_over_budget(tmp_path, caplog):
+    """A checkpoint whose compiled-mode measurements were rewritten to nothing (checksum
+    recomputed): the first step planned with them overruns the budget, is reported, and from then
+    on the engine measures and plans as a fresh one does; every later step is within the budget,
+    and the losses are the uninterrupted run's (eager code: plans move bytes, not numbers). An
+    honest checkpoint's measurements are kept (no warning)."""
+    import logging
+    batches = make_batches("gpt", 6, distinct=3)
+    cfg = ckpt_worker.config("compiled", "float32", None)
+    budget = int(pscompile.min_device_memory(make_model("gpt"), batches[0], cfg) * 1.1)
+    cfg = ckpt_worker.config("compiled", "float32", budget)
+
+    def engine():
+        torch.manual_seed(0)
+        return pscompile.compile(make_model("gpt"), batches[0], optimizer=ckpt_worker.HP, config=cfg)
+    whole = engine()
+    losses = [whole.step(b) for b in batches]
+    first = engine()
+    for b in batches[:2]:
+        first.step(b)
+    pscompile.save(first, tmp_path / "honest.ckpt")
+
+    def understate(h):
+        caps = h["state"]["compiled"]["captures"]
+        assert caps, "no measurements saved: proves nothing"
+        for c in caps.values():
+            c["measured"], c["node"] = [0] * len(c["measured"]), [0] * len(c["node"])
+        return h
+    rewrite_checkpoint(tmp_path / "honest.ckpt", tmp_path / "understated.ckpt", header=understate)
+    for name, warned in (("honest", False), ("understated", True)):
+        resumed = engine()
+        pscompile.load(resumed, tmp_path / f"{name}.ckpt")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pscompile"):
+            got = [resumed.step(batches[2])]
+            over = resumed.stats.peak_device_bytes > budget
+            assert any("understate" in m for m in caplog.messages) == warned == over, (name, caplog.messages)
+            for b in batches[3:]:
+                got.append(resumed.step(b))
+                assert resumed.stats.peak_device_bytes <= budget, name
+        assert got == losses[2:], name

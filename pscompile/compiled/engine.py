@@ -106,6 +106,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
         self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
         self._restored: dict[str, dict] = {}      # CaptureKey.token -> what a loaded checkpoint measured
+        self._unproven: set[CaptureKey] = set()    # captures planned with those, not yet run within budget
         self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
         self.eval_plan: ResidencyPlan | None = None
@@ -368,6 +369,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         for r in runs:
             if r.context.probe is not None:
                 self._settle_probe(r.context.key, r.context.scheduled, r.context.probe)
+        self._prove_restored(runs)
         measured: dict[CaptureKey, _RunRecord] = {}
         for r in runs:
             if r.context.samples is not None:
@@ -384,6 +386,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             run = self._run_graph(key, sched, batch, None)
         if run.context.probe is not None:
             self._settle_probe(key, sched, run.context.probe)
+        self._prove_restored([run])
         if run.context.samples is not None:
             self._remeasure(key, run.context.samples)
         self._adopt_pending_curves()

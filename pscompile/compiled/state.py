@@ -7,6 +7,7 @@ lowers exactly as the saved one did from its first step (docs/design.md, section
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,8 @@ from pscompile.kinds import Activations
 
 if TYPE_CHECKING:
     from pscompile.graph.pipeline import Scheduled
+
+log = logging.getLogger("pscompile.compiled")
 
 
 class CompiledState:
@@ -83,6 +86,7 @@ class CompiledState:
         for measured in (self._measured, self._node_curves, self._region_rounds):
             measured.pop(cap, None)
         self._node_by_node.discard(cap)
+        self._unproven.discard(cap)
 
     def _install_restored(self, cap: CaptureKey) -> None:
         """Plan ``cap`` with a loaded checkpoint's measurements, if it has them for this graph."""
@@ -91,6 +95,7 @@ class CompiledState:
             entry = self._restored.pop(repr(cap), None)
         if entry is None or list(self._captures[cap].nonmodel) != list(entry["static"]):
             return
+        self._unproven.add(cap)
         self._measured[cap] = tuple(entry["measured"])
         self._node_curves[cap] = tuple(entry["node"])
         self._region_rounds[cap] = int(entry["rounds"])
@@ -99,6 +104,33 @@ class CompiledState:
         for key in list(self._schedules):
             if key.capture == cap:
                 self._replan(key, self._measured[cap], measured=True)
+
+    def _prove_restored(self, runs: list) -> None:
+        """Measurements loaded from a checkpoint are trusted once a run planned with them stays
+        within the budget. A run over it shows they understate what the graph takes (a crafted or
+        foreign checkpoint): they are dropped with a warning, and the capture's next run measures
+        again, as a fresh engine's first step does, so no later step plans with them. (Under ZeRO
+        the ranks decide together: their plans must match.)"""
+        for r in runs:
+            cap = r.context.key.capture
+            if cap not in self._unproven:
+                continue
+            self._unproven.discard(cap)
+            over = self.budget is not None and r.tracker.peak_total > self.budget
+            if self.comm is not None:
+                over = bool(self.comm.agree_max([int(over)])[0])
+            if not over:
+                continue
+            log.warning("pscompile: the measurements loaded from the checkpoint understate what %s takes (a step "
+                        "peaked at %d bytes, device_memory=%d): dropped; the next step measures again",
+                        cap.token[:80], r.tracker.peak_total, self.budget)
+            static = self._captures[cap].nonmodel
+            for measured in (self._measured, self._node_curves, self._region_rounds):
+                measured.pop(cap, None)
+            self._node_by_node.discard(cap)
+            self._fit_optimizer_states(max(static))       # (the curve may leave less margin)
+            for key in [k for k in self._schedules if k.capture == cap]:
+                self._replan(key, static, measured=False)
 
     def _abort_run(self, acc: list[torch.Tensor] | None) -> None:
         """After a failed run: no copy left running into memory the recovery frees, nothing in
