@@ -11,7 +11,7 @@ one chunk's state (fp32 master + two Adam states = 12 bytes per element of a chu
 writes (fsync) and reads the same number of bytes with plain file I/O.
 
     python bench/checkpoint.py            # ~1.2 GB of state
-    python bench/checkpoint.py --quick    # ~100 MB, for CI
+    python bench/checkpoint.py --quick    # ~24 MiB, for CI
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def disk_rate(nbytes: int, folder: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="about 100 MB of state instead of 1.2 GB")
+    ap.add_argument("--quick", action="store_true", help="about 24 MiB of state instead of 1.2 GB")
     ap.add_argument("--out", default=None, help="where to write the JSON (default bench/results/checkpoint.json)")
     ap.add_argument("--worker", nargs=5, metavar=("OP", "WIDTH", "LAYERS", "CHUNK", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -118,7 +118,7 @@ def main() -> None:
         op, width, layers, chunk, folder = args.worker
         print(json.dumps(worker(op, int(width), int(layers), int(chunk), folder)))
         return
-    width, layers, chunk = (1024, 8, 1 << 20) if args.quick else (4096, 6, 4 << 20)
+    width, layers, chunk = (512, 8, 1 << 18) if args.quick else (4096, 6, 4 << 20)
     rows = []
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as folder:
         for op in ("pscompile.save", "pscompile.load", "torch.save", "torch.load"):

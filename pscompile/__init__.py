@@ -4,9 +4,8 @@ The architecture is described in docs/design.md of the repository.
 """
 
 from pscompile.api import compile, min_device_memory
-from pscompile.checkpoint import load, save
+from pscompile.checkpoint import consolidate, load, save
 from pscompile.config import AdamW, Config, ParamGroup
-from pscompile.dist.checkpoint import consolidate
 from pscompile.errors import BudgetError, ScheduleError
 from pscompile.hooks.states import TensorState
 from pscompile.kinds import Activations, Backend, Collectives, Mode, Policy

@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pscompile import checkpoint_legacy as legacy
 from pscompile import sharded_checkpoint as sharded
+from pscompile.dist import checkpoint as shard_ckpt
 from pscompile.checkpoint_file import CheckpointReader, is_checkpoint_file, write_checkpoint
 from pscompile.files import remove_stale, write_atomic
 from pscompile.runtime.checkpoint_state import full_state_from
 from pscompile.runtime.rng import rng_problems, rng_state, set_rng_state
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "consolidate"]
 
 
 # ------------------------------------------------------------------------------ writing
@@ -198,3 +200,33 @@ def _load_legacy(engine, path: Path) -> None:
         payload = checked(path)
     engine.load_state_dict(payload["state"])
     set_rng_state(engine.device, payload["rng"])
+
+
+def consolidate(shards: Any) -> dict:
+    """The one-process state dict (``{"master": {fqn: fp32 tensor}, "exp_avg": ..., "exp_avg_sq":
+    ..., "step", ...}``), which ``load_state_dict`` takes at any world size, from a ZeRO run: the
+    folder ``pscompile.save`` wrote (every file checked against its committed manifest: size,
+    SHA-256, id and step; a folder mixing two saves is refused), or every rank's
+    ``engine.state_dict()`` (the dicts, or files written with ``torch.save``)."""
+    if isinstance(shards, (str, os.PathLike)) and Path(shards).is_dir():
+        path = Path(shards)
+        manifest = sharded.read_manifest(path)
+        if manifest["version"] == 1:
+            return shard_ckpt.consolidate([legacy.read_envelope(path / f)["state"] for f in manifest["files"]])
+        readers = []
+        try:
+            for f in sharded.committed_files(path, manifest):
+                readers.append(CheckpointReader(f))
+                meta = readers[-1].header["meta"]
+                if (meta.get("id"), meta.get("step")) != (manifest["id"], manifest["step"]):
+                    raise ValueError(f"pscompile.consolidate: {f} belongs to checkpoint {meta.get('id')!r} at step "
+                                     f"{meta.get('step')!r}, not the committed {manifest['id']!r}")
+                _, problems = readers[-1].verify(_finite_master)
+                if problems:
+                    raise ValueError(f"pscompile.consolidate: {f}: " + "; ".join(problems))
+            return full_state_from(readers)
+        finally:
+            for r in readers:
+                r.f.close()
+    return shard_ckpt.consolidate(shards)
+

@@ -155,6 +155,9 @@ def test_a_two_rank_checkpoint_resumes_in_one_and_in_two_processes(tmp_path, mod
         assert all(torch.equal(mine[key][f], full[key][f]) for f in full[key]), key
     pscompile.save(engine, tmp_path / f"psfile-{mode}.ckpt")
     engine.close()
+    folded = pscompile.consolidate(folder)                 # the folder itself, checked by its manifest
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(folded[key][f], full[key][f]) for f in full[key]), key
     # (the "full" load -- consolidate, then load_state_dict on one rank -- is what psfolder does inside)
     for load, world in (("psfolder", 1), ("psfile", WORLD)):
         spawn(dist_worker.resume, str(tmp_path), mode, load, steps, world=world)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dist_worker
+import pscompile
 from test_dist import spawn
 
 MOMENTS = {"rank1-before-file": 1, "rank0-before-commit": 1, "rank0-after-commit": 2}
@@ -54,6 +55,8 @@ def test_a_rank_killed_during_a_save_leaves_a_checkpoint_that_loads_on_both_rank
         for run in runs:
             assert run["error"] is not None and "nothing was loaded on any rank" in run["error"], run["error"]
             assert "rank 1:" in run["error"] and run["unchanged"]
+        with pytest.raises(ValueError, match="not the file its manifest committed"):
+            pscompile.consolidate(mixed)                  # consolidate refuses the mix too
         # the next save commits and removes what the killed one left: one folder, two files
         spawn(dist_worker.load_and_save, str(tmp_path), "ckpt")
         manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
