@@ -105,6 +105,17 @@ def _rng_of(reader: CheckpointReader) -> dict:
     return {k: reader.read(f"rng.{k}") for k in reader.header.get("rng", [])}
 
 
+def _file_problems(reader: CheckpointReader, manifest: dict | None) -> list[str]:
+    """Pass one over a file (its SHA-256, finite masters; ``ValueError`` if corrupted), and
+    whether it is the save ``manifest`` committed (its id and step)."""
+    meta = reader.header["meta"]
+    out = []
+    if manifest is not None and (meta.get("id"), meta.get("step")) != (manifest["id"], manifest["step"]):
+        out.append(f"{reader.path.name} belongs to checkpoint {meta.get('id')!r} at step {meta.get('step')!r}; the "
+                   f"manifest committed {manifest['id']!r} at step {manifest['step']!r}")
+    return out + reader.verify(_finite_master)[1]
+
+
 def _prepare(engine, files: list[Path], manifest: dict | None) -> tuple:
     """Open and check the files for ``engine``: (how to load, what to load, readers, problems)."""
     readers: list[CheckpointReader] = []
@@ -116,15 +127,7 @@ def _prepare(engine, files: list[Path], manifest: dict | None) -> tuple:
             first, readers = readers[0], []
             for f in files:
                 readers.append(first if f == first.path else CheckpointReader(f))
-        problems = []
-        for r in readers:
-            header = r.header
-            if manifest is not None and (header["meta"].get("id"), header["meta"].get("step")) != \
-                    (manifest["id"], manifest["step"]):
-                problems.append(f"{r.path.name} belongs to checkpoint {header['meta'].get('id')!r} at step "
-                                f"{header['meta'].get('step')!r}; the manifest committed {manifest['id']!r} at step "
-                                f"{manifest['step']!r}")
-            problems += r.verify(_finite_master)[1]
+        problems = [p for r in readers for p in _file_problems(r, manifest)]
         problems += _differences(readers[0].header["meta"], engine, same_place=direct)
         problems += rng_problems(engine.device, _rng_of(readers[0]))
         if problems:                    # (another model: no state to read)
@@ -217,11 +220,7 @@ def consolidate(shards: Any) -> dict:
         try:
             for f in sharded.committed_files(path, manifest):
                 readers.append(CheckpointReader(f))
-                meta = readers[-1].header["meta"]
-                if (meta.get("id"), meta.get("step")) != (manifest["id"], manifest["step"]):
-                    raise ValueError(f"pscompile.consolidate: {f} belongs to checkpoint {meta.get('id')!r} at step "
-                                     f"{meta.get('step')!r}, not the committed {manifest['id']!r}")
-                _, problems = readers[-1].verify(_finite_master)
+                problems = _file_problems(readers[-1], manifest)
                 if problems:
                     raise ValueError(f"pscompile.consolidate: {f}: " + "; ".join(problems))
             return full_state_from(readers)

@@ -56,19 +56,23 @@ class CheckpointState:
 
     def checkpoint_header(self) -> dict:
         """The header's engine part: the scalars of the state dict, the layout, the rank's place."""
-        shard = None
-        if self.comm is not None:
-            shard = {"rank": self.rank, "world_size": self.world,
-                     "collectives": str(Collectives.PER_CHUNK if hasattr(self.store, "owner") else Collectives.GROUP)}
-        return {"state": self._scalar_state(), "layout": shard_ckpt.layout_record(self.layout), "shard": shard}
+        return {"state": self._scalar_state(), "layout": shard_ckpt.layout_record(self.layout),
+                "shard": self._shard_place()}
+
+    def _shard_place(self) -> dict | None:
+        """Under ZeRO: this rank's place (rank, world size, collectives); None for one process."""
+        if self.comm is None:
+            return None
+        return {"rank": self.rank, "world_size": self.world,
+                "collectives": str(Collectives.PER_CHUNK if hasattr(self.store, "owner") else Collectives.GROUP)}
 
     def fits_directly(self, header: dict) -> bool:
         """The file was written by an engine of this layout and this rank's place: it loads
         chunk by chunk (else ``full_state_from`` reads it into a state dict)."""
-        mine = self.checkpoint_header()
         ours = [(f"{key}.{c}", n) for c, n in enumerate(self._state_used()) for key in LISTS]
         theirs = [(n, k) for n, _, k in header.get("tensors", []) if not n.startswith("rng.")]
-        return header.get("layout") == mine["layout"] and header.get("shard") == mine["shard"] and ours == theirs
+        return header.get("layout") == shard_ckpt.layout_record(self.layout) and \
+            header.get("shard") == self._shard_place() and ours == theirs
 
     def load_checkpoint_tensors(self, reader: CheckpointReader) -> None:
         """Load a verified file of this engine's layout (``fits_directly``), chunk by chunk, then
