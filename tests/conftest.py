@@ -10,6 +10,11 @@ import os
 # the caller's environment runs the whole suite on them.
 os.environ.setdefault("PSCOMPILE_STRICT_COPIES", "1")
 
+# The key that tags a checkpoint's measurements (pscompile/compiled/trust.py): one per user of the
+# suite, outside the home folder, shared by the workers and the processes the tests start.
+os.environ.setdefault("PSCOMPILE_KEY_FILE", os.path.join(
+    __import__("tempfile").gettempdir(), f"pscompile-tests-{os.getuid()}", "measurements.key"))
+
 if os.environ.get("PYTEST_XDIST_WORKER"):   # tests run in parallel workers (pyproject.toml: -n): one thread
     os.environ["OMP_NUM_THREADS"] = "1"     # each, for the processes the tests start too
 

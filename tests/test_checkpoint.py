@@ -289,12 +289,12 @@ def test_a_process_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".run.ckpt.")]
 
 
-def test_understated_measurements_in_a_checkpoint_are_dropped_after_one_step_over_budget(tmp_path, caplog):
+def test_measurements_in_a_checkpoint_are_planned_with_only_under_this_machines_tag(tmp_path, caplog, monkeypatch):
     """A checkpoint whose compiled-mode measurements were rewritten to nothing (checksum
-    recomputed): the first step planned with them overruns the budget, is reported, and from then
-    on the engine measures and plans as a fresh one does; every later step is within the budget,
+    recomputed), one whose tag was removed, and an honest one read with another key: none of them
+    is planned with; the engine measures again as a fresh one does, no step runs over the budget,
     and the losses are the uninterrupted run's (eager code: plans move bytes, not numbers). An
-    honest checkpoint's measurements are kept (no warning)."""
+    honest checkpoint's measurements are kept (the resumed engine does not measure again)."""
     import logging
     batches = make_batches("gpt", 6, distinct=3)
     cfg = ckpt_worker.config("compiled", "float32", None)
@@ -317,16 +317,24 @@ def test_understated_measurements_in_a_checkpoint_are_dropped_after_one_step_ove
         for c in caps.values():
             c["measured"], c["node"] = [0] * len(c["measured"]), [0] * len(c["node"])
         return h
+
+    def untag(h):
+        del h["state"]["compiled"]["tag"]
+        return h
     rewrite_checkpoint(tmp_path / "honest.ckpt", tmp_path / "understated.ckpt", header=understate)
-    for name, warned in (("honest", False), ("understated", True)):
+    rewrite_checkpoint(tmp_path / "honest.ckpt", tmp_path / "untagged.ckpt", header=untag)
+    for name, key in (("honest", None), ("understated", None), ("untagged", None), ("honest", "other")):
+        if key is not None:
+            monkeypatch.setenv("PSCOMPILE_KEY_FILE", str(tmp_path / f"{key}.key"))
         resumed = engine()
-        pscompile.load(resumed, tmp_path / f"{name}.ckpt")
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="pscompile"):
-            got = [resumed.step(batches[2])]
-            over = resumed.stats.peak_device_bytes > budget
-            assert any("understate" in m for m in caplog.messages) == warned == over, (name, caplog.messages)
-            for b in batches[3:]:
-                got.append(resumed.step(b))
-                assert resumed.stats.peak_device_bytes <= budget, name
-        assert got == losses[2:], name
+        with caplog.at_level(logging.INFO, logger="pscompile"):
+            pscompile.load(resumed, tmp_path / f"{name}.ckpt")
+        trusted = name == "honest" and key is None
+        assert any("measures again" in m for m in caplog.messages) != trusted, (name, key, caplog.messages)
+        assert bool(resumed._measured or resumed._restored) == trusted, (name, key)
+        got = []
+        for b in batches[2:]:
+            got.append(resumed.step(b))
+            assert resumed.stats.peak_device_bytes <= budget, (name, key)
+        assert got == losses[2:], (name, key)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pscompile.compiled import trust
 from pscompile.compiled.keys import CaptureKey
 from pscompile.compiled.probe import Allocation
 from pscompile.memory.rates import Rates
@@ -46,15 +47,22 @@ class CompiledState:
         rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
         regions = {"allocs": {k: [a.peak, a.excess] for k, a in self._allocs.items()},
                    "fallbacks": self._region_cache.failures(self.config.backend)}
-        return {"compiled": {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
-                             "rates": rates, "regions": regions,
-                             "os_device": [c for c in range(self.layout.num_chunks)
-                                           if self.store.os_tier[c] is Tier.DEVICE]}}
+        measurements = {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
+                        "rates": rates, "regions": regions,
+                        "os_device": [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]}
+        return {"compiled": trust.seal(measurements, self.device)}
 
     def _load_mode_state(self, sd: dict) -> None:
         saved = sd.get("compiled")
-        if saved is None or saved.get("context") != self._context():
-            return                         # another budget or layout: this engine measures its own
+        usable = isinstance(saved, dict) and saved.get("context") == self._context()
+        trusted = usable and trust.verified(saved, self.device)
+        if self.comm is not None:          # the ranks plan alike: all of them trust, or none does
+            trusted = not self.comm.agree_max([int(not trusted)])[0]
+        if usable and not trusted:
+            log.info("pscompile: the checkpoint's measurements carry no valid tag of this user and machine "
+                     "(edited, or saved elsewhere): this engine measures again at its first step")
+        if not trusted:
+            return                         # another budget or layout, or untrusted: measured anew
         self._restored = dict(saved["captures"])
         regions = saved.get("regions") or {}
         for k, (peak, excess) in regions.get("allocs", {}).items():   # what its compiled regions allocate
@@ -106,11 +114,11 @@ class CompiledState:
                 self._replan(key, self._measured[cap], measured=True)
 
     def _prove_restored(self, runs: list) -> None:
-        """Measurements loaded from a checkpoint are trusted once a run planned with them stays
-        within the budget. A run over it shows they understate what the graph takes (a crafted or
-        foreign checkpoint): they are dropped with a warning, and the capture's next run measures
-        again, as a fresh engine's first step does, so no later step plans with them. (Under ZeRO
-        the ranks decide together: their plans must match.)"""
+        """The line behind the tag (``trust.py``): measurements loaded from a checkpoint are kept
+        once a run planned with them stays within the budget. A run over it shows they understate
+        what the graph takes on this machine now: they are dropped with a warning, and the
+        capture's next run measures again, as a fresh engine's first step does. (Under ZeRO the
+        ranks decide together: their plans must match.)"""
         for r in runs:
             cap = r.context.key.capture
             if cap not in self._unproven:
