@@ -10,6 +10,7 @@ from torch import nn
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.hooks.engine import HooksEngine
+from pscompile.lazy import LazyEngine
 from pscompile.runtime.batching import LossFn, tensor_problem, to_device
 from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
@@ -19,7 +20,7 @@ from pscompile.kinds import Collectives, Mode
 _MAX_PROBES = 8
 
 
-def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
+def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = None,
             config: Config | None = None, loss_fn: LossFn | None = None):
     """Prepare ``model`` for training under ``config``'s memory budget.
 
@@ -28,8 +29,15 @@ def compile(model: nn.Module, batch: Any, *, optimizer: AdamW | None = None,
     batch)`` turns it into one. The model's parameters move into chunks: afterwards train with
     ``engine.step(batch)`` and export with ``engine.full_state_dict()``. A budget below what the
     model needs raises ``BudgetError`` naming the smallest budget that compile accepts.
+
+    Without ``batch`` (``compile(model)``) the engine is built at its first ``step`` or
+    ``evaluate``, from that batch, as ``torch.compile`` compiles at the first call; the budget and
+    capture errors move there (``pscompile/lazy.py``). The two forms train step for step alike.
     """
     optimizer, config = _check_arguments(model, optimizer, config)
+    if batch is None:
+        return LazyEngine(model, optimizer=optimizer, config=config, loss_fn=loss_fn,
+                          build=lambda b: compile(model, b, optimizer=optimizer, config=config, loss_fn=loss_fn))
     problem = tensor_problem(batch)
     if problem is not None:
         raise ValueError(f"compile(): {problem}")

@@ -33,6 +33,7 @@ from pscompile import sharded_checkpoint as sharded
 from pscompile.dist import checkpoint as shard_ckpt
 from pscompile.checkpoint_file import CheckpointReader, is_checkpoint_file, write_checkpoint
 from pscompile.files import remove_stale, write_atomic
+from pscompile.lazy import LazyEngine, built_engine
 from pscompile.runtime.checkpoint_state import full_state_from
 from pscompile.runtime.rng import rng_problems, rng_state, set_rng_state
 
@@ -48,25 +49,32 @@ def _meta(engine) -> dict:
             "step": engine.adam.step_count, "torch": str(torch.__version__)}
 
 
-def _writer(engine, ckpt_id: str | None = None):
+def _writer(engine, client_state: dict, ckpt_id: str | None = None):
     """The function that streams ``engine``'s checkpoint into an open file (returns its hash)."""
     engine._check_open()
     rng = rng_state(engine.device)
-    header = {"meta": {**_meta(engine), "id": ckpt_id}, "rng": sorted(rng), **engine.checkpoint_header()}
+    header = {"meta": {**_meta(engine), "id": ckpt_id}, "rng": sorted(rng), "client": client_state,
+              **engine.checkpoint_header()}
     tensors = [(f"rng.{k}", t.dtype, t.numel(), (lambda t=t: t)) for k, t in sorted(rng.items())]
     tensors += engine.checkpoint_tensors()
     return lambda f: write_checkpoint(f, header, tensors)
 
 
-def save(engine, path: str | os.PathLike) -> Path:
+def save(engine, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
     """Write ``engine``'s checkpoint to ``path`` (one process: a file; ZeRO: a folder committed by
-    its manifest; a collective, every rank calls it). Returns the path written."""
+    its manifest; a collective, every rank calls it). Returns the path written.
+
+    ``client_state``: the training script's own state, saved with the engine's and returned by
+    ``load`` (a scheduler's ``state_dict()``, the data position): a dict of what JSON holds
+    (numbers, strings, booleans, None, lists and dicts with string keys)."""
     path = Path(path)
+    client_state = json_state(client_state, "pscompile.save: client_state")
+    engine = built_engine(engine, "pscompile.save")
     with engine.exclusive("save"):
         if engine.world > 1:
-            return sharded.save_sharded(engine, path, lambda ckpt_id: _writer(engine, ckpt_id))
+            return sharded.save_sharded(engine, path, lambda ckpt_id: _writer(engine, client_state, ckpt_id))
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, _writer(engine))
+        write_atomic(path, _writer(engine, client_state))
         remove_stale(path.parent, path.name)          # what a killed save of this file left
         return path
 
@@ -141,17 +149,22 @@ def _prepare(engine, files: list[Path], manifest: dict | None) -> tuple:
         raise
 
 
-def load(engine, path: str | os.PathLike) -> None:
+def load(engine, path: str | os.PathLike) -> dict:
     """Load the checkpoint at ``path`` into ``engine`` (built for the same model and dtype; any
     world size; a collective under ZeRO, where every rank loads or none). Nothing changes unless
-    every check passes (a load is also how an engine a failed step left broken recovers)."""
+    every check passes (a load is also how an engine a failed step left broken recovers).
+    Returns the ``client_state`` it was saved with (``{}`` if none)."""
     if engine.closed:
         raise RuntimeError("pscompile.load: this engine was closed; load into a new one")
+    if isinstance(engine, LazyEngine):
+        if engine.built is None:        # checked now, loaded when the first step builds it
+            return engine.defer_load(Path(path))
+        engine = engine.built
     with engine.exclusive("load"):
-        _load(engine, Path(path))
+        return _load(engine, Path(path))
 
 
-def _load(engine, path: Path) -> None:
+def _load(engine, path: Path) -> dict:
     if not path.is_dir() and not is_checkpoint_file(path):
         return _load_legacy(engine, path)
     readers, problem, manifest = [], None, None
@@ -179,12 +192,31 @@ def _load(engine, path: Path) -> None:
         else:
             engine.load_state_dict(state)
         set_rng_state(engine.device, _rng_of(readers[0]))
+        return dict(readers[0].header.get("client") or {})
     finally:
         for r in readers:
             r.f.close()
 
 
-def _load_legacy(engine, path: Path) -> None:
+def client_state_of(path: Path) -> dict:
+    """The client state of the checkpoint at ``path`` (this rank's file), after checking the
+    file's size, SHA-256 and format (and under ZeRO that the manifest committed it)."""
+    if not path.is_dir() and not is_checkpoint_file(path):
+        legacy.read_envelope(path)
+        return {}
+    manifest = sharded.read_manifest(path) if path.is_dir() else None
+    if manifest is not None and manifest["version"] == 1:
+        return {}
+    files = sharded.committed_files(path, manifest) if manifest is not None else [path]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with CheckpointReader(files[rank] if rank < len(files) else files[0]) as reader:
+        problems = _file_problems(reader, manifest)
+        if problems:
+            raise ValueError(f"pscompile.load: {reader.path}: " + "; ".join(problems) + "; nothing was loaded")
+        return dict(reader.header.get("client") or {})
+
+
+def _load_legacy(engine, path: Path) -> dict:
     """A version-1 checkpoint: one envelope file, or a folder of them with a version-1 manifest."""
     def checked(file: Path) -> dict:
         payload = legacy.read_envelope(file)
@@ -203,6 +235,36 @@ def _load_legacy(engine, path: Path) -> None:
         payload = checked(path)
     engine.load_state_dict(payload["state"])
     set_rng_state(engine.device, payload["rng"])
+    return {}
+
+
+def json_state(value: Any, where: str) -> dict:
+    """``value`` (None: ``{}``) if it is a dict JSON holds as it is; else ``ValueError`` naming the
+    first entry that is not."""
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
+    bad = _not_json(value, where)
+    if bad is not None:
+        raise ValueError(f"{bad}; it holds numbers, strings, booleans, None, lists and dicts with string keys "
+                         "(e.g. scheduler.state_dict(), a data position); save tensors in the model instead")
+    return value
+
+
+def _not_json(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((b for i, v in enumerate(value) if (b := _not_json(v, f"{where}[{i}]")) is not None), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{where} has the key {k!r}, which is not a string"
+            b = _not_json(v, f"{where}[{k!r}]")
+            if b is not None:
+                return b
+        return None
+    return f"{where} is a {type(value).__name__}, which JSON does not hold"
 
 
 def consolidate(shards: Any) -> dict:

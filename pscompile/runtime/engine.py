@@ -17,7 +17,6 @@ A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from pscompile.memory.tiers import Link, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.groups import resolve_groups
+from pscompile.runtime.groups import GroupControl
 from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.runtime.batching import (LossFn, call_model, micro_batches, structure, structure_error,
                                        tensor_problem, to_device)
@@ -68,7 +68,7 @@ class MicroRun:
     context: Any = None            # the mode's own record (hooks: the pass; compiled: the schedule)
 
 
-class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
+class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupControl):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         self.config = config
@@ -116,6 +116,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
         with torch.no_grad():
             self._load_into_chunks()
         self.adam = ChunkAdamW(list(self.groups.hps))
+        self._make_optimizer()             # engine.optimizer: the groups for torch's LR schedulers
         self._chunk_groups_cache: dict[int, list] = {}
         self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
                        if self.dtype == torch.float16 else None)
@@ -344,34 +345,6 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @property
-    def lr(self) -> float:
-        """The learning rate of the next update (of the last parameter group: the parameters no
-        group named); assign to it to follow a schedule: every group gets the value."""
-        return self.adam.hp.lr
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        self.set_lr(value)
-
-    def set_lr(self, value: float, group: int | None = None) -> None:
-        """Set the learning rate of parameter group ``group`` (an index into ``param_groups``), or
-        of every group (None)."""
-        n = len(self.adam.hps)
-        if group is not None and not (isinstance(group, int) and -n <= group < n):
-            raise ValueError(f"group={group!r} is not a parameter group; this engine has {n} (0..{n - 1})")
-        hps = list(self.adam.hps)
-        for g in range(n) if group is None else [group % n]:
-            hps[g] = dataclasses.replace(hps[g], lr=value)    # validates like AdamW(lr=...)
-        self.adam.hps = hps
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The parameter groups in ``torch.optim.Optimizer.param_groups``' form, with parameter
-        names for ``params`` and the values the next update uses (a copy: change the learning
-        rate with ``lr`` or ``set_lr``)."""
-        return dataclasses.replace(self.groups, hps=tuple(self.adam.hps)).describe()
-
     # ================================================================ the step
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient clipping/unscaling and the AdamW update; returns the loss.
@@ -391,6 +364,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers):
             torch.cuda.reset_peak_memory_stats(self.device)
         micro = micro_batches(batch)
         self._check_batch(batch, micro)
+        self.optimizer.step()      # the groups' values (a scheduler's) for this step's update
         batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
         # lock-free: every step's gradients go to a free buffer set, which its queued update reads
         acc = (self.updater.free_set() if self.updater is not None else

@@ -140,7 +140,7 @@ class EngineState:
         self._broken = None                 # every chunk holds the loaded state now
         self._load_mode_state(sd)
         if hps is not None:
-            self.adam.hps = hps
+            self._put_groups(hps, sd.get("param_groups"))
         self.adam.load_state_dict({"step": sd["step"]})
         if self.scaler is not None:
             self.scaler.scale = float(sd["loss_scale"])

@@ -1,0 +1,169 @@
+"""``pscompile.compile(model)`` without a batch: an engine built at its first step, as
+``torch.compile(model)`` compiles at its first call.
+
+``LazyEngine`` holds the model, optimizer, config and loss function (checked at once) and builds
+the real engine (``HooksEngine`` or ``CompiledEngine``) from the first batch that ``step`` or
+``evaluate`` receives: the parameters' order, the chunk layout, the plan and (compiled mode) the
+capture and lowering all come from that batch, exactly as ``compile(model, batch)`` makes them, so
+the two forms train step for step alike. What a built engine has, the lazy one forwards to it.
+
+Before the first step the engine already has what a training script sets up: ``optimizer`` (an
+``EngineOptimizer`` over the groups ``AdamW(param_groups=...)`` names, for ``torch.optim``'s LR
+schedulers; the built engine takes this same object over), ``lr`` / ``set_lr`` / ``param_groups``,
+and ``pscompile.load``, which checks the file (size, SHA-256, format) at once, returns its
+``client_state`` and loads it into the engine when the engine is built. What moves to the first
+step: a batch the model cannot take, a budget below the minimum (``BudgetError``), a model the
+capture cannot trace, and a checkpoint that does not fit the model. ``state_dict``, ``save`` and
+the statistics exist from the first step on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from pscompile.config import AdamW, Config
+from pscompile.optim.groups import resolve_groups
+from pscompile.optim.torch_optimizer import EngineOptimizer, updated_hps
+from pscompile.runtime.batching import LossFn
+
+BEFORE = ("it is built at its first step(batch) or evaluate(batch); compile(model, batch) builds it at once "
+          "(and raises a budget or capture error there)")
+
+
+class NotBuilt(AttributeError):
+    """An attribute of a lazily compiled engine that exists once its first step has run."""
+
+
+class LazyEngine:
+    """What ``pscompile.compile(model)`` returns: see the module's docstring."""
+
+    def __init__(self, model: nn.Module, *, optimizer: AdamW, config: Config, loss_fn: LossFn | None,
+                 build: Callable[[Any], Any]):
+        self.model, self.config, self.hp, self.loss_fn = model, config, optimizer, loss_fn
+        self._build = build
+        self.built = None                          # the engine, from the first step on
+        self.closed = False
+        self._pending_load: Path | None = None
+        self.optimizer = EngineOptimizer(_groups_of(model, optimizer), self._take_groups)
+        self._hps = list(_resolved(model, optimizer).hps)
+
+    # ---- what exists before the first step ---------------------------------------------------
+    def _take_groups(self) -> None:
+        self._hps = updated_hps(self.optimizer.param_groups, self._hps)
+
+    @property
+    def lr(self) -> float:
+        return self.built.lr if self.built is not None else self.optimizer.param_groups[-1]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.set_lr(value)
+
+    def set_lr(self, value: float, group: int | None = None) -> None:
+        if self.built is not None:
+            return self.built.set_lr(value, group)
+        n = len(self.optimizer.param_groups)
+        if group is not None and not (isinstance(group, int) and -n <= group < n):
+            raise ValueError(f"group={group!r} is not a parameter group; this engine has {n} (0..{n - 1})")
+        AdamW(lr=value)
+        for g in range(n) if group is None else [group % n]:
+            self.optimizer.param_groups[g]["lr"] = value
+        self._take_groups()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        if self.built is not None:
+            return self.built.param_groups
+        return [dict(g, params=list(g["params"])) for g in self.optimizer.param_groups]
+
+    # ---- building -----------------------------------------------------------------------------
+    def ensure_built(self, batch: Any):
+        """The engine, built from ``batch`` if it is not yet (and a pending checkpoint loaded)."""
+        if self.closed:
+            raise RuntimeError("this engine was closed")
+        if self.built is None:
+            engine = self._build(batch)
+            try:
+                self._hand_over(engine)
+                if self._pending_load is not None:
+                    from pscompile.checkpoint import load
+                    load(engine, self._pending_load)
+            except BaseException:
+                engine.close()                     # the model gets its weights back
+                raise
+            self.built, self._pending_load = engine, None
+        return self.built
+
+    def _hand_over(self, engine) -> None:
+        """The built engine takes this engine's optimizer (schedulers hold it) and its values."""
+        ours, theirs = self.optimizer.param_groups, engine.optimizer.param_groups
+        if [sorted(g["params"]) for g in ours] != [sorted(g["params"]) for g in theirs]:
+            raise RuntimeError("the parameter groups resolved at compile() differ from the built engine's; "
+                               "compile(model, batch) builds the engine at once")
+        for g, t in zip(ours, theirs):
+            g["params"] = list(t["params"])        # (in the order of first use)
+        self.optimizer._apply = engine._take_groups
+        engine.optimizer = self.optimizer
+        engine._take_groups()
+
+    def step(self, batch: Any) -> float:
+        return self.ensure_built(batch).step(batch)
+
+    def evaluate(self, batch: Any) -> float:
+        return self.ensure_built(batch).evaluate(batch)
+
+    def defer_load(self, path: Path) -> dict:
+        """``pscompile.load`` before the first step: the file is checked now and loaded when the
+        engine is built; returns its client state."""
+        from pscompile.checkpoint import client_state_of
+        client = client_state_of(path)
+        self._pending_load = path
+        return client
+
+    def close(self) -> None:
+        """Close the built engine (the model gets its trained weights back); before the first
+        step the model was never touched."""
+        if self.built is not None:
+            self.built.close()
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        built = self.__dict__.get("built")
+        if built is not None:
+            return getattr(built, name)
+        raise NotBuilt(f"engine.{name}: this engine was compiled without a batch, and {BEFORE}")
+
+    def __repr__(self) -> str:
+        return repr(self.built) if self.built is not None else f"<pscompile engine (not built: {BEFORE})>"
+
+
+def built_engine(engine, call: str):
+    """The engine ``call`` works on: a lazy engine's built one (refused before its first step)."""
+    if not isinstance(engine, LazyEngine):
+        return engine
+    if engine.built is None:
+        raise RuntimeError(f"{call}: this engine was compiled without a batch and has not been built yet; "
+                           f"{BEFORE}")
+    return engine.built
+
+
+def _resolved(model: nn.Module, hp: AdamW):
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    params = {n[0]: p for n, p in ((names[id(p)], p) for p in model.parameters())}
+    aliases = {o: n[0] for n in names.values() for o in n[1:]}
+    return resolve_groups(hp, params, aliases)
+
+
+def _groups_of(model: nn.Module, hp: AdamW) -> list[dict]:
+    return _resolved(model, hp).describe()
