@@ -158,7 +158,9 @@ def load(engine, path: str | os.PathLike) -> dict:
         raise RuntimeError("pscompile.load: this engine was closed; load into a new one")
     if isinstance(engine, LazyEngine):
         if engine.built is None:        # checked now, loaded when the first step builds it
-            return engine.defer_load(Path(path))
+            client = client_state_of(Path(path))
+            engine.defer_load(Path(path))
+            return client
         engine = engine.built
     with engine.exclusive("load"):
         return _load(engine, Path(path))

@@ -41,9 +41,11 @@ class LazyEngine:
     """What ``pscompile.compile(model)`` returns: see the module's docstring."""
 
     def __init__(self, model: nn.Module, *, optimizer: AdamW, config: Config, loss_fn: LossFn | None,
-                 build: Callable[[Any], Any]):
+                 build: Callable[[Any], Any], load: Callable[[Any, Path], Any]):
+        """``build(batch)``: the engine ``compile(model, batch, ...)`` makes; ``load(engine,
+        path)``: ``pscompile.load``, for a checkpoint loaded before the first step."""
         self.model, self.config, self.hp, self.loss_fn = model, config, optimizer, loss_fn
-        self._build = build
+        self._build, self._load = build, load
         self.built = None                          # the engine, from the first step on
         self.closed = False
         self._pending_load: Path | None = None
@@ -89,8 +91,7 @@ class LazyEngine:
             try:
                 self._hand_over(engine)
                 if self._pending_load is not None:
-                    from pscompile.checkpoint import load
-                    load(engine, self._pending_load)
+                    self._load(engine, self._pending_load)
             except BaseException:
                 engine.close()                     # the model gets its weights back
                 raise
@@ -115,13 +116,10 @@ class LazyEngine:
     def evaluate(self, batch: Any) -> float:
         return self.ensure_built(batch).evaluate(batch)
 
-    def defer_load(self, path: Path) -> dict:
-        """``pscompile.load`` before the first step: the file is checked now and loaded when the
-        engine is built; returns its client state."""
-        from pscompile.checkpoint import client_state_of
-        client = client_state_of(path)
+    def defer_load(self, path: Path) -> None:
+        """``pscompile.load`` before the first step (which checked the file): loaded when the
+        engine is built."""
         self._pending_load = path
-        return client
 
     def close(self) -> None:
         """Close the built engine (the model gets its trained weights back); before the first

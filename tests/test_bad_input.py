@@ -264,7 +264,7 @@ TABLE = [   # (input, what raises it, exception, words of its message)
     ("`pscompile.load` into a closed engine",
      lambda tmp: _closed_then(lambda e: pscompile.load(e, tmp / "x.ckpt")), RuntimeError, "load into a new one"),
     ("a second thread calling `step()` while one runs", lambda tmp: _second_thread(), RuntimeError,
-     "while another thread runs this engine's step()"),
+     "while this engine's step() runs"),
     ("a checkpoint with `step=-5` (checksum recomputed)", _negative_step, ValueError,
      "state_dict['step']: the number of steps taken (an int >= 0) is needed, got -5"),
     ("a checkpoint with NaN masters (checksum recomputed)", _nan_masters, ValueError, "holds inf or NaN"),

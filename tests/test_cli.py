@@ -113,6 +113,19 @@ def test_every_flag_of_every_command_has_help_and_the_shared_ones_one_name(capsy
     assert f"pscompile {pscompile.__version__} (torch {torch.__version__})" in capsys.readouterr().out
 
 
+def test_the_console_script_is_installed_beside_python_m_pscompile():
+    """``pip install`` puts a ``pscompile`` command beside the interpreter (pyproject.toml's
+    [project.scripts]); it is the same CLI as ``python -m pscompile``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    import pscompile
+    script = Path(sys.executable).parent / "pscompile"
+    assert script.exists(), f"no console script at {script}: pip install -e . makes it"
+    out = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith(f"pscompile {pscompile.__version__} "), out
+
+
 @pytest.mark.parametrize("flags, field", [(["--steps", "0"], "--steps"), (["--lr", "-1"], "--lr"),
                                            (["--d-model", "64", "--n-head", "3"], "--n-head"),
                                            (["--json", "/no-such-folder/out.json"], "--json"),

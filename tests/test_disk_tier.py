@@ -146,6 +146,7 @@ def test_an_engine_dropped_without_close_releases_its_threads_descriptors_and_fi
     def fds():
         return set(os.listdir("/proc/self/fd"))
     batches = make_batches("gpt", 1, batch=2, seq=32)
+    gc.collect()                         # (what earlier tests left is not this engine's to release)
     threads, open_fds = ours(), fds()
     engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
         mode, host_memory=5 << 20, disk_dir=str(tmp_path)))

@@ -21,6 +21,7 @@ schedule that is replaced.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from torch import fx
@@ -31,6 +32,8 @@ from pscompile.compiled.probe import Allocation, Probe, measure, region_curve, w
 from pscompile.compiled.regions import RegionCache
 from pscompile.errors import BudgetError
 from pscompile.kinds import Backend
+
+log = logging.getLogger("pscompile.compiled")
 
 if TYPE_CHECKING:
     from pscompile.graph.pipeline import Scheduled
@@ -183,6 +186,14 @@ class RegionLowering:
             cap, curve = self._pending_curves.popitem()
             self._adopt_region_curve(cap, curve)
 
+    def _run_node_by_node(self, cap: CaptureKey, why: str) -> None:
+        """From now on ``cap`` runs node by node (the measured curve holds there), which is several
+        times slower than compiled regions: said at WARNING on the ``pscompile`` logger."""
+        if cap not in self._node_by_node:
+            log.warning("pscompile: %s runs node by node from now on, several times slower than compiled regions: "
+                        "%s (a larger device_memory lets it run compiled)", cap.token[:80], why)
+        self._node_by_node.add(cap)
+
     def _adopt_region_curve(self, cap: CaptureKey, curve: tuple[int, ...]) -> None:
         """Compiled regions allocate more inside than the node-by-node measurement saw: plan every
         schedule of the capture again with the region peaks (a few rounds, since new plans cut new
@@ -190,7 +201,7 @@ class RegionLowering:
         curve holds."""
         rounds = self._region_rounds.get(cap, 0)
         if rounds >= _MAX_REGION_ROUNDS:
-            self._node_by_node.add(cap)
+            self._run_node_by_node(cap, f"its compiled regions still needed more memory after {rounds} re-plans")
             return
         self._region_rounds[cap] = rounds + 1
         previous = self._measured.get(cap)
@@ -202,7 +213,7 @@ class RegionLowering:
                     self._replan(other, curve, measured=True)
         except BudgetError:
             self._measured[cap] = previous
-            self._node_by_node.add(cap)
+            self._run_node_by_node(cap, "the budget cannot hold what its compiled regions allocate")
             for other in list(self._schedules):
                 if other.capture == cap:
                     self._replan(other, previous, measured=True)

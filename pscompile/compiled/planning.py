@@ -9,6 +9,7 @@ device.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
@@ -19,6 +20,9 @@ from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
 from pscompile.optim.placement import update_overlaps_next_step
 from pscompile.runtime.params import ModelParams
+from pscompile.units import format_bytes
+
+log = logging.getLogger("pscompile.compiled")
 
 
 class CompiledPlanning:
@@ -87,6 +91,11 @@ class CompiledPlanning:
                               planner=self.config.planner, measured=measured, start=start,
                               lookahead=self._overlaps_update and measured)
         sched = plan_at_budget(analyzed, self.layout, request, nonmodel=nonmodel, memory=self._device_memory())
+        log.info("pscompile: planned a %s schedule (%s non-model memory, peak %s) in %d device slots: %d fetches, "
+                 "%s in and %s out per run%s", kind.value, "measured" if measured else "estimated",
+                 format_bytes(max(nonmodel, default=0)), sched.plan.num_slots, sched.plan.num_fetches,
+                 format_bytes(sched.plan.h2d_bytes), format_bytes(sched.plan.d2h_bytes),
+                 "" if start is None else " (warm: starting from the chunks the last run left)")
         self._ensure_slots(sched.plan)
         if sched.lookahead is not None:
             while len(self._slots) <= max((k for _, k in sched.lookahead.fetches), default=-1):

@@ -24,6 +24,7 @@ their accesses do (the moments: fetch, evict), the passes, the plans and the ste
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -46,6 +47,8 @@ from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.runtime.order import direct_params
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
+
+log = logging.getLogger("pscompile.hooks")
 
 __all__ = ["HooksEngine", "BudgetError"]
 
@@ -231,6 +234,11 @@ class HooksEngine(ParamHooks, ChunkEngine):
                 del self._traces[sig]
                 self._place_optimizer_states()
                 raise
+            moments = self._traces[sig].moments
+            log.info("pscompile: traced a step of batch %s: %d moments, non-model peak %s; evicting by farthest "
+                     "next use under device_memory=%s", sig, len(moments),
+                     format_bytes(max((m.nonmodel_peak for m in moments), default=0)),
+                     "unlimited" if self.budget is None else format_bytes(self.budget))
         return self._plans[sig]
 
     def _trace(self, batch: Any, *, train: bool = True) -> AccessPlan:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from collections import OrderedDict, defaultdict
 from typing import Callable
 
@@ -47,6 +48,19 @@ class EngineOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._apply = apply
+
+    @property
+    def _apply(self) -> Callable[[], None]:
+        fn = self._apply_ref()
+        if fn is None:
+            raise RuntimeError("engine.optimizer: its engine is gone")
+        return fn
+
+    @_apply.setter
+    def _apply(self, apply: Callable[[], None]) -> None:
+        # a bound method is held weakly: the engine holds its optimizer, and a cycle back would
+        # keep a dropped engine (its threads, its disk file) alive until the cycle collector runs
+        self._apply_ref = weakref.WeakMethod(apply) if hasattr(apply, "__self__") else (lambda: apply)
 
     def step(self, closure=None):    # noqa: D401 (torch's signature)
         """Take the groups' values into the engine's next update (``engine.step`` calls this; the

@@ -40,6 +40,7 @@ from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.groups import resolve_groups
 from pscompile.runtime.groups import GroupControl
+from pscompile.runtime.model_access import ModelAccess
 from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.runtime.batching import (LossFn, call_model, micro_batches, structure, structure_error,
                                        tensor_problem, to_device)
@@ -68,7 +69,7 @@ class MicroRun:
     context: Any = None            # the mode's own record (hooks: the pass; compiled: the schedule)
 
 
-class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupControl):
+class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupControl, ModelAccess):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         self.config = config
@@ -276,8 +277,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         """``call`` runs alone on this engine: a second thread entering step, evaluate, state_dict,
         save or load while one runs is refused (an engine's chunks, slots and copies are one run's)."""
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"{call}() while another thread runs this engine's {self._busy}(); an engine runs one "
-                               "call at a time: call it from one thread (or give each thread its own engine)")
+            raise RuntimeError(f"{call}() while this engine's {self._busy}() runs; an engine runs one call at a "
+                               "time (inside a materialize() block: after it; from another thread: from one "
+                               "thread, or give each thread its own engine)")
         self._busy = call
         try:
             yield
