@@ -14,7 +14,7 @@ import torch
 import pscompile
 from pscompile.memory.tiers import Tier
 from pscompile.testing import ReferenceTrainer
-from conftest import (TRACKING_TOL, tracking_tol, initial_masters, make_batches, make_model, max_weight_diff, same_state, snapshot,
+from conftest import (tracking_tol, initial_masters, make_batches, make_model, max_weight_diff, same_state, snapshot,
                       worst_tracking)
 
 HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)

@@ -14,7 +14,7 @@ from pscompile.cli.main import main as cli_main
 from pscompile.models.bert import BertMLM, bert_config
 from pscompile.models.gpt import GPT, GPTConfig, gpt_config
 from pscompile.memory.layout import build_layout, search_chunk_size
-from pscompile.planner import Hardware, calibrated, plan, search
+from pscompile.planner import Hardware, plan, search
 from pscompile.planner.cost import estimate
 from pscompile.graph.pipeline import schedule_model
 from pscompile.planner.plan import BASELINE_HOST_BYTES_PER_PARAM
