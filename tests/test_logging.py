@@ -13,7 +13,7 @@ import pscompile
 from conftest import make_batches, make_model
 
 
-@pytest.mark.parametrize("mode, says", [("compiled", "planned a train schedule"), ("hooks", "traced a step")])
+@pytest.mark.parametrize("mode, says", [("compiled", "planned the train schedule"), ("hooks", "traced a step")])
 def test_plans_are_summarized_at_info(mode, says, caplog):
     batches = make_batches("gpt", 2)
     config = pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=torch.float32, device_memory=None)

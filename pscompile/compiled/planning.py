@@ -91,7 +91,7 @@ class CompiledPlanning:
                               planner=self.config.planner, measured=measured, start=start,
                               lookahead=self._overlaps_update and measured)
         sched = plan_at_budget(analyzed, self.layout, request, nonmodel=nonmodel, memory=self._device_memory())
-        log.info("pscompile: planned a %s schedule (%s non-model memory, peak %s) in %d device slots: %d fetches, "
+        log.info("pscompile: planned the %s schedule (%s non-model memory, peak %s) in %d device slots: %d fetches, "
                  "%s in and %s out per run%s", kind.value, "measured" if measured else "estimated",
                  format_bytes(max(nonmodel, default=0)), sched.plan.num_slots, sched.plan.num_fetches,
                  format_bytes(sched.plan.h2d_bytes), format_bytes(sched.plan.d2h_bytes),
