@@ -5,6 +5,7 @@ back); ``examples/torchrun_zero.py`` trains on 2 ranks and commits a sharded che
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY = ["--d-model", "64", "--n-layer", "2", "--n-head", "2", "--seq-len", "32", "--batch-size", "2",
@@ -26,25 +28,42 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
-def _losses(folder: Path) -> list[tuple[int, float]]:
+def _values(folder: Path, name: str) -> list[tuple[int, float]]:
     rows = [line.split(",") for line in (folder / "metrics.csv").read_text().splitlines()]
-    return [(int(step), float(value)) for step, name, value in rows if name == "loss"]
+    return [(int(step), float(value)) for step, what, value in rows if what == name]
+
+
+def _schedule_rates(steps: int) -> list[float]:
+    """The rates finetune_hf.py's schedule gives at steps 1..steps (TINY's flags, the default lr)."""
+    spec = importlib.util.spec_from_file_location("finetune_hf", EXAMPLES / "finetune_hf.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched, out = example.schedule(opt, 2, steps, 1e-3), []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
 
 
 def test_finetune_hf_trains_samples_saves_and_resumes_exactly(tmp_path):
+    """A run interrupted after step 4 (its checkpoint: step 3) and resumed: step 4 runs again with
+    the same loss and rate (the weights, the generators, the data position and the scheduler came
+    back), and every step's rate is the schedule's."""
     transformers = pytest.importorskip("transformers")
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    proc = _run(str(EXAMPLES / "finetune_hf.py"), "--out", str(whole), *TINY)
+    run = tmp_path / "run"
+    _run(str(EXAMPLES / "finetune_hf.py"), "--out", str(run), "--stop-after", "4", *TINY)
+    proc = _run(str(EXAMPLES / "finetune_hf.py"), "--out", str(run), "--resume", *TINY)
+    assert "resuming at step 3" in proc.stderr
     assert "val loss" in proc.stderr and "sample:" in proc.stderr
     assert "planned the train schedule" in proc.stderr, "pscompile's plan summary is not on the log"
-    steps = _losses(whole)
-    assert [s for s, _ in steps] == [1, 2, 3, 4, 5, 6]
-    _run(str(EXAMPLES / "finetune_hf.py"), "--out", str(broken), "--stop-after", "4", *TINY)
-    proc = _run(str(EXAMPLES / "finetune_hf.py"), "--out", str(broken), "--resume", *TINY)
-    assert "resuming at step 3" in proc.stderr
-    resumed = _losses(broken)
-    assert resumed[:4] == steps[:4] and resumed[4:] == steps[3:], (resumed, steps)   # step 4 ran twice
-    model = transformers.AutoModelForCausalLM.from_pretrained(whole / "final")
+    losses, rates = _values(run, "loss"), _values(run, "lr")
+    assert [s for s, _ in losses] == [1, 2, 3, 4, 4, 5, 6]
+    assert losses[3] == losses[4], "the resumed step 4 differs from the interrupted run's"
+    assert [r for _, r in rates] == pytest.approx([_schedule_rates(6)[s - 1] for s, _ in rates], rel=1e-12)
+    assert len(set(r for _, r in rates)) >= 5, "the schedule hardly moved: proves little"
+    model = transformers.AutoModelForCausalLM.from_pretrained(run / "final")
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
