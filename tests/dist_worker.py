@@ -136,10 +136,14 @@ def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[
         budget = tight_budget("gpt", mode, rank, world)
         batches = make_batches("gpt", 3, distinct=3)
         micro = [[split(b, 2 * rank + m, 2 * world) for m in range(2)] for b in batches[:2]]
-        engine = pscompile.compile(make_model("gpt"), micro[0][0], optimizer=hp, config=config(mode, budget))
+        model = make_model("gpt")
+        engine = pscompile.compile(model, micro[0][0], optimizer=hp, config=config(mode, budget))
         losses = [engine.step(mb) for mb in micro]
         evaluation = engine.evaluate(split(batches[2], rank, world))
-        torch.save({"losses": losses, "eval": evaluation, "full": engine.full_state_dict()},
+        with engine.materialize():          # a collective: every rank gets the whole model
+            seen = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.export(os.path.join(out_dir, f"export-{mode}.safetensors"))   # (rank 0 writes)
+        torch.save({"losses": losses, "eval": evaluation, "full": engine.full_state_dict(), "seen": seen},
                    os.path.join(out_dir, f"accum-{mode}-rank{rank}.pt"))
         engine.close()
     leave()

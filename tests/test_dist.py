@@ -112,6 +112,8 @@ def test_recomputation_and_offloading_under_zero_track_plain_pytorch(tmp_path, p
 
 
 def test_accumulation_clipping_and_evaluate_are_global(tmp_path):
+    """... and ``materialize`` gives every rank the whole model; ``export`` writes it once."""
+    load_file = pytest.importorskip("safetensors.torch").load_file
     spawn(dist_worker.accumulate_eval, str(tmp_path), ["compiled", "hooks"])
     hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.05)
     batches = make_batches("gpt", 3, distinct=3)
@@ -125,6 +127,9 @@ def test_accumulation_clipping_and_evaluate_are_global(tmp_path):
                 assert rel(ours, plain) <= 1e-5, (mode, r, ours, plain)
             assert weight_error(run["full"], ref) <= 1e-5, mode
             assert rel(run["eval"], plain_eval) <= 1e-5, (mode, run["eval"], plain_eval)
+            assert all(torch.equal(w, run["full"][n]) for n, w in run["seen"].items()), "materialize under ZeRO"
+        exported = load_file(str(tmp_path / f"export-{mode}.safetensors"))
+        assert exported.keys() == run["full"].keys() and all(torch.equal(exported[k], run["full"][k]) for k in exported)
 
 
 @pytest.mark.parametrize("mode", ["compiled", "hooks"])

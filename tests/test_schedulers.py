@@ -88,6 +88,13 @@ def test_the_optimizer_refuses_what_adamw_refuses_and_changes_nothing():
     engine.optimizer.param_groups[1]["lr"] = 1e-3
     engine.step(batches[1])
     assert engine.adam.hps[1].lr == 1e-3 == engine.lr
+    saved = engine.optimizer.state_dict()
+    engine.optimizer.param_groups[0]["lr"] = 7e-4
+    engine.optimizer.load_state_dict(saved)
+    assert engine.optimizer.param_groups[0]["lr"] == saved["param_groups"][0]["lr"] == engine.adam.hps[0].lr
+    wrong = {"param_groups": [dict(g, params=g["params"][:1]) for g in saved["param_groups"]]}
+    with pytest.raises(ValueError, match="other parameters.*nothing was loaded"):
+        engine.optimizer.load_state_dict(wrong)
     with pytest.raises(ValueError, match="add_param_group"):
         engine.optimizer.add_param_group({"params": []})
     with pytest.raises(ValueError, match="JSON does not hold"):
