@@ -211,9 +211,6 @@ class Config:
             raise ValueError("lock_free=True does not support dtype=torch.float16: a step that loss scaling skips "
                              "would have to be known before the updates queued behind it start; use "
                              "torch.bfloat16 or torch.float32, or lock_free=False")
-        if self.lock_free and self.disk_dir is not None:
-            raise ValueError("lock_free=True with disk_dir is not supported yet: the update thread works on "
-                             "optimizer states in host memory; give host_memory for them, or lock_free=False")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0 (e.g. 65536.0)")
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):

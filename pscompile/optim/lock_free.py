@@ -78,6 +78,11 @@ class LockFreeUpdater:
         self.applied = 0                            # jobs published so far
 
     # ---- the compute thread's side -------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether a job has started and not yet been published (its thread may be working)."""
+        return self._running is not None
     def free_set(self) -> list[torch.Tensor]:
         """A gradient buffer set no queued or running job holds (zero)."""
         held = [j.grads for j in self.pending] + ([self._running.job.grads] if self._running else [])

@@ -170,9 +170,12 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self._release = weakref.finalize(self, _release_resources, self.copies, self.store.disk)
 
     def _count_outside_steps(self) -> None:
-        """Finish the disk tier's transfers (written back, staging buffers returned) and move what
-        the link counted since the last reset into ``setup_traffic``."""
-        self.store.settle_disk()
+        """Finish the disk tier's transfers (written back, staging buffers returned; not while a
+        lock-free update job, which settles its own, uses the disk tier) and move what the link
+        counted since the last reset into ``setup_traffic``."""
+        updater = getattr(self, "updater", None)     # (set late in __init__)
+        if updater is None or not updater.running:
+            self.store.settle_disk()
         self.setup_traffic.add(self.link.reset())
 
     def _accumulation_chunks(self) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pscompile.config import Config, available_host_bytes
 from pscompile.errors import BudgetError
 from pscompile.memory.disk_states import STAGED_SETS
-from pscompile.memory.model_bytes import ModelBytes, owned_elements
+from pscompile.memory.model_bytes import GRAD_BYTES, ModelBytes, owned_elements
 from pscompile.optim.placement import device_state_chunks, host_shortfall_chunks, host_state_chunks
 from pscompile.units import format_bytes
 
@@ -89,13 +89,19 @@ class HostTiers:
             raise ValueError(f"disk_dir={self.config.disk_dir!r}: the disk tier is not available under ZeRO yet; "
                              "give host_memory for this rank's shard, or run one process")
         n, cs = self.layout.num_chunks, self.layout.chunk_size
-        on_host, room = host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=elsize,
+        # what the host holds for every chunk: its compute-dtype copy; lock-free updating adds the
+        # next parameters' copy and the fp32 gradient buffer sets (the update thread's)
+        lock_free = self.config.lock_free
+        per_chunk = elsize + (elsize + GRAD_BYTES * (self.config.staleness + 1) if lock_free else 0)
+        on_host, room = host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=per_chunk,
                                           staging_chunks=STAGED_SETS, host_budget=host_budget)
         if room < 0:
             fixed = host_budget - room
+            what = (f"the compute-dtype chunks, the next parameters and {self.config.staleness + 1} gradient buffer "
+                    "sets" if lock_free else "this model's compute-dtype chunks")
             raise ValueError(
-                f"host_memory={format_bytes(host_budget)} cannot hold this model's compute-dtype chunks and the disk "
-                f"tier's staging buffers ({format_bytes(fixed)}: {n} chunks x {elsize} bytes/param, plus "
+                f"host_memory={format_bytes(host_budget)} cannot hold {what} and the disk "
+                f"tier's staging buffers ({format_bytes(fixed)}: {n} chunks x {per_chunk} bytes/param, plus "
                 f"{STAGED_SETS} chunks of optimizer states); give host_memory >= {fixed}")
         self.host_room = room
         return frozenset(range(on_host, n))

@@ -114,15 +114,32 @@ class ChunkUpdate:
 
     def _run_update_job(self, job: UpdateJob) -> None:
         """On the update thread: AdamW on masters and Adam states from the job's gradients, which
-        it zeroes (the buffer set is free again); the compute-dtype chunks are not touched."""
+        it zeroes (the buffer set is free again); the compute-dtype chunks are not touched. A disk
+        home's states are staged (the next disk chunk's reads queued while this one updates) and
+        written back; only this thread uses the disk tier while a job runs (the compute thread
+        reads states only after ``_apply_queued_updates``)."""
         store = self.store
+        on_disk = [c for c in job.chunks if store.os_tier[c] is Tier.DISK]
         self.adam.begin_step()
-        for c, frozen, groups in zip(job.chunks, job.frozen, job.groups):
-            self.adam.update_chunk(None, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                   grad_factor=job.factor, frozen=frozen, grad=job.grads[c], groups=groups,
-                                   hps=job.hps)
-            job.grads[c].zero_()
-            self._next_params[c].copy_(store.master[c])
+        try:
+            for c, frozen, groups in zip(job.chunks, job.frozen, job.groups):
+                disk = store.os_tier[c] is Tier.DISK
+                if disk:
+                    k = bisect.bisect_right(on_disk, c)
+                    if k < len(on_disk) and self.disk_prefetch:
+                        store.stage(on_disk[k])
+                    store.master[c], store.exp_avg[c], store.exp_avg_sq[c] = store.disk.take(c)
+                self.adam.update_chunk(None, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
+                                       grad_factor=job.factor, frozen=frozen, grad=job.grads[c], groups=groups,
+                                       hps=job.hps)
+                job.grads[c].zero_()
+                self._next_params[c].copy_(store.master[c])
+                if disk:
+                    store.disk.write_back(c, [store.master[c], store.exp_avg[c], store.exp_avg_sq[c]])
+                    store.master[c] = store.exp_avg[c] = store.exp_avg_sq[c] = torch.empty(0)
+        finally:
+            if on_disk:
+                store.settle_disk()
 
     def _publish_update(self, job: UpdateJob) -> None:
         """On the compute thread, between steps: the parameters the update thread cast from the
