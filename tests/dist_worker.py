@@ -355,3 +355,27 @@ def load_and_save(rank: int, world: int, port: int, out_dir: str, name: str) -> 
     engine.step(batch)
     pscompile.save(engine, os.path.join(out_dir, name))
     leave()
+
+
+def disk_tier(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str]]) -> None:
+    """Each (mode, collectives): a host budget that holds this rank's compute-dtype chunks but not
+    every chunk's optimizer states, so the last ones live in this rank's own disk-tier file; train
+    STEPS steps; save the losses, the disk bytes, the full weights and a state dict round trip."""
+    join(rank, world, port)
+    for mode, collectives in cases:
+        folder = os.path.join(out_dir, f"disk-{mode}-{collectives}-rank{rank}")
+        os.makedirs(folder)
+        batches = make_batches("gpt", STEPS)
+        numel = sum(p.numel() for p in make_model("gpt").parameters())
+        host = numel * 4 // world + numel * 6 // world + 3 * 12 * 4096   # the copies, half the states, staging
+        engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP, config=config(
+            mode, None, collectives=collectives, chunk_size=2048, host_memory=host, disk_dir=folder))
+        on_disk = sorted(engine.disk_chunks)
+        losses = [engine.step(split(b, rank, world)) for b in batches]
+        sd = engine.state_dict()
+        engine.load_state_dict(sd)                   # (through the disk tier's cache)
+        torch.save({"losses": losses, "on_disk": on_disk, "disk": engine._disk_bytes(),
+                    "files": os.listdir(folder), "full": engine.full_state_dict(), "again": engine.state_dict()["master"],
+                    "master": sd["master"]}, os.path.join(out_dir, f"disk-{mode}-{collectives}-rank{rank}.pt"))
+        engine.close()
+    leave()

@@ -57,8 +57,8 @@ def shard_state_dict(store, layout: ChunkLayout, *, rank: int, world: int, extra
     others) and what they were cut from."""
     sd = {"format": FORMAT, "version": VERSION, "rank": rank, "world_size": world, "layout": layout_record(layout),
           "collectives": (Collectives.PER_CHUNK if _per_chunk(store) else Collectives.GROUP).value}
-    for key in _LISTS:
-        sd[key] = [t.detach().to("cpu", copy=True) for t in getattr(store, key)]
+    for i, key in enumerate(_LISTS):       # (a disk home's states through the disk tier's cache)
+        sd[key] = [store._states(c)[i].detach().to("cpu", copy=True) for c in range(layout.num_chunks)]
     sd.update(extra)
     return sd
 
@@ -76,14 +76,16 @@ def shard_problems(store, layout: ChunkLayout, sd: dict, *, rank: int, world: in
         return ["state_dict's shard was cut from another chunk layout (a different model, chunk_size or "
                 "budget); load pscompile.consolidate(paths) instead"]
     out = []
+    n = layout.num_chunks
     for key in _LISTS:
-        ours, theirs = getattr(store, key), sd.get(key)
-        if not isinstance(theirs, list) or len(theirs) != len(ours):
-            out.append(f"state_dict[{key!r}]: a list of {len(ours)} shards is needed")
+        theirs = sd.get(key)
+        if not isinstance(theirs, list) or len(theirs) != n:
+            out.append(f"state_dict[{key!r}]: a list of {n} shards is needed")
             continue
-        for g, (dst, src) in enumerate(zip(ours, theirs)):
-            if not isinstance(src, torch.Tensor) or src.shape != dst.shape or not src.is_floating_point():
-                out.append(f"state_dict[{key!r}][{g}]: a float tensor of shape {tuple(dst.shape)} is needed, got "
+        for g, src in enumerate(theirs):
+            shape = store.state_shape(g)
+            if not isinstance(src, torch.Tensor) or tuple(src.shape) != shape or not src.is_floating_point():
+                out.append(f"state_dict[{key!r}][{g}]: a float tensor of shape {shape} is needed, got "
                            f"{tuple(getattr(src, 'shape', ()))}")
             elif key == "master" and not bool(torch.isfinite(src).all()):
                 out.append(f"state_dict['master'][{g}] holds inf or NaN")
@@ -95,9 +97,9 @@ def load_shard(store, layout: ChunkLayout, sd: dict, *, rank: int, world: int) -
     problems = shard_problems(store, layout, sd, rank=rank, world=world)
     if problems:
         raise ValueError("; ".join(problems))
-    for key in _LISTS:
-        for dst, src in zip(getattr(store, key), sd[key]):
-            dst.copy_(src)
+    for c in range(layout.num_chunks):
+        for dst, key in zip(store._states(c, write=True), _LISTS):
+            dst.copy_(sd[key][c])
 
 
 def consolidate(shards: Iterable[Any]) -> dict:
@@ -151,11 +153,11 @@ def full_groups(store, comm) -> list[torch.Tensor]:
     if _per_chunk(store):
         out = []
         for c in range(n):
-            buf = store.master[c].clone() if store.owns(c) else torch.empty(store.shard)
+            buf = store._states(c)[0].clone() if store.owns(c) else torch.empty(store.shard)
             comm.broadcast_plain(buf, store.owner(c))
             out.append(buf)
         return out
-    mine = torch.cat(store.master) if n else torch.empty(0)
+    mine = torch.cat([store._states(c)[0] for c in range(n)]) if n else torch.empty(0)
     everyone = torch.empty(comm.world * mine.numel(), dtype=torch.float32)
     comm.all_gather_flat(everyone, mine)
     parts = everyone.view(comm.world, n, store.shard)

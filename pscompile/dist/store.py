@@ -82,8 +82,9 @@ class _ZeroStore(ChunkStore):
         for fqn, value in params.items():
             flat = value.detach().reshape(-1)
             for c, off, to, n in self._pieces(self.layout.entry(fqn)):
-                self.master[c][off:off + n].copy_(flat[to:to + n])
-                self.host_param[c][off:off + n].copy_(self.master[c][off:off + n])
+                master = self._states(c, write=True)[0]        # (a disk home's through the cache)
+                master[off:off + n].copy_(flat[to:to + n])
+                self.host_param[c][off:off + n].copy_(master[off:off + n])
 
     # ---- residency (hooks mode drives these) ---------------------------------------------
     def _fill(self, c: int, buf: torch.Tensor) -> bool:
@@ -119,23 +120,25 @@ class _ZeroStore(ChunkStore):
 
     def scatter(self, which: BufferKind, fqn: str, value: torch.Tensor) -> None:
         """Write this rank's parts of one full tensor into an optimizer-state list."""
-        lists = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        i = ("master", "exp_avg", "exp_avg_sq").index(which)
         flat = value.detach().reshape(-1)
         for c, off, to, n in self._pieces(self.layout.entry(fqn)):
-            lists[which][c][off:off + n].copy_(flat[to:to + n])
+            self._states(c, write=True)[i][off:off + n].copy_(flat[to:to + n])
 
 
 class ShardedStore(_ZeroStore):
     """ZeRO by group (``collectives="group"``): see the module docstring."""
 
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm,
-                 copies: CopyEngine | None = None):
+                 copies: CopyEngine | None = None, **tiers):
+        """``tiers``: ``os_on_disk`` and ``disk``, as ``ChunkStore`` takes them (this rank's file)."""
         if layout.chunk_size % comm.world:
             raise ValueError(f"a group of {layout.chunk_size} elements does not split into {comm.world} shards")
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.shard = layout.chunk_size // comm.world
-        super().__init__(layout, device=device, dtype=dtype, link=link, home_numel=self.shard, copies=copies)
+        super().__init__(layout, device=device, dtype=dtype, link=link, home_numel=self.shard, copies=copies,
+                         **tiers)
 
     def _mine(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[self.rank * self.shard:(self.rank + 1) * self.shard]
@@ -173,12 +176,14 @@ class OwnedChunkStore(_ZeroStore):
     never holds more than the chunks in use: no group-sized buffer."""
 
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link, comm: Comm,
-                 copies: CopyEngine | None = None):
+                 copies: CopyEngine | None = None, **tiers):
+        """``tiers``: ``os_on_disk`` (chunks this rank owns) and ``disk``, as ``ChunkStore`` takes them."""
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.shard = layout.chunk_size
         super().__init__(layout, device=device, dtype=dtype, link=link, copies=copies,
-                         homes=frozenset(c for c in range(layout.num_chunks) if c % comm.world == comm.rank))
+                         homes=frozenset(c for c in range(layout.num_chunks) if c % comm.world == comm.rank),
+                         **tiers)
 
     def owner(self, c: int) -> int:
         return c % self.world

@@ -195,6 +195,10 @@ class ChunkStore:
         if self.disk is not None:
             self.disk.flush()
 
+    def state_shape(self, c: int) -> tuple[int, ...]:
+        """The shape of chunk ``c``'s master and Adam states here (``(0,)``: another rank owns it)."""
+        return (self.home_numel,) if c in self.homes else (0,)
+
     def _states(self, c: int, *, write: bool = False) -> list[torch.Tensor]:
         """Chunk ``c``'s master, exp_avg and exp_avg_sq buffers, a disk home's through its cache
         (``write``: the caller changes them)."""

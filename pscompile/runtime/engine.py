@@ -154,17 +154,18 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
         disk = (DiskQueue(SlotFile(config.disk_dir, num_slots=3 * len(self.disk_chunks),
-                                   slot_bytes=4 * self.layout.chunk_size)) if self.disk_chunks else None)
+                                   slot_bytes=4 * self.home_numel)) if self.disk_chunks else None)
+        tiers = dict(os_on_disk=self.disk_chunks, disk=disk)      # (ZeRO: this rank's own file)
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
                                  os_on_device=frozenset(range(self.min_device_homes)), os_on_disk=self.disk_chunks,
                                  disk=disk, master_is_param=self.dtype == torch.float32 and not config.lock_free,
                                  copies=self.copies)
                       if self.comm is None else
                       OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
-                                      copies=self.copies)
+                                      copies=self.copies, **tiers)
                       if self.per_chunk else
                       ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
-                                   copies=self.copies))
+                                   copies=self.copies, **tiers))
         # the copy threads, the disk tier's I/O thread and file: released by close(), or when the
         # engine is garbage-collected without it
         self._release = weakref.finalize(self, _release_resources, self.copies, self.store.disk)

@@ -81,14 +81,19 @@ class HostTiers:
                     f"host_memory >= {host_need}, more device_memory, or Config(disk_dir=...) to keep the "
                     "optimizer states the host cannot hold on disk")
 
+    @property
+    def home_numel(self) -> int:
+        """Elements of one chunk's home on this rank (its shard of a group under ZeRO by group)."""
+        return self.layout.chunk_size // self.world if self.world > 1 and not self.per_chunk else \
+            self.layout.chunk_size
+
     def _disk_homes(self, host_budget: int, elsize: int) -> frozenset[int]:
         """The chunks (the last ones) whose optimizer states live on disk: the host keeps every
         compute-dtype chunk, the staging buffers of ``STAGED_SETS`` disk chunks and as many chunks' states
         as fit. Sets ``host_room``."""
-        if self.world > 1:
-            raise ValueError(f"disk_dir={self.config.disk_dir!r}: the disk tier is not available under ZeRO yet; "
-                             "give host_memory for this rank's shard, or run one process")
-        n, cs = self.layout.num_chunks, self.layout.chunk_size
+        # this rank's homes: under ZeRO by group a shard of every group, per chunk the chunks it owns
+        owned = [c for c in range(self.layout.num_chunks) if not self.per_chunk or c % self.world == self.rank]
+        n, cs = len(owned), self.home_numel
         # what the host holds for every chunk: its compute-dtype copy; lock-free updating adds the
         # next parameters' copy and the fp32 gradient buffer sets (the update thread's)
         lock_free = self.config.lock_free
@@ -104,7 +109,7 @@ class HostTiers:
                 f"tier's staging buffers ({format_bytes(fixed)}: {n} chunks x {per_chunk} bytes/param, plus "
                 f"{STAGED_SETS} chunks of optimizer states); give host_memory >= {fixed}")
         self.host_room = room
-        return frozenset(range(on_host, n))
+        return frozenset(owned[on_host:])
 
     def _disk_bytes(self) -> tuple[int, int]:
         """Bytes the disk tier has read and written so far."""
