@@ -79,8 +79,30 @@ def test_a_model_that_does_not_fit_says_where_and_by_how_much():
     assert again.fits, "the least GPU memory the report names does not fit"
     host = plan(TINY, batch, hardware=_machine(8 << 20, cpu=100_000), config=_config())
     assert not host.fits and "CPU memory" in host.overflow
-    disk = plan(TINY, batch, hardware=_machine(8 << 20, cpu=600_000, disk=1 << 30), config=_config())
+    disk = plan(TINY, batch, hardware=_machine(8 << 20, cpu=1_600_000, disk=1 << 30), config=_config())
     assert disk.fits and disk.disk_model_bytes > 0
+
+
+def test_the_disk_tier_is_planned_as_the_engine_places_and_moves_it(tmp_path):
+    """The planner puts the same optimizer states on disk as the engine does at the same host
+    budget, its disk bytes per iteration are what the engine's step reads and writes, and their
+    time at the disk's bandwidth bounds the optimizer's (it runs behind the host updates)."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    batch = (torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64)))
+    slow = _machine(8 << 20, cpu=1_600_000, disk=1 << 30, disk_bandwidth=1e5)
+    report = plan(model, batch, hardware=slow, config=_config())
+    assert report.fits and report.disk_io_bytes == 2 * report.disk_model_bytes > 0
+    assert report.disk_s == pytest.approx(report.disk_io_bytes / 1e5)
+    assert report.optimizer_s >= report.disk_s and "disk per iteration" in report.format()
+    fast = plan(model, batch, hardware=dataclasses.replace(slow, disk_bandwidth=1e12), config=_config())
+    assert fast.optimizer_s < report.optimizer_s, "the disk's time did not reach the estimate"
+    engine = pscompile.compile(model, batch, config=_config(device_memory=8 << 20, host_memory=slow.host_budget,
+                                                            chunk_size=report.chunk_size, disk_dir=str(tmp_path)))
+    assert engine.store.disk_model_bytes() == report.disk_model_bytes
+    engine.step(batch)
+    assert (engine.stats.disk_read_bytes, engine.stats.disk_write_bytes) == (report.disk_model_bytes,) * 2
+    engine.close()
 
 
 def test_the_static_partition_needs_every_parameter_on_the_gpu():

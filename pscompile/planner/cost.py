@@ -101,10 +101,13 @@ def graph_flops(gm: fx.GraphModule) -> int:
     return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
 
 
-def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, device_params: int) -> Cost:
+def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, device_params: int,
+             disk_s: float = 0.0) -> Cost:
     """The cost of one iteration of ``scheduled`` (a ``pipeline.Scheduled``) on one GPU of ``hw``.
     ``host_params`` / ``device_params``: parameters this GPU updates with optimizer states on the
-    host / on the device.
+    host / on the device; ``disk_s``: the disk tier's reads and writes of one update, which run
+    behind the host's updates (the next disk chunk is read while one updates), so the host
+    optimizer takes the longer of the two.
 
     Long on purpose: one replay of the schedule's timeline (compute per node, each copy engine, the
     collectives, the optimizer), whose running clocks every part of it advances.
@@ -126,7 +129,7 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
         by_node.setdefault(a.before, []).append(a)
 
     shared = hw.gpus                       # the node's GPUs share its host memory bandwidth
-    optimizer = host_params * ADAM_BYTES_PER_PARAM * shared / hw.cpu_bandwidth + \
+    optimizer = max(host_params * ADAM_BYTES_PER_PARAM * shared / hw.cpu_bandwidth, disk_s) + \
         device_params * ADAM_BYTES_PER_PARAM / hw.memory_bandwidth
     # Fetches for the next step (module docstring): the step ends with its optimizer, and the
     # next one starts with what has not landed yet.

@@ -120,10 +120,14 @@ HARDWARE: dict[str, Hardware] = {
     "angel": _preset("angel", 8, 40, 1024, 312e12, 1555e9, 4, 300e9, 200e9,
                      "ANGEL-PTM's server: 8x A100 40 GB (NVLink 3), 4x 48-core EPYC with 1 TB, 11 TB SSD "
                      "(3.5 GB/s)", disk=int(11e12), disk_bandwidth=3.5e9),
+    # DGX-class nodes carry 8 NVMe drives (30.72 TB); 25 GB/s for them together is an assumption
+    # (about 3 GB/s a drive, reads and writes mixed), not a measurement
     "h100": _preset("h100", 8, 80, 2048, 989e12, 3350e9, 5, 450e9, 300e9,
-                    "an 8x H100 80 GB SXM node (DGX H100-like), 2 TB CPU memory"),
+                    "an 8x H100 80 GB SXM node (DGX H100-like), 2 TB CPU memory, 30.7 TB NVMe (25 GB/s assumed)",
+                    disk=int(30.72e12), disk_bandwidth=25e9),
     "h200": _preset("h200", 8, 141, 2048, 989e12, 4800e9, 5, 450e9, 300e9,
-                    "an 8x H200 141 GB node, 2 TB CPU memory"),
+                    "an 8x H200 141 GB node, 2 TB CPU memory, 30.7 TB NVMe (25 GB/s assumed)",
+                    disk=int(30.72e12), disk_bandwidth=25e9),
 }
 
 

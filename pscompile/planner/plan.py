@@ -23,7 +23,8 @@ from pscompile.errors import BudgetError
 from pscompile.graph.pipeline import PlanRequest, choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
 from pscompile.memory.model_bytes import STATE_BYTES, ModelBytes, owned_elements
-from pscompile.optim.placement import update_overlaps_next_step
+from pscompile.memory.disk_states import STAGED_SETS
+from pscompile.optim.placement import host_state_chunks, update_overlaps_next_step
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.planner.cost import estimate, graph_flops
 from pscompile.planner.hardware import Hardware, hardware_preset
@@ -96,18 +97,12 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     model_flops = graph_flops(analyzed.captured.gm)
     rates = Rates(hw.peak_flops * hw.efficiency, hw.pcie)
 
-    # the host and disk tiers, as the engine checks them (runtime/engine.py)
-    owned = owned_elements(layout.num_chunks, layout.chunk_size, world=world)
+    # the host and disk tiers, as the engine places them (runtime/tiers.py)
+    owned = owned_elements(layout.num_chunks, layout.chunk_size, world=world, per_chunk=per_chunk)
     host_need = owned * mb.per_element
     disk_budget = (hw.disk or 0) // world
-    disk_bytes, overflow = 0, []
-    if host_need > hw.host_budget:
-        disk_bytes = host_need - hw.host_budget
-        if hw.disk is None or disk_bytes > disk_budget or owned * elsize > hw.host_budget:
-            overflow.append(f"CPU memory: the chunks need {format_bytes(host_need)} per GPU "
-                            f"({owned / 1e9:.2f}B elements x {mb.per_element} bytes) > its share "
-                            f"{format_bytes(hw.host_budget)}" + ("" if hw.disk is None else
-                                                                 f" and the disk's {format_bytes(disk_budget)}"))
+    disk_bytes, overflow = _disk_tier(hw, layout.chunk_size // world if world > 1 and not per_chunk
+                                      else layout.chunk_size, owned, elsize, disk_budget)
     host_room = max(0, hw.host_budget - host_need)
 
     scheduled, steady, minimum = None, None, None
@@ -146,23 +141,44 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     if scheduled is None:
         return PlanReport(fits=False, overflow="; ".join(overflow), device_model_bytes=0,
                           host_model_bytes=min(host_need, hw.host_budget), disk_model_bytes=disk_bytes,
+                          disk_io_bytes=2 * disk_bytes, disk_s=0.0,
                           activations="", peak_device_bytes=0, h2d_bytes=0, d2h_bytes=0, offload_bytes=0,
                           allgather_bytes=0, reduce_scatter_bytes=0, compute_s=0.0, iteration_s=0.0,
                           optimizer_s=0.0, first_iteration_s=0.0, tflops_per_gpu=0.0,
                           plan_s=time.perf_counter() - t0, **common)
     p = scheduled.plan
     device_states = len(scheduled.os_device) * layout.chunk_size
+    disk_s = 2 * disk_bytes * hw.gpus / hw.disk_bandwidth    # read and written once per update; one disk a node
     first = estimate(scheduled, hw, model_flops=model_flops, host_params=owned - device_states,
-                     device_params=device_states)
-    cost = first if steady is None else estimate(steady, hw, model_flops=model_flops,
+                     device_params=device_states, disk_s=disk_s)
+    cost = first if steady is None else estimate(steady, hw, model_flops=model_flops, disk_s=disk_s,
                                                  host_params=owned - device_states, device_params=device_states)
     acts = scheduled.activations.describe() if scheduled.activations is not None else "activations kept"
     return PlanReport(fits=not overflow, overflow="; ".join(overflow),
                       device_model_bytes=p.num_slots * p.slot_bytes + device_states * STATE_BYTES,
                       host_model_bytes=min(host_need, hw.host_budget) - device_states * STATE_BYTES,
-                      disk_model_bytes=disk_bytes, activations=acts, peak_device_bytes=p.peak_device_bytes,
+                      disk_model_bytes=disk_bytes, disk_io_bytes=2 * disk_bytes, disk_s=disk_s,
+                      activations=acts, peak_device_bytes=p.peak_device_bytes,
                       h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, offload_bytes=scheduled.offload_bytes,
                       allgather_bytes=p.allgather_bytes, reduce_scatter_bytes=p.reduce_scatter_bytes,
                       compute_s=cost.compute_s, iteration_s=cost.iteration_s, optimizer_s=cost.optimizer_s,
                       first_iteration_s=first.iteration_s,
                       tflops_per_gpu=cost.tflops, plan_s=time.perf_counter() - t0, **common)
+
+
+def _disk_tier(hw: Hardware, home: int, owned: int, elsize: int, disk_budget: int) -> tuple[int, list[str]]:
+    """(optimizer-state bytes on disk per GPU, what overflows): the engine's rule
+    (``optim.placement.host_state_chunks``): the host keeps every compute-dtype chunk, the staging
+    buffers and as many chunks' states as fit; the last chunks' states go to disk."""
+    mb_per = elsize + STATE_BYTES
+    if owned * mb_per <= hw.host_budget:
+        return 0, []
+    chunks = -(-owned // home)
+    on_host, room = host_state_chunks(num_chunks=chunks, chunk_size=home, param_bytes=elsize,
+                                      staging_chunks=STAGED_SETS, host_budget=hw.host_budget)
+    disk_bytes = (chunks - on_host) * STATE_BYTES * home
+    if hw.disk is not None and room >= 0 and disk_bytes <= disk_budget:
+        return disk_bytes, []
+    return disk_bytes, [f"CPU memory: the chunks need {format_bytes(owned * mb_per)} per GPU ({owned / 1e9:.2f}B "
+                        f"elements x {mb_per} bytes) > its share {format_bytes(hw.host_budget)}"
+                        + ("" if hw.disk is None else f" and the disk's {format_bytes(disk_budget)}")]

@@ -57,6 +57,8 @@ class PlanReport:
     device_model_bytes: int        # slots at the plan's peak + optimizer states kept on the device
     host_model_bytes: int          # compute-dtype homes + fp32 masters and Adam states on the host
     disk_model_bytes: int          # optimizer states on disk
+    disk_io_bytes: int             # per iteration: the disk homes' states read and written once
+    disk_s: float                  # ... at the node's disk bandwidth (shared by its GPUs)
     activations: str               # the activation policy's choice
     peak_device_bytes: int         # planned, model + non-model
     h2d_bytes: int                 # PCIe, per iteration
@@ -89,6 +91,8 @@ class PlanReport:
             ("chunks", f"{self.num_chunks} x {self.chunk_size / 1e6:.1f}M elements, {self.utilisation:.2%} utilised"),
             ("model data per GPU", f"GPU {b(self.device_model_bytes)}, CPU {b(self.host_model_bytes)}, "
                                    f"disk {b(self.disk_model_bytes)}"),
+            *([("disk per iteration", f"{b(self.disk_io_bytes)} read and written, {self.disk_s:.3f} s at the "
+                                      "node's disk bandwidth (behind the host optimizer)")] if self.disk_io_bytes else []),
             ("activations", self.activations),
             ("peak GPU bytes", f"{b(self.peak_device_bytes)} of {b(self.device_budget)}"),
             ("PCIe per iteration", f"{b(self.h2d_bytes)} to the GPU, {b(self.d2h_bytes)} to the CPU "
