@@ -155,3 +155,58 @@ def test_an_engine_dropped_without_close_releases_its_threads_descriptors_and_fi
     del engine
     gc.collect()
     assert ours() == threads and fds() <= open_fds
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_accumulation_and_evaluation_with_states_on_disk(mode, tmp_path):
+    """Micro-batch accumulation and evaluate() with disk homes: the accumulated update and the
+    forward-only loss are plain PyTorch's; evaluation moves nothing on disk."""
+    batches = make_batches("gpt", 5, batch=4, seq=32, distinct=3)
+    engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
+        mode, host_memory=5 << 20, disk_dir=str(tmp_path)))
+    assert any(t is Tier.DISK for t in engine.store.os_tier)
+    ref = ReferenceTrainer(_model(), optimizer=HP, dtype=torch.float32)
+    for b in batches[:4]:
+        micro = [tuple(t[i:i + 2] for t in b) for i in (0, 2)]
+        a, c = ref.step(micro), engine.step(micro)
+        assert abs(a - c) <= 1e-5 * abs(a)
+    before = engine._disk_bytes()
+    from pscompile.runtime.batching import call_model, extract_loss
+    with torch.no_grad():
+        plain = float(extract_loss(call_model(ref.model, batches[4]), batches[4], None))
+    assert abs(engine.evaluate(batches[4]) - plain) <= 1e-5 * abs(plain)
+    assert engine._disk_bytes() == before, "evaluate read or wrote the disk tier"
+    assert max_weight_diff(engine, ref) <= 1e-4
+    engine.close()
+
+
+def test_a_killed_process_leaves_nothing_in_the_disk_folder(tmp_path):
+    """The disk tier's file is unlinked when it is made: a process killed (SIGKILL) while it
+    trains leaves the folder empty, and its blocks go back with the process."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import sys, torch, pscompile
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        from conftest import make_batches, make_model
+        b = make_batches("gpt", 1, batch=2, seq=32)[0]
+        engine = pscompile.compile(make_model("gpt", n_layer=4, d_model=128), b, config=pscompile.Config(
+            mode="hooks", backend="eager", device="cpu", dtype=torch.float32, chunk_size=8192,
+            host_memory=5 << 20, disk_dir={str(tmp_path)!r}))
+        assert engine.store.disk is not None
+        engine.step(b)
+        print("training", flush=True)
+        while True:
+            engine.step(b)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "training", proc.stderr.read()[-2000:]
+        assert list(tmp_path.iterdir()) == []        # (unlinked at creation, while it trains)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and list(tmp_path.iterdir()) == []
