@@ -19,6 +19,7 @@ the statistics exist from the first step on.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from torch import nn
 from pscompile.config import AdamW, Config
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.torch_optimizer import EngineOptimizer, updated_hps
-from pscompile.runtime.batching import LossFn
+from pscompile.runtime.batching import LossFn, micro_batches
 
 BEFORE = ("it is built at its first step(batch) or evaluate(batch); compile(model, batch) builds it at once "
           "(and raises a budget or capture error there)")
@@ -111,10 +112,21 @@ class LazyEngine:
         engine._take_groups()
 
     def step(self, batch: Any) -> float:
-        return self.ensure_built(batch).step(batch)
+        micro = micro_batches(batch)          # a list of micro-batches: built from the first
+        return self.ensure_built(batch if micro is None else micro[0]).step(batch)
 
     def evaluate(self, batch: Any) -> float:
         return self.ensure_built(batch).evaluate(batch)
+
+    @contextlib.contextmanager
+    def materialize(self, **kwargs):
+        """The built engine's ``materialize``; before the first step the model still holds its own
+        weights, as given, and is yielded as it is."""
+        if self.built is not None:
+            with self.built.materialize(**kwargs) as model:
+                yield model
+            return
+        yield self.model
 
     def defer_load(self, path: Path) -> None:
         """``pscompile.load`` before the first step (which checked the file): loaded when the

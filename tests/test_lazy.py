@@ -71,6 +71,8 @@ def test_before_the_first_step(tmp_path):
     assert not hasattr(lazy, "layout")
     with pytest.raises(RuntimeError, match="pscompile.save: .* not been built yet"):
         pscompile.save(lazy, tmp_path / "x.ckpt")
+    with lazy.materialize() as m:             # the model still holds its own weights
+        assert m is model and all(torch.equal(weights[k], v) for k, v in m.state_dict().items())
     lazy.lr = 1e-4
     with pytest.raises(ValueError, match="lr=-1"):
         lazy.set_lr(-1)
@@ -96,3 +98,19 @@ def test_the_budget_error_moves_to_the_first_step_and_leaves_the_model_whole():
     ok = pscompile.compile(model, config=_config("compiled", None))    # the model was not left held
     assert ok.step(batch) > 0
     assert lazy.built is None and ok.built is not None
+
+
+@pytest.mark.parametrize("first", ["evaluate", "micro-batches"])
+def test_the_engine_is_built_by_whichever_call_comes_first(first):
+    """Built by ``evaluate`` or by a list of micro-batches, the lazy engine then trains exactly as
+    the batch-first form does."""
+    batches = make_batches("gpt", 3)
+    eager = pscompile.compile(make_model("gpt"), batches[0], optimizer=HP, config=_config("hooks", None))
+    lazy = pscompile.compile(make_model("gpt"), optimizer=HP, config=_config("hooks", None))
+    if first == "evaluate":
+        assert lazy.evaluate(batches[0]) == eager.evaluate(batches[0])
+        assert lazy.step(batches[1]) == eager.step(batches[1])
+    else:
+        micro = [tuple(t[:1] for t in batches[1]), tuple(t[1:] for t in batches[1])]
+        assert lazy.step(micro) == eager.step(micro)
+    assert lazy.step(batches[2]) == eager.step(batches[2])
