@@ -7,8 +7,10 @@ the kernel's peak-RSS counter reset just before it (``/proc/self/clear_refs``), 
 the operation's own: the peak minus the resident memory before it. Freed heap memory is given back
 first (``malloc_trim``) and large buffers come from fresh pages (``MALLOC_MMAP_THRESHOLD_``), so an
 allocation cannot hide in memory the process already holds. The bound is the issue's: 1.2x
-one chunk's state (fp32 master + two Adam states = 12 bytes per element of a chunk). The disk row
-writes (fsync) and reads the same number of bytes with plain file I/O.
+one chunk's state (fp32 master + two Adam states = 12 bytes per element of a chunk). The "states
+on disk" rows keep all but one chunk's optimizer states in the disk tier (``host_memory`` below
+the state), so the save reads them through the tier's one-chunk cache and the load writes them
+back through it. The disk rate writes (fsync) and reads the same number of bytes with plain file I/O.
 
     python bench/checkpoint.py            # ~1.2 GB of state
     python bench/checkpoint.py --quick    # ~24 MiB, for CI
@@ -47,7 +49,9 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def _engine(width: int, layers: int, chunk: int):
+def _engine(width: int, layers: int, chunk: int, disk_dir: str | None = None):
+    """The engine (one step taken); with ``disk_dir`` the host holds the param chunks, the disk
+    tier's staging buffers and one chunk's states, and every other chunk's states live on disk."""
     import torch
     import pscompile
     torch.manual_seed(0)
@@ -56,8 +60,10 @@ def _engine(width: int, layers: int, chunk: int):
 
     def loss_fn(out, batch):
         return out.square().mean()
+    chunks = pscompile.build_layout(((n, tuple(p.shape)) for n, p in model.named_parameters()), chunk).num_chunks
+    tiers = {} if disk_dir is None else dict(disk_dir=disk_dir, host_memory=(4 * chunks + 4 * 12) * chunk)
     engine = pscompile.compile(model, (x,), loss_fn=loss_fn,
-                               config=pscompile.Config(mode="hooks", dtype=torch.float32, chunk_size=chunk))
+                               config=pscompile.Config(mode="hooks", dtype=torch.float32, chunk_size=chunk, **tiers))
     engine.step((x,))
     return engine
 
@@ -66,16 +72,18 @@ def worker(op: str, width: int, layers: int, chunk: int, folder: str) -> dict:
     """One measurement, in this (fresh) process."""
     import torch
     import pscompile
-    engine = _engine(width, layers, chunk)
+    disk = op.endswith("(states on disk)")
+    engine = _engine(width, layers, chunk, disk_dir=folder if disk else None)
+    on_disk = sum(t.name == "DISK" for t in engine.store.os_tier)
     elements = sum(p.numel() for p in engine.params.values())
     path = Path(folder) / ("ps.ckpt" if op.startswith("pscompile") else "torch.pt")
-    if op.endswith("load"):          # the file the load reads, written before the measurement
+    if "load" in op:                 # the file the load reads, written before the measurement
         pscompile.save(engine, path) if op.startswith("pscompile") else torch.save(engine.state_dict(), path)
     base = _reset_peak()
     t0 = time.perf_counter()
-    if op == "pscompile.save":
+    if op.startswith("pscompile.save"):
         pscompile.save(engine, path)
-    elif op == "pscompile.load":
+    elif op.startswith("pscompile.load"):
         pscompile.load(engine, path)
     elif op == "torch.save":
         torch.save(engine.state_dict(), path)
@@ -85,7 +93,7 @@ def worker(op: str, width: int, layers: int, chunk: int, folder: str) -> dict:
     return {"op": op, "seconds": seconds, "extra_peak_bytes": _status("VmHWM") - base,
             "file_bytes": path.stat().st_size, "state_bytes": STATE_BYTES_PER_ELEMENT * elements,
             "chunk_state_bytes": STATE_BYTES_PER_ELEMENT * engine.layout.chunk_size,
-            "num_chunks": engine.layout.num_chunks}
+            "num_chunks": engine.layout.num_chunks, "chunks_on_disk": on_disk}
 
 
 def disk_rate(nbytes: int, folder: str) -> dict:
@@ -113,6 +121,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="about 24 MiB of state instead of 1.2 GB")
     ap.add_argument("--out", default=None, help="where to write the JSON (default bench/results/checkpoint.json)")
     ap.add_argument("--worker", nargs=5, metavar=("OP", "WIDTH", "LAYERS", "CHUNK", "FOLDER"), help=argparse.SUPPRESS)
+    # (an OP of "pscompile.save (states on disk)" is one argument: the parent passes a list)
     args = ap.parse_args()
     if args.worker:
         op, width, layers, chunk, folder = args.worker
@@ -121,7 +130,8 @@ def main() -> None:
     width, layers, chunk = (512, 8, 1 << 18) if args.quick else (4096, 6, 4 << 20)
     rows = []
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as folder:
-        for op in ("pscompile.save", "pscompile.load", "torch.save", "torch.load"):
+        for op in ("pscompile.save", "pscompile.load", "torch.save", "torch.load",
+                   "pscompile.save (states on disk)", "pscompile.load (states on disk)"):
             # large buffers from mmap (fresh pages, counted when touched), never from a reused heap
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
             proc = subprocess.run([sys.executable, __file__, "--worker", op, str(width), str(layers), str(chunk),
@@ -132,14 +142,15 @@ def main() -> None:
             print(f"[{op}] {rows[-1]['seconds']:.2f} s", file=sys.stderr)
         disk = disk_rate(rows[0]["file_bytes"], folder)
     mib = 1 << 20
-    table = [[r["op"], f"{r['state_bytes'] / mib:,.0f}", f"{r['file_bytes'] / r['state_bytes']:.3f}",
+    table = [[r["op"], f"{r['chunks_on_disk']}/{r['num_chunks']}", f"{r['state_bytes'] / mib:,.0f}",
+              f"{r['file_bytes'] / r['state_bytes']:.3f}",
               f"{r['extra_peak_bytes'] / mib:,.1f}", f"{r['extra_peak_bytes'] / r['chunk_state_bytes']:.2f}",
               f"{r['extra_peak_bytes'] / r['state_bytes']:.3f}", f"{r['seconds']:.2f}",
               f"{(disk['write_s'] if 'save' in r['op'] else disk['read_s']) / r['seconds']:.2f}"] for r in rows]
     print(f"Checkpoint of {rows[0]['num_chunks']} chunks of {chunk:,} elements (one chunk's state: "
           f"{rows[0]['chunk_state_bytes'] / mib:.0f} MiB); each row a fresh process; extra peak = peak RSS during "
           f"the call minus RSS before it; disk rate = plain sequential write (fsync) / read of the same bytes")
-    print(tabulate(table, headers=["operation", "state MiB", "file / state", "extra peak MiB",
+    print(tabulate(table, headers=["operation", "chunks' states on disk", "state MiB", "file / state", "extra peak MiB",
                                    "extra / chunk state", "extra / state", "seconds", "disk time / time"]))
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / "checkpoint.json"
     out.parent.mkdir(parents=True, exist_ok=True)
