@@ -316,15 +316,20 @@ def test_soak_short_run(tmp_path):
 
 
 def test_disk_quick(tmp_path):
-    """bench/disk.py --quick: states on disk in both I/O orders, identical losses, and the bound
-    (the longer of the update's compute alone and the disk's time alone) measured."""
+    """bench/disk.py --quick: states on disk in both I/O orders, identical losses, the bound (the
+    longer of the update's compute alone and the disk's time alone) measured, and the lock-free
+    step (the update thread's disk I/O behind the next forward and backward) moving the same disk
+    bytes."""
     out = tmp_path / "disk.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "disk.py"), "--quick", "--dir", str(tmp_path),
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["same_losses"] and [r["prefetch"] for r in res["results"]] == [False, True]
+    assert res["same_losses"] and [(r["prefetch"], r["lock_free"]) for r in res["results"]] == [
+        (False, False), (True, False), (True, True)]
     assert all(r["chunks_on_disk"] > 0 and r["disk_bytes_per_step"] > 0 for r in res["results"])
+    sync, free = res["results"][1:]
+    assert free["disk_bytes_per_step"] == sync["disk_bytes_per_step"], "lock-free moved other disk bytes"
     assert res["bound_s"] == max(res["disk_alone_s"], res["compute_alone_s"]) and res["compute_alone_s"] > 0
     assert "bound: max(update compute alone" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]
