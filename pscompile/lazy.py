@@ -29,6 +29,7 @@ from pscompile.config import AdamW, Config
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.torch_optimizer import EngineOptimizer, updated_hps
 from pscompile.runtime.batching import LossFn, micro_batches
+from pscompile.runtime.groups import set_group_lr
 
 BEFORE = ("it is built at its first step(batch) or evaluate(batch); compile(model, batch) builds it at once "
           "(and raises a budget or capture error there)")
@@ -50,8 +51,9 @@ class LazyEngine:
         self.built = None                          # the engine, from the first step on
         self.closed = False
         self._pending_load: Path | None = None
-        self.optimizer = EngineOptimizer(_groups_of(model, optimizer), self._take_groups)
-        self._hps = list(_resolved(model, optimizer).hps)
+        groups = _resolved(model, optimizer)
+        self.optimizer = EngineOptimizer(groups.describe(), self._take_groups)
+        self._hps = list(groups.hps)
 
     # ---- what exists before the first step ---------------------------------------------------
     def _take_groups(self) -> None:
@@ -66,15 +68,7 @@ class LazyEngine:
         self.set_lr(value)
 
     def set_lr(self, value: float, group: int | None = None) -> None:
-        if self.built is not None:
-            return self.built.set_lr(value, group)
-        n = len(self.optimizer.param_groups)
-        if group is not None and not (isinstance(group, int) and -n <= group < n):
-            raise ValueError(f"group={group!r} is not a parameter group; this engine has {n} (0..{n - 1})")
-        AdamW(lr=value)
-        for g in range(n) if group is None else [group % n]:
-            self.optimizer.param_groups[g]["lr"] = value
-        self._take_groups()
+        set_group_lr(self.optimizer, value, group)     # (the built engine's optimizer is this one)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -174,6 +168,3 @@ def _resolved(model: nn.Module, hp: AdamW):
     aliases = {o: n[0] for n in names.values() for o in n[1:]}
     return resolve_groups(hp, params, aliases)
 
-
-def _groups_of(model: nn.Module, hp: AdamW) -> list[dict]:
-    return _resolved(model, hp).describe()

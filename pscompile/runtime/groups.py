@@ -43,14 +43,7 @@ class GroupControl:
     def set_lr(self, value: float, group: int | None = None) -> None:
         """Set the learning rate of parameter group ``group`` (an index into ``param_groups``), or
         of every group (None)."""
-        groups = self.optimizer.param_groups
-        n = len(groups)
-        if group is not None and not (isinstance(group, int) and -n <= group < n):
-            raise ValueError(f"group={group!r} is not a parameter group; this engine has {n} (0..{n - 1})")
-        AdamW(lr=value)                        # validated before anything changes
-        for g in range(n) if group is None else [group % n]:
-            groups[g]["lr"] = value
-        self._take_groups()
+        set_group_lr(self.optimizer, value, group)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -59,3 +52,16 @@ class GroupControl:
         return [{"params": list(g["params"]), **{k: g[k] for k in HP_KEYS},
                  **{k: v for k, v in g.items() if k not in HP_KEYS and k != "params"}}
                 for g in self.optimizer.param_groups]
+
+
+def set_group_lr(optimizer: EngineOptimizer, value: float, group: int | None) -> None:
+    """``value`` as the learning rate of ``optimizer``'s group ``group`` (None: every group),
+    checked first, then taken into the next update (``optimizer.step()``)."""
+    groups = optimizer.param_groups
+    n = len(groups)
+    if group is not None and not (isinstance(group, int) and -n <= group < n):
+        raise ValueError(f"group={group!r} is not a parameter group; this engine has {n} (0..{n - 1})")
+    AdamW(lr=value)                            # validated before anything changes
+    for g in range(n) if group is None else [group % n]:
+        groups[g]["lr"] = value
+    optimizer.step()
