@@ -33,6 +33,10 @@ class StepStats:
     # began (other models, caches; memory/tracker.py) -- the independent check of
     # peak_device_bytes; None elsewhere
     allocator_peak_bytes: int | None = None
+    # peak of the host bytes model data held over the step: host-homed chunks, optimizer states,
+    # the disk tier's staging buffers, gradient accumulation and lock-free gradient buffers (the
+    # figure host_memory bounds; offloaded activations use the room host_memory leaves besides)
+    peak_host_bytes: int = 0
 
     @property
     def chunk_h2d_bytes(self) -> int:

@@ -134,6 +134,7 @@ class MemoryMoves:
             self._allocate_slot(mem.slot)
             # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
             fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk), node=node)
+            store.close_home(mem.chunk, copy=fut)      # (a disk home's buffer is kept until the copy lands)
             self.link.traffic.num_fetches += 1
             store.attach(mem.chunk, slot)
             self._slot_chunk[mem.slot] = mem.chunk
@@ -166,6 +167,7 @@ class MemoryMoves:
             self._reading[mem.slot] = self._homing[mem.chunk] = q.submit(
                 store.home_for_device_data(mem.chunk, whole=True), slot, "d2h",
                 after=fetching if isinstance(fetching, Copy) else None, node=node)
+            store.close_home(mem.chunk, dirty=True, copy=self._homing[mem.chunk])
             store.dirty[mem.chunk] = False
         elif mem.kind.leaves:
             pending = self._reading.pop(mem.slot, None)
@@ -203,6 +205,8 @@ class MemoryMoves:
                     target.copy_(piece)
                 else:            # waited for: the gradient dies here, as the plan assumes (and the host
                     q.submit(target, piece, "d2h", node=node).wait_host()       # optimizer reads it)
+            if mem.slot is None:
+                store.close_home(mem.chunk, dirty=True)
             self._mark_stored(mem)
 
     def _mark_stored(self, mem) -> None:
@@ -267,6 +271,7 @@ class MemoryMoves:
         self.link.count(self.store.param_chunk_bytes, "h2d")
         self._in_flight[slot] = self.copies.submit(self._slots[slot], self.store.fetch_source(c), "h2d",
                                                    counted=True, node=f"(the next step's fetch of chunk {c})")
+        self.store.close_home(c, copy=self._in_flight[slot])
         self.link.traffic.num_fetches += 1
         self.store.attach(c, self._slots[slot])
         self._slot_chunk[slot] = c

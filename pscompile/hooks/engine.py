@@ -218,6 +218,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
             self._check_budget(plan)
             self._eval_plans[key] = plan
         ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
+        self.store.expect_fetches(c for m in plan.moments for c in m.need)   # the disk homes' read-ahead
         with self._pass_scope(ps):
             value = self._forward_only(ps, batch)
         traffic = self.link.reset()
@@ -331,6 +332,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
         plan = self._plans[signature(batch)]
         ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc,
                    grads_left=self._grad_counts())
+        self.store.expect_fetches(c for m in plan.moments for c in m.need)   # the disk homes' read-ahead
         try:
             with self._pass_scope(ps):
                 loss, fwd_s, bwd_s = self._forward_backward(ps, batch, scale / k)

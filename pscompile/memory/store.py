@@ -28,10 +28,11 @@ from typing import Literal, Mapping
 import torch
 
 from pscompile.memory.disk import DiskQueue
+from pscompile.memory.disk_homes import DiskHomes
 from pscompile.memory.disk_states import LISTS, DiskStates
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.copies import CopyEngine, ThreadCopies
-from pscompile.memory.tiers import Link, SlotPool, Tier
+from pscompile.memory.tiers import HostMeter, Link, SlotPool, Tier
 
 _HOST = torch.device("cpu")
 
@@ -44,13 +45,17 @@ class ChunkStore:
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
                  os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
                  homes: frozenset[int] | None = None, os_on_disk: frozenset[int] = frozenset(),
-                 disk: DiskQueue | None = None, master_is_param: bool = False, copies: CopyEngine | None = None):
+                 disk: DiskQueue | None = None, params_on_disk: frozenset[int] = frozenset(),
+                 master_is_param: bool = False, copies: CopyEngine | None = None):
         """``home_numel``: elements of a chunk's home buffers (host copy and optimizer states); a
         ZeRO store keeps only its shard of each chunk, or (``homes``) homes for the chunks it owns
         only, the others getting empty placeholders (``pscompile.dist.store``). ``os_on_disk``:
-        chunks whose optimizer states live in ``disk``'s file. ``master_is_param`` (float32
+        chunks whose optimizer states live in ``disk``'s file; ``params_on_disk`` (a subset): chunks
+        whose compute-dtype home is there too (``memory/disk_homes.py``). ``master_is_param`` (float32
         only): host-homed chunks share one buffer for their param chunk and master. ``copies``: the
         copy engine its moves go through (default: the CPU's, over ``link``)."""
+        if not params_on_disk <= os_on_disk:
+            raise ValueError("a chunk whose parameters live on disk keeps its optimizer states there too")
         if master_is_param and dtype != torch.float32:
             raise ValueError(f"master_is_param needs float32 chunks, not {dtype}")
         self.layout = layout
@@ -62,19 +67,24 @@ class ChunkStore:
         self.home_numel = hs = cs if home_numel is None else home_numel
         pin = device.type == "cuda"
         self.dev_param_pool = SlotPool(Tier.DEVICE, device, dtype, cs)
-        self.host_param_pool = SlotPool(Tier.HOST, _HOST, dtype, hs, pin=pin)
+        self.host_meter = HostMeter()       # host bytes of model data now, and their peak
+        self.host_param_pool = SlotPool(Tier.HOST, _HOST, dtype, hs, pin=pin, meter=self.host_meter)
         self.dev_os_pool = SlotPool(Tier.DEVICE, device, torch.float32, hs)
-        self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, hs, pin=pin)
+        self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, hs, pin=pin, meter=self.host_meter)
         n = layout.num_chunks
         self.homes = frozenset(range(n)) if homes is None else homes
         none = torch.empty(0, dtype=dtype)
-        self.host_param = [self.host_param_pool.acquire(zero=True) if c in self.homes and c not in os_on_device
+        self.host_param = [self.host_param_pool.acquire(zero=True)
+                           if c in self.homes and c not in os_on_device and c not in params_on_disk
                            else none for c in range(n)]
         self.dev_param: list[torch.Tensor | None] = [None] * n
         self.dirty = [False] * n
         self.os_tier = [Tier.DEVICE if c in os_on_device else Tier.DISK if c in os_on_disk else Tier.HOST
                         for c in range(n)]
         self.disk = DiskStates(disk, sorted(os_on_disk), self.host_os_pool) if os_on_disk else None
+        # the disk homes' slots follow the three state slots of every disk chunk
+        self.param_disk = (DiskHomes(disk, {c: 3 * len(os_on_disk) + i for i, c in enumerate(sorted(params_on_disk))},
+                                self.host_param_pool) if params_on_disk else None)
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
         for c in range(n):
             if c not in self.homes or self.os_tier[c] is Tier.DISK:     # (disk: staged when needed)
@@ -117,9 +127,15 @@ class ChunkStore:
         self.master[c] = self.host_os_pool.acquire()
         self.master[c].copy_(self.host_param[c])
 
+    def disk_homed(self, c: int) -> bool:
+        """Chunk ``c``'s compute-dtype home is on disk: reached through ``open_home``."""
+        return self.param_disk is not None and c in self.param_disk
+
     def grad_home(self, c: int) -> torch.Tensor:
         """Where chunk ``c``'s gradient is at home: its own buffer for a shared chunk, else over the
-        parameters in the host param chunk."""
+        parameters in the host param chunk (a disk home: opened, ``close_home`` after use)."""
+        if self.disk_homed(c):
+            return self.param_disk.open(c)
         buf = self._grad_home.get(c)
         return self.host_param[c] if buf is None else buf
 
@@ -128,7 +144,10 @@ class ChunkStore:
         one gradient). Without sharing, that is over the parameters, and a later fetch of ``c``
         brings the gradients back with the parameters still live. With sharing it is the gradient
         buffer, which from then on is ``c``'s home copy: a gradient alone first copies the
-        parameters in beside it, and ``fetch_source`` reads from there until the update."""
+        parameters in beside it, and ``fetch_source`` reads from there until the update. A disk
+        home is opened (not read first when ``whole``): ``close_home(c, dirty=True)`` after writing."""
+        if self.disk_homed(c):
+            return self.param_disk.open(c, read=not whole)
         buf = self._grad_home.get(c)
         if buf is None:
             return self.host_param[c]
@@ -139,8 +158,22 @@ class ChunkStore:
         return buf
 
     def fetch_source(self, c: int) -> torch.Tensor:
-        """The host buffer a fetch of chunk ``c`` copies from (see ``home_for_device_data``)."""
+        """The host buffer a fetch of chunk ``c`` copies from (see ``home_for_device_data``; a disk
+        home is opened: ``close_home(c, copy=...)`` once the copy is submitted)."""
+        if self.disk_homed(c):
+            return self.param_disk.open(c)
         return self._grad_home[c] if c in self._home_copy else self.host_param[c]
+
+    def close_home(self, c: int, *, dirty: bool = False, copy=None) -> None:
+        """Done with the buffer ``fetch_source``, ``home_for_device_data`` or ``grad_home`` gave
+        for chunk ``c`` (``dirty``: written; ``copy``: a copy still using it). Host homes: nothing."""
+        if self.disk_homed(c):
+            self.param_disk.close(c, dirty=dirty, copy=copy)
+
+    def expect_fetches(self, order) -> None:
+        """The chunks this run fetches, in order: the disk homes among them are read ahead."""
+        if self.param_disk is not None:
+            self.param_disk.expect(order, skip=self.resident)
 
     def forget_home_copies(self) -> None:
         """A new step: every shared chunk's home copy is its parameters again."""
@@ -185,6 +218,10 @@ class ChunkStore:
                 master = self._states(p.chunk, write=True)[0][p.chunk_offset:p.chunk_offset + p.numel]
                 if self.device_homed(p.chunk):      # straight to its home on the device
                     self.copies.move(master, src, "h2d")
+                elif self.disk_homed(p.chunk):
+                    master.copy_(src)
+                    self.param_disk.open(p.chunk)[p.chunk_offset:p.chunk_offset + p.numel].copy_(master)
+                    self.param_disk.close(p.chunk, dirty=True)
                 else:
                     master.copy_(src)
                     if not self.shares_master(p.chunk):
@@ -192,8 +229,7 @@ class ChunkStore:
                 touched.add(p.chunk)
         for c in touched:
             self.drop(c)
-        if self.disk is not None:
-            self.disk.flush()
+        self.flush_disk()
 
     def state_shape(self, c: int) -> tuple[int, ...]:
         """The shape of chunk ``c``'s master and Adam states here (``(0,)``: another rank owns it)."""
@@ -238,6 +274,7 @@ class ChunkStore:
             buf.copy_(self.master[c])
             return False
         self.copies.move(buf, self.fetch_source(c), "h2d")
+        self.close_home(c)
         return True
 
     def evict(self, c: int) -> None:
@@ -248,6 +285,7 @@ class ChunkStore:
         assert buf is not None, f"chunk {c} is not on the device"
         if self.dirty[c] and not self.device_homed(c):
             self.copies.move(self.home_for_device_data(c, whole=True), buf, "d2h")
+            self.close_home(c, dirty=True)
         self.link.traffic.num_evictions += 1
         self.drop(c)
 
@@ -335,6 +373,7 @@ class ChunkStore:
         else:
             assert not self.device_homed(c), f"device-homed chunk {c} is not on the device"
             self.copies.move(self.home_for_device_data(c, whole=False)[offset:offset + src.numel()], src, "d2h")
+            self.close_home(c, dirty=True)
 
     def bring_to_os_tier(self, c: int) -> torch.Tensor:
         """Make the chunk's gradient available where its optimizer states live (a disk home's
@@ -348,9 +387,12 @@ class ChunkStore:
         return self.grad_home(c)
 
     def stage(self, c: int) -> None:
-        """Start bringing a disk home's optimizer states to the host (its update comes soon)."""
+        """Start bringing a disk home's optimizer states (and gradients) to the host (its update
+        comes soon)."""
         if self.os_tier[c] is Tier.DISK:
             self.disk.stage(c)
+            if self.disk_homed(c):
+                self.param_disk.expect([c])
 
     def mark_updated(self, c: int) -> None:
         """The optimizer wrote new params into the copy ``bring_to_os_tier`` returned (and new
@@ -361,18 +403,32 @@ class ChunkStore:
         elif self.os_tier[c] is Tier.DISK:
             self.disk.write_back(c, [self.master[c], self.exp_avg[c], self.exp_avg_sq[c]])
             self.master[c] = self.exp_avg[c] = self.exp_avg_sq[c] = torch.empty(0)
+            self.close_home(c, dirty=True)          # (a disk home: the new parameters go back)
+
+    def flush_disk(self) -> None:
+        """Write back what the disk tier's caches changed (the file is the truth again)."""
+        if self.param_disk is not None:
+            self.param_disk.flush()
+        if self.disk is not None:
+            self.disk.flush()
 
     def settle_disk(self) -> None:
-        """Wait for the disk tier's transfers and give its staging buffers back."""
+        """Wait for the disk tier's transfers and give its staging buffers back (the disk homes'
+        dirty buffers written back first)."""
         if self.disk is not None:
             try:
-                self.disk.settle()
+                try:
+                    if self.param_disk is not None:
+                        self.param_disk.flush()
+                finally:
+                    self.disk.settle()
             finally:                          # a failed update may have left staged buffers here
                 for c in self.disk.slot_of:
                     self.master[c] = self.exp_avg[c] = self.exp_avg_sq[c] = torch.empty(0)
 
     def disk_model_bytes(self) -> int:
-        return 0 if self.disk is None else len(self.disk.slot_of) * self.os_chunk_bytes
+        states = 0 if self.disk is None else len(self.disk.slot_of) * self.os_chunk_bytes
+        return states + (0 if self.param_disk is None else len(self.param_disk.slot_of) * self.param_chunk_bytes)
 
     def restore_from_master(self, c: int) -> None:
         """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""
@@ -382,7 +438,11 @@ class ChunkStore:
             self.dirty[c] = True
             return
         self.drop(c)
-        if self.os_tier[c] is not Tier.DEVICE and not self.shares_master(c):   # (shared: never overwritten;
+        if self.disk_homed(c):
+            master = self._states(c)[0]
+            self.param_disk.open(c, read=False).copy_(master)
+            self.close_home(c, dirty=True)
+        elif self.os_tier[c] is not Tier.DEVICE and not self.shares_master(c):   # (shared: never overwritten;
             self.host_param[c].copy_(self._states(c)[0])                       # device-homed: made when needed)
 
     def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
@@ -390,12 +450,16 @@ class ChunkStore:
         e = self.layout.entry(fqn)
         out = torch.empty(e.numel, dtype=self.dtype if which == "param" else torch.float32)
         for p in e.pieces:
-            src = self.current(p.chunk) if which == "param" else self._states(p.chunk)[LISTS.index(which)]
+            opened = which == "param" and self.disk_homed(p.chunk) and not self.resident(p.chunk)
+            src = (self.param_disk.open(p.chunk) if opened else self.current(p.chunk) if which == "param"
+                   else self._states(p.chunk)[LISTS.index(which)])
             dst, piece = out[p.tensor_offset:p.tensor_offset + p.numel], src[p.chunk_offset:p.chunk_offset + p.numel]
             if src.device != dst.device or self._on_device(which, p.chunk):
                 self.copies.move(dst, piece, "d2h")          # a device tier's bytes cross to the host
             else:
                 dst.copy_(piece)
+            if opened:
+                self.close_home(p.chunk)
         return out.view(e.shape)
 
     def _on_device(self, which: BufferKind, c: int) -> bool:

@@ -22,6 +22,25 @@ class Tier(enum.Enum):
     DISK = "disk"
 
 
+class HostMeter:
+    """The host bytes a store's model data holds now (its host pools' buffers, gradient buffers)
+    and their peak since ``reset_peak``; pools on several threads share it."""
+
+    def __init__(self):
+        self.in_use = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.in_use
+
+
 class SlotPool:
     """Chunk-sized buffers of one dtype on one tier.
 
@@ -32,7 +51,7 @@ class SlotPool:
     """
 
     def __init__(self, tier: Tier, device: torch.device, dtype: torch.dtype, chunk_size: int,
-                 *, pin: bool = False):
+                 *, pin: bool = False, meter: HostMeter | None = None):
         self.tier = tier
         self.device = device
         self.dtype = dtype
@@ -45,6 +64,7 @@ class SlotPool:
         self.peak_in_use = 0
         self._ptrs: set[int] = set()
         self.slot_bytes = chunk_size * torch.empty((), dtype=dtype).element_size()
+        self.meter = meter           # counts this pool's buffers in use (host pools)
 
     def acquire(self, zero: bool = False) -> torch.Tensor:
         if self._free:
@@ -59,12 +79,16 @@ class SlotPool:
             buf.zero_()
         self.in_use += 1
         self.peak_in_use = max(self.peak_in_use, self.in_use)
+        if self.meter is not None:
+            self.meter.add(self.slot_bytes)
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         ptr = buf.untyped_storage().data_ptr()
         assert ptr in self._ptrs, "buffer does not belong to this pool"
         self.in_use -= 1
+        if self.meter is not None:
+            self.meter.add(-self.slot_bytes)
         if self.keep_free:
             self._free.append(buf)
         else:

@@ -44,7 +44,7 @@ from pscompile.runtime.model_access import ModelAccess
 from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.runtime.batching import (LossFn, call_model, micro_batches, structure, structure_error,
                                        tensor_problem, to_device)
-from pscompile.runtime.materialize import materialize_meta
+from pscompile.runtime.materialize import check_meta, materialize_module
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.checkpoint_state import CheckpointState
 from pscompile.runtime.state import EngineState
@@ -94,7 +94,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             raise ValueError(f"lock_free=True is not supported under ZeRO yet ({self.world} ranks): every rank's "
                              "update would need its collectives ordered against the next step's; use "
                              "lock_free=False, or process_group=False to train one process")
-        self.materialized = materialize_meta(model)
+        self.materialized = check_meta(model)      # (materialized module by module as the chunks fill)
         # optimizer states may move to the device only where the update can run there: not under
         # ZeRO (updates run on the host shards), not with lock-free updating (a host thread runs them)
         self.states_on_host_only = self.comm is not None or config.lock_free
@@ -110,7 +110,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # -- host and disk tiers, copies, the chunk store -------------------------------------
         self._place_host_tiers(config)
         self._make_store(config)
-        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
+        self._orig = {fqn: (torch.device("cpu") if p.is_meta else p.device, p.dtype) for fqn, p in self.params.items()}
         # Released parameters point at one NaN element broadcast to their shape: any use outside
         # the hooks' access/release gives NaN instead of stale values.
         self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
@@ -138,6 +138,8 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                                                for _ in range(self.layout.num_chunks)]
                                               for _ in range(config.staleness + 1)])
                         if config.lock_free else None)
+        if self.updater is not None:      # (its gradient buffer sets are host model data)
+            self.store.host_meter.add((config.staleness + 1) * self.layout.num_chunks * self.store.home_numel * 4)
         # lock-free: the update thread casts new masters here; publishing swaps them in
         self._next_params = ([self.store.host_param_pool.acquire() for _ in range(self.layout.num_chunks)]
                              if config.lock_free else [])
@@ -153,12 +155,12 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
-        disk = (DiskQueue(SlotFile(config.disk_dir, num_slots=3 * len(self.disk_chunks),
+        disk = (DiskQueue(SlotFile(config.disk_dir, num_slots=3 * len(self.disk_chunks) + len(self.param_disk_chunks),
                                    slot_bytes=4 * self.home_numel)) if self.disk_chunks else None)
         tiers = dict(os_on_disk=self.disk_chunks, disk=disk)      # (ZeRO: this rank's own file)
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
                                  os_on_device=frozenset(range(self.min_device_homes)), os_on_disk=self.disk_chunks,
-                                 disk=disk, master_is_param=self.dtype == torch.float32 and not config.lock_free,
+                                 disk=disk, params_on_disk=self.param_disk_chunks, master_is_param=self.dtype == torch.float32 and not config.lock_free,
                                  copies=self.copies)
                       if self.comm is None else
                       OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
@@ -168,7 +170,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                                    copies=self.copies, **tiers))
         # the copy threads, the disk tier's I/O thread and file: released by close(), or when the
         # engine is garbage-collected without it
-        self._release = weakref.finalize(self, _release_resources, self.copies, self.store.disk)
+        self._release = weakref.finalize(self, _release_resources, self.copies, self.store.param_disk, self.store.disk)
 
     def _count_outside_steps(self) -> None:
         """Finish the disk tier's transfers (written back, staging buffers returned; not while a
@@ -181,9 +183,17 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _accumulation_chunks(self) -> list[torch.Tensor]:
         """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
+        if self.param_disk_chunks:
+            raise ValueError(
+                f"gradient accumulation (a list of micro-batches) needs fp32 host buffers for every chunk, and "
+                f"host_memory={format_bytes(self.config.host_memory)} keeps {len(self.param_disk_chunks)} chunks' "
+                "parameters on disk: pass one batch per step (a larger batch), or give host_memory room for "
+                f"every compute-dtype chunk ({format_bytes(self.layout.num_chunks * self.store.param_chunk_bytes)}) "
+                "plus the accumulation buffers")
         if self._acc is None:
             self._acc = [torch.zeros(self.store.home_numel if self.store.owns(c) else 0, dtype=torch.float32)
                          for c in range(self.layout.num_chunks)]
+            self.store.host_meter.add(sum(a.numel() * 4 for a in self._acc))
         return self._acc
 
     def _choose_layout(self, mp: ModelParams, batch: Any) -> ChunkLayout:
@@ -195,9 +205,10 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _load_into_chunks(self) -> None:
         """Copy every parameter's value into the chunks (fp32 master and compute-dtype copy) and
-        free the model's own copy, one module at a time."""
+        free the model's own copy, one module at a time (a meta module materialized first)."""
         loaded: set[str] = set()
         for mod in self.model.modules():
+            materialize_module(mod)
             values = {}
             for _, p in mod.named_parameters(recurse=False):
                 fqn = self._fqn_of[id(p)]
@@ -381,6 +392,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self._prepare_step(batches, accumulate=acc is not None)
         self._count_outside_steps()
         disk0 = self._disk_bytes()
+        self.store.host_meter.reset_peak()
         if self.comm is not None:
             self.comm.reset()
         runs: list[MicroRun] = []
@@ -427,7 +439,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s,
             offload_bytes=sum(r.traffic.offload_bytes for r in runs),
             reload_bytes=sum(r.traffic.reload_bytes for r in runs),
-            allocator_peak_bytes=self._allocator_peak(runs))
+            allocator_peak_bytes=self._allocator_peak(runs), peak_host_bytes=self.store.host_meter.peak)
         return self.stats.loss
 
     def _allocator_peak(self, runs: list) -> int | None:
@@ -466,11 +478,16 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                 self.store.restore_from_master(c)
 
 
-def _release_resources(copies, disk) -> None:
-    """Stop the copy engine's threads and close the disk tier (its thread, descriptor and file)."""
+def _release_resources(copies, homes, disk) -> None:
+    """Stop the copy engine's threads and close the disk tier (its thread, descriptor and file;
+    the disk homes' dirty buffers written back first)."""
     try:
         copies.close()
     finally:
-        if disk is not None:
-            disk.close()
+        try:
+            if homes is not None:
+                homes.flush()
+        finally:
+            if disk is not None:
+                disk.close()
 

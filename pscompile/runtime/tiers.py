@@ -4,7 +4,9 @@
 The host keeps every chunk's compute-dtype copy and optimizer states when it can
 (``memory/model_bytes.py`` counts them). When it cannot, the first chunks live on the device
 (``min_device_homes``, their optimizer states with them), or, with ``Config(disk_dir=...)``, the
-last chunks keep their optimizer states on disk (``disk_chunks``). ``host_room`` is what the host
+last chunks keep their optimizer states on disk (``disk_chunks``), and when the host cannot hold
+even the compute-dtype chunks, the last ones keep those there too (``param_disk_chunks``: their
+parameters and gradients live on disk, every optimizer state does). ``host_room`` is what the host
 has besides the chunks (offloaded activations use it).
 """
 
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 from pscompile.config import Config, available_host_bytes
 from pscompile.errors import BudgetError
+from pscompile.memory.disk_homes import HOME_BUFFERS
 from pscompile.memory.disk_states import STAGED_SETS
-from pscompile.memory.model_bytes import GRAD_BYTES, ModelBytes, owned_elements
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_elements
 from pscompile.optim.placement import device_state_chunks, host_shortfall_chunks, host_state_chunks
 from pscompile.units import format_bytes
 
@@ -50,6 +53,7 @@ class HostTiers:
         self.host_room = max(0, host_budget - host_need)    # host bytes besides the chunks (offloaded activations)
         # With a disk tier, the optimizer states the host cannot hold live on disk instead
         self.disk_chunks: frozenset[int] = frozenset()
+        self.param_disk_chunks: frozenset[int] = frozenset()
         if host_need > host_budget and config.disk_dir is not None:
             self.disk_chunks = self._disk_homes(host_budget, elsize)
         elif host_need > host_budget and config.lock_free:
@@ -100,6 +104,8 @@ class HostTiers:
         per_chunk = elsize + (elsize + GRAD_BYTES * (self.config.staleness + 1) if lock_free else 0)
         on_host, room = host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=per_chunk,
                                           staging_chunks=STAGED_SETS, host_budget=host_budget)
+        if room < 0 and not lock_free and self.world == 1:
+            return self._param_disk_homes(host_budget, elsize, owned)
         if room < 0:
             fixed = host_budget - room
             what = (f"the compute-dtype chunks, the next parameters and {self.config.staleness + 1} gradient buffer "
@@ -110,6 +116,23 @@ class HostTiers:
                 f"{STAGED_SETS} chunks of optimizer states); give host_memory >= {fixed}")
         self.host_room = room
         return frozenset(owned[on_host:])
+
+    def _param_disk_homes(self, host_budget: int, elsize: int, owned: list[int]) -> frozenset[int]:
+        """The host cannot hold every compute-dtype chunk: every optimizer state lives on disk, and
+        so do the parameters of the last chunks the host cannot hold besides the staging buffers
+        (``HOME_BUFFERS`` compute-dtype chunks, ``STAGED_SETS`` chunks of states). Sets
+        ``param_disk_chunks`` and ``host_room``; returns the chunks whose states are on disk."""
+        cs = self.home_numel
+        staging = HOME_BUFFERS * elsize * cs + STAGED_SETS * STATE_BYTES * cs
+        on_host = min(len(owned), max(0, host_budget - staging) // (elsize * cs))
+        if host_budget < staging:
+            raise ValueError(
+                f"host_memory={format_bytes(host_budget)} cannot hold the disk tier's staging buffers "
+                f"({format_bytes(staging)}: {HOME_BUFFERS} compute-dtype chunks and {STAGED_SETS} chunks of optimizer "
+                f"states, {cs} elements each); give host_memory >= {staging}, or a smaller chunk_size")
+        self.param_disk_chunks = frozenset(owned[on_host:])
+        self.host_room = host_budget - staging - on_host * elsize * cs
+        return frozenset(owned)
 
     def _disk_bytes(self) -> tuple[int, int]:
         """Bytes the disk tier has read and written so far."""

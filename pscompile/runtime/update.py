@@ -205,6 +205,8 @@ class ChunkUpdate:
                 if frozen and grads is None and store.resident(c):
                     store.dirty[c] = True
                 norms.append(grad_norm(buf))
+                if grads is None and not store.resident(c):
+                    store.close_home(c, dirty=bool(frozen))      # (a disk home: opened by gradient)
         with tracker.paused():
             sq = sum_of_squares(norms)
         if self.comm is not None:          # the global norm: every rank's shards

@@ -1,0 +1,181 @@
+"""Parameters on the disk tier (``memory/disk_homes.py``): when the host cannot hold even the
+compute-dtype chunks, the last chunks keep their parameters and gradients on disk with every
+optimizer state, and both modes still train like plain PyTorch.
+
+The model's data is at least 5x ``device_memory + host_memory``: the device gets the mode's
+minimum, the host what is left of a fifth of the model data (it holds the first chunks' parameters
+and the staging buffers). Every step: the loss within 1e-5 (fp32) of plain PyTorch, the peak
+device bytes within the device budget, the peak host bytes of model data within ``host_memory``,
+the same disk bytes as every other step (the staging cache decides nothing by timing), and at
+least every disk chunk's parameters and optimizer states read and written once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pscompile
+from pscompile.memory.disk import DiskQueue, SlotFile
+from pscompile.memory.disk_homes import HOME_BUFFERS, DiskHomes
+from pscompile.memory.disk_states import STAGED_SETS
+from pscompile.memory.tiers import HostMeter, SlotPool, Tier
+from pscompile.testing import ReferenceTrainer
+from conftest import (initial_masters, make_batches, make_model, max_weight_diff, same_state, snapshot, tracking_tol,
+                      worst_tracking)
+
+HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+CHUNK = 8192
+
+
+def _config(mode: str, dtype=torch.float32, **kw) -> pscompile.Config:
+    return pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=dtype, chunk_size=CHUNK, **kw)
+
+
+def _model(n_layer: int = 8):
+    return make_model("gpt", n_layer=n_layer, d_model=128)
+
+
+def _budgets(mode: str, batch, *, n_layer: int = 8, dtype=torch.float32, ratio: float | None = 5.0) -> tuple[int, int]:
+    """(device, host): the mode's minimum device budget, and for the host what is left of ``model
+    bytes / ratio`` (None: the staging buffers and 8 chunks' parameters)."""
+    probe = pscompile.compile(_model(n_layer), batch, config=_config(mode, dtype))
+    model_bytes = probe.layout.num_chunks * CHUNK * (dtype.itemsize + 12)
+    probe.close()
+    device = pscompile.min_device_memory(_model(n_layer), batch, _config(mode, dtype))
+    if ratio is None:
+        return device, (HOME_BUFFERS + 8) * CHUNK * dtype.itemsize + STAGED_SETS * CHUNK * 12
+    host = int(model_bytes / ratio) - device
+    assert model_bytes >= ratio * (device + host) and host > 0, (device, host, model_bytes)
+    return device, host
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_a_model_5x_device_plus_host_trains_like_plain_pytorch_with_parameters_on_disk(mode, tmp_path):
+    batches = make_batches("gpt", 5, batch=1, seq=16)       # (small activations: a small minimum)
+    device, host = _budgets(mode, batches[0])
+    engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
+        mode, device_memory=device, host_memory=host, disk_dir=str(tmp_path)))
+    store = engine.store
+    on_disk = sorted(engine.param_disk_chunks)
+    assert len(on_disk) >= engine.layout.num_chunks // 3 and all(t is Tier.DISK for t in store.os_tier)
+    assert all(store.host_param[c].numel() == 0 for c in on_disk)      # no host copy of their parameters
+    # every chunk's states, and the disk chunks' parameters, read and written at least once a step
+    least = engine.layout.num_chunks * 3 * CHUNK * 4 + len(on_disk) * CHUNK * 4
+    ref = ReferenceTrainer(_model(), optimizer=HP, dtype=torch.float32)
+    moved = set()
+    for i, b in enumerate(batches):
+        a, c = ref.step(b), engine.step(b)
+        assert abs(a - c) <= 1e-5 * abs(a), (i, a, c)
+        s = engine.stats
+        assert s.peak_device_bytes <= device, (i, s.peak_device_bytes, device)
+        assert 0 < s.peak_host_bytes <= host, (i, s.peak_host_bytes, host)
+        assert s.disk_read_bytes >= least and s.disk_write_bytes >= least, (s.disk_read_bytes, s.disk_write_bytes, least)
+        moved.add((s.disk_read_bytes, s.disk_write_bytes))
+        if mode == "compiled":
+            assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
+    assert len(moved) == 1, f"the disk bytes changed from step to step: {moved}"
+    assert max_weight_diff(engine, ref) <= 1e-4
+    engine.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_bf16_with_parameters_on_disk_tracks_plain_pytorch(mode, tmp_path):
+    batches = make_batches("gpt", 4, batch=2, seq=32)
+    device, host = _budgets(mode, batches[0], n_layer=4, dtype=torch.bfloat16, ratio=None)
+    engine = pscompile.compile(_model(4), batches[0], optimizer=HP, config=_config(
+        mode, torch.bfloat16, device_memory=device, host_memory=host, disk_dir=str(tmp_path)))
+    assert engine.param_disk_chunks
+    ref = ReferenceTrainer(_model(4), optimizer=HP, dtype=torch.bfloat16)
+    initial = initial_masters(ref)
+    for b in batches:
+        a, c = ref.step(b), engine.step(b)
+        assert abs(a - c) <= 2e-2 * abs(a)
+        assert engine.stats.peak_host_bytes <= host and engine.stats.peak_device_bytes <= device
+    assert worst_tracking(engine, ref, initial)[0] <= tracking_tol(torch.bfloat16)
+    engine.close()
+
+
+def test_evaluate_checkpoints_and_a_failed_step_with_parameters_on_disk(tmp_path):
+    """evaluate() reads the disk homes (plain PyTorch's loss); a failed step leaves every weight
+    and state as it was; a checkpoint resumes exactly into another such engine; gradient
+    accumulation is refused with the error naming what works, and changes nothing."""
+    batches = make_batches("gpt", 4, batch=2, seq=32)
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    device, host = _budgets("hooks", batches[0], n_layer=4, ratio=None)
+
+    def engine():
+        return pscompile.compile(_model(4), batches[0], optimizer=HP, config=_config(
+            "hooks", device_memory=device, host_memory=host, disk_dir=str(folder)))
+    a, ref = engine(), ReferenceTrainer(_model(4), optimizer=HP, dtype=torch.float32)
+    assert a.param_disk_chunks
+    a.step(batches[0])
+    ref.step(batches[0])
+    from pscompile.runtime.batching import call_model, extract_loss
+    with torch.no_grad():
+        plain = float(extract_loss(call_model(ref.model, batches[3]), batches[3], None))
+    assert abs(a.evaluate(batches[3]) - plain) <= 1e-5 * abs(plain)
+    before = snapshot(a)
+    with pytest.raises(IndexError):
+        a.step((batches[1][0].clone().fill_(999), batches[1][1]))      # fails in the embedding
+    assert same_state(snapshot(a), before)
+    with pytest.raises(ValueError, match="gradient accumulation.*parameters on disk.*one batch per step"):
+        a.step([batches[1], batches[2]])
+    assert same_state(snapshot(a), before)
+    pscompile.save(a, tmp_path / "d.ckpt")
+    b = engine()
+    pscompile.load(b, tmp_path / "d.ckpt")
+    for x in batches[1:]:
+        assert a.step(x) == b.step(x)
+    assert same_state(snapshot(a), snapshot(b))
+    a.close()
+    b.close()
+    assert list(folder.iterdir()) == []
+
+
+def test_a_meta_device_model_is_materialized_module_by_module_onto_disk(tmp_path):
+    """A model built on the meta device is materialized one module at a time as the chunks fill:
+    the host never holds the whole model, and it trains with its parameters on disk."""
+    from pscompile.models.gpt import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=4, n_head=4, d_model=128, vocab_size=256, seq_len=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    batches = make_batches("gpt", 3, batch=2, seq=32)
+    engine = pscompile.compile(model, batches[0], optimizer=HP, config=_config(
+        "hooks", host_memory=1 << 20, disk_dir=str(tmp_path)))
+    assert engine.materialized == len(list(model.parameters())) and engine.param_disk_chunks
+    assert model.lm_head.weight is model.wte.weight
+    losses = [engine.step(batches[0]) for _ in range(3)]
+    assert losses[-1] < losses[0] and engine.stats.peak_host_bytes <= 1 << 20
+    engine.close()
+
+
+def test_the_staging_cache_writes_back_lazily_and_never_holds_more_than_its_buffers(tmp_path):
+    """DiskHomes on its own: an open for a whole overwrite reads nothing, a dirty buffer reaches the
+    file only when its buffer is needed or at flush, read-ahead fills free buffers in the expected
+    order, and at most ``capacity`` buffers ever exist."""
+    n, size = 6, 1024
+    queue = DiskQueue(SlotFile(tmp_path, num_slots=n, slot_bytes=4 * size))
+    meter = HostMeter()
+    pool = SlotPool(Tier.HOST, torch.device("cpu"), torch.float32, size, meter=meter)
+    homes = DiskHomes(queue, {c: c for c in range(n)}, pool, capacity=3)
+    for c in range(n):                                   # write every home, no read first
+        homes.open(c, read=False).fill_(c)
+        homes.close(c, dirty=True)
+        assert pool.in_use <= 3
+    assert queue.traffic.read_bytes == 0
+    homes.flush()
+    assert pool.in_use == 0 and meter.in_use == 0 and meter.peak == 3 * 4 * size
+    assert queue.traffic.write_bytes == n * 4 * size
+    homes.expect([4, 2, 5])
+    assert pool.in_use == 1                              # capacity - 2 chunks read ahead: chunk 4
+    for c in (4, 2, 5):
+        assert torch.equal(homes.open(c), torch.full((size,), float(c)))
+        homes.close(c)
+    written = queue.traffic.write_bytes
+    homes.flush()
+    assert queue.traffic.write_bytes == written          # clean buffers are not written back
+    assert queue.traffic.read_bytes == 3 * 4 * size
+    queue.close()
