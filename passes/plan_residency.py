@@ -174,7 +174,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    describe_node=lambda i: f"node {i}",
                    windows: Sequence[int] | None = None, world: int = 1, rank: int = 0,
                    per_chunk: bool = False, start_in_flight: bool = False,
-                   policy: str = "belady") -> ResidencyPlan:
+                   policy: str = "belady", device_shards: frozenset[int] = frozenset()) -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
     after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
     becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
@@ -194,7 +194,9 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     docstring); ``reads`` must keep each group resident from its first gradient store to its last
     (``analysis.node_reads`` does).
 
-    ``policy``: ``"belady"`` or ``"angel"`` (the module doc).
+    ``policy``: ``"belady"`` or ``"angel"`` (the module doc). ``device_shards`` (ZeRO): groups whose
+    own shard lives on this rank's device: their gathers and reductions move no link bytes (a
+    reduction into the accumulation buffer on the host still does).
 
     Long on purpose: one Belady simulation over the access sequence. Its closures share the residency
     being simulated (slots, next uses, pending stores and copies); as separate functions each would
@@ -250,11 +252,12 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     shard_bytes = slot_bytes // world
     remote_bytes = slot_bytes - shard_bytes
 
-    def owner_bytes(c: int) -> tuple[int, int]:
-        """(bytes over this rank's link, bytes with other ranks) of one collective on chunk/group c."""
-        if not per_chunk:
-            return shard_bytes, remote_bytes
-        return (slot_bytes, 0) if c % world == rank else (0, slot_bytes)
+    def owner_bytes(c: int, *, to_host: bool = False) -> tuple[int, int]:
+        """(bytes over this rank's link, bytes with other ranks) of one collective on chunk/group c
+        (``to_host``: its shard goes to the host even where its home is the device)."""
+        link, comm = (shard_bytes, remote_bytes) if not per_chunk else \
+            (slot_bytes, 0) if c % world == rank else (0, slot_bytes)
+        return (0 if c in device_shards and not to_host else link), comm
     grads_left = {}                                   # chunk/group -> gradients still to store
     for gs in stores.values():
         for g in gs:
@@ -325,7 +328,7 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
 
     def reduce_scatter(c: int, before: int) -> None:
         nonlocal d2h, scattered
-        link, comm = owner_bytes(c)
+        link, comm = owner_bytes(c, to_host=accumulate)
         actions.append(Action(before, MemKind.REDUCE if per_chunk else MemKind.REDUCE_SCATTER, c, st.resident[c],
                               link, comm_bytes=comm, to_acc=accumulate))
         d2h += link

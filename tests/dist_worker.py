@@ -379,3 +379,32 @@ def disk_tier(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[
                     "master": sd["master"]}, os.path.join(out_dir, f"disk-{mode}-{collectives}-rank{rank}.pt"))
         engine.close()
     leave()
+
+
+def device_homes(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str]]) -> None:
+    """Each (mode, collectives): a host budget that holds half of this rank's chunk homes, so the
+    first ones live on its device (the shard's master, Adam states and an fp32 gradient buffer), a
+    device budget that still evicts; train STEPS steps; save the losses, the device homes, the
+    link bytes against the plan (compiled), the peaks and the full weights."""
+    join(rank, world, port)
+    for mode, collectives in cases:
+        batches = make_batches("gpt", STEPS)
+        probe = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP, config=config(
+            mode, None, collectives=collectives, chunk_size=2048))
+        homes = probe.store.home_numel * len([c for c in range(probe.layout.num_chunks) if probe.store.owns(c)])
+        probe.close()
+        budget = tight_budget("gpt", mode, rank, world, collectives=collectives, chunk_size=2048) + homes * 8 + 4 * 2048 * 16
+        engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP, config=config(
+            mode, budget, collectives=collectives, chunk_size=2048, host_memory=homes * 16 // 2))
+        losses, moved, peaks = [], [], []
+        for b in batches:
+            losses.append(engine.step(split(b, rank, world)))
+            s = engine.stats
+            plan = engine.last_plan if mode == "compiled" else None
+            moved.append(((s.chunk_h2d_bytes, s.chunk_d2h_bytes), (plan.h2d_bytes, plan.d2h_bytes) if plan else None))
+            peaks.append((s.peak_device_bytes, s.peak_host_bytes, s.num_evictions))
+        torch.save({"losses": losses, "homes": sorted(engine.device_homes), "moved": moved, "peaks": peaks,
+                    "budget": budget, "host": homes * 16 // 2, "full": engine.full_state_dict()},
+                   os.path.join(out_dir, f"homes-{mode}-{collectives}-rank{rank}.pt"))
+        engine.close()
+    leave()

@@ -332,7 +332,30 @@ def test_disk_quick(tmp_path):
     assert free["disk_bytes_per_step"] == sync["disk_bytes_per_step"], "lock-free moved other disk bytes"
     assert res["bound_s"] == max(res["disk_alone_s"], res["compute_alone_s"]) and res["compute_alone_s"] > 0
     assert "bound: max(update compute alone" in proc.stdout
+    params = res["params_on_disk"]          # parameters on disk: the same bytes with and without read-ahead
+    assert [r["prefetch"] for r in params] == [False, True] and all(r["param_chunks_on_disk"] > 0 for r in params)
+    assert params[0]["disk_bytes_per_step"] > 0 and params[0]["losses"] == params[1]["losses"]
+    assert params[1]["bound_s"] == max(params[1]["in_ram_step_s"], params[1]["disk_alone_s"]) > 0
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]
+
+
+def test_beyond_ram_quick(tmp_path):
+    """bench/beyond_ram.py --quick, the larger-than-RAM run scaled down: a meta-built GPT whose model
+    data is several times device + host budgets trains with its parameters on disk, the disk space
+    it needs is stated before training, each step's peak host bytes stay within host_memory, and
+    the folder is left empty."""
+    out = tmp_path / "br.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "beyond_ram.py"), "--quick", "--dir", str(tmp_path),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["model_data_bytes"] >= 3 * (res["device_memory"] + res["host_memory"]) and res["param_disk_chunks"] > 0
+    assert len(res["steps"]) == 3 and all(r["loss"] == r["loss"] for r in res["steps"])
+    assert all(r["peak_host_bytes"] <= res["host_memory"] and r["peak_device_bytes"] <= res["device_memory"]
+               and r["disk_read_gb"] > 0 for r in res["steps"])
+    assert res["disk_model_bytes"] <= res["disk_needed_bytes"] <= res["disk_free_bytes"] and res["left_in_folder"] == []
+    assert proc.stdout.index("disk tier folder") < proc.stdout.index("disk tier: needs") < proc.stdout.index("step 0")
+    assert [p.name for p in tmp_path.iterdir()] == ["br.json"]
 
 
 def test_pages_quick(tmp_path):

@@ -82,3 +82,13 @@ def test_the_queue_keeps_order_counts_bytes_and_reports_failures(tmp_path):
 def test_a_missing_folder_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="disk_dir=.*nowhere' is not a folder"):
         SlotFile(tmp_path / "nowhere", num_slots=1, slot_bytes=ALIGN)
+
+
+def test_a_folder_without_the_space_is_refused_before_anything_is_made(tmp_path):
+    """The disk tier's size is checked against the folder's free space up front: the error names
+    the folder, what it has and what the tier needs, and nothing is created there."""
+    import shutil
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match=r"disk_dir=.* GiB free, and the disk tier needs .* GiB \(3 slots"):
+        SlotFile(tmp_path, num_slots=3, slot_bytes=free // 2)
+    assert list(tmp_path.iterdir()) == []

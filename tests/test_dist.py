@@ -255,6 +255,29 @@ def test_fp16_overflow_is_agreed_a_named_group_shards_and_process_group_false_op
     assert ranks[0]["named_loss"] == ranks[1]["named_loss"] and rel(ranks[0]["named_loss"], plain[0]) <= 1e-5
 
 
+def test_device_homes_under_zero_hold_what_each_rank_host_cannot(tmp_path):
+    """ZeRO with a host budget for half of each rank's chunk homes, by group and per chunk: the
+    first ones live on the rank's device (a shard's states and gradient buffer; its parameters are
+    the master's cast, so its gathers and reductions cross no link). Training tracks plain PyTorch,
+    every step evicts within the device budget, the host's model data stays within its budget,
+    and compiled mode's link bytes are the plan's."""
+    cases = [("compiled", "group"), ("hooks", "per_chunk")]
+    spawn(dist_worker.device_homes, str(tmp_path), cases)
+    batches = make_batches("gpt", dist_worker.STEPS)
+    ref_losses, ref = reference("gpt", batches)
+    for mode, collectives in cases:
+        for r in range(WORLD):
+            run = torch.load(tmp_path / f"homes-{mode}-{collectives}-rank{r}.pt", weights_only=False)
+            assert run["homes"], (mode, collectives, r)
+            for ours, plain in zip(run["losses"], ref_losses):
+                assert rel(ours, plain) <= 1e-5, (mode, collectives, r, ours, plain)
+            for (device, host, evictions) in run["peaks"]:
+                assert device <= run["budget"] and host <= run["host"] and evictions > 0, (mode, r, device, host)
+            for measured, planned in run["moved"]:
+                assert planned is None or measured == planned, (mode, r, measured, planned)
+            assert weight_error(run["full"], ref) <= 1e-5, (mode, collectives)
+
+
 def test_the_disk_tier_under_zero_each_rank_its_own_file(tmp_path):
     """ZeRO with optimizer states on the disk tier, by group and per chunk: each rank keeps the
     states its host cannot hold in its own (unlinked) file; training tracks plain PyTorch, and a

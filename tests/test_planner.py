@@ -78,7 +78,9 @@ def test_a_model_that_does_not_fit_says_where_and_by_how_much():
     again = plan(TINY, batch, hardware=_machine(small.min_device_memory), config=_config())
     assert again.fits, "the least GPU memory the report names does not fit"
     host = plan(TINY, batch, hardware=_machine(8 << 20, cpu=100_000), config=_config())
-    assert not host.fits and "CPU memory" in host.overflow
+    assert host.fits, host.overflow            # what the host cannot hold is homed on the GPU, as the engine does
+    neither = plan(TINY, batch, hardware=_machine(1_000_000, cpu=100_000), config=_config())
+    assert not neither.fits and "GPU memory" in neither.overflow
     disk = plan(TINY, batch, hardware=_machine(8 << 20, cpu=1_600_000, disk=1 << 30), config=_config())
     assert disk.fits and disk.disk_model_bytes > 0
 
@@ -103,6 +105,40 @@ def test_the_disk_tier_is_planned_as_the_engine_places_and_moves_it(tmp_path):
     engine.step(batch)
     assert (engine.stats.disk_read_bytes, engine.stats.disk_write_bytes) == (report.disk_model_bytes,) * 2
     engine.close()
+
+
+def test_parameters_on_disk_are_planned_as_the_engine_places_and_moves_them(tmp_path):
+    """A host too small for the compute-dtype chunks: the planner puts the same parameters and
+    states on disk as the engine, and the engine's disk bytes per step stay within the planned
+    volume (its staging cache only saves reads and writes) and above one pass over them."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    batch = (torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64)))
+    machine = _machine(1 << 20, cpu=600_000, disk=1 << 30, disk_bandwidth=1e6)      # chunks move too
+    report = plan(model, batch, hardware=machine, config=_config(chunk_size=8192))
+    assert report.fits and report.param_disk_bytes > 0, report.format()
+    assert "of it parameters" in report.format() and "behind the forward, backward" in report.format()
+    assert report.iteration_s >= report.disk_s == pytest.approx(report.disk_io_bytes / 1e6)
+    engine = pscompile.compile(model, batch, config=_config(device_memory=1 << 20, host_memory=machine.host_budget,
+                                                            chunk_size=8192, disk_dir=str(tmp_path)))
+    assert engine.param_disk_chunks and engine.store.disk_model_bytes() == report.disk_model_bytes
+    once = report.disk_model_bytes
+    for _ in range(2):
+        engine.step(batch)
+        s = engine.stats
+        assert once <= s.disk_read_bytes and once <= s.disk_write_bytes
+        assert s.disk_read_bytes + s.disk_write_bytes <= report.disk_io_bytes
+        assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (report.h2d_bytes, report.d2h_bytes) != (0, 0)
+    engine.close()
+    zero = plan(model, batch, hardware=dataclasses.replace(machine, gpus=2, cpu_memory=1_200_000),
+                config=_config(chunk_size=8192))
+    assert not zero.fits and "parameters on disk need one GPU" in zero.overflow
+    # no disk under ZeRO: what each GPU's host share cannot hold is homed on that GPU, as the engine does
+    gpus = dataclasses.replace(machine, gpus=2, gpu_memory=(8 << 20) + 1, disk=None)
+    homes = plan(model, batch, hardware=dataclasses.replace(gpus, cpu_memory=1_200_000), config=_config(chunk_size=8192))
+    roomy = plan(model, batch, hardware=dataclasses.replace(gpus, cpu_memory=1 << 30), config=_config(chunk_size=8192))
+    assert homes.fits and roomy.fits, homes.overflow
+    assert homes.device_model_bytes > roomy.device_model_bytes and homes.host_model_bytes < roomy.host_model_bytes
 
 
 def test_the_static_partition_needs_every_parameter_on_the_gpu():

@@ -219,7 +219,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         def count(values) -> None:   # compiled code allocates outside Python dispatch
             tracker.add_tensors(values)
 
-        self.store.expect_fetches(self._fetch_order(sched))     # the disk homes' read-ahead
+        if self.disk_prefetch:                                   # the disk homes' read-ahead
+            self.store.expect_fetches(self._fetch_order(sched))
         try:
             with tracker if dispatching else contextlib.nullcontext():
                 (loss,) = executor.run(inputs, run_memory, observer=observer,

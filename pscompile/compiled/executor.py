@@ -41,6 +41,12 @@ from pscompile.kinds import Backend
 __all__ = ["Executor", "LoweringReport", "NodeObserver", "Step", "StepKind", "lower_regions"]
 
 
+def _same_but_unit_strides(t: torch.Tensor, shape, stride) -> bool:
+    """``t`` has ``shape`` and ``stride`` except in dimensions of size 1 (a ``(1, T)`` row sliced
+    from a wider batch: torch calls it contiguous, and its first stride is the wider row's)."""
+    return t.shape == shape and all(a == b for a, b, n in zip(t.stride(), stride, shape) if n > 1)
+
+
 class NodeObserver(Protocol):
     """Sees every step of ``split="nodes"``: ``before(node)`` right before it runs, ``after(node)``
     once its value exists and before the values it read last are released."""
@@ -120,6 +126,9 @@ class Executor:
             raise ValueError(f"executor: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
         for i, name, shape, stride, dtype in self._input_checks:
             t = inputs[i]
+            if t.stride() != stride and _same_but_unit_strides(t, shape, stride):
+                inputs = list(inputs)    # (a size-1 dimension's stride addresses nothing: the same tensor)
+                inputs[i] = t = t.as_strided(shape, stride)
             if t.shape != shape or t.stride() != stride or t.dtype != dtype:
                 raise ValueError(f"executor: input {i} ({name}) is {tuple(t.shape)} {t.stride()} "
                                  f"{t.dtype}, the graph was lowered for {shape} {stride} {dtype}")

@@ -109,7 +109,7 @@ class MemoryMoves:
         """Back to the start of a cold run: only chunks whose optimizer states live on the device
         stay. The others are clean here (warm runs update nothing), so they are dropped, not copied."""
         for c, k in self._residency().items():
-            if self.store.os_tier[c] is not Tier.DEVICE:
+            if not self.store.device_homed(c):
                 assert not self.store.dirty[c], f"chunk {c} left dirty on the device by a warm run"
                 self._release_slot(k)
 

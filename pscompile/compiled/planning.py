@@ -81,9 +81,11 @@ class CompiledPlanning:
 
     def _device_memory(self) -> DeviceMemory:
         """The device as the pipeline sees it now."""
-        os_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
-        return DeviceMemory(self.budget, self.store.param_chunk_bytes, os_dev, self.store.dev_os_pool.bytes_in_use,
-                            world=self.world, rank=self.rank, per_chunk=self.per_chunk)
+        on_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
+        # (one rank: such chunks stay in their slots; ZeRO: only this rank's shard lives there)
+        return DeviceMemory(self.budget, self.store.param_chunk_bytes, on_dev if self.world == 1 else frozenset(),
+                            self._fixed_device_bytes(), world=self.world, rank=self.rank,
+                            per_chunk=self.per_chunk, device_shards=on_dev if self.world > 1 else frozenset())
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None) -> Scheduled:

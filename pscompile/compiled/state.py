@@ -185,7 +185,7 @@ class CompiledState:
         parameters intact), put slots back to the plan's start."""
         touched = {c for f in self._written for c in self.layout.entry(f).chunks} if restore else set()
         for k, c in list(self._slot_chunk.items()):
-            if self.store.os_tier[c] is not Tier.DEVICE:
+            if not self.store.device_homed(c):
                 self._release_slot(k)
         for c in sorted(touched):
             self.store.restore_from_master(c)

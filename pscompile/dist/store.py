@@ -14,6 +14,12 @@ gathered into one slot of ``world * s`` elements:
 
 A gathered group holding gradients cannot be evicted: its remote shards have no home here, so it
 stays until ``reduce_scatter`` (the planners keep it resident from its first gradient to its last).
+
+Device homes: the first groups (per chunk: the first chunks a rank owns) whose model data the
+rank's host cannot hold keep their home on its device (``os_on_device``): the fp32 master and Adam
+states of the shard, and an fp32 gradient buffer. Their shard is gathered as the cast of the
+master and their reduced gradient lands in that buffer, so neither crosses the link, and their
+update runs on the device. The gathered group itself comes and goes like any other.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pscompile.dist.comm import Comm
 from pscompile.memory.layout import ChunkLayout, TensorEntry
 from pscompile.memory.copies import CopyEngine
 from pscompile.memory.store import BufferKind, ChunkStore
-from pscompile.memory.tiers import Link
+from pscompile.memory.tiers import Link, Tier
 
 def own_pieces(entry: TensorEntry, shard: int, rank: int, *,
                per_chunk_world: int = 0) -> Iterator[tuple[int, int, int, int]]:
@@ -56,6 +62,46 @@ class _ZeroStore(ChunkStore):
     def _pieces(self, entry: TensorEntry) -> Iterator[tuple[int, int, int, int]]:
         raise NotImplementedError
 
+    # ---- device homes (the module docstring) --------------------------------------------------
+    def _make_device_grads(self) -> None:
+        """An fp32 gradient buffer on the device for every shard homed there."""
+        self._dev_grad = {c: self.dev_os_pool.acquire(zero=True) for c in range(self.layout.num_chunks)
+                          if self.shard_on_device(c)}
+
+    def shard_on_device(self, c: int) -> bool:
+        """This rank's shard of group ``c`` has its home on the device."""
+        return self.os_tier[c] is Tier.DEVICE
+
+    def device_homed(self, c: int) -> bool:
+        return False          # (a gathered group never is: only this rank's shard may be)
+
+    def place_optimizer_states(self, on_device) -> None:
+        """Nothing moves: under ZeRO the homes are placed once, when the store is made."""
+
+    def _own_shard(self, c: int, dst: torch.Tensor, copy) -> None:
+        """This rank's shard of ``c`` into the device buffer ``dst``: the cast of a device home's
+        master (no link bytes), else its host home over the link."""
+        if self.shard_on_device(c):
+            dst.copy_(self.master[c])
+        else:
+            self._copy("h2d", copy)(dst, self.host_param[c])
+
+    def bring_to_os_tier(self, c: int) -> torch.Tensor:
+        if self.shard_on_device(c):
+            return self._dev_grad[c]          # the reduced gradient; the update's cast lands there too
+        return super().bring_to_os_tier(c)
+
+    def mark_updated(self, c: int) -> None:
+        if not self.shard_on_device(c):      # (a device home's next gather casts the new master)
+            super().mark_updated(c)
+
+    def restore_from_master(self, c: int) -> None:
+        if self.shard_on_device(c):          # the gathered copy may hold gradients; the home is the master
+            self.dirty[c] = False
+            self.drop(c)
+            return
+        super().restore_from_master(c)
+
     def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
         """Chunk ``c`` into the device buffer ``buf`` on every rank (``copy(dst, src)`` moves this
         rank's part over its link; default the link itself); the handle of an asynchronous one."""
@@ -70,7 +116,9 @@ class _ZeroStore(ChunkStore):
         return copy or (lambda dst, src: self.copies.move(dst, src, direction))
 
     def _to_home(self, c: int, part: torch.Tensor, acc: torch.Tensor | None, copy) -> None:
-        if acc is None:
+        if acc is None and self.shard_on_device(c):
+            self._dev_grad[c].copy_(part)
+        elif acc is None:
             self._copy("d2h", copy)(self.host_param[c], part)
         else:
             host = torch.empty(part.numel(), dtype=part.dtype)
@@ -78,13 +126,18 @@ class _ZeroStore(ChunkStore):
             acc.add_(host)
 
     # ---- filling -------------------------------------------------------------------------
-    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+    def load_params(self, params: Mapping[str, torch.Tensor], *, flush: bool = True) -> None:
         for fqn, value in params.items():
             flat = value.detach().reshape(-1)
             for c, off, to, n in self._pieces(self.layout.entry(fqn)):
                 master = self._states(c, write=True)[0]        # (a disk home's through the cache)
+                if self.shard_on_device(c):
+                    self.copies.move(master[off:off + n], flat[to:to + n], "h2d")
+                    continue
                 master[off:off + n].copy_(flat[to:to + n])
                 self.host_param[c][off:off + n].copy_(master[off:off + n])
+        if flush:
+            self.flush_disk()
 
     # ---- residency (hooks mode drives these) ---------------------------------------------
     def _fill(self, c: int, buf: torch.Tensor) -> bool:
@@ -108,6 +161,8 @@ class _ZeroStore(ChunkStore):
         return self.host_param[c]
 
     def gradient(self, c: int) -> torch.Tensor:
+        if self.shard_on_device(c):
+            return self._dev_grad[c]
         return self.current(c)          # reduced into this rank's home, over the parameters
 
     def write_piece(self, c: int, offset: int, src: torch.Tensor) -> None:
@@ -123,7 +178,11 @@ class _ZeroStore(ChunkStore):
         i = ("master", "exp_avg", "exp_avg_sq").index(which)
         flat = value.detach().reshape(-1)
         for c, off, to, n in self._pieces(self.layout.entry(fqn)):
-            self._states(c, write=True)[i][off:off + n].copy_(flat[to:to + n])
+            dst = self._states(c, write=True)[i][off:off + n]
+            if self.shard_on_device(c):
+                self.copies.move(dst, flat[to:to + n], "h2d")
+            else:
+                dst.copy_(flat[to:to + n])
 
 
 class ShardedStore(_ZeroStore):
@@ -139,6 +198,7 @@ class ShardedStore(_ZeroStore):
         self.shard = layout.chunk_size // comm.world
         super().__init__(layout, device=device, dtype=dtype, link=link, home_numel=self.shard, copies=copies,
                          **tiers)
+        self._make_device_grads()
 
     def _mine(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[self.rank * self.shard:(self.rank + 1) * self.shard]
@@ -157,7 +217,7 @@ class ShardedStore(_ZeroStore):
 
     def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
         """All-gather group ``c`` in place into ``buf``: this rank's shard crosses its link first."""
-        self._copy("h2d", copy)(self._mine(buf), self.host_param[c])
+        self._own_shard(c, self._mine(buf), copy)
         return self.comm.all_gather(buf, async_op=async_op)
 
     def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
@@ -184,6 +244,7 @@ class OwnedChunkStore(_ZeroStore):
         super().__init__(layout, device=device, dtype=dtype, link=link, copies=copies,
                          homes=frozenset(c for c in range(layout.num_chunks) if c % comm.world == comm.rank),
                          **tiers)
+        self._make_device_grads()
 
     def owner(self, c: int) -> int:
         return c % self.world
@@ -194,7 +255,7 @@ class OwnedChunkStore(_ZeroStore):
     def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
         """Broadcast chunk ``c`` from its owner, which fills ``buf`` from its home first."""
         if self.owner(c) == self.rank:
-            self._copy("h2d", copy)(buf, self.host_param[c])
+            self._own_shard(c, buf, copy)
         return self.comm.broadcast(buf, self.owner(c), async_op=async_op)
 
     def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:

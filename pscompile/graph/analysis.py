@@ -62,6 +62,9 @@ class DeviceMemory:
     world: int = 1                         # ZeRO: ranks each chunk (a communication group) is sharded over
     rank: int = 0                          # ... and which of them plans (its shard is its host home)
     per_chunk: bool = False                # ZeRO collectives per chunk (broadcast/reduce), not per group
+    # ZeRO: groups (per chunk: owned chunks) whose home on this rank -- fp32 master, Adam states and
+    # a gradient buffer, in os_device_bytes -- is its device: their shard crosses no link
+    device_shards: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

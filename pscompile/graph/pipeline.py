@@ -60,7 +60,7 @@ from pscompile.graph.minimum import (
 )
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
-from pscompile.memory.model_bytes import ModelBytes
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.optim.placement import device_state_chunks
 from pscompile.graph.schedule_passes import (
@@ -264,8 +264,15 @@ def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: 
     host with ZeRO)."""
     mb = ModelBytes.of(request.dtype)
     slot_bytes, state_bytes = mb.param_chunk(layout.chunk_size), mb.state_chunk(layout.chunk_size)
+    if request.world > 1:         # ZeRO: the shards the host cannot hold are homed on the device
+        owned = [c for c in range(layout.num_chunks) if not request.per_chunk or c % request.world == request.rank]
+        homes = frozenset(owned[:request.device_homes])
+        unit = layout.chunk_size if request.per_chunk else layout.chunk_size // request.world
+        return DeviceMemory(request.budget, slot_bytes, frozenset(), len(homes) * unit * (STATE_BYTES + GRAD_BYTES),
+                            world=request.world, rank=request.rank, per_chunk=request.per_chunk, device_shards=homes)
     count = device_state_chunks(budget=request.budget, peak_nonmodel=peak_nonmodel, num_chunks=layout.num_chunks,
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
-                                state_chunk_bytes=state_bytes) if request.world == 1 else 0
+                                state_chunk_bytes=state_bytes) if request.device_states else 0
+    count = max(count, request.device_homes)
     return DeviceMemory(request.budget, slot_bytes, frozenset(range(count)), count * state_bytes,
                         world=request.world, rank=request.rank, per_chunk=request.per_chunk)

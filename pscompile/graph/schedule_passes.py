@@ -67,7 +67,10 @@ class PlanRequest:
     rank whose chunks the host updates fetches the next step's first chunks after their update;
     with ``start`` (chunk -> slot resident when the run starts) it is that next step's plan.
     ``host_room``: host bytes offloaded activations may use. ``plan_only``: stop after planning
-    (no graph; for weighing plans by their traffic)."""
+    (no graph; for weighing plans by their traffic). ``device_states``: optimizer states may live
+    on the device (False: every chunk's are on the host or disk, as with parameters on disk).
+    ``device_homes``: how many of this rank's first chunks (ZeRO: its shards of the first groups,
+    or the first chunks it owns) are homed on the device because the host cannot hold them."""
 
     budget: int | None
     dtype: torch.dtype
@@ -82,6 +85,8 @@ class PlanRequest:
     start: tuple[tuple[int, int], ...] | None = field(default=None)
     host_room: int | None = None
     plan_only: bool = False
+    device_states: bool = True
+    device_homes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RunKind(self.kind))
@@ -177,7 +182,7 @@ def _residency(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]
             accumulate=r.kind is RunKind.ACCUM, start=r.start_slots, keep_at_end=warm,
             end=r.start_slots if warm else None, start_in_flight=r.ahead,
             describe_node=lambda i: describe_node(x.nodes[i]), windows=x.windows, world=m.world, rank=m.rank,
-            per_chunk=m.per_chunk, policy=r.planner)
+            per_chunk=m.per_chunk, policy=r.planner, device_shards=m.device_shards)
     except ResidencyError as e:
         raise _budget_error(x, e) from e
     return replace(s, plan=plan), plan.summary(m.budget)

@@ -127,7 +127,8 @@ class HooksEngine(ParamHooks, ChunkEngine):
         store = self.store
         capacity = self.budget - plan.moments[i].nonmodel_peak
         incoming = sum(store.param_chunk_bytes for c in need if not store.resident(c))
-        while store.device_model_bytes() + incoming > capacity:
+        fixed = self._fixed_device_bytes() - store.dev_os_pool.bytes_in_use     # (ZeRO: another rank's more)
+        while store.device_model_bytes() + fixed + incoming > capacity:
             victims = [c for c in store.resident_chunks()
                        if c not in need and self._evictable(c)]
             if not victims:
@@ -218,7 +219,8 @@ class HooksEngine(ParamHooks, ChunkEngine):
             self._check_budget(plan)
             self._eval_plans[key] = plan
         ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan)
-        self.store.expect_fetches(c for m in plan.moments for c in m.need)   # the disk homes' read-ahead
+        if self.disk_prefetch:                # the disk homes' read-ahead
+            self.store.expect_fetches(c for m in plan.moments for c in m.need)
         with self._pass_scope(ps):
             value = self._forward_only(ps, batch)
         traffic = self.link.reset()
@@ -282,8 +284,10 @@ class HooksEngine(ParamHooks, ChunkEngine):
         temp = UPDATE_TEMP_BYTES_PER_ELEMENT * self.layout.chunk_size
         out = []
         for c in range(self.layout.num_chunks):
-            if self.store.os_tier[c] is Tier.DEVICE:
+            if self.store.device_homed(c):
                 out.append(Moment(MomentKind.OPT, f"chunk {c}", (c,), temp, self.store.param_chunk_bytes, (c,)))
+            elif self.store.os_tier[c] is Tier.DEVICE:     # ZeRO: a shard homed on the device updates there
+                out.append(Moment(MomentKind.OPT, f"chunk {c}", (), UPDATE_TEMP_BYTES_PER_ELEMENT * self.store.home_numel, 0))
             else:
                 out.append(Moment(MomentKind.OPT, f"chunk {c}", (), 0, 0))
         return tuple(out)
@@ -294,7 +298,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
         # device-homed chunks stay resident once fetched: count them next to every moment
         homed = [c for c in range(self.layout.num_chunks) if self.store.device_homed(c)]
         need, i = plan.min_device_bytes(homed, self.store.param_chunk_bytes)
-        os_bytes = self.store.dev_os_pool.bytes_in_use
+        os_bytes = self._fixed_device_bytes()
         if need + os_bytes > self.budget:
             m = plan.moments[i]
             os_note = (f" + {format_bytes(os_bytes)} of optimizer states kept on the device (with the "
@@ -332,7 +336,8 @@ class HooksEngine(ParamHooks, ChunkEngine):
         plan = self._plans[signature(batch)]
         ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc,
                    grads_left=self._grad_counts())
-        self.store.expect_fetches(c for m in plan.moments for c in m.need)   # the disk homes' read-ahead
+        if self.disk_prefetch:                # the disk homes' read-ahead
+            self.store.expect_fetches(c for m in plan.moments for c in m.need)
         try:
             with self._pass_scope(ps):
                 loss, fwd_s, bwd_s = self._forward_backward(ps, batch, scale / k)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -50,6 +51,12 @@ class SlotFile:
             raise ValueError(f"disk_dir={str(folder)!r} is not a folder; create it or name an existing one")
         self.slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
         self.num_slots = num_slots
+        need, free = self.slot_bytes * num_slots, shutil.disk_usage(folder).free
+        if need > free:                 # checked before anything is made: nothing is left behind
+            raise ValueError(
+                f"disk_dir={str(folder)!r} has {free / 2**30:.2f} GiB free, and the disk tier needs "
+                f"{need / 2**30:.2f} GiB ({num_slots} slots of {self.slot_bytes} bytes); free space there, or name a "
+                "folder on a disk with that much free space")
         self.path = folder / f".pscompile-{os.getpid()}-{uuid.uuid4().hex[:12]}.slots"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         self.direct = False

@@ -57,6 +57,7 @@ class DiskHomes:
         self._writing: deque[tuple[torch.Tensor, Future]] = deque()
         self._upcoming: deque[int] = deque()
         self._skip = None
+        self._fresh = set(self.slot_of)     # chunks never written: zeros on disk, read none
 
     def __contains__(self, c: int) -> bool:
         return c in self.slot_of
@@ -67,8 +68,8 @@ class DiskHomes:
         e = self._entries.get(c)
         if e is None:
             self._make_room()
-            e = _Entry(self.pool.acquire())
-            if read:
+            e = _Entry(self.pool.acquire(zero=read and c in self._fresh))
+            if read and c not in self._fresh:
                 e.reading = self.queue.read(self.slot_of[c], e.buf)
             self._entries[c] = e
         self._entries.move_to_end(c)
@@ -108,8 +109,9 @@ class DiskHomes:
                 continue
             if not self._room_without_waiting():
                 return
-            self._entries[c] = _Entry(self.pool.acquire(), ahead=True)
-            self._entries[c].reading = self.queue.read(self.slot_of[c], self._entries[c].buf)
+            self._entries[c] = _Entry(self.pool.acquire(zero=c in self._fresh), ahead=True)
+            if c not in self._fresh:
+                self._entries[c].reading = self.queue.read(self.slot_of[c], self._entries[c].buf)
 
     def _room_without_waiting(self) -> bool:
         if len(self._entries) + len(self._writing) < self.capacity:
@@ -142,6 +144,7 @@ class DiskHomes:
         e = self._entries.pop(c)
         self._wait(e)
         if e.dirty:
+            self._fresh.discard(c)
             self._writing.append((e.buf, self.queue.write(self.slot_of[c], e.buf)))
         else:
             self.pool.release(e.buf)

@@ -36,6 +36,7 @@ class DiskStates:
         self._writing: list[tuple[list[torch.Tensor], list[Future]]] = []
         self._taken: dict[int, list[torch.Tensor]] = {}   # handed out for their update, not yet written back
         self._cache: tuple[int, list[torch.Tensor], bool] | None = None     # chunk, buffers, dirty
+        self._fresh = set(self.slot_of)     # chunks never written: their slots hold zeros, read none
 
     # ---- the update: stage, update, write back ----------------------------------------------
     def stage(self, c: int) -> None:
@@ -45,8 +46,7 @@ class DiskStates:
         self.flush()
         while self._writing and len(self._writing) + len(self._reading) + len(self._taken) >= STAGED_SETS:
             self._release_oldest_write()
-        bufs = [self.pool.acquire() for _ in LISTS]
-        futs = [self.queue.read(self.slot_of[c] + k, b) for k, b in enumerate(bufs)]
+        bufs, futs = self._read(c)
         self._reading[c] = (bufs, futs)
 
     def take(self, c: int) -> list[torch.Tensor]:
@@ -62,6 +62,7 @@ class DiskStates:
         """Queue the writes of chunk ``c``'s updated buffers; they return to the pool once written."""
         futs = [self.queue.write(self.slot_of[c] + k, b) for k, b in enumerate(bufs)]
         self._writing.append((bufs, futs))
+        self._fresh.discard(c)
         del self._taken[c]
 
     def _release_oldest_write(self) -> None:
@@ -93,8 +94,8 @@ class DiskStates:
         if self._cache is not None and self._cache[0] == c:
             return self._cache[1]
         self.flush()
-        bufs = [self.pool.acquire() for _ in LISTS]
-        for f in [self.queue.read(self.slot_of[c] + k, b) for k, b in enumerate(bufs)]:
+        bufs, futs = self._read(c)
+        for f in futs:
             f.result()
         self._cache = (c, bufs, False)
         return bufs
@@ -111,11 +112,22 @@ class DiskStates:
         self._cache = None
         try:
             if dirty:
+                self._fresh.discard(c)
                 for f in [self.queue.write(self.slot_of[c] + k, b) for k, b in enumerate(bufs)]:
                     f.result()
         finally:
             for b in bufs:
                 self.pool.release(b)
+
+    def _read(self, c: int) -> tuple[list[torch.Tensor], list[Future]]:
+        """Host buffers for chunk ``c``'s three lists and their reads (a chunk never written is
+        zeros: no read)."""
+        if c in self._fresh:
+            done: Future = Future()
+            done.set_result(0)
+            return [self.pool.acquire(zero=True) for _ in LISTS], [done] * len(LISTS)
+        bufs = [self.pool.acquire() for _ in LISTS]
+        return bufs, [self.queue.read(self.slot_of[c] + k, b) for k, b in enumerate(bufs)]
 
     def close(self) -> None:
         try:

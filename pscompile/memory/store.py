@@ -206,9 +206,10 @@ class ChunkStore:
                 self._share_master(c)
 
     # ---- filling -------------------------------------------------------------------------
-    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+    def load_params(self, params: Mapping[str, torch.Tensor], *, flush: bool = True) -> None:
         """Copy parameter values (any float dtype) into the fp32 master chunks and the
-        compute-dtype chunks (the cast of the master)."""
+        compute-dtype chunks (the cast of the master); ``flush``: write the disk tier's caches
+        back (False while filling module by module: once at the end, not once per module)."""
         touched = set()
         for fqn, value in params.items():
             e = self.layout.entry(fqn)
@@ -229,7 +230,8 @@ class ChunkStore:
                 touched.add(p.chunk)
         for c in touched:
             self.drop(c)
-        self.flush_disk()
+        if flush:
+            self.flush_disk()
 
     def state_shape(self, c: int) -> tuple[int, ...]:
         """The shape of chunk ``c``'s master and Adam states here (``(0,)``: another rank owns it)."""

@@ -11,8 +11,9 @@ static-partition baseline is planned from the same capture.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -22,15 +23,16 @@ from pscompile.config import Config
 from pscompile.errors import BudgetError
 from pscompile.graph.pipeline import PlanRequest, choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
-from pscompile.memory.model_bytes import STATE_BYTES, ModelBytes, owned_elements
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_elements
+from pscompile.memory.disk_homes import HOME_BUFFERS
 from pscompile.memory.disk_states import STAGED_SETS
-from pscompile.optim.placement import host_state_chunks, update_overlaps_next_step
+from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks, update_overlaps_next_step
 from pscompile.models.gpt import GPT, GPTConfig
-from pscompile.planner.cost import estimate, graph_flops
+from pscompile.planner.cost import Cost, estimate, graph_flops
 from pscompile.planner.hardware import Hardware, hardware_preset
 from pscompile.planner.report import Baseline, PlanReport
 from pscompile.units import format_bytes
-from pscompile.kinds import Activations, Collectives
+from pscompile.kinds import Activations, Collectives, MemKind
 
 __all__ = ["plan", "gpt_on_meta", "token_batch", "BASELINE_HOST_BYTES_PER_PARAM"]
 
@@ -101,14 +103,16 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     owned = owned_elements(layout.num_chunks, layout.chunk_size, world=world, per_chunk=per_chunk)
     host_need = owned * mb.per_element
     disk_budget = (hw.disk or 0) // world
-    disk_bytes, overflow = _disk_tier(hw, layout.chunk_size // world if world > 1 and not per_chunk
-                                      else layout.chunk_size, owned, elsize, disk_budget)
-    host_room = max(0, hw.host_budget - host_need)
+    home = layout.chunk_size // world if world > 1 and not per_chunk else layout.chunk_size
+    tier = _disk_tier(hw, home, owned, elsize, disk_budget, world=world)
+    disk_bytes, overflow = tier.disk_bytes, tier.overflow
+    host_room = max(0, hw.host_budget - host_need) if not tier.param_chunks else tier.host_room
 
     scheduled, steady, minimum = None, None, None
     variants: dict = {}
     request = PlanRequest.for_config(cfg, budget=hw.device_budget, world=world, per_chunk=per_chunk,
-                                     host_room=host_room)
+                                     host_room=host_room, device_states=not tier.param_chunks,
+                                     device_homes=tier.device_homes)
     try:
         scheduled = plan_at_budget(analyzed, layout, request, rates=rates, variants=variants)
     except BudgetError as e:
@@ -141,23 +145,33 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     if scheduled is None:
         return PlanReport(fits=False, overflow="; ".join(overflow), device_model_bytes=0,
                           host_model_bytes=min(host_need, hw.host_budget), disk_model_bytes=disk_bytes,
-                          disk_io_bytes=2 * disk_bytes, disk_s=0.0,
+                          disk_io_bytes=2 * disk_bytes, disk_s=0.0, param_disk_bytes=tier.param_bytes,
                           activations="", peak_device_bytes=0, h2d_bytes=0, d2h_bytes=0, offload_bytes=0,
                           allgather_bytes=0, reduce_scatter_bytes=0, compute_s=0.0, iteration_s=0.0,
                           optimizer_s=0.0, first_iteration_s=0.0, tflops_per_gpu=0.0,
                           plan_s=time.perf_counter() - t0, **common)
     p = scheduled.plan
-    device_states = len(scheduled.os_device) * layout.chunk_size
-    disk_s = 2 * disk_bytes * hw.gpus / hw.disk_bandwidth    # read and written once per update; one disk a node
-    first = estimate(scheduled, hw, model_flops=model_flops, host_params=owned - device_states,
-                     device_params=device_states, disk_s=disk_s)
-    cost = first if steady is None else estimate(steady, hw, model_flops=model_flops, disk_s=disk_s,
-                                                 host_params=owned - device_states, device_params=device_states)
+    # (every state on disk when the parameters are: the engine moves none of them to the device)
+    device_states = 0 if tier.param_chunks else len(scheduled.os_device) * layout.chunk_size
+    if world > 1:                 # ZeRO: the shards homed on the GPU (states and a gradient buffer)
+        device_states = tier.device_homes * home
+    disk_io = tier.io_bytes(p.actions, layout.num_chunks)
+    disk_s = disk_io * hw.gpus / hw.disk_bandwidth           # one disk a node
+    # the update's disk I/O runs behind the host optimizer, the parameters' reads and writes
+    # behind the forward and backward (each part takes at least its disk time)
+    update_s = tier.update_io_bytes * hw.gpus / hw.disk_bandwidth
+    first = _behind_disk(estimate(scheduled, hw, model_flops=model_flops, host_params=owned - device_states,
+                                  device_params=device_states, disk_s=update_s), disk_s - update_s)
+    cost = first if steady is None else _behind_disk(estimate(
+        steady, hw, model_flops=model_flops, disk_s=update_s, host_params=owned - device_states,
+        device_params=device_states), disk_s - update_s)
     acts = scheduled.activations.describe() if scheduled.activations is not None else "activations kept"
     return PlanReport(fits=not overflow, overflow="; ".join(overflow),
-                      device_model_bytes=p.num_slots * p.slot_bytes + device_states * STATE_BYTES,
+                      device_model_bytes=p.num_slots * p.slot_bytes + device_states * (
+                          STATE_BYTES + (GRAD_BYTES if world > 1 else 0)),
                       host_model_bytes=min(host_need, hw.host_budget) - device_states * STATE_BYTES,
-                      disk_model_bytes=disk_bytes, disk_io_bytes=2 * disk_bytes, disk_s=disk_s,
+                      disk_model_bytes=disk_bytes, disk_io_bytes=disk_io, disk_s=disk_s,
+                      param_disk_bytes=tier.param_bytes,
                       activations=acts, peak_device_bytes=p.peak_device_bytes,
                       h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, offload_bytes=scheduled.offload_bytes,
                       allgather_bytes=p.allgather_bytes, reduce_scatter_bytes=p.reduce_scatter_bytes,
@@ -166,19 +180,77 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
                       tflops_per_gpu=cost.tflops, plan_s=time.perf_counter() - t0, **common)
 
 
-def _disk_tier(hw: Hardware, home: int, owned: int, elsize: int, disk_budget: int) -> tuple[int, list[str]]:
-    """(optimizer-state bytes on disk per GPU, what overflows): the engine's rule
-    (``optim.placement.host_state_chunks``): the host keeps every compute-dtype chunk, the staging
-    buffers and as many chunks' states as fit; the last chunks' states go to disk."""
+@dataclass(frozen=True)
+class DiskTier:
+    """What the engine's rule puts on one GPU's share of the disk (``runtime/tiers.py``)."""
+
+    disk_bytes: int                 # optimizer states and compute-dtype chunks on disk
+    overflow: list[str]             # what does not fit anywhere
+    param_chunks: int = 0           # the last chunks whose compute-dtype homes are on disk too
+    param_chunk_bytes: int = 0      # one such chunk's compute-dtype bytes
+    state_bytes: int = 0            # optimizer states on disk
+    host_room: int = 0              # host bytes besides the chunks and staging buffers
+    device_homes: int = 0           # no disk: the first chunks (ZeRO: the GPU's first shards) homed on the GPU
+
+    @property
+    def param_bytes(self) -> int:
+        return self.param_chunks * self.param_chunk_bytes
+
+    def io_bytes(self, actions, num_chunks: int) -> int:
+        """Disk bytes read and written per iteration, at most: the states once each way; a disk
+        chunk's parameters read at each of its fetches, its gradients written at each writeback,
+        and read twice and written once by the update (the norm, then the update that writes the
+        new parameters). The staging cache's hits only lower it (``memory/disk_homes.py``)."""
+        first = num_chunks - self.param_chunks
+        moves = sum(1 for a in actions if a.chunk >= first and a.kind in (MemKind.FETCH, MemKind.WRITEBACK))
+        return self.update_io_bytes + moves * self.param_chunk_bytes
+
+    @property
+    def update_io_bytes(self) -> int:
+        """The part the optimizer step reads and writes (the rest: the forward's and backward's)."""
+        return 2 * self.state_bytes + 3 * self.param_bytes
+
+
+def _behind_disk(cost: Cost, disk_s: float) -> Cost:
+    """``cost`` with its forward and backward taking at least ``disk_s`` (their disk reads and writes)."""
+    return replace(cost, forward_backward_s=max(cost.forward_backward_s, disk_s))
+
+
+def _disk_tier(hw: Hardware, home: int, owned: int, elsize: int, disk_budget: int, *, world: int = 1) -> DiskTier:
+    """The engine's rule (``runtime/tiers.py``): without a disk, the first chunks the host cannot
+    hold are homed on the GPU (``device_homes``). With one, the host keeps every compute-dtype
+    chunk, the staging buffers and as many chunks' states as fit, the last chunks' states go to
+    disk; and on one GPU, when the host cannot hold even the compute-dtype chunks, every state goes
+    to disk and so do the last chunks' parameters (``HOME_BUFFERS`` compute-dtype chunks staged)."""
     mb_per = elsize + STATE_BYTES
     if owned * mb_per <= hw.host_budget:
-        return 0, []
+        return DiskTier(0, [])
     chunks = -(-owned // home)
+    if hw.disk is None:      # the chunks the host cannot hold live on the GPU (the plan says if it can)
+        return DiskTier(0, [], device_homes=host_shortfall_chunks(num_chunks=chunks, chunk_bytes=home * mb_per,
+                                                                   host_budget=hw.host_budget))
     on_host, room = host_state_chunks(num_chunks=chunks, chunk_size=home, param_bytes=elsize,
                                       staging_chunks=STAGED_SETS, host_budget=hw.host_budget)
+    if room < 0 and world == 1:
+        staging = HOME_BUFFERS * elsize * home + STAGED_SETS * STATE_BYTES * home
+        params_on_host = min(chunks, max(0, hw.host_budget - staging) // (elsize * home))
+        states = chunks * STATE_BYTES * home
+        tier = DiskTier(states + (chunks - params_on_host) * elsize * home, [], chunks - params_on_host,
+                        elsize * home, states, max(0, hw.host_budget - staging - params_on_host * elsize * home))
+        if hw.disk is not None and hw.host_budget >= staging and tier.disk_bytes <= disk_budget:
+            return tier
+        why = (f"CPU memory: {format_bytes(hw.host_budget)} cannot hold the disk tier's staging buffers "
+               f"({format_bytes(staging)})" if hw.host_budget < staging else
+               f"CPU memory: the chunks need {format_bytes(owned * mb_per)} ({owned / 1e9:.2f}B elements x {mb_per} "
+               f"bytes) > {format_bytes(hw.host_budget)}" + ("" if hw.disk is None else
+                                                            f" and the disk's {format_bytes(disk_budget)}"))
+        return dataclasses.replace(tier, overflow=[why])
     disk_bytes = (chunks - on_host) * STATE_BYTES * home
     if hw.disk is not None and room >= 0 and disk_bytes <= disk_budget:
-        return disk_bytes, []
-    return disk_bytes, [f"CPU memory: the chunks need {format_bytes(owned * mb_per)} per GPU ({owned / 1e9:.2f}B "
-                        f"elements x {mb_per} bytes) > its share {format_bytes(hw.host_budget)}"
-                        + ("" if hw.disk is None else f" and the disk's {format_bytes(disk_budget)}")]
+        return DiskTier(disk_bytes, [], state_bytes=disk_bytes)
+    why = (" (parameters on disk need one GPU: ZeRO ranks keep their compute-dtype shards on the host)"
+           if room < 0 else "")
+    return DiskTier(disk_bytes, [f"CPU memory: the chunks need {format_bytes(owned * mb_per)} per GPU ({owned / 1e9:.2f}B "
+                                 f"elements x {mb_per} bytes) > its share {format_bytes(hw.host_budget)}"
+                                 + f" and the disk's {format_bytes(disk_budget)}" + why],
+                    state_bytes=disk_bytes)

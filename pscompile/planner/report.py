@@ -56,8 +56,9 @@ class PlanReport:
     utilisation: float             # the layout's parameter elements / chunk capacity
     device_model_bytes: int        # slots at the plan's peak + optimizer states kept on the device
     host_model_bytes: int          # compute-dtype homes + fp32 masters and Adam states on the host
-    disk_model_bytes: int          # optimizer states on disk
-    disk_io_bytes: int             # per iteration: the disk homes' states read and written once
+    disk_model_bytes: int          # optimizer states (and compute-dtype chunks) on disk
+    disk_io_bytes: int             # per iteration, at most: the states read and written once, the
+    #                                parameters on disk at each fetch, writeback and update
     disk_s: float                  # ... at the node's disk bandwidth (shared by its GPUs)
     activations: str               # the activation policy's choice
     peak_device_bytes: int         # planned, model + non-model
@@ -77,6 +78,7 @@ class PlanReport:
     baseline_host_bytes: int       # ... and the node's CPU memory (14 bytes per parameter)
     min_device_memory: int | None  # the least per-GPU budget the plan needs (when it did not fit)
     plan_s: float                  # seconds it took to capture and plan
+    param_disk_bytes: int = 0      # the part of disk_model_bytes that is compute-dtype chunks (one GPU)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,9 +92,13 @@ class PlanReport:
             ("fits", "yes" if self.fits else f"NO: {self.overflow}"),
             ("chunks", f"{self.num_chunks} x {self.chunk_size / 1e6:.1f}M elements, {self.utilisation:.2%} utilised"),
             ("model data per GPU", f"GPU {b(self.device_model_bytes)}, CPU {b(self.host_model_bytes)}, "
-                                   f"disk {b(self.disk_model_bytes)}"),
+                                   f"disk {b(self.disk_model_bytes)}"
+                                   + (f" ({b(self.param_disk_bytes)} of it parameters)" if self.param_disk_bytes else "")),
             *([("disk per iteration", f"{b(self.disk_io_bytes)} read and written, {self.disk_s:.3f} s at the "
-                                      "node's disk bandwidth (behind the host optimizer)")] if self.disk_io_bytes else []),
+                                      "node's disk bandwidth (" + ("behind the forward, backward and host optimizer"
+                                                                   if self.param_disk_bytes else
+                                                                   "behind the host optimizer") + ")")]
+              if self.disk_io_bytes else []),
             ("activations", self.activations),
             ("peak GPU bytes", f"{b(self.peak_device_bytes)} of {b(self.device_budget)}"),
             ("PCIe per iteration", f"{b(self.h2d_bytes)} to the GPU, {b(self.d2h_bytes)} to the CPU "

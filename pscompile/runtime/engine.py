@@ -90,6 +90,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self.world = self.comm.world if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
         self.per_chunk = self.comm is not None and config.collectives == Collectives.PER_CHUNK
+        if self.comm is not None and self.budget is not None:
+            # every rank plans with the smallest rank's budget: their gathers and releases must match
+            self.budget = -self.comm.agree_max([-self.budget])[0]
         if config.lock_free and self.comm is not None:
             raise ValueError(f"lock_free=True is not supported under ZeRO yet ({self.world} ranks): every rank's "
                              "update would need its collectives ordered against the next step's; use "
@@ -110,7 +113,11 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # -- host and disk tiers, copies, the chunk store -------------------------------------
         self._place_host_tiers(config)
         self._make_store(config)
-        self._orig = {fqn: (torch.device("cpu") if p.is_meta else p.device, p.dtype) for fqn, p in self.params.items()}
+        # ZeRO: every rank plans its moves around the largest device-homes footprint of any rank
+        # (ranks own different chunks), so all ranks make the same gathers and releases
+        self._zero_home_bytes = (self.comm.agree_max([self.store.dev_os_pool.bytes_in_use])[0]
+                                 if self.comm is not None else 0)
+        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
         # Released parameters point at one NaN element broadcast to their shape: any use outside
         # the hooks' access/release gives NaN instead of stale values.
         self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
@@ -128,8 +135,8 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self.eval_bytes_moved: int | None = None
         self.closed = False
         self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
-        # queue the next disk chunk's reads before this one's update (False: read each when its
-        # update starts; bench/disk.py compares the two)
+        # queue the next disk chunk's reads before this one's update, and read the disk homes ahead
+        # of their fetches (False: read each when it is needed; bench/disk.py compares the two)
         self.disk_prefetch = True
         # lock-free updating: the update thread and the gradient buffer sets it reads
         self.updater = (LockFreeUpdater(staleness=config.staleness, run=self._run_update_job,
@@ -157,9 +164,10 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self.setup_traffic = Traffic()
         disk = (DiskQueue(SlotFile(config.disk_dir, num_slots=3 * len(self.disk_chunks) + len(self.param_disk_chunks),
                                    slot_bytes=4 * self.home_numel)) if self.disk_chunks else None)
-        tiers = dict(os_on_disk=self.disk_chunks, disk=disk)      # (ZeRO: this rank's own file)
+        # (ZeRO: this rank's own file, and homes on its device for the shards its host cannot hold)
+        tiers = dict(os_on_disk=self.disk_chunks, disk=disk, os_on_device=self.device_homes)
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
-                                 os_on_device=frozenset(range(self.min_device_homes)), os_on_disk=self.disk_chunks,
+                                 os_on_device=self.device_homes, os_on_disk=self.disk_chunks,
                                  disk=disk, params_on_disk=self.param_disk_chunks, master_is_param=self.dtype == torch.float32 and not config.lock_free,
                                  copies=self.copies)
                       if self.comm is None else
@@ -207,8 +215,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         """Copy every parameter's value into the chunks (fp32 master and compute-dtype copy) and
         free the model's own copy, one module at a time (a meta module materialized first)."""
         loaded: set[str] = set()
+        init_weights = getattr(self.model, "_init_weights", None)     # (the model's own initialisation)
         for mod in self.model.modules():
-            materialize_module(mod)
+            materialize_module(mod, init_weights)
             values = {}
             for _, p in mod.named_parameters(recurse=False):
                 fqn = self._fqn_of[id(p)]
@@ -216,9 +225,10 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                     values[fqn] = p.detach()
                     loaded.add(fqn)
             if values:
-                self.store.load_params(values)
+                self.store.load_params(values, flush=False)
                 for fqn in values:
                     self.params[fqn].data = self._dummy.expand(self.params[fqn].shape)
+        self.store.flush_disk()
 
     def _move_buffers(self) -> None:
         for mod in self.model.modules():
@@ -247,14 +257,24 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             self._release()                  # (every copy landed: no copy or I/O thread outlives close)
 
     def _give_back(self) -> None:
+        """Each parameter gets its fp32 master in its original dtype and device; one built on the
+        meta device goes back there (it held no values before either, and such a model may not fit
+        in host memory: ``pscompile.save`` or ``engine.export`` keep the weights)."""
         with torch.no_grad():
+            meta = {fqn for fqn, (device, _) in self._orig.items() if device.type == "meta"}
+            for fqn in meta:
+                p = self.params[fqn]
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=self._orig[fqn][1], device="meta"),
+                                                         p.requires_grad))
             if self.comm is not None:      # a collective: every rank closes its engine
                 full = self._full_masters()
                 for fqn, p in self.params.items():
-                    p.data = full[fqn].to(*self._orig[fqn])
+                    if fqn not in meta:
+                        p.data = full[fqn].to(*self._orig[fqn])
                 return
             for fqn, p in self.params.items():
-                p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
+                if fqn not in meta:
+                    p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
 
     def _full_masters(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 master, whole, on every rank (ZeRO: one all-gather)."""

@@ -4,7 +4,9 @@ A model built under ``torch.device("meta")`` holds no memory. ``check_meta`` ref
 materialized (meta buffers, a module with meta parameters and no ``reset_parameters()``) before
 anything is built, and counts the meta parameters. ``materialize_module`` then gives one module's
 meta parameters CPU memory *in place* (the same ``Parameter`` objects, so ties stay tied) and runs
-the module's own ``reset_parameters()`` (its default initialisation). The engine does that just
+the module's own ``reset_parameters()`` (its default initialisation), then the model's
+``_init_weights(module)`` where the model has one (the Hugging Face convention, which pscompile's
+GPT and BERT follow: the values the model would have been built with). The engine does that just
 before it copies the module's values into the chunks and frees them, so a model far larger than
 the host's memory is never whole on the host.
 """
@@ -31,10 +33,11 @@ def check_meta(model: nn.Module) -> int:
     return len({id(p) for p in model.parameters() if p.is_meta})
 
 
-def materialize_module(mod: nn.Module) -> bool:
-    """Give ``mod``'s own meta parameters CPU memory and run its ``reset_parameters()``; a
-    parameter it shares with a module done before keeps its values (it gets scratch memory while
-    the initialisation runs). True if anything was materialized."""
+def materialize_module(mod: nn.Module, init_weights=None) -> bool:
+    """Give ``mod``'s own meta parameters CPU memory and run its ``reset_parameters()``, then
+    ``init_weights(mod)`` if given; a parameter it shares with a module done before keeps its
+    values (it gets scratch memory while the initialisation runs). True if anything was
+    materialized."""
     own = list(mod.named_parameters(recurse=False))
     if not any(p.is_meta for _, p in own):
         return False
@@ -47,6 +50,8 @@ def materialize_module(mod: nn.Module) -> bool:
             torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
     with torch.no_grad():
         mod.reset_parameters()
+        if init_weights is not None:
+            init_weights(mod)
     for name, data in kept.items():
         getattr(mod, name).data = data
     return True

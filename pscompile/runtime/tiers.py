@@ -48,8 +48,10 @@ class HostTiers:
         grad_sets = config.staleness + 1 if config.lock_free else 0
         host_need = owned * mb.host_per_element(lock_free=config.lock_free, staleness=config.staleness)
         # Chunks the host cannot hold live on the device (their optimizer states with them): the
-        # first ``min_device_homes`` chunks at least, whatever the placement rule says
+        # first ``min_device_homes`` chunks this rank keeps homes for (``device_homes``) at least,
+        # whatever the placement rule says
         self.min_device_homes = 0
+        self.device_homes: frozenset[int] = frozenset()
         self.host_room = max(0, host_budget - host_need)    # host bytes besides the chunks (offloaded activations)
         # With a disk tier, the optimizer states the host cannot hold live on disk instead
         self.disk_chunks: frozenset[int] = frozenset()
@@ -64,26 +66,40 @@ class HostTiers:
                 f"compute-dtype copy, {elsize + 4 * grad_sets} bytes/param); the update thread "
                 f"works on host memory, so give host_memory >= {host_need}, a smaller staleness, or lock_free=False")
         elif host_need > host_budget:
-            chunk_need = mb.chunk(self.layout.chunk_size)
-            self.min_device_homes = host_shortfall_chunks(num_chunks=self.layout.num_chunks, chunk_bytes=chunk_need,
-                                                          host_budget=host_budget)
-            self.host_room = max(0, host_budget - (self.layout.num_chunks - self.min_device_homes) * chunk_need)
-            device_need = self.min_device_homes * chunk_need
-            if self.world > 1 or (self.budget is not None and device_need > self.budget):
-                owned = f" (this rank's shard of {self.world})" if self.world > 1 else ""
-                where = ("" if self.world > 1 else
-                         f", and device_memory={format_bytes(self.budget)} cannot take the other "
-                         f"{self.min_device_homes} chunks ({format_bytes(device_need)} before any activation)")
-                detail = (f"to hold the {self.min_device_homes} chunks host_memory={format_bytes(host_budget)} "
-                          f"cannot ({format_bytes(device_need)} before any activation; Config(disk_dir=...) "
-                          "keeps their optimizer states on disk instead)")
-                error = ValueError if self.world > 1 else \
-                    lambda text: BudgetError(text, minimum=device_need, detail=detail)   # a search goes on from there
-                raise error(
-                    f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned}: they need "
-                    f"{format_bytes(host_need)} ({self.layout.num_chunks} chunks x 14-16 bytes/param){where}; give "
-                    f"host_memory >= {host_need}, more device_memory, or Config(disk_dir=...) to keep the "
-                    "optimizer states the host cannot hold on disk")
+            self._place_device_homes(host_budget, host_need, mb)
+
+    def _place_device_homes(self, host_budget: int, host_need: int, mb: ModelBytes) -> None:
+        """The first chunks this rank keeps homes for (under ZeRO its shards of the first groups,
+        or the first chunks it owns) live on the device, as many as the host cannot hold; each
+        takes its optimizer states there (and under ZeRO an fp32 gradient buffer: the shard's
+        compute-dtype copy is the master's cast). Raises when the device budget cannot take them."""
+        owned = [c for c in range(self.layout.num_chunks) if not self.per_chunk or c % self.world == self.rank]
+        unit = self.home_numel
+        chunk_need = mb.chunk(unit)
+        self.min_device_homes = host_shortfall_chunks(num_chunks=len(owned), chunk_bytes=chunk_need,
+                                                      host_budget=host_budget)
+        self.device_homes = frozenset(owned[:self.min_device_homes])
+        self.host_room = max(0, host_budget - (len(owned) - self.min_device_homes) * chunk_need)
+        per_home = chunk_need if self.world == 1 else (STATE_BYTES + GRAD_BYTES) * unit
+        device_need = self.min_device_homes * per_home
+        if self.budget is None or device_need <= self.budget:
+            return
+        owned_note = f" (this rank's share of {self.world})" if self.world > 1 else ""
+        detail = (f"to hold the {self.min_device_homes} chunks host_memory={format_bytes(host_budget)} "
+                  f"cannot ({format_bytes(device_need)} before any activation; Config(disk_dir=...) "
+                  "keeps their optimizer states on disk instead)")
+        raise BudgetError(
+            f"host_memory={format_bytes(host_budget)} cannot hold this model's chunks{owned_note}: they need "
+            f"{format_bytes(host_need)} ({len(owned)} chunks x 14-16 bytes/param), and "
+            f"device_memory={format_bytes(self.budget)} cannot take the other {self.min_device_homes} chunks' homes "
+            f"({format_bytes(device_need)} before any activation); give host_memory >= {host_need}, more "
+            "device_memory, or Config(disk_dir=...) to keep the optimizer states the host cannot hold on disk",
+            minimum=device_need, detail=detail)
+
+    def _fixed_device_bytes(self) -> int:
+        """Device bytes the chunk moves must leave alone: the optimizer states (and, under ZeRO,
+        gradient buffers) homed there; under ZeRO the most any rank has, so every rank decides alike."""
+        return max(self.store.dev_os_pool.bytes_in_use, self._zero_home_bytes)
 
     @property
     def home_numel(self) -> int:
