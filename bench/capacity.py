@@ -54,7 +54,7 @@ FULL = {
                max_host_gb=18.0, rung_time_limit_s=900.0),
 }
 QUICK = {
-    "s1": dict(d=64, vocab=256, seq=64, batch=1, pairs=(("1MiB", "4MiB"),), max_layers=3),
+    "s1": dict(d=64, vocab=256, seq=64, batch=1, pairs=(("1MiB", "4MiB"),), max_layers=4),
     "s2": dict(vocab=256, seq=32, batch=1, budget="3MiB", rungs=((2, 128),),
                max_host_gb=18.0, rung_time_limit_s=120.0),
 }

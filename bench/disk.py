@@ -177,7 +177,8 @@ def params_table(s: dict, args) -> list[dict]:
     print(f"bound: max(the step with every chunk in RAM {ram_s * 1000:.0f} ms, disk alone {disk_s * 1000:.0f} ms) = "
           f"{bound * 1000:.0f} ms; losses identical: {rows[0]['losses'] == rows[1]['losses']}")
     for r in rows:
-        r.update(bound_s=bound, in_ram_step_s=ram_s, disk_alone_s=disk_s)
+        r.update(bound_s=bound, in_ram_step_s=ram_s, disk_alone_s=disk_s,
+                 config={k: str(v) for k, v in r["config"].items()})
     return rows
 
 

@@ -250,7 +250,11 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, request: PlanRe
     a measured one comes with ``request.measured``)."""
     if request.activations is not None:
         slot = ModelBytes.of(request.dtype).param_chunk(layout.chunk_size)
-        analyzed = choose_activations(analyzed, layout, policy=request.activations, budget=request.budget,
+        # (ZeRO: the activations get the budget less the shards homed on the device)
+        fixed = (memory.os_device_bytes if memory is not None else _zero_homes(layout, request)[1]) \
+            if request.world > 1 else 0
+        budget = None if request.budget is None else request.budget - fixed
+        analyzed = choose_activations(analyzed, layout, policy=request.activations, budget=budget,
                                       slot_bytes=slot, world=request.world, variants=variants, rates=rates,
                                       host_room=request.host_room)
     nonmodel = analyzed.nonmodel if nonmodel is None else tuple(nonmodel)
@@ -259,17 +263,24 @@ def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, request: PlanRe
     return build_schedule(analyzed, layout, request, nonmodel=nonmodel, memory=memory)
 
 
+def _zero_homes(layout: ChunkLayout, request: PlanRequest) -> tuple[frozenset[int], int]:
+    """ZeRO: the groups (per chunk: owned chunks) whose shard ``request.device_homes`` puts on
+    the device, and their bytes there (fp32 master, Adam states, gradient buffer)."""
+    owned = [c for c in range(layout.num_chunks) if not request.per_chunk or c % request.world == request.rank]
+    homes = frozenset(owned[:request.device_homes])
+    unit = layout.chunk_size if request.per_chunk else layout.chunk_size // request.world
+    return homes, len(homes) * unit * (STATE_BYTES + GRAD_BYTES)
+
+
 def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: int) -> DeviceMemory:
     """The device with optimizer states placed by ``optim.placement`` for ``peak_nonmodel`` (on the
     host with ZeRO)."""
     mb = ModelBytes.of(request.dtype)
     slot_bytes, state_bytes = mb.param_chunk(layout.chunk_size), mb.state_chunk(layout.chunk_size)
     if request.world > 1:         # ZeRO: the shards the host cannot hold are homed on the device
-        owned = [c for c in range(layout.num_chunks) if not request.per_chunk or c % request.world == request.rank]
-        homes = frozenset(owned[:request.device_homes])
-        unit = layout.chunk_size if request.per_chunk else layout.chunk_size // request.world
-        return DeviceMemory(request.budget, slot_bytes, frozenset(), len(homes) * unit * (STATE_BYTES + GRAD_BYTES),
-                            world=request.world, rank=request.rank, per_chunk=request.per_chunk, device_shards=homes)
+        homes, nbytes = _zero_homes(layout, request)
+        return DeviceMemory(request.budget, slot_bytes, frozenset(), nbytes, world=request.world, rank=request.rank,
+                            per_chunk=request.per_chunk, device_shards=homes)
     count = device_state_chunks(budget=request.budget, peak_nonmodel=peak_nonmodel, num_chunks=layout.num_chunks,
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
                                 state_chunk_bytes=state_bytes) if request.device_states else 0

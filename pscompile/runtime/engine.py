@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from pscompile.config import AdamW, Config
-from pscompile.dist import checkpoint as shard_ckpt
 from pscompile.dist.comm import resolve_comm
 from pscompile.dist.store import OwnedChunkStore, ShardedStore
 from pscompile.memory.disk import DiskQueue, SlotFile
@@ -113,10 +112,6 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # -- host and disk tiers, copies, the chunk store -------------------------------------
         self._place_host_tiers(config)
         self._make_store(config)
-        # ZeRO: every rank plans its moves around the largest device-homes footprint of any rank
-        # (ranks own different chunks), so all ranks make the same gathers and releases
-        self._zero_home_bytes = (self.comm.agree_max([self.store.dev_os_pool.bytes_in_use])[0]
-                                 if self.comm is not None else 0)
         self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
         # Released parameters point at one NaN element broadcast to their shape: any use outside
         # the hooks' access/release gives NaN instead of stale values.
@@ -176,6 +171,10 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                       if self.per_chunk else
                       ShardedStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
                                    copies=self.copies, **tiers))
+        # ZeRO: every rank plans its moves around the largest device-homes footprint of any rank
+        # (ranks own different chunks), so all ranks make the same gathers and releases
+        self._zero_home_bytes = (self.comm.agree_max([self.store.dev_os_pool.bytes_in_use])[0]
+                                 if self.comm is not None else 0)
         # the copy threads, the disk tier's I/O thread and file: released by close(), or when the
         # engine is garbage-collected without it
         self._release = weakref.finalize(self, _release_resources, self.copies, self.store.param_disk, self.store.disk)
@@ -255,37 +254,6 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             self._give_back()
         finally:
             self._release()                  # (every copy landed: no copy or I/O thread outlives close)
-
-    def _give_back(self) -> None:
-        """Each parameter gets its fp32 master in its original dtype and device; one built on the
-        meta device goes back there (it held no values before either, and such a model may not fit
-        in host memory: ``pscompile.save`` or ``engine.export`` keep the weights)."""
-        with torch.no_grad():
-            meta = {fqn for fqn, (device, _) in self._orig.items() if device.type == "meta"}
-            for fqn in meta:
-                p = self.params[fqn]
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=self._orig[fqn][1], device="meta"),
-                                                         p.requires_grad))
-            if self.comm is not None:      # a collective: every rank closes its engine
-                full = self._full_masters()
-                for fqn, p in self.params.items():
-                    if fqn not in meta:
-                        p.data = full[fqn].to(*self._orig[fqn])
-                return
-            for fqn, p in self.params.items():
-                if fqn not in meta:
-                    p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
-
-    def _full_masters(self) -> dict[str, torch.Tensor]:
-        """Every parameter's fp32 master, whole, on every rank (ZeRO: one all-gather)."""
-        groups = shard_ckpt.full_groups(self.store, self.comm)
-        out = {}
-        for e in self.layout.entries:
-            flat = torch.empty(e.numel, dtype=torch.float32)
-            for p in e.pieces:
-                flat[p.tensor_offset:p.tensor_offset + p.numel] = groups[p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
-            out[e.fqn] = flat.view(e.shape)
-        return out
 
     def model_data(self) -> dict[str, int]:
         """Bytes of model data each tier is home to (this rank's, with ZeRO): ``device`` -- the

@@ -19,10 +19,14 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from pscompile.dist import checkpoint as shard_ckpt
 
 
 class ModelAccess:
-    """Mixin of ``ChunkEngine``: ``materialize``, ``save_pretrained`` and ``export``."""
+    """Mixin of ``ChunkEngine``: ``materialize``, ``save_pretrained`` and ``export``, and the
+    weights given back at ``close``."""
 
     @contextlib.contextmanager
     def materialize(self, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
@@ -80,6 +84,37 @@ class ModelAccess:
             write_atomic(path, save({k: v.contiguous() for k, v in state.items()}))
         return path
 
+
+    def _give_back(self) -> None:
+        """Each parameter gets its fp32 master in its original dtype and device; one built on the
+        meta device goes back there (it held no values before either, and such a model may not fit
+        in host memory: ``pscompile.save`` or ``engine.export`` keep the weights)."""
+        with torch.no_grad():
+            meta = {fqn for fqn, (device, _) in self._orig.items() if device.type == "meta"}
+            for fqn in meta:
+                p = self.params[fqn]
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=self._orig[fqn][1], device="meta"),
+                                                         p.requires_grad))
+            if self.comm is not None:      # a collective: every rank closes its engine
+                full = self._full_masters()
+                for fqn, p in self.params.items():
+                    if fqn not in meta:
+                        p.data = full[fqn].to(*self._orig[fqn])
+                return
+            for fqn, p in self.params.items():
+                if fqn not in meta:
+                    p.data = self.store.gather("master", fqn).to(*self._orig[fqn])
+
+    def _full_masters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 master, whole, on every rank (ZeRO: one all-gather)."""
+        groups = shard_ckpt.full_groups(self.store, self.comm)
+        out = {}
+        for e in self.layout.entries:
+            flat = torch.empty(e.numel, dtype=torch.float32)
+            for p in e.pieces:
+                flat[p.tensor_offset:p.tensor_offset + p.numel] = groups[p.chunk][p.chunk_offset:p.chunk_offset + p.numel]
+            out[e.fqn] = flat.view(e.shape)
+        return out
 
 def _move_buffers(model: torch.nn.Module, device: torch.device) -> list:
     """Move the model's buffers to ``device``; what puts them back."""
