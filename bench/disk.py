@@ -68,27 +68,23 @@ def disk_alone(folder: str, slots: int, slot_bytes: int, reps: int = 2) -> float
     return best
 
 
-def compute_alone(s: dict) -> float:
-    """The median optimizer seconds of the same model with every state in host memory."""
+def _batch(s: dict) -> tuple:
+    """The one batch every run trains on (next-token targets)."""
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
-    batch = (idx, torch.roll(idx, -1, dims=1))
-    engine = pscompile.compile(model(s), batch, config=pscompile.Config(
-        mode="hooks", device="cpu", dtype=torch.float32, chunk_size=s["chunk"]))
-    times = []
-    for _ in range(s["steps"]):
-        engine.step(batch)
-        times.append(engine.stats.optimizer_s)
-    engine.close()
-    return statistics.median(times[1:])
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def compute_alone(s: dict) -> float:
+    """The median optimizer seconds of the same model with every state in host memory."""
+    return _median_in_ram(s, dict(mode="hooks", device="cpu", dtype=torch.float32, chunk_size=s["chunk"]),
+                          "optimizer_s")
 
 
 def run(s: dict, folder: str, prefetch: bool, lock_free: bool = False) -> dict:
     """Train ``s["steps"]`` steps with the states on disk; ``lock_free``: the update thread does
     the disk I/O and the update while the next step's forward and backward run."""
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
-    batch = (idx, torch.roll(idx, -1, dims=1))
+    batch = _batch(s)
     m = model(s)
     n_params = sum(p.numel() for p in m.parameters())
     per_param = 4 + (4 + 4 * 2 if lock_free else 0)      # the param chunks (+ next params, 2 gradient sets)
@@ -122,9 +118,7 @@ def params_on_disk(s: dict, folder: str, prefetch: bool) -> dict:
     buffers and four chunks' parameters) under a device budget of a third of the parameters;
     ``prefetch``: the disk homes read ahead in the schedule's fetch order and the next chunk's
     states staged during an update (False: each read when it is needed)."""
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
-    batch = (idx, torch.roll(idx, -1, dims=1))
+    batch = _batch(s)
     m = model(s)
     n_params = sum(p.numel() for p in m.parameters())
     host = (4 + 4) * 4 * s["chunk"] + 3 * 12 * s["chunk"]
@@ -146,16 +140,19 @@ def params_on_disk(s: dict, folder: str, prefetch: bool) -> dict:
 
 def in_ram_step(s: dict, config: dict) -> float:
     """The median step of the same model and device budget with every chunk in host memory."""
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
-    batch = (idx, torch.roll(idx, -1, dims=1))
+    return _median_in_ram(s, config, "time_s")
+
+
+def _median_in_ram(s: dict, config: dict, stat: str) -> float:
+    """The median ``stats.<stat>`` after the first step, every chunk in host memory."""
+    batch = _batch(s)
     engine = pscompile.compile(model(s), batch, config=pscompile.Config(**config))
-    steps = []
+    values = []
     for _ in range(s["steps"]):
         engine.step(batch)
-        steps.append(engine.stats.time_s)
+        values.append(getattr(engine.stats, stat))
     engine.close()
-    return statistics.median(steps[1:])
+    return statistics.median(values[1:])
 
 
 def params_table(s: dict, args) -> list[dict]:

@@ -250,3 +250,17 @@ def rewrite_checkpoint(src, dst, *, header=None, tensors=None) -> None:
     ts = tensors(ts) if tensors else ts
     with open(dst, "wb") as f:
         write_checkpoint(f, head, [(n, t.dtype, t.numel(), (lambda t=t: t)) for n, t in ts.items()])
+
+
+def resumes_alike(a, make_engine, batches, path) -> None:
+    """Save ``a`` to ``path``, load it into ``make_engine()``, and both train ``batches`` to the
+    same losses and state; both are closed."""
+    import pscompile
+    pscompile.save(a, path)
+    b = make_engine()
+    pscompile.load(b, path)
+    for x in batches:
+        assert a.step(x) == b.step(x)
+    assert same_state(snapshot(a), snapshot(b))
+    a.close()
+    b.close()

@@ -14,7 +14,7 @@ import torch
 import pscompile
 from pscompile.memory.tiers import Tier
 from pscompile.testing import ReferenceTrainer
-from conftest import (tracking_tol, initial_masters, make_batches, make_model, max_weight_diff, same_state, snapshot,
+from conftest import (resumes_alike, tracking_tol, initial_masters, make_batches, make_model, max_weight_diff, same_state, snapshot,
                       worst_tracking)
 
 HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -72,14 +72,7 @@ def test_disk_homes_save_load_and_undo_a_failed_step(tmp_path):
     with pytest.raises(IndexError):
         a.step((batches[1][0].clone().fill_(999), batches[1][1]))      # fails in the embedding
     assert same_state(snapshot(a), before)
-    pscompile.save(a, tmp_path / "d.ckpt")
-    b = engine()
-    pscompile.load(b, tmp_path / "d.ckpt")
-    for x in batches[1:]:
-        assert a.step(x) == b.step(x)
-    assert same_state(snapshot(a), snapshot(b))
-    a.close()
-    b.close()
+    resumes_alike(a, engine, batches[1:], tmp_path / "d.ckpt")
     assert list(folder.iterdir()) == []
 
 

@@ -263,19 +263,23 @@ def test_device_homes_under_zero_hold_what_each_rank_host_cannot(tmp_path):
     and compiled mode's link bytes are the plan's."""
     cases = [("compiled", "group"), ("hooks", "per_chunk")]
     spawn(dist_worker.device_homes, str(tmp_path), cases)
-    batches = make_batches("gpt", dist_worker.STEPS)
-    ref_losses, ref = reference("gpt", batches)
-    for mode, collectives in cases:
+    ref_losses, ref = reference("gpt", make_batches("gpt", dist_worker.STEPS))
+    for (mode, collectives), r, run in _saved_runs(tmp_path, "homes", cases):
+        assert run["homes"], (mode, collectives, r)
+        for ours, plain in zip(run["losses"], ref_losses):
+            assert rel(ours, plain) <= 1e-5, (mode, collectives, r, ours, plain)
+        for (device, host, evictions) in run["peaks"]:
+            assert device <= run["budget"] and host <= run["host"] and evictions > 0, (mode, r, device, host)
+        for measured, planned in run["moved"]:
+            assert planned is None or measured == planned, (mode, r, measured, planned)
+        assert weight_error(run["full"], ref) <= 1e-5, (mode, collectives)
+
+
+def _saved_runs(tmp_path, prefix: str, cases):
+    """((mode, collectives), rank, what the worker saved) for every case and rank."""
+    for case in cases:
         for r in range(WORLD):
-            run = torch.load(tmp_path / f"homes-{mode}-{collectives}-rank{r}.pt", weights_only=False)
-            assert run["homes"], (mode, collectives, r)
-            for ours, plain in zip(run["losses"], ref_losses):
-                assert rel(ours, plain) <= 1e-5, (mode, collectives, r, ours, plain)
-            for (device, host, evictions) in run["peaks"]:
-                assert device <= run["budget"] and host <= run["host"] and evictions > 0, (mode, r, device, host)
-            for measured, planned in run["moved"]:
-                assert planned is None or measured == planned, (mode, r, measured, planned)
-            assert weight_error(run["full"], ref) <= 1e-5, (mode, collectives)
+            yield case, r, torch.load(tmp_path / f"{prefix}-{case[0]}-{case[1]}-rank{r}.pt", weights_only=False)
 
 
 def test_the_disk_tier_under_zero_each_rank_its_own_file(tmp_path):

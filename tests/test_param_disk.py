@@ -21,7 +21,7 @@ from pscompile.memory.disk_homes import HOME_BUFFERS, DiskHomes
 from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.tiers import HostMeter, SlotPool, Tier
 from pscompile.testing import ReferenceTrainer
-from conftest import (initial_masters, make_batches, make_model, max_weight_diff, same_state, snapshot, tracking_tol,
+from conftest import (initial_masters, resumes_alike, make_batches, make_model, max_weight_diff, same_state, snapshot, tracking_tol,
                       worst_tracking)
 
 HP = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -124,14 +124,7 @@ def test_evaluate_checkpoints_and_a_failed_step_with_parameters_on_disk(tmp_path
     with pytest.raises(ValueError, match="gradient accumulation.*parameters on disk.*one batch per step"):
         a.step([batches[1], batches[2]])
     assert same_state(snapshot(a), before)
-    pscompile.save(a, tmp_path / "d.ckpt")
-    b = engine()
-    pscompile.load(b, tmp_path / "d.ckpt")
-    for x in batches[1:]:
-        assert a.step(x) == b.step(x)
-    assert same_state(snapshot(a), snapshot(b))
-    a.close()
-    b.close()
+    resumes_alike(a, engine, batches[1:], tmp_path / "d.ckpt")
     assert list(folder.iterdir()) == []
 
 
