@@ -161,7 +161,7 @@ def params_table(s: dict, args) -> list[dict]:
         rows = [params_on_disk(s, folder, prefetch) for prefetch in (False, True)]
         moved = rows[1]["disk_bytes_per_step"]
         slot = 4 * s["chunk"]
-        disk_s = disk_alone(folder, max(1, int(moved // (2 * slot))), slot, reps=1)   # as many bytes, written and read
+        disk_s = disk_alone(folder, max(1, int(moved // (2 * slot))), slot, reps=3)   # as many bytes, written and read
     ram_s = in_ram_step(s, rows[0]["config"])
     bound = max(ram_s, disk_s)
     table = [["each read when needed" if not r["prefetch"] else "read ahead", f"{r['params']:,}",

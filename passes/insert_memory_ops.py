@@ -253,6 +253,9 @@ def _emit(graph: fx.Graph, a, op: "_Operands") -> None:
     elif a.kind == MemKind.WRITEBACK:
         node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
         mem = MemOp(MemKind.WRITEBACK, a.chunk, a.slot, "device", "host", a.nbytes)
+    elif a.kind == MemKind.DISK_READ:
+        node = graph.call_function(torch.ops.pscompile.disk_read.default, (hosts[a.chunk],))
+        mem = MemOp(MemKind.DISK_READ, a.chunk, None, "disk", "host", a.nbytes)
     elif a.kind == MemKind.DROP:
         node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
         del resident[a.chunk]

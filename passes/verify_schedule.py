@@ -15,6 +15,8 @@
   never exceed the budget;
 - the iteration ends with exactly the chunks whose optimizer states live on the device resident
   (or, for a warm run, the residency its plan promises the next run), none of the others dirty;
+- a chunk whose parameters live on disk is read (``disk_read``) before each of its fetches, and at
+  most ``disk_depth`` such reads are waiting for their fetch at any node (the staging buffers);
 - ZeRO (``world > 1``): an allgather fills a free slot and its release_remote empties it (the
   pair brackets every read of the group: a remote shard is read only while gathered); gradients
   go into the gathered group only, before its reduce_scatter; every group that receives a
@@ -55,13 +57,15 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
                     initial: dict[int, int], os_device_chunks: frozenset[int] = frozenset(),
                     os_device_bytes: int = 0, final: dict[int, int] | None = None,
                     world: int = 1, grad_fqns: tuple[str, ...] = (), per_chunk: bool = False,
-                    arriving: frozenset[int] = frozenset()) -> VerifyReport:
+                    arriving: frozenset[int] = frozenset(), disk_chunks: frozenset[int] = frozenset(),
+                    disk_depth: int = 0) -> VerifyReport:
     """``initial``/``final``: chunk -> slot resident at the start / required at the end (default
     for the end: exactly the chunks whose optimizer states live on the device); ``arriving``: the
     slots of ``initial`` whose fetch is still in flight when the run starts (each needs a wait). ``world`` > 1:
     chunks are groups sharded over that many ranks; ``grad_fqns`` the gradients the graph makes
     (each of their groups must be reduce-scattered exactly once)."""
     replay = _Replay(gm, layout, initial=initial, arriving=arriving, world=world, per_chunk=per_chunk)
+    replay.disk_chunks, replay.disk_depth = disk_chunks, disk_depth
     for node in gm.graph.nodes:
         if node.op == "placeholder":      # the batch and buffers are live from the start
             replay.nonmodel = gmeta.get(node, "nonmodel", replay.nonmodel)
@@ -104,6 +108,9 @@ class _Replay:
         self.reduce_kind = MemKind.REDUCE if per_chunk else MemKind.REDUCE_SCATTER
         self.nonmodel = 0
         self.peak, self.peak_node, self.count = 0, "start", 0
+        self.disk_chunks: frozenset[int] = frozenset()
+        self.disk_depth = 0
+        self.staged: list[int] = []     # chunks read from disk and not fetched yet
 
     # ---- memory nodes ----------------------------------------------------------------------
     def memory_node(self, node: fx.Node) -> None:
@@ -116,7 +123,9 @@ class _Replay:
             where = "sharded over " + str(self.world) + " ranks" if self.sharded else "of one rank"
             _fail(node, f"{mem.kind} in a schedule {where}; chunks arrive by {self.arrive}, leave by "
                         f"{self.leave} and reduce by {self.reduce_kind} here")
-        if mem.kind.arrives:
+        if mem.kind == MemKind.DISK_READ:
+            self._disk_read(node, mem)
+        elif mem.kind.arrives:
             self._arrive(node, mem)
         elif mem.kind == MemKind.WAIT and mem.slot is None:     # a gradient's copy has landed
             self._grad_landed(node, mem)
@@ -156,6 +165,19 @@ class _Replay:
         self.holds[slot] = mem.chunk
         if mem.asynchronous:
             self.pending.add(slot)
+        if mem.chunk in self.disk_chunks:
+            if mem.chunk not in self.staged:
+                _fail(node, f"fetch of chunk {mem.chunk}, whose parameters live on disk, without a disk_read "
+                            "of it since its last fetch")
+            self.staged.remove(mem.chunk)
+
+    def _disk_read(self, node: fx.Node, mem) -> None:
+        if mem.chunk not in self.disk_chunks or self.host_of.get(node.args[0]) != mem.chunk:
+            _fail(node, f"disk_read of chunk {mem.chunk}, which is not homed on disk or reads another host chunk")
+        self.staged.append(mem.chunk)
+        if len(self.staged) > self.disk_depth:
+            _fail(node, f"{len(self.staged)} disk reads wait for their fetch (chunks {self.staged}); the host "
+                        f"stages at most {self.disk_depth}")
 
     def _grad_landed(self, node: fx.Node, mem) -> None:
         grad, _ = self.copying.pop((mem.fqn, mem.chunk), (None, 0))

@@ -33,6 +33,7 @@ class MemKind(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"    # ZeRO: the group's gradients summed over ranks, own shard -> host
     BROADCAST = "broadcast"              # ZeRO per chunk: the owner's chunk host -> its slot -> every rank
     REDUCE = "reduce"                    # ZeRO per chunk: the chunk's gradients summed into its owner's home
+    DISK_READ = "disk_read"              # a chunk homed on disk: disk -> a host staging buffer, ahead of its fetch
     OFFLOAD = "offload"                  # a saved activation: device -> host, after its last forward use
     RELOAD = "reload"                    # ... and host -> device, before its first backward use
 

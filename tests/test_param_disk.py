@@ -174,3 +174,40 @@ def test_the_staging_cache_writes_back_lazily_and_never_holds_more_than_its_buff
     assert queue.traffic.write_bytes == written          # clean buffers are not written back
     assert queue.traffic.read_bytes == 3 * 4 * size
     queue.close()
+
+
+def test_compiled_schedules_read_each_disk_chunk_ahead_of_its_fetch(tmp_path):
+    """Compiled mode plans the disk reads: a ``disk_read`` node for every fetch of a chunk homed on
+    disk, ``READ_AHEAD`` disk fetches ahead of it, printed in the schedule. The verifier rejects a
+    schedule that fetches such a chunk without its read, or stages more reads than the host holds."""
+    import copy
+
+    from pscompile.graph.ops import is_memory_node, mem_op
+    from pscompile.kinds import MemKind
+    from pscompile.memory.disk_homes import READ_AHEAD
+    from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
+    batches = make_batches("gpt", 1, batch=2, seq=32)
+    device, host = _budgets("compiled", batches[0], n_layer=4, ratio=None)
+    engine = pscompile.compile(_model(4), batches[0], optimizer=HP, config=_config(
+        "compiled", device_memory=device, host_memory=host, disk_dir=str(tmp_path)))
+    disk, sched = engine.param_disk_chunks, engine.schedule
+    mems = [(n, mem_op(n)) for n in sched.gm.graph.nodes if is_memory_node(n)]
+    order = [(m.kind, m.chunk) for _, m in mems if m.kind in (MemKind.DISK_READ, MemKind.FETCH) and m.chunk in disk]
+    fetched = [c for k, c in order if k == MemKind.FETCH]
+    assert [c for k, c in order if k == MemKind.DISK_READ] == fetched and len(fetched) > READ_AHEAD
+    reads = [i for i, (k, _) in enumerate(order) if k == MemKind.DISK_READ]     # (in the fetches' order)
+    fetches = [i for i, (k, _) in enumerate(order) if k == MemKind.FETCH]
+    for k, (r, f) in enumerate(zip(reads, fetches)):   # before its fetch, after the one READ_AHEAD disk fetches back
+        assert r < f and (k < READ_AHEAD or r > fetches[k - READ_AHEAD]), (k, r, f)
+    assert "pscompile.disk_read(" in str(sched)
+    args = dict(slot_bytes=engine.store.param_chunk_bytes, budget=device, initial=dict(sched.plan.initial),
+                disk_chunks=frozenset(disk))
+    verify_schedule(sched.gm, engine.layout, disk_depth=READ_AHEAD, **args)
+    with pytest.raises(ScheduleError, match="the host stages at most 1"):
+        verify_schedule(sched.gm, engine.layout, disk_depth=1, **args)
+    gm = copy.deepcopy(sched.gm)
+    gm.graph.erase_node(next(n for n in gm.graph.nodes if is_memory_node(n) and mem_op(n).kind == MemKind.DISK_READ))
+    with pytest.raises(ScheduleError, match="without a disk_read of it since its last fetch"):
+        verify_schedule(gm, engine.layout, disk_depth=READ_AHEAD, **args)
+    engine.step(batches[0])
+    engine.close()

@@ -219,8 +219,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         def count(values) -> None:   # compiled code allocates outside Python dispatch
             tracker.add_tensors(values)
 
-        if self.disk_prefetch:                                   # the disk homes' read-ahead
-            self.store.expect_fetches(self._fetch_order(sched))
         try:
             with tracker if dispatching else contextlib.nullcontext():
                 (loss,) = executor.run(inputs, run_memory, observer=observer,
@@ -272,15 +270,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             tracker.add_tensor(t)
         tracker.reset_peaks()
         return model_inputs + rest
-
-    def _fetch_order(self, sched: Scheduled) -> list[int]:
-        """The chunks ``sched`` fetches, in the order its fetch nodes run."""
-        known = self._fetch_orders.get(sched.gm)
-        if known is None:
-            known = self._fetch_orders[sched.gm] = [
-                m.chunk for m in (mem_op(n) for n in sched.gm.graph.nodes if is_memory_node(n))
-                if m is not None and m.kind == MemKind.FETCH]
-        return known
 
     def _tail(self, sched: Scheduled) -> frozenset[fx.Node]:
         """The memory nodes of ``sched`` after its last compute node (the end of the step)."""

@@ -63,7 +63,6 @@ class RegionLowering:
         self._region_extra: dict[fx.GraphModule, dict[int, int]] = {}
         self._unlearned: set[fx.GraphModule] = set()        # eager regions not yet measured
         self._tails: dict[fx.GraphModule, frozenset[fx.Node]] = {}   # its memory nodes after the last compute
-        self._fetch_orders: dict[fx.GraphModule, list[int]] = {}    # the chunks its fetch nodes bring, in order
         self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
         self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
         self._node_by_node: set[CaptureKey] = set()       # captures whose regions did not fit: run eagerly

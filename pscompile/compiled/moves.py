@@ -129,7 +129,10 @@ class MemoryMoves:
         wait sit side by side.
         """
         store, q = self.store, self.copies
-        if mem.kind == MemKind.FETCH:
+        if mem.kind == MemKind.DISK_READ:       # (disk_prefetch False: each read when its fetch needs it)
+            if self.disk_prefetch:
+                store.read_ahead(mem.chunk)
+        elif mem.kind == MemKind.FETCH:
             slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
             self._allocate_slot(mem.slot)
             # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)

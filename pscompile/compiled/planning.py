@@ -85,7 +85,8 @@ class CompiledPlanning:
         # (one rank: such chunks stay in their slots; ZeRO: only this rank's shard lives there)
         return DeviceMemory(self.budget, self.store.param_chunk_bytes, on_dev if self.world == 1 else frozenset(),
                             self._fixed_device_bytes(), world=self.world, rank=self.rank,
-                            per_chunk=self.per_chunk, device_shards=on_dev if self.world > 1 else frozenset())
+                            per_chunk=self.per_chunk, device_shards=on_dev if self.world > 1 else frozenset(),
+                            param_disk=frozenset(self.param_disk_chunks))
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None) -> Scheduled:

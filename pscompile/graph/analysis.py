@@ -65,6 +65,8 @@ class DeviceMemory:
     # ZeRO: groups (per chunk: owned chunks) whose home on this rank -- fp32 master, Adam states and
     # a gradient buffer, in os_device_bytes -- is its device: their shard crosses no link
     device_shards: frozenset[int] = frozenset()
+    # chunks whose parameters live on the disk tier: each fetch gets a disk_read ahead of it
+    param_disk: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

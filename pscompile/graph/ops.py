@@ -7,6 +7,9 @@ is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
     fetch(slot!, host)                 slot <- host            one chunk, host -> device
     writeback(host!, slot)             host <- slot            a dirty chunk goes home before its slot is reused
     drop(slot)                         (nothing moves)         the slot's chunk is no longer on the device
+    disk_read(host)                    staging <- disk         a chunk homed on disk is read into a host
+                                                               staging buffer, ahead of its fetch (the
+                                                               fetch then copies from there)
     store_grad(dest!, grad, offset, start=0, numel=-1)
                                        dest[offset:] <- grad   a gradient overwrites its parameter's chunk space
                                                                (a page: elements start.. of the flattened
@@ -80,6 +83,16 @@ def writeback(host: Tensor, slot: Tensor) -> None:
 
 @writeback.register_fake
 def _(host, slot):
+    return None
+
+
+@torch.library.custom_op("pscompile::disk_read", mutates_args=())
+def disk_read(host: Tensor) -> None:
+    return None               # (eager: the host chunk is the home; the engine reads a disk home ahead)
+
+
+@disk_read.register_fake
+def _(host):
     return None
 
 
@@ -298,7 +311,8 @@ MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.d
               torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default,
               torch.ops.pscompile.allgather.default, torch.ops.pscompile.release_remote.default,
               torch.ops.pscompile.reduce_scatter.default, torch.ops.pscompile.broadcast.default,
-              torch.ops.pscompile.reduce.default, torch.ops.pscompile.wait_grad.default)
+              torch.ops.pscompile.reduce.default, torch.ops.pscompile.wait_grad.default,
+              torch.ops.pscompile.disk_read.default)
 for _op in MEMORY_OPS:
     torch.fx.has_side_effect(_op)
 

@@ -285,5 +285,7 @@ def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: 
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
                                 state_chunk_bytes=state_bytes) if request.device_states else 0
     count = max(count, request.device_homes)
+    n = layout.num_chunks
     return DeviceMemory(request.budget, slot_bytes, frozenset(range(count)), count * state_bytes,
-                        world=request.world, rank=request.rank, per_chunk=request.per_chunk)
+                        world=request.world, rank=request.rank, per_chunk=request.per_chunk,
+                        param_disk=frozenset(range(n - request.param_disk_chunks, n)))

@@ -46,10 +46,12 @@ from pscompile.graph.analysis import (
 from pscompile.graph.meta import storage_bytes
 from pscompile.graph.ops import activation_move, is_memory_node, is_offload
 from pscompile.config import Config
-from pscompile.kinds import Activations, Collectives, Policy, RunKind
+from pscompile.kinds import Activations, Collectives, MemKind, Policy, RunKind
+from pscompile.memory.disk_homes import READ_AHEAD as DISK_READ_DEPTH
 from pscompile.memory.layout import ChunkLayout
 from pscompile.passes.insert_memory_ops import insert_memory_ops
 from pscompile.passes.overlap_grad_copies import overlap_grad_copies
+from pscompile.passes.plan_disk_reads import plan_disk_reads
 from pscompile.passes.plan_lookahead import Lookahead, plan_lookahead
 from pscompile.passes.plan_residency import GradStore, ResidencyPlan, plan_residency
 from pscompile.passes.prefetch_fetches import prefetch_fetches
@@ -87,6 +89,7 @@ class PlanRequest:
     plan_only: bool = False
     device_states: bool = True
     device_homes: int = 0
+    param_disk_chunks: int = 0     # one rank: how many of the last chunks keep their parameters on disk
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RunKind(self.kind))
@@ -230,6 +233,13 @@ def _lookahead(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]
     return replace(s, plan=plan, lookahead=ahead), ahead.summary()
 
 
+def _disk_reads(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
+    m = x.memory
+    plan = plan_disk_reads(s.plan, m.param_disk, depth=DISK_READ_DEPTH, chunk_bytes=m.slot_bytes)
+    reads = sum(1 for a in plan.actions if a.kind == MemKind.DISK_READ)
+    return replace(s, plan=plan), f"plan_disk_reads: {reads} disk reads, {DISK_READ_DEPTH} fetches ahead"
+
+
 def _insert(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
     captured, m = x.analyzed.captured, x.memory
     gm = insert_memory_ops(captured.gm, s.plan, x.layout, param_fqns=captured.param_fqns,
@@ -246,7 +256,8 @@ def _verify(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
         os_device_chunks=m.os_device_chunks, os_device_bytes=m.os_device_bytes,
         final=dict(s.plan.final) if r.kind.keeps_warm else None, world=m.world,
         grad_fqns=x.analyzed.captured.grad_fqns if r.kind.backward else (), per_chunk=m.per_chunk,
-        arriving=frozenset(k for c, k in r.start if c not in m.os_device_chunks) if r.ahead else frozenset())
+        arriving=frozenset(k for c, k in r.start if c not in m.os_device_chunks) if r.ahead else frozenset(),
+        disk_chunks=m.param_disk, disk_depth=DISK_READ_DEPTH)
     return replace(s, report=report), report.summary(m.budget)
 
 
@@ -256,6 +267,7 @@ SCHEDULE_PASSES: tuple[SchedulePass, ...] = (
     # the measuring run keeps each gradient's death where the graph has it
     SchedulePass("overlap_grad_copies", _overlap_grads, lambda r: r.kind is RunKind.ACCUM and r.measured),
     SchedulePass("plan_lookahead", _lookahead, lambda r: r.lookahead and r.kind is RunKind.TRAIN),
+    SchedulePass("plan_disk_reads", _disk_reads),
     SchedulePass("insert_memory_ops", _insert, lambda r: not r.plan_only),
     SchedulePass("verify_schedule", _verify, lambda r: not r.plan_only),
 )

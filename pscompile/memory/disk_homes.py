@@ -33,6 +33,7 @@ from pscompile.memory.tiers import SlotPool
 
 # host buffers of the disk homes: the one a fetch or an update uses, two read ahead, one writing back
 HOME_BUFFERS = 4
+READ_AHEAD = HOME_BUFFERS - 2        # chunks read ahead of their fetch (compiled mode: disk_read nodes)
 
 
 @dataclass
@@ -104,7 +105,7 @@ class DiskHomes:
         self._read_ahead()
 
     def _read_ahead(self) -> None:
-        for c in list(self._upcoming)[:self.capacity - 2]:
+        for c in list(self._upcoming)[:max(1, self.capacity - 2)]:
             if c in self._entries or (self._skip is not None and self._skip(c)):
                 continue
             if not self._room_without_waiting():
@@ -112,6 +113,16 @@ class DiskHomes:
             self._entries[c] = _Entry(self.pool.acquire(zero=c in self._fresh), ahead=True)
             if c not in self._fresh:
                 self._entries[c].reading = self.queue.read(self.slot_of[c], self._entries[c].buf)
+
+    def prefetch(self, c: int) -> None:
+        """Queue chunk ``c``'s read into a buffer of its own (a ``disk_read`` node), unless it is
+        cached; kept until it is opened."""
+        if c in self._entries:
+            return
+        self._make_room()
+        e = self._entries[c] = _Entry(self.pool.acquire(zero=c in self._fresh), ahead=True)
+        if c not in self._fresh:
+            e.reading = self.queue.read(self.slot_of[c], e.buf)
 
     def _room_without_waiting(self) -> bool:
         if len(self._entries) + len(self._writing) < self.capacity:

@@ -170,6 +170,10 @@ class ChunkStore:
         if self.disk_homed(c):
             self.param_disk.close(c, dirty=dirty, copy=copy)
 
+    def read_ahead(self, c: int) -> None:
+        """A ``disk_read`` node: start reading disk home ``c`` into a staging buffer."""
+        self.param_disk.prefetch(c)
+
     def expect_fetches(self, order) -> None:
         """The chunks this run fetches, in order: the disk homes among them are read ahead."""
         if self.param_disk is not None:

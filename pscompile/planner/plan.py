@@ -112,7 +112,7 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     variants: dict = {}
     request = PlanRequest.for_config(cfg, budget=hw.device_budget, world=world, per_chunk=per_chunk,
                                      host_room=host_room, device_states=not tier.param_chunks,
-                                     device_homes=tier.device_homes)
+                                     device_homes=tier.device_homes, param_disk_chunks=tier.param_chunks)
     try:
         scheduled = plan_at_budget(analyzed, layout, request, rates=rates, variants=variants)
     except BudgetError as e:
@@ -198,11 +198,13 @@ class DiskTier:
 
     def io_bytes(self, actions, num_chunks: int) -> int:
         """Disk bytes read and written per iteration, at most: the states once each way; a disk
-        chunk's parameters read at each of its fetches, its gradients written at each writeback,
-        and read twice and written once by the update (the norm, then the update that writes the
-        new parameters). The staging cache's hits only lower it (``memory/disk_homes.py``)."""
+        chunk's parameters read at each of its ``disk_read`` nodes (one ahead of each fetch), its
+        gradients written at each writeback, and read twice and written once by the update (the
+        norm, then the update that writes the new parameters). The staging cache's hits only lower
+        it (``memory/disk_homes.py``)."""
         first = num_chunks - self.param_chunks
-        moves = sum(1 for a in actions if a.chunk >= first and a.kind in (MemKind.FETCH, MemKind.WRITEBACK))
+        moves = sum(1 for a in actions if a.kind == MemKind.DISK_READ
+                    or (a.chunk >= first and a.kind == MemKind.WRITEBACK))
         return self.update_io_bytes + moves * self.param_chunk_bytes
 
     @property
