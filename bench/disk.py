@@ -34,6 +34,7 @@ import torch
 from tabulate import tabulate
 
 import pscompile
+from pscompile.memory.disk_homes import disk_staging_bytes
 from pscompile.memory.tiers import Tier
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.units import format_bytes
@@ -121,7 +122,7 @@ def params_on_disk(s: dict, folder: str, prefetch: bool) -> dict:
     batch = _batch(s)
     m = model(s)
     n_params = sum(p.numel() for p in m.parameters())
-    host = (4 + 4) * 4 * s["chunk"] + 3 * 12 * s["chunk"]
+    host = disk_staging_bytes(s["chunk"], 4) + 4 * 4 * s["chunk"]          # the staging and 4 chunks
     config = dict(mode="compiled", backend="eager", device="cpu", dtype=torch.float32, chunk_size=s["chunk"],
                   device_memory=max(n_params * 4 // 3, 24 * s["chunk"] * 4))
     engine = pscompile.compile(m, batch, config=pscompile.Config(host_memory=host, disk_dir=folder, **config))

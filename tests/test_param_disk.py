@@ -17,8 +17,7 @@ import torch
 
 import pscompile
 from pscompile.memory.disk import DiskQueue, SlotFile
-from pscompile.memory.disk_homes import HOME_BUFFERS, DiskHomes
-from pscompile.memory.disk_states import STAGED_SETS
+from pscompile.memory.disk_homes import DiskHomes, disk_staging_bytes
 from pscompile.memory.tiers import HostMeter, SlotPool, Tier
 from pscompile.testing import ReferenceTrainer
 from conftest import (initial_masters, resumes_alike, make_batches, make_model, max_weight_diff, same_state, snapshot, tracking_tol,
@@ -44,7 +43,7 @@ def _budgets(mode: str, batch, *, n_layer: int = 8, dtype=torch.float32, ratio: 
     probe.close()
     device = pscompile.min_device_memory(_model(n_layer), batch, _config(mode, dtype))
     if ratio is None:
-        return device, (HOME_BUFFERS + 8) * CHUNK * dtype.itemsize + STAGED_SETS * CHUNK * 12
+        return device, disk_staging_bytes(CHUNK, dtype.itemsize) + 8 * CHUNK * dtype.itemsize
     host = int(model_bytes / ratio) - device
     assert model_bytes >= ratio * (device + host) and host > 0, (device, host, model_bytes)
     return device, host
@@ -99,8 +98,7 @@ def test_bf16_with_parameters_on_disk_tracks_plain_pytorch(mode, tmp_path):
 
 def test_evaluate_checkpoints_and_a_failed_step_with_parameters_on_disk(tmp_path):
     """evaluate() reads the disk homes (plain PyTorch's loss); a failed step leaves every weight
-    and state as it was; a checkpoint resumes exactly into another such engine; gradient
-    accumulation is refused with the error naming what works, and changes nothing."""
+    and state as it was; a checkpoint resumes exactly into another such engine."""
     batches = make_batches("gpt", 4, batch=2, seq=32)
     folder = tmp_path / "disk"
     folder.mkdir()
@@ -121,11 +119,28 @@ def test_evaluate_checkpoints_and_a_failed_step_with_parameters_on_disk(tmp_path
     with pytest.raises(IndexError):
         a.step((batches[1][0].clone().fill_(999), batches[1][1]))      # fails in the embedding
     assert same_state(snapshot(a), before)
-    with pytest.raises(ValueError, match="gradient accumulation.*parameters on disk.*one batch per step"):
-        a.step([batches[1], batches[2]])
-    assert same_state(snapshot(a), before)
     resumes_alike(a, engine, batches[1:], tmp_path / "d.ckpt")
     assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_accumulation_with_parameters_on_disk_tracks_plain_pytorch(mode, tmp_path):
+    """Micro-batch accumulation with the parameters on disk: the fp32 accumulation buffers live on
+    disk too (one slot per chunk, staged through their own four host buffers), the accumulated
+    update is plain PyTorch's, and the host's model data stays within host_memory."""
+    batches = make_batches("gpt", 3, batch=4, seq=32, distinct=3)
+    micro = [[tuple(t[i:i + 2] for t in b) for i in (0, 2)] for b in batches]
+    device, host = _budgets(mode, micro[0][0], n_layer=4, ratio=None)
+    engine = pscompile.compile(_model(4), micro[0][0], optimizer=HP, config=_config(
+        mode, device_memory=device, host_memory=host, disk_dir=str(tmp_path)))
+    assert engine.param_disk_chunks and engine.store.acc_disk is not None
+    ref = ReferenceTrainer(_model(4), optimizer=HP, dtype=torch.float32)
+    for m in micro:
+        a, c = ref.step(m), engine.step(m)
+        assert abs(a - c) <= 1e-5 * abs(a), (a, c)
+        assert engine.stats.peak_host_bytes <= host and engine.stats.peak_device_bytes <= device
+    assert max_weight_diff(engine, ref) <= 1e-4
+    engine.close()
 
 
 def test_a_meta_device_model_is_materialized_module_by_module_onto_disk(tmp_path):

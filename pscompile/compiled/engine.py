@@ -44,6 +44,7 @@ from pscompile.graph.ops import activation_move, is_memory_node, mem_op
 from pscompile.graph.minimum import minimum_budget
 from pscompile.graph.pipeline import AnalyzedGraph, Scheduled
 from pscompile.kinds import Backend, MemKind, RunKind
+from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.passes.plan_residency import ResidencyPlan
@@ -156,6 +157,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         and what it is measuring; the steps before and after are methods of their own."""
         t_start = time.perf_counter()
         self._count_outside_steps()
+        self._disk_acc = acc if isinstance(acc, DiskAccumulation) else None
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
                                   exact_windows=not sched.measured)
         comm_before = self._comm_bytes()
@@ -261,6 +263,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         """The scheduled graph's inputs: slots, host chunks, the accumulation chunks it adds into,
         then buffers, the batch (and float16's loss scale), which ``tracker`` counts as non-model."""
         accs = acc if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in sched.plan.actions) else []
+        if isinstance(accs, DiskAccumulation):     # (on disk: the accumulate_grad nodes open them)
+            accs = [torch.empty(0)] * len(accs)
         model_inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param, *accs]
         rest = [*[self.model.get_buffer(f) for f in sched.captured.buffer_fqns],
                 *sched.captured.flatten_batch(batch)]

@@ -51,6 +51,7 @@ class MemoryMoves:
         # dropped by the plan but released only once landed, while the optimizer step starts
         self._deferred: dict[int, tuple[int, Copy]] = {}
         self._ahead: list[tuple[int, int]] = []    # (chunk, slot) to fetch for the next step after its update
+        self._disk_acc = None                      # this run's accumulation buffers when they are on disk
 
     def _ensure_slots(self, plan: ResidencyPlan) -> None:
         """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
@@ -161,7 +162,7 @@ class MemoryMoves:
                                    copy=lambda d, s_: q.submit(d, s_, "d2h", node=node).wait_host())
             store.dirty[mem.chunk] = False
         elif mem.kind == MemKind.WAIT and mem.slot is None:       # a gradient's copy (overlap_grad_copies)
-            _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk)))
+            _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk), []))   # (none: added at once, on disk)
         elif mem.kind == MemKind.WAIT:
             self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
         elif mem.kind == MemKind.WRITEBACK:
@@ -185,6 +186,9 @@ class MemoryMoves:
             self.link.traffic.num_evictions += 1
         elif mem.kind == MemKind.ACCUMULATE_GRAD:
             acc, grad, offset, *page = args
+            disk_acc = self._disk_acc                 # (on disk: its buffer is opened, added into, closed)
+            if disk_acc is not None:
+                acc = disk_acc.open(mem.chunk)
             copies = []
             for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
                 target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
@@ -193,10 +197,12 @@ class MemoryMoves:
                     continue
                 host = q.host_empty(piece.shape, piece.dtype)           # the gradient crosses the link
                 copies.append((q.submit(host, piece, "d2h", node=node), target, host))
-            if mem.asynchronous:          # its wait_grad adds it (the graph keeps the gradient alive until then)
+            if mem.asynchronous and disk_acc is None:   # its wait_grad adds it (the gradient lives until then)
                 self._grad_copies[(mem.fqn, mem.chunk)] = copies
             else:
                 _add_landed(copies)
+                if disk_acc is not None:
+                    disk_acc.close(mem.chunk, dirty=True)
             self._written.add(mem.fqn)
         else:
             dest, grad, offset, *page = args

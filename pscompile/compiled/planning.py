@@ -92,7 +92,8 @@ class CompiledPlanning:
               start: dict[int, int] | None = None) -> Scheduled:
         request = PlanRequest(self.budget, self.dtype, kind, self.world, self.rank, self.per_chunk,
                               planner=self.config.planner, measured=measured, start=start,
-                              lookahead=self._overlaps_update and measured)
+                              lookahead=self._overlaps_update and measured,
+                              param_disk_chunks=len(self.param_disk_chunks))
         sched = plan_at_budget(analyzed, self.layout, request, nonmodel=nonmodel, memory=self._device_memory())
         log.info("pscompile: planned the %s schedule (%s non-model memory, peak %s) in %d device slots: %d fetches, "
                  "%s in and %s out per run%s", kind.value, "measured" if measured else "estimated",

@@ -267,7 +267,7 @@ SCHEDULE_PASSES: tuple[SchedulePass, ...] = (
     # the measuring run keeps each gradient's death where the graph has it
     SchedulePass("overlap_grad_copies", _overlap_grads, lambda r: r.kind is RunKind.ACCUM and r.measured),
     SchedulePass("plan_lookahead", _lookahead, lambda r: r.lookahead and r.kind is RunKind.TRAIN),
-    SchedulePass("plan_disk_reads", _disk_reads),
+    SchedulePass("plan_disk_reads", _disk_reads, lambda r: r.param_disk_chunks > 0),
     SchedulePass("insert_memory_ops", _insert, lambda r: not r.plan_only),
     SchedulePass("verify_schedule", _verify, lambda r: not r.plan_only),
 )

@@ -20,6 +20,7 @@ from torch import nn
 from pscompile.hooks.access_plan import AccessPlan, Moment
 from pscompile.hooks.states import TensorState
 from pscompile.kinds import MomentKind
+from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.tracker import NonModelTracker
 
 
@@ -229,6 +230,11 @@ class ParamHooks:
     def _home_grad_piece(self, ps: PassState, p, piece: torch.Tensor) -> None:
         if ps.acc is None:       # the gradient takes its parameter's place in the chunk
             self.store.write_piece(p.chunk, p.chunk_offset, piece)
+        elif isinstance(ps.acc, DiskAccumulation):       # (parameters on disk: so is the buffer)
+            host = self.copies.host_empty(p.numel, piece.dtype)
+            self.copies.move(host, piece, "d2h")
+            ps.acc.open(p.chunk)[p.chunk_offset:p.chunk_offset + p.numel].add_(host.float())
+            ps.acc.close(p.chunk, dirty=True)
         elif self._fresh_acc:    # a zero buffer (lock-free): 0 + g is g
             self.copies.move(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
         else:                    # accumulate in fp32 on the host; the parameter stays

@@ -29,11 +29,21 @@ from dataclasses import dataclass
 import torch
 
 from pscompile.memory.disk import DiskQueue
+from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.tiers import SlotPool
 
 # host buffers of the disk homes: the one a fetch or an update uses, two read ahead, one writing back
 HOME_BUFFERS = 4
 READ_AHEAD = HOME_BUFFERS - 2        # chunks read ahead of their fetch (compiled mode: disk_read nodes)
+# host buffers of gradient accumulation on disk: the chunk being added into, the last one's write
+ACC_BUFFERS = 2
+
+
+def disk_staging_bytes(chunk_elements: int, param_bytes: int) -> int:
+    """Host bytes of the disk tier's staging buffers when parameters live on disk: ``HOME_BUFFERS``
+    compute-dtype chunks, ``ACC_BUFFERS`` fp32 gradient accumulation buffers, and the optimizer
+    states of ``STAGED_SETS`` chunks (``disk_states``)."""
+    return (HOME_BUFFERS * param_bytes + ACC_BUFFERS * 4 + STAGED_SETS * 12) * chunk_elements
 
 
 @dataclass
@@ -194,6 +204,18 @@ class DiskHomes:
         if error is not None:
             raise error
 
+    def reset(self) -> None:
+        """Every chunk holds zeros again (gradient accumulation's buffers after an update): cached
+        buffers are dropped unwritten, writes still landing finish, and nothing is read back."""
+        for e in self._entries.values():
+            self._wait(e)
+            self.pool.release(e.buf)
+        self._entries.clear()
+        while self._writing:
+            self._finish_write(*self._writing.popleft())
+        self._fresh = set(self.slot_of)
+        self._upcoming.clear()
+
     def abandon(self) -> None:
         """After a failure: give every buffer back without writing (the queue is drained by the
         caller; the parameters are made again from the masters)."""
@@ -208,3 +230,38 @@ class DiskHomes:
     @property
     def buffers_in_use(self) -> int:
         return len(self._entries) + len(self._writing)
+
+
+class DiskAccumulation:
+    """Gradient accumulation's fp32 buffers, one per chunk, on the disk tier (when the parameters
+    are on disk, the host holds none of them): ``open(c)`` / ``close(c, dirty=...)`` around each
+    use, through a ``DiskHomes`` cache; ``zero_()`` after the update. Indexing it is refused, so no
+    caller can keep a buffer past its ``close``."""
+
+    def __init__(self, homes: DiskHomes, num_chunks: int):
+        self.homes = homes
+        self.num_chunks = num_chunks
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, c):
+        raise TypeError("gradient accumulation buffers on disk are reached with open(c) / close(c)")
+
+    def open(self, c: int) -> torch.Tensor:
+        return self.homes.open(c)
+
+    def close(self, c: int, *, dirty: bool = False) -> None:
+        self.homes.close(c, dirty=dirty)
+
+    def zero_(self) -> None:
+        self.homes.reset()
+
+
+def zero_accumulation(acc) -> None:
+    """Zero gradient accumulation buffers: a list of host tensors, or ``DiskAccumulation``."""
+    if isinstance(acc, DiskAccumulation):
+        acc.zero_()
+    else:
+        for a in acc:
+            a.zero_()

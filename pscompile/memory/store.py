@@ -28,7 +28,7 @@ from typing import Literal, Mapping
 import torch
 
 from pscompile.memory.disk import DiskQueue
-from pscompile.memory.disk_homes import DiskHomes
+from pscompile.memory.disk_homes import ACC_BUFFERS, DiskHomes
 from pscompile.memory.disk_states import LISTS, DiskStates
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.copies import CopyEngine, ThreadCopies
@@ -45,7 +45,7 @@ class ChunkStore:
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
                  os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
                  homes: frozenset[int] | None = None, os_on_disk: frozenset[int] = frozenset(),
-                 disk: DiskQueue | None = None, params_on_disk: frozenset[int] = frozenset(),
+                 disk: DiskQueue | None = None, params_on_disk: frozenset[int] = frozenset(), acc_on_disk: bool = False,
                  master_is_param: bool = False, copies: CopyEngine | None = None):
         """``home_numel``: elements of a chunk's home buffers (host copy and optimizer states); a
         ZeRO store keeps only its shard of each chunk, or (``homes``) homes for the chunks it owns
@@ -85,6 +85,10 @@ class ChunkStore:
         # the disk homes' slots follow the three state slots of every disk chunk
         self.param_disk = (DiskHomes(disk, {c: 3 * len(os_on_disk) + i for i, c in enumerate(sorted(params_on_disk))},
                                 self.host_param_pool) if params_on_disk else None)
+        # ``acc_on_disk``: gradient accumulation's fp32 buffers too, one slot per chunk after those
+        base = 3 * len(os_on_disk) + len(params_on_disk)
+        self.acc_disk = (DiskHomes(disk, {c: base + c for c in range(n)}, self.host_os_pool, capacity=ACC_BUFFERS)
+                         if acc_on_disk else None)
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
         for c in range(n):
             if c not in self.homes or self.os_tier[c] is Tier.DISK:     # (disk: staged when needed)
@@ -413,8 +417,9 @@ class ChunkStore:
 
     def flush_disk(self) -> None:
         """Write back what the disk tier's caches changed (the file is the truth again)."""
-        if self.param_disk is not None:
-            self.param_disk.flush()
+        for homes in (self.param_disk, self.acc_disk):
+            if homes is not None:
+                homes.flush()
         if self.disk is not None:
             self.disk.flush()
 
@@ -424,8 +429,9 @@ class ChunkStore:
         if self.disk is not None:
             try:
                 try:
-                    if self.param_disk is not None:
-                        self.param_disk.flush()
+                    for homes in (self.param_disk, self.acc_disk):
+                        if homes is not None:
+                            homes.flush()
                 finally:
                     self.disk.settle()
             finally:                          # a failed update may have left staged buffers here

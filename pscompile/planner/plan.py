@@ -24,7 +24,7 @@ from pscompile.errors import BudgetError
 from pscompile.graph.pipeline import PlanRequest, choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
 from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_elements
-from pscompile.memory.disk_homes import HOME_BUFFERS
+from pscompile.memory.disk_homes import disk_staging_bytes
 from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks, update_overlaps_next_step
 from pscompile.models.gpt import GPT, GPTConfig
@@ -234,7 +234,7 @@ def _disk_tier(hw: Hardware, home: int, owned: int, elsize: int, disk_budget: in
     on_host, room = host_state_chunks(num_chunks=chunks, chunk_size=home, param_bytes=elsize,
                                       staging_chunks=STAGED_SETS, host_budget=hw.host_budget)
     if room < 0 and world == 1:
-        staging = HOME_BUFFERS * elsize * home + STAGED_SETS * STATE_BYTES * home
+        staging = disk_staging_bytes(home, elsize)
         params_on_host = min(chunks, max(0, hw.host_budget - staging) // (elsize * home))
         states = chunks * STATE_BYTES * home
         tier = DiskTier(states + (chunks - params_on_host) * elsize * home, [], chunks - params_on_host,

@@ -30,6 +30,7 @@ from pscompile.config import AdamW, Config
 from pscompile.dist.comm import resolve_comm
 from pscompile.dist.store import OwnedChunkStore, ShardedStore
 from pscompile.memory.disk import DiskQueue, SlotFile
+from pscompile.memory.disk_homes import DiskAccumulation, zero_accumulation
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.copies import INLINE_COPY_BYTES
@@ -157,13 +158,16 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
-        disk = (DiskQueue(SlotFile(config.disk_dir, num_slots=3 * len(self.disk_chunks) + len(self.param_disk_chunks),
-                                   slot_bytes=4 * self.home_numel)) if self.disk_chunks else None)
+        # (parameters on disk: one more slot per chunk for its gradient accumulation buffer)
+        acc_slots = self.layout.num_chunks if self.param_disk_chunks else 0
+        disk = (DiskQueue(SlotFile(config.disk_dir, num_slots=3 * len(self.disk_chunks) + len(self.param_disk_chunks)
+                                   + acc_slots, slot_bytes=4 * self.home_numel)) if self.disk_chunks else None)
         # (ZeRO: this rank's own file, and homes on its device for the shards its host cannot hold)
         tiers = dict(os_on_disk=self.disk_chunks, disk=disk, os_on_device=self.device_homes)
         self.store = (ChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link,
                                  os_on_device=self.device_homes, os_on_disk=self.disk_chunks,
-                                 disk=disk, params_on_disk=self.param_disk_chunks, master_is_param=self.dtype == torch.float32 and not config.lock_free,
+                                 disk=disk, params_on_disk=self.param_disk_chunks, acc_on_disk=bool(acc_slots),
+                                 master_is_param=self.dtype == torch.float32 and not config.lock_free,
                                  copies=self.copies)
                       if self.comm is None else
                       OwnedChunkStore(self.layout, device=self.device, dtype=self.dtype, link=self.link, comm=self.comm,
@@ -190,13 +194,8 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _accumulation_chunks(self) -> list[torch.Tensor]:
         """fp32 host chunks for gradient accumulation (allocated on first use, 4 B/param)."""
-        if self.param_disk_chunks:
-            raise ValueError(
-                f"gradient accumulation (a list of micro-batches) needs fp32 host buffers for every chunk, and "
-                f"host_memory={format_bytes(self.config.host_memory)} keeps {len(self.param_disk_chunks)} chunks' "
-                "parameters on disk: pass one batch per step (a larger batch), or give host_memory room for "
-                f"every compute-dtype chunk ({format_bytes(self.layout.num_chunks * self.store.param_chunk_bytes)}) "
-                "plus the accumulation buffers")
+        if self.store.acc_disk is not None:         # (parameters on disk: so are these, staged as used)
+            return DiskAccumulation(self.store.acc_disk, self.layout.num_chunks)
         if self._acc is None:
             self._acc = [torch.zeros(self.store.home_numel if self.store.owns(c) else 0, dtype=torch.float32)
                          for c in range(self.layout.num_chunks)]
@@ -401,8 +400,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             raise
         finally:
             if acc is not None and self.updater is None:
-                for a in acc:
-                    a.zero_()
+                zero_accumulation(acc)
         self._steps_run += 1
         loss = self._global_mean(sum(r.loss for r in runs) / k)
         disk1 = self._disk_bytes()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pscompile.config import Config, available_host_bytes
 from pscompile.errors import BudgetError
-from pscompile.memory.disk_homes import HOME_BUFFERS
+from pscompile.memory.disk_homes import ACC_BUFFERS, HOME_BUFFERS, disk_staging_bytes
 from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_elements
 from pscompile.optim.placement import device_state_chunks, host_shortfall_chunks, host_state_chunks
@@ -136,16 +136,18 @@ class HostTiers:
     def _param_disk_homes(self, host_budget: int, elsize: int, owned: list[int]) -> frozenset[int]:
         """The host cannot hold every compute-dtype chunk: every optimizer state lives on disk, and
         so do the parameters of the last chunks the host cannot hold besides the staging buffers
-        (``HOME_BUFFERS`` compute-dtype chunks, ``STAGED_SETS`` chunks of states). Sets
-        ``param_disk_chunks`` and ``host_room``; returns the chunks whose states are on disk."""
+        (``HOME_BUFFERS`` compute-dtype chunks, ``ACC_BUFFERS`` fp32 gradient accumulation buffers,
+        ``STAGED_SETS`` chunks of states). Sets ``param_disk_chunks`` and ``host_room``; returns the
+        chunks whose states are on disk."""
         cs = self.home_numel
-        staging = HOME_BUFFERS * elsize * cs + STAGED_SETS * STATE_BYTES * cs
+        staging = disk_staging_bytes(cs, elsize)
         on_host = min(len(owned), max(0, host_budget - staging) // (elsize * cs))
         if host_budget < staging:
             raise ValueError(
                 f"host_memory={format_bytes(host_budget)} cannot hold the disk tier's staging buffers "
-                f"({format_bytes(staging)}: {HOME_BUFFERS} compute-dtype chunks and {STAGED_SETS} chunks of optimizer "
-                f"states, {cs} elements each); give host_memory >= {staging}, or a smaller chunk_size")
+                f"({format_bytes(staging)}: {HOME_BUFFERS} compute-dtype chunks, {ACC_BUFFERS} fp32 gradient "
+                f"accumulation buffers and {STAGED_SETS} chunks of optimizer states, {cs} elements each); give "
+                f"host_memory >= {staging}, or a smaller chunk_size")
         self.param_disk_chunks = frozenset(owned[on_host:])
         self.host_room = host_budget - staging - on_host * elsize * cs
         return frozenset(owned)

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import clip_coefficient, grad_norm, sum_of_squares
@@ -196,7 +197,7 @@ class ChunkUpdate:
             if buf is not None:                              # (a device copy of it, no frozen ranges)
                 norms.append(grad_norm(buf))
                 continue
-            buf = store.gradient(c) if grads is None else grads[c]
+            buf = store.gradient(c) if grads is None else _acc_of(grads, c)
             with ExitStack() as stack:
                 if grads is not None or not store.resident(c):
                     stack.enter_context(tracker.paused())    # host-side work is not device memory
@@ -207,6 +208,8 @@ class ChunkUpdate:
                 norms.append(grad_norm(buf))
                 if grads is None and not store.resident(c):
                     store.close_home(c, dirty=bool(frozen))      # (a disk home: opened by gradient)
+                if grads is not None:
+                    _done_with_acc(grads, c, dirty=bool(frozen))
         with tracker.paused():
             sq = sum_of_squares(norms)
         if self.comm is not None:          # the global norm: every rank's shards
@@ -256,14 +259,26 @@ class ChunkUpdate:
                 store.stage(on_disk[k])                     # the disk reads it while this one updates
             grad = None
             if grads is not None:
-                grad = grads[c]
+                grad = _acc_of(grads, c)
                 if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
-                    grad = torch.empty_like(store.master[c])
+                    host, grad = grad, torch.empty_like(store.master[c])
                     # waited on the host: the host zeroes (or refills) grads[c] once the step ends
-                    self.copies.submit(grad, grads[c], "h2d").wait_host()
+                    self.copies.submit(grad, host, "h2d").wait_host()
             if store.shares_master(c):          # the new master is the new param chunk: no cast back
                 buf, grad = None, buf if grad is None else grad
             self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
                                    grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
                                    groups=self._chunk_groups(c))
             store.mark_updated(c)
+            if grads is not None:
+                _done_with_acc(grads, c)
+
+
+def _acc_of(grads, c: int) -> torch.Tensor:
+    """Chunk ``c``'s gradient accumulation buffer (on disk: opened, ``_done_with_acc`` after)."""
+    return grads.open(c) if isinstance(grads, DiskAccumulation) else grads[c]
+
+
+def _done_with_acc(grads, c: int, *, dirty: bool = False) -> None:
+    if isinstance(grads, DiskAccumulation):
+        grads.close(c, dirty=dirty)
