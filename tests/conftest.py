@@ -264,3 +264,13 @@ def resumes_alike(a, make_engine, batches, path) -> None:
     assert same_state(snapshot(a), snapshot(b))
     a.close()
     b.close()
+
+
+def a_failed_step_changes_nothing(engine, batch) -> None:
+    """A step on ``batch`` with out-of-range token ids fails in the embedding and leaves every
+    weight and optimizer state as it was."""
+    import pytest
+    before = snapshot(engine)
+    with pytest.raises(IndexError):
+        engine.step((batch[0].clone().fill_(999), batch[1]))
+    assert same_state(snapshot(engine), before)

@@ -79,10 +79,7 @@ class DiskHomes:
         e = self._entries.get(c)
         if e is None:
             self._make_room()
-            e = _Entry(self.pool.acquire(zero=read and c in self._fresh))
-            if read and c not in self._fresh:
-                e.reading = self.queue.read(self.slot_of[c], e.buf)
-            self._entries[c] = e
+            e = self._new_entry(c, read=read)
         self._entries.move_to_end(c)
         self._wait(e)
         e.users += 1
@@ -120,9 +117,7 @@ class DiskHomes:
                 continue
             if not self._room_without_waiting():
                 return
-            self._entries[c] = _Entry(self.pool.acquire(zero=c in self._fresh), ahead=True)
-            if c not in self._fresh:
-                self._entries[c].reading = self.queue.read(self.slot_of[c], self._entries[c].buf)
+            self._new_entry(c, ahead=True)
 
     def prefetch(self, c: int) -> None:
         """Queue chunk ``c``'s read into a buffer of its own (a ``disk_read`` node), unless it is
@@ -130,9 +125,16 @@ class DiskHomes:
         if c in self._entries:
             return
         self._make_room()
-        e = self._entries[c] = _Entry(self.pool.acquire(zero=c in self._fresh), ahead=True)
-        if c not in self._fresh:
+        self._new_entry(c, ahead=True)
+
+    def _new_entry(self, c: int, *, read: bool = True, ahead: bool = False) -> _Entry:
+        """A buffer of the cache for chunk ``c`` with its disk read queued (``read=False``: none;
+        a chunk never written is zeros, read from nowhere)."""
+        fresh = c in self._fresh
+        e = self._entries[c] = _Entry(self.pool.acquire(zero=read and fresh), ahead=ahead)
+        if read and not fresh:
             e.reading = self.queue.read(self.slot_of[c], e.buf)
+        return e
 
     def _room_without_waiting(self) -> bool:
         if len(self._entries) + len(self._writing) < self.capacity:
@@ -215,21 +217,6 @@ class DiskHomes:
             self._finish_write(*self._writing.popleft())
         self._fresh = set(self.slot_of)
         self._upcoming.clear()
-
-    def abandon(self) -> None:
-        """After a failure: give every buffer back without writing (the queue is drained by the
-        caller; the parameters are made again from the masters)."""
-        for e in self._entries.values():
-            self.pool.release(e.buf)
-        for buf, _ in self._writing:
-            self.pool.release(buf)
-        self._entries.clear()
-        self._writing.clear()
-        self._upcoming.clear()
-
-    @property
-    def buffers_in_use(self) -> int:
-        return len(self._entries) + len(self._writing)
 
 
 class DiskAccumulation:
