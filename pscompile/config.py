@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from pscompile.kinds import Activations, Backend, Collectives, Mode, Policy, StrEnum
+from pscompile.kinds import Activations, Backend, Collectives, HostKernel, Mode, Policy, StrEnum
 from pscompile.memory.rates import LINK_PRESETS, calibrated_link
 from pscompile.units import parse_rate, parse_size
 
@@ -36,6 +36,7 @@ BackendName = Literal["inductor", "eager"]
 PolicyName = Literal["belady", "angel"]
 ActivationsName = Literal["auto", "keep", "recompute", "offload"]
 CollectivesName = Literal["group", "per_chunk"]
+HostKernelName = Literal["auto", "inductor", "eager"]
 
 
 def _choice(value, kind: type[StrEnum], field_name: str, what: str):
@@ -102,6 +103,12 @@ class Config:
     # t - 1 - staleness and none after (docs/design.md, "Lock-free updating"). False: synchronous
     lock_free: bool = False
     staleness: int = 1                 # lock_free only: steps an update may lag (>= 1)
+    # the AdamW update of chunks whose optimizer states live on the host: "inductor" compiles one
+    # vectorized pass per chunk (upcast, step and cast back fused; a few seconds once), "eager" uses
+    # torch._fused_adamw_, "auto" compiles for chunks of 1M+ elements (docs/host-optimizer.md)
+    optimizer_kernel: HostKernel | HostKernelName = HostKernel.AUTO
+    # threads of the host update ("inductor" kernel; None: torch.get_num_threads() when it compiles)
+    optimizer_threads: int | None = None
 
     def __post_init__(self):
         dev = self._check_device()
@@ -160,6 +167,11 @@ class Config:
                              "time by farthest next use (planner='belady'); use mode='compiled'")
         set_("collectives", _choice(self.collectives, Collectives, "collectives", "is not supported"))
         set_("activations", _choice(self.activations, Activations, "activations", "is not a policy"))
+        set_("optimizer_kernel", _choice(self.optimizer_kernel, HostKernel, "optimizer_kernel", "is not a kernel"))
+        t = self.optimizer_threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"optimizer_threads={t!r} must be a positive int (threads of the host optimizer "
+                             "update) or None (torch.get_num_threads())")
         if self.activations in (Activations.RECOMPUTE, Activations.OFFLOAD) and self.mode != Mode.COMPILED:
             raise ValueError(f"activations={str(self.activations)!r} is planned in compiled mode's graph; in mode='hooks' "
                              "wrap the model's blocks in torch.utils.checkpoint (or torch.autograd.graph."

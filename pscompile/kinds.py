@@ -1,5 +1,5 @@
 """The names the compiler and the runtimes compare: the choices of ``Config`` (mode, backend,
-residency planner, activation policy, ZeRO collectives), memory-op kinds, run kinds, phases, moments.
+residency planner, activation policy, ZeRO collectives, host optimizer kernel), memory-op kinds, run kinds, phases, moments.
 
 They are ``str`` enums, so a value prints and serialises as its plain name (``"fetch"``) and
 compares equal to it, while code that branches on a kind names the enum member.
@@ -121,6 +121,14 @@ class Activations(StrEnum):
     KEEP = "keep"
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
+
+
+class HostKernel(StrEnum):
+    """Which kernel updates the chunks whose optimizer states live on the host."""
+
+    AUTO = "auto"            # the compiled kernel for chunks of at least 1M elements, else torch's fused
+    INDUCTOR = "inductor"    # one Inductor-generated pass per chunk (optim/host_kernel.py)
+    EAGER = "eager"          # torch._fused_adamw_ (16-bit gradients: upcast, step, cast back per block)
 
 
 class Collectives(StrEnum):

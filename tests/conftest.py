@@ -94,8 +94,9 @@ def make_batches(kind: str, n: int, *, distinct: int = 2, **kw):
 
 
 def run_parity(kind: str, dtype: torch.dtype, *, steps: int, device_memory=None, chunk_size=2048,
-               hp: pscompile.AdamW | None = None, overrides=None):
-    """Train the same model with plain PyTorch and with hooks mode, step by step, same seeds.
+               hp: pscompile.AdamW | None = None, overrides=None, config_kw: dict | None = None):
+    """Train the same model with plain PyTorch and with hooks mode, step by step, same seeds
+    (``config_kw``: more ``Config`` fields).
 
     Returns (reference losses, engine losses, per-step stats, engine, reference)."""
     overrides = overrides or {}
@@ -105,7 +106,7 @@ def run_parity(kind: str, dtype: torch.dtype, *, steps: int, device_memory=None,
     engine = pscompile.compile(
         make_model(kind, **overrides), batches[0], optimizer=hp,
         config=pscompile.Config(mode="hooks", device="cpu", dtype=dtype, device_memory=device_memory,
-                                chunk_size=chunk_size))
+                                chunk_size=chunk_size, **(config_kw or {})))
     ref_losses, eng_losses, stats = [], [], []
     for i, b in enumerate(batches):
         torch.manual_seed(100 + i)

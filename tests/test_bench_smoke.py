@@ -455,3 +455,20 @@ def test_checkpoint_quick_streams_within_one_chunk(tmp_path):
         r = rows[op]                           # tier's one-chunk cache: a chunk or two, never the state
         assert r["chunks_on_disk"] >= r["num_chunks"] - 1 and r["file_bytes"] <= 1.05 * r["state_bytes"], r
         assert r["extra_peak_bytes"] <= 2 * r["chunk_state_bytes"] + (2 << 20), r
+
+
+def test_host_adamw_quick(tmp_path):
+    """bench/host_adamw.py --quick: every candidate at 1 and 2 threads in fp32 and bf16, each ending
+    where torch's fused AdamW ends (same steps, same gradients), against a measured bound."""
+    out = tmp_path / "host_adamw.json"
+    proc = _run("host_adamw.py", "--quick", "--markdown", "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    got = {(r["method"], r["dtype"], r["threads"]) for r in rows}
+    for m in ("pscompile, inductor", "pscompile, eager", "torch AdamW(fused=True)"):
+        for d in ("float32", "bfloat16"):
+            assert {(m, d, 1), (m, d, 2)} <= got, (m, d, got)
+    for r in rows:
+        assert r["max_diff_vs_torch"] < 1e-5, r
+        assert r["bound_gb_s"] > 0 and r["fraction_of_bound"] > 0
+    assert "| pscompile, inductor" in proc.stdout

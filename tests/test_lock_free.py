@@ -73,12 +73,15 @@ def test_steps_read_exactly_the_updates_the_staleness_bound_allows(mode, stalene
     assert not _update_threads()
 
 
-def test_bf16_tracks_delayed_gradient_pytorch():
+@pytest.mark.parametrize("kernel", ["eager", "inductor"])
+def test_bf16_tracks_delayed_gradient_pytorch(kernel):
+    """Both host kernels (the compiled one writes the next params' cast in its own pass)."""
     steps, mode = 5, "hooks"
     batches = make_batches("gpt", steps)
     ref = ReferenceTrainer(make_model("gpt"), optimizer=HP, dtype=torch.bfloat16, staleness=1)
     engine = pscompile.compile(make_model("gpt"), batches[0], optimizer=HP,
-                               config=_config(mode, _budget(mode, torch.bfloat16), dtype=torch.bfloat16))
+                               config=_config(mode, _budget(mode, torch.bfloat16), dtype=torch.bfloat16,
+                                              optimizer_kernel=kernel))
     for t, b in enumerate(batches):
         want, got = ref.step(b), engine.step(b)
         assert abs(want - got) <= 2e-2 * abs(want), f"step {t}: {want} vs {got}"
@@ -86,6 +89,7 @@ def test_bf16_tracks_delayed_gradient_pytorch():
     # the gradient reaches the fp32 buffer exactly (one micro-batch), as plain PyTorch upcasts it
     worst, name = tracking_of(engine.state_dict()["master"], ref, fresh_masters("gpt", torch.bfloat16))
     assert worst <= TRACKING_TOL_BF16_ACCUMULATION, f"{name}: {worst:.3g}"
+    assert bool(engine.adam.kernels._compiled) == (kernel == "inductor")
 
 
 class _Boom(Exception):

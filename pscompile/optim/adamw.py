@@ -11,6 +11,9 @@ reused fp32 buffer, the kernel, the new master cast back, each block while it is
 kernel is elementwise, so blocks give the same bits as one call. Padding is zero in every list and
 stays zero.
 
+On the host, a chunk of one parameter group can instead go through one compiled pass that fuses
+the upcast, the update and the cast back (``optim/host_kernel.py``; ``Config.optimizer_kernel``).
+
 Parameters that received no gradient this step are left exactly as they were, as
 ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pscompile.config import AdamW
+from pscompile.optim.host_kernel import HostKernels, coefficients
 
 
 @dataclass
@@ -102,9 +106,11 @@ class ChunkAdamW:
     """The update rule, applied to one chunk at a time; holds the step counter and the
     hyper-parameters of each parameter group (``hps[g]``)."""
 
-    def __init__(self, hps: AdamW | list[AdamW], *, blocked: bool | None = None):
+    def __init__(self, hps: AdamW | list[AdamW], *, blocked: bool | None = None,
+                 kernels: HostKernels | None = None):
         self.hps = [hps] if isinstance(hps, AdamW) else list(hps)
         self.blocked = blocked      # 16-bit updates in cache-sized blocks (None: on the CPU only)
+        self.kernels = kernels      # the compiled host kernels (None: torch._fused_adamw_ only)
         self.step_count = 0
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
         self._scratches: dict[torch.device, torch.Tensor] = {}    # one block's fp32 gradient
@@ -146,6 +152,16 @@ class ChunkAdamW:
         step = [self._step_tensor(master.device)]
         if groups is None:
             groups = [(len(hps) - 1, None)]
+        if (self.kernels is not None and len(groups) == 1 and groups[0][1] is None
+                and self.kernels.wanted(master, src, param, grad_factor)):
+            hp = hps[groups[0][0]]
+            self.kernels.update(src, master, exp_avg, exp_avg_sq, hp, coefficients(hp, self.step_count, grad_factor),
+                                param)
+            self._restore(saved, master, exp_avg, exp_avg_sq)
+            if param is not None:                 # the frozen ranges' params: their masters' cast
+                for o, n, *_ in saved:
+                    param[o:o + n].copy_(master[o:o + n])
+            return
         groups = [(g, [(0, master.numel())] if ranges is None else ranges) for g, ranges in groups]
         if src.dtype == torch.float32:                      # no upcast: whole ranges, one kernel call per group
             if grad_factor != 1.0:

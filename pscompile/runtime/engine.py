@@ -38,6 +38,7 @@ from pscompile.memory.copy_engines import make_copy_engine
 from pscompile.memory.tiers import Link, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
+from pscompile.optim.host_kernel import HostKernels
 from pscompile.optim.groups import resolve_groups
 from pscompile.runtime.groups import GroupControl
 from pscompile.runtime.model_access import ModelAccess
@@ -119,7 +120,8 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
         with torch.no_grad():
             self._load_into_chunks()
-        self.adam = ChunkAdamW(list(self.groups.hps))
+        self.adam = ChunkAdamW(list(self.groups.hps),
+                               kernels=HostKernels(config.optimizer_kernel, config.optimizer_threads))
         self._make_optimizer()             # engine.optimizer: the groups for torch's LR schedulers
         self._chunk_groups_cache: dict[int, list] = {}
         self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)

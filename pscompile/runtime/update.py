@@ -130,11 +130,11 @@ class ChunkUpdate:
                     if k < len(on_disk) and self.disk_prefetch:
                         store.stage(on_disk[k])
                     store.master[c], store.exp_avg[c], store.exp_avg_sq[c] = store.disk.take(c)
-                self.adam.update_chunk(None, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
+                # the next params get the new masters' cast in the same pass (the compiled kernel)
+                self.adam.update_chunk(self._next_params[c], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
                                        grad_factor=job.factor, frozen=frozen, grad=job.grads[c], groups=groups,
                                        hps=job.hps)
                 job.grads[c].zero_()
-                self._next_params[c].copy_(store.master[c])
                 if disk:
                     store.disk.write_back(c, [store.master[c], store.exp_avg[c], store.exp_avg_sq[c]])
                     store.master[c] = store.exp_avg[c] = store.exp_avg_sq[c] = torch.empty(0)

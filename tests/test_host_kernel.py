@@ -1,0 +1,105 @@
+"""The compiled host AdamW kernel (optim/host_kernel.py): the same update as torch's fused AdamW on
+the same numbers, for every gradient/param dtype pair and thread count it is compiled for, frozen
+ranges and padding kept; and an engine that uses it tracks plain PyTorch."""
+
+import pytest
+import torch
+
+import pscompile
+from conftest import fresh_masters, run_parity, tracking_tol, worst_tracking
+from pscompile.config import AdamW
+from pscompile.optim.adamw import ChunkAdamW
+from pscompile.optim.host_kernel import HostKernels
+
+HP = AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+N = 4096 + 64          # a chunk; the last 64 elements are padding
+
+
+def _chunks(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(N, generator=g)
+    master[-64:] = 0
+    return master, torch.zeros(N), torch.zeros(N)
+
+
+def _grads(dtype: torch.dtype, step: int) -> torch.Tensor:
+    g = torch.randn(N, generator=torch.Generator().manual_seed(100 + step)) * 1e-2
+    g[-64:] = 0
+    return g.to(dtype)
+
+
+# (param dtype, where the gradient is): "param" (it overwrote the param chunk), "acc" (an fp32
+# accumulation buffer, the params kept), "shared" (fp32: the master is the param chunk)
+CASES = [(torch.bfloat16, "param"), (torch.float16, "param"), (torch.bfloat16, "acc"), (torch.float32, "shared")]
+
+
+@pytest.mark.parametrize("dtype,where", CASES, ids=[f"{str(d)[6:]}-{w}" for d, w in CASES])
+def test_kernel_matches_fused_adamw(dtype, where):
+    """Three steps with a loss-scale factor and frozen ranges, against ChunkAdamW's eager path
+    (``torch._fused_adamw_``, checked against torch.optim.AdamW in test_optimizer.py)."""
+    runs = []
+    for kernels in (None, HostKernels("inductor")):
+        adam = ChunkAdamW(HP, kernels=kernels)
+        master, ea, eas = _chunks(0)
+        param = None if where == "shared" else master.to(dtype)
+        for step in range(3):
+            grad = _grads(torch.float32 if where != "param" else dtype, step)
+            if where == "param":
+                param.copy_(grad)
+            adam.begin_step()
+            adam.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30), (2000, 7)],
+                              grad=None if where == "param" else grad)
+            if param is not None:
+                assert torch.equal(param, master.to(dtype))      # every element: its master's cast
+        runs.append((master, ea, eas))
+    master0 = _chunks(0)[0]
+    for ours, ref in zip(runs[1], runs[0]):
+        torch.testing.assert_close(ours, ref, rtol=2e-6, atol=1e-7)
+    ours = runs[1][0]
+    assert torch.equal(ours[100:130], master0[100:130]) and torch.equal(ours[2000:2007], master0[2000:2007])
+    assert torch.count_nonzero(torch.cat([t[-64:] for t in runs[1]])) == 0     # padding stays zero
+    assert not torch.equal(ours[:100], master0[:100])
+
+
+def test_kernel_thread_counts_agree():
+    """One and two OpenMP threads compiled in: the same bits (the kernel is elementwise)."""
+    outs = []
+    for threads in (1, 2):
+        adam = ChunkAdamW(HP, kernels=HostKernels("inductor", threads=threads))
+        master, ea, eas = _chunks(1)
+        param = _grads(torch.bfloat16, 0)
+        adam.begin_step()
+        adam.update_chunk(param, master, ea, eas, grad_factor=1.0, frozen=[])
+        outs.append((param, master, ea, eas))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_the_kernel_runs_where_it_saves_a_pass():
+    """"auto": chunks of 1M+ elements only; never for an fp32 gradient into a master that is the
+    param chunk with no factor (torch's fused kernel is one pass already)."""
+    big, small = torch.empty(1 << 20), torch.empty(4096)
+    bf = torch.empty(1 << 20, dtype=torch.bfloat16)
+    auto = HostKernels("auto")
+    assert auto.wanted(big, bf, bf, 1.0) and not auto.wanted(small, bf[:4096], bf[:4096], 1.0)
+    assert not auto.wanted(big, big, None, 1.0) and auto.wanted(big, big, None, 0.5)
+    assert not HostKernels("eager").wanted(big, bf, bf, 1.0)
+    assert HostKernels("inductor").wanted(small, small, small, 1.0)
+
+
+def test_bad_kernel_choices_are_refused():
+    with pytest.raises(ValueError, match="optimizer_kernel="):
+        pscompile.Config(device="cpu", optimizer_kernel="avx")
+    with pytest.raises(ValueError, match="optimizer_threads="):
+        pscompile.Config(device="cpu", optimizer_threads=0)
+
+
+def test_engine_with_the_kernel_tracks_plain_pytorch(tight_budget):
+    """bf16 under a budget that forces eviction: every chunk updated by the compiled kernel."""
+    dtype = torch.bfloat16
+    ref_l, ours_l, _, engine, ref = run_parity("gpt", dtype, steps=6, device_memory=tight_budget("gpt", dtype),
+                                               config_kw=dict(optimizer_kernel="inductor"))
+    assert len(engine.adam.kernels._compiled) >= 1           # the kernel ran
+    worst, name = worst_tracking(engine, ref, fresh_masters("gpt", dtype))
+    assert worst < tracking_tol(dtype), (worst, name)
+    for a, b in zip(ref_l, ours_l):
+        assert abs(a - b) < 2e-2 * abs(a)
