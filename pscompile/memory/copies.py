@@ -167,6 +167,8 @@ class ThreadCopies(CopyEngine):
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pending: list[Future] = []
         self._last: dict[str, Future | None] = dict.fromkeys(DIRECTIONS)
+        self._landed: Future = Future()        # the handle of every inline copy that succeeded
+        self._landed.set_result(None)          # (a Future costs a lock and a condition to make)
 
     def submit(self, dst, src, direction, *, after=None, activation=False, counted=False, node=None) -> Copy:
         _check_direction(direction)
@@ -175,11 +177,11 @@ class ThreadCopies(CopyEngine):
                 and src.device.type == "cpu" and dst.device.type == "cpu"
                 and (last is None or last.done()) and (wait_for is None or wait_for.done())):
             # every earlier copy it follows is done, so running it here keeps the order
-            fut: Future = Future()
+            fut: Future = self._landed
             try:
                 self.link.copy(dst, src, direction, activation, counted=counted)
-                fut.set_result(None)
             except BaseException as e:         # noqa: BLE001 -- raised where the caller waits
+                fut = Future()
                 fut.set_exception(e)
             del dst, src
             return _FutureCopy(fut, node)
