@@ -256,6 +256,9 @@ def _emit(graph: fx.Graph, a, op: "_Operands") -> None:
     elif a.kind == MemKind.DISK_READ:
         node = graph.call_function(torch.ops.pscompile.disk_read.default, (hosts[a.chunk],))
         mem = MemOp(MemKind.DISK_READ, a.chunk, None, "disk", "host", a.nbytes)
+    elif a.kind == MemKind.UPDATE:
+        node = graph.call_function(torch.ops.pscompile.update.default, (hosts[a.chunk],))
+        mem = MemOp(MemKind.UPDATE, a.chunk, None, "host", "host", 0)
     elif a.kind == MemKind.DROP:
         node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
         del resident[a.chunk]

@@ -17,6 +17,9 @@
   (or, for a warm run, the residency its plan promises the next run), none of the others dirty;
 - a chunk whose parameters live on disk is read (``disk_read``) before each of its fetches, and at
   most ``disk_depth`` such reads are waiting for their fetch at any node (the staging buffers);
+- a chunk's ``update`` (``plan_early_updates``) comes once, with its gradients home (none left in
+  its slot), and after it nothing reads the chunk and no memory node but its drop touches it (its
+  update reads and writes the host copy from then on);
 - ZeRO (``world > 1``): an allgather fills a free slot and its release_remote empties it (the
   pair brackets every read of the group: a remote shard is read only while gathered); gradients
   go into the gathered group only, before its reduce_scatter; every group that receives a
@@ -111,6 +114,7 @@ class _Replay:
         self.disk_chunks: frozenset[int] = frozenset()
         self.disk_depth = 0
         self.staged: list[int] = []     # chunks read from disk and not fetched yet
+        self.updated: set[int] = set()  # chunks whose update started (plan_early_updates)
 
     # ---- memory nodes ----------------------------------------------------------------------
     def memory_node(self, node: fx.Node) -> None:
@@ -123,7 +127,11 @@ class _Replay:
             where = "sharded over " + str(self.world) + " ranks" if self.sharded else "of one rank"
             _fail(node, f"{mem.kind} in a schedule {where}; chunks arrive by {self.arrive}, leave by "
                         f"{self.leave} and reduce by {self.reduce_kind} here")
-        if mem.kind == MemKind.DISK_READ:
+        if mem.chunk in self.updated and not mem.kind.leaves:
+            _fail(node, f"{mem.kind} of chunk {mem.chunk} after its update started on the host")
+        if mem.kind == MemKind.UPDATE:
+            self._update(node, mem)
+        elif mem.kind == MemKind.DISK_READ:
             self._disk_read(node, mem)
         elif mem.kind.arrives:
             self._arrive(node, mem)
@@ -170,6 +178,12 @@ class _Replay:
                 _fail(node, f"fetch of chunk {mem.chunk}, whose parameters live on disk, without a disk_read "
                             "of it since its last fetch")
             self.staged.remove(mem.chunk)
+
+    def _update(self, node: fx.Node, mem) -> None:
+        if mem.chunk in self.dirty or self.host_of.get(node.args[0]) != mem.chunk:
+            _fail(node, f"update of chunk {mem.chunk} while its gradients are on the device, or with another "
+                        "host chunk")
+        self.updated.add(mem.chunk)
 
     def _disk_read(self, node: fx.Node, mem) -> None:
         if mem.chunk not in self.disk_chunks or self.host_of.get(node.args[0]) != mem.chunk:
@@ -261,6 +275,8 @@ class _Replay:
                 _fail(node, f"reads {pfqn} from slot {slot}, which holds {holds.get(slot)}, not its chunk {p.chunk}")
             if slot in self.pending:
                 _fail(node, f"reads {pfqn} from slot {slot} before the wait for its asynchronous fetch")
+            if p.chunk in self.updated:
+                _fail(node, f"reads {pfqn} after chunk {p.chunk}'s update started on the host")
             if tuple(node.args[1:4]) != (0, p.chunk_offset, p.chunk_offset + p.numel):
                 _fail(node, f"reads {pfqn} at elements {tuple(node.args[2:4])}, layout says "
                             f"{(p.chunk_offset, p.chunk_offset + p.numel)}")

@@ -34,6 +34,8 @@ class MemKind(StrEnum):
     BROADCAST = "broadcast"              # ZeRO per chunk: the owner's chunk host -> its slot -> every rank
     REDUCE = "reduce"                    # ZeRO per chunk: the chunk's gradients summed into its owner's home
     DISK_READ = "disk_read"              # a chunk homed on disk: disk -> a host staging buffer, ahead of its fetch
+    UPDATE = "update"                    # a chunk's gradients are final on the host: its AdamW update starts
+                                         # on a host thread while the backward goes on (plan_early_updates)
     OFFLOAD = "offload"                  # a saved activation: device -> host, after its last forward use
     RELOAD = "reload"                    # ... and host -> device, before its first backward use
 

@@ -472,3 +472,16 @@ def test_host_adamw_quick(tmp_path):
         assert r["max_diff_vs_torch"] < 1e-5, r
         assert r["bound_gb_s"] > 0 and r["fraction_of_bound"] > 0
     assert "| pscompile, inductor" in proc.stdout
+
+
+def test_overlap_update_quick(tmp_path):
+    """bench/overlap_update.py --quick: both engines trained the same batches to bit-identical
+    losses, the overlapped one updated chunks in the backward (update nodes in its schedule)."""
+    out = tmp_path / "overlap.json"
+    _run("overlap_update.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    after, during = res["rows"]
+    assert res["identical"] and not after["overlap_update"] and during["overlap_update"]
+    assert after["early_chunks"] == after["update_nodes"] == 0
+    assert 0 < during["early_chunks"] <= during["update_nodes"] <= during["chunks"]
+    assert during["peak_host"] > after["peak_host"]            # the spare buffers

@@ -74,16 +74,13 @@ def test_kernel_thread_counts_agree():
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_the_kernel_runs_where_it_saves_a_pass():
-    """"auto": chunks of 1M+ elements only; never for an fp32 gradient into a master that is the
-    param chunk with no factor (torch's fused kernel is one pass already)."""
+def test_the_kernel_runs_for_large_host_chunks():
+    """"auto": host chunks of 1M+ elements only; "eager" never; "inductor" always."""
     big, small = torch.empty(1 << 20), torch.empty(4096)
-    bf = torch.empty(1 << 20, dtype=torch.bfloat16)
     auto = HostKernels("auto")
-    assert auto.wanted(big, bf, bf, 1.0) and not auto.wanted(small, bf[:4096], bf[:4096], 1.0)
-    assert not auto.wanted(big, big, None, 1.0) and auto.wanted(big, big, None, 0.5)
-    assert not HostKernels("eager").wanted(big, bf, bf, 1.0)
-    assert HostKernels("inductor").wanted(small, small, small, 1.0)
+    assert auto.wanted(big) and not auto.wanted(small)
+    assert not HostKernels("eager").wanted(big)
+    assert HostKernels("inductor").wanted(small)
 
 
 def test_bad_kernel_choices_are_refused():
@@ -103,3 +100,26 @@ def test_engine_with_the_kernel_tracks_plain_pytorch(tight_budget):
     assert worst < tracking_tol(dtype), (worst, name)
     for a, b in zip(ref_l, ours_l):
         assert abs(a - b) < 2e-2 * abs(a)
+
+
+def test_out_of_place_kernel_equals_in_place():
+    """``update_chunk_out`` (an update in the backward, on a thread: the kernel compiled to let go
+    of the GIL) writes the same bits into the spare buffers as ``update_chunk`` does in place, and
+    leaves what it read as it was."""
+    adam_in, adam_out = (ChunkAdamW(HP, kernels=HostKernels("inductor")) for _ in range(2))
+    master, ea, eas = _chunks(2)
+    ea.normal_().abs_().mul_(1e-3)
+    eas.normal_().abs_().mul_(1e-6)
+    grad = _grads(torch.bfloat16, 0)
+    before = [t.clone() for t in (grad, master, ea, eas)]
+    spares = tuple(torch.empty(N) for _ in range(3))
+    param_out = torch.empty(N, dtype=torch.bfloat16)
+    for adam in (adam_in, adam_out):
+        adam.begin_step()
+    adam_out.update_chunk_out(param_out, master, ea, eas, spares, grad=grad, grad_factor=0.5, frozen=[(100, 30)])
+    assert all(torch.equal(a, b) for a, b in zip((grad, master, ea, eas), before))
+    param = grad.clone()
+    adam_in.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30)])
+    assert torch.equal(param_out, param)
+    assert all(torch.equal(a, b) for a, b in zip(spares, (master, ea, eas)))
+    assert any(k[0] == "out_to" and k[-1] for k in adam_out.kernels._compiled)     # the background kernel ran

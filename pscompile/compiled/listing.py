@@ -101,6 +101,9 @@ def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
         return f"writeback chunk {mem.chunk} <- slot {mem.slot} ({mem.src}->{mem.dst}), {b}"
     if mem.kind == MemKind.DROP:
         return f"evict chunk {mem.chunk} from slot {mem.slot} (device, slot freed), {b} moved"
+    if mem.kind == MemKind.UPDATE:
+        return (f"update chunk {mem.chunk}: its AdamW step starts on a host thread while the backward "
+                f"goes on, {b} moved")
     if mem.kind == MemKind.ACCUMULATE_GRAD:
         early = ", async: the gradient lives until its wait" if mem.asynchronous else ""
         return (f"accumulate_grad {mem.fqn} += into the fp32 accumulation buffer of chunk {mem.chunk} "

@@ -133,6 +133,8 @@ class MemoryMoves:
         if mem.kind == MemKind.DISK_READ:       # (disk_prefetch False: each read when its fetch needs it)
             if self.disk_prefetch:
                 store.read_ahead(mem.chunk)
+        elif mem.kind == MemKind.UPDATE:        # its writeback was the chunk's last move: its update starts
+            self._start_update(mem.chunk, self._homing.get(mem.chunk), self._written)
         elif mem.kind == MemKind.FETCH:
             slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
             self._allocate_slot(mem.slot)

@@ -93,6 +93,7 @@ class CompiledPlanning:
         request = PlanRequest(self.budget, self.dtype, kind, self.world, self.rank, self.per_chunk,
                               planner=self.config.planner, measured=measured, start=start,
                               lookahead=self._overlaps_update and measured,
+                              early_updates=self._early_update_limit if kind is RunKind.TRAIN else 0,
                               param_disk_chunks=len(self.param_disk_chunks))
         sched = plan_at_budget(analyzed, self.layout, request, nonmodel=nonmodel, memory=self._device_memory())
         log.info("pscompile: planned the %s schedule (%s non-model memory, peak %s) in %d device slots: %d fetches, "
@@ -105,6 +106,17 @@ class CompiledPlanning:
             while len(self._slots) <= max((k for _, k in sched.lookahead.fetches), default=-1):
                 self._slots.append(self._empty_slot())
         return sched
+
+    @property
+    def _early_update_limit(self) -> int:
+        """How many chunks' updates may start in the backward (``plan_early_updates``): one rank,
+        synchronous updates, no disk tier, ``Config.overlap_update``; as many as half the host's
+        spare room (``host_room``) holds undo copies of (master, moments and gradient buffer)."""
+        if (not self.config.overlap_update or self.world > 1 or self.updater is not None or self.param_disk_chunks
+                or any(t is Tier.DISK for t in self.store.os_tier)):
+            return 0
+        undo_bytes = self.store.os_chunk_bytes + self.store.home_numel * 4
+        return min(self.layout.num_chunks, self.host_room // (2 * undo_bytes))
 
     @property
     def _overlaps_update(self) -> bool:

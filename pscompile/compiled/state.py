@@ -183,6 +183,7 @@ class CompiledState:
     def _recover(self, *, restore: bool = True) -> None:
         """After a failed graph run: undo stored gradients (``restore``; accumulation leaves the
         parameters intact), put slots back to the plan's start."""
+        self.early.undo()              # (chunks updated in the backward get their masters back first)
         touched = {c for f in self._written for c in self.layout.entry(f).chunks} if restore else set()
         for k, c in list(self._slot_chunk.items()):
             if not self.store.device_homed(c):

@@ -10,6 +10,9 @@ is an ordinary FX graph: it prints, runs eagerly, and passes to torch.compile.
     disk_read(host)                    staging <- disk         a chunk homed on disk is read into a host
                                                                staging buffer, ahead of its fetch (the
                                                                fetch then copies from there)
+    update(host)                       (on the host)           the chunk's gradients are final at home:
+                                                               its AdamW update starts on a host thread
+                                                               while the backward goes on
     store_grad(dest!, grad, offset, start=0, numel=-1)
                                        dest[offset:] <- grad   a gradient overwrites its parameter's chunk space
                                                                (a page: elements start.. of the flattened
@@ -92,6 +95,16 @@ def disk_read(host: Tensor) -> None:
 
 
 @disk_read.register_fake
+def _(host):
+    return None
+
+
+@torch.library.custom_op("pscompile::update", mutates_args=())
+def update(host: Tensor) -> None:
+    return None               # (eager: the engine starts the chunk's update on its host thread)
+
+
+@update.register_fake
 def _(host):
     return None
 
@@ -312,7 +325,7 @@ MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.d
               torch.ops.pscompile.allgather.default, torch.ops.pscompile.release_remote.default,
               torch.ops.pscompile.reduce_scatter.default, torch.ops.pscompile.broadcast.default,
               torch.ops.pscompile.reduce.default, torch.ops.pscompile.wait_grad.default,
-              torch.ops.pscompile.disk_read.default)
+              torch.ops.pscompile.disk_read.default, torch.ops.pscompile.update.default)
 for _op in MEMORY_OPS:
     torch.fx.has_side_effect(_op)
 
@@ -333,6 +346,8 @@ class MemOp:
     world: int = 1       # ranks the chunk (a communication group) is sharded over
 
     def describe(self) -> str:
+        if self.kind == MemKind.UPDATE:
+            return f"update chunk {self.chunk} (its AdamW step starts on the host, the backward goes on)"
         where = f"slot {self.slot}" if self.slot is not None else "host"
         extra = f" {self.fqn}" if self.fqn else (" async" if self.asynchronous else "")
         unit = "group" if self.world > 1 else "chunk"

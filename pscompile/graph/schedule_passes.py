@@ -19,6 +19,8 @@ record carries and the printed schedule lists. Adding a pass is one function and
     overlap_grad_copies  (a measured micro-batch of accumulation) each gradient's copy to the host
                          runs while later nodes compute; the gradient held until its wait
     plan_lookahead       (training, host-updated chunks) the chunks fetched for the next step
+    plan_early_updates   (training, host-updated chunks) an update node after each chunk's last drop
+                         in the backward: its AdamW step starts while the backward goes on
     insert_memory_ops    the scheduled graph: memory nodes, parameters read as slot views
     verify_schedule      the invariants, replayed symbolically
 """
@@ -52,6 +54,7 @@ from pscompile.memory.layout import ChunkLayout
 from pscompile.passes.insert_memory_ops import insert_memory_ops
 from pscompile.passes.overlap_grad_copies import overlap_grad_copies
 from pscompile.passes.plan_disk_reads import plan_disk_reads
+from pscompile.passes.plan_early_updates import plan_early_updates
 from pscompile.passes.plan_lookahead import Lookahead, plan_lookahead
 from pscompile.passes.plan_residency import GradStore, ResidencyPlan, plan_residency
 from pscompile.passes.prefetch_fetches import prefetch_fetches
@@ -72,7 +75,8 @@ class PlanRequest:
     (no graph; for weighing plans by their traffic). ``device_states``: optimizer states may live
     on the device (False: every chunk's are on the host or disk, as with parameters on disk).
     ``device_homes``: how many of this rank's first chunks (ZeRO: its shards of the first groups,
-    or the first chunks it owns) are homed on the device because the host cannot hold them."""
+    or the first chunks it owns) are homed on the device because the host cannot hold them.
+    ``early_updates``: the most chunks whose update starts in the backward (``plan_early_updates``)."""
 
     budget: int | None
     dtype: torch.dtype
@@ -90,6 +94,8 @@ class PlanRequest:
     device_states: bool = True
     device_homes: int = 0
     param_disk_chunks: int = 0     # one rank: how many of the last chunks keep their parameters on disk
+    early_updates: int = 0         # training, one rank, host states: at most this many chunks' updates
+                                   # start in the backward (plan_early_updates; 0: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RunKind(self.kind))
@@ -240,6 +246,21 @@ def _disk_reads(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str
     return replace(s, plan=plan), f"plan_disk_reads: {reads} disk reads, {DISK_READ_DEPTH} fetches ahead"
 
 
+def _early_updates(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
+    m = x.memory
+    host = frozenset(range(x.layout.num_chunks)) - m.os_device_chunks - m.param_disk
+    last_use: dict[int, int] = {}
+    for i, chunks in enumerate(node_reads(x.analyzed.captured, x.layout)):
+        for c in chunks:
+            last_use[c] = i
+    for i, stores in x.stores.items():           # (a gradient is stored right after node i)
+        for g in stores:
+            last_use[g.chunk] = max(last_use.get(g.chunk, -1), i)
+    plan = plan_early_updates(s.plan, host, last_use, limit=x.request.early_updates)
+    n = sum(1 for a in plan.actions if a.kind == MemKind.UPDATE)
+    return replace(s, plan=plan), f"plan_early_updates: {n} chunks updated while the backward goes on"
+
+
 def _insert(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
     captured, m = x.analyzed.captured, x.memory
     gm = insert_memory_ops(captured.gm, s.plan, x.layout, param_fqns=captured.param_fqns,
@@ -268,6 +289,8 @@ SCHEDULE_PASSES: tuple[SchedulePass, ...] = (
     SchedulePass("overlap_grad_copies", _overlap_grads, lambda r: r.kind is RunKind.ACCUM and r.measured),
     SchedulePass("plan_lookahead", _lookahead, lambda r: r.lookahead and r.kind is RunKind.TRAIN),
     SchedulePass("plan_disk_reads", _disk_reads, lambda r: r.param_disk_chunks > 0),
+    SchedulePass("plan_early_updates", _early_updates,
+                 lambda r: r.early_updates > 0 and r.kind is RunKind.TRAIN and r.world == 1),
     SchedulePass("insert_memory_ops", _insert, lambda r: not r.plan_only),
     SchedulePass("verify_schedule", _verify, lambda r: not r.plan_only),
 )

@@ -124,6 +124,12 @@ class ChunkAdamW:
         for t in self._step_tensors.values():
             t.fill_(self.step_count)
 
+    def undo_step(self) -> None:
+        """Take back ``begin_step`` (a step whose early updates were undone)."""
+        self.step_count -= 1
+        for t in self._step_tensors.values():
+            t.fill_(self.step_count)
+
     def _step_tensor(self, device: torch.device) -> torch.Tensor:
         t = self._step_tensors.get(device)
         if t is None:
@@ -134,7 +140,7 @@ class ChunkAdamW:
                      exp_avg_sq: torch.Tensor, *, grad_factor: float,
                      frozen: list[tuple[int, int]], grad: torch.Tensor | None = None,
                      groups: list[tuple[int, list[tuple[int, int]] | None]] | None = None,
-                     hps: tuple[AdamW, ...] | None = None) -> None:
+                     hps: tuple[AdamW, ...] | None = None, background: bool = False) -> None:
         """Update one chunk in place. ``param`` holds the gradient on entry (unless ``grad``, e.g.
         an fp32 accumulation chunk, is given), new params on exit; None leaves the params to the
         caller (lock-free updating publishes them later).
@@ -144,6 +150,7 @@ class ChunkAdamW:
         ``groups`` lists each group's index and its (offset, numel) ranges in this chunk (None: the
         whole chunk); None updates the whole chunk with ``hp`` (the last group). ``hps`` replaces
         the groups' hyper-parameters (a queued update keeps the values of the step it belongs to).
+        ``background``: called on a thread beside the compute (``HostKernels.update``).
         """
         hps = self.hps if hps is None else hps
         src = param if grad is None else grad               # the gradient, in its own dtype
@@ -153,10 +160,10 @@ class ChunkAdamW:
         if groups is None:
             groups = [(len(hps) - 1, None)]
         if (self.kernels is not None and len(groups) == 1 and groups[0][1] is None
-                and self.kernels.wanted(master, src, param, grad_factor)):
+                and self.kernels.wanted(master)):
             hp = hps[groups[0][0]]
             self.kernels.update(src, master, exp_avg, exp_avg_sq, hp, coefficients(hp, self.step_count, grad_factor),
-                                param)
+                                param, background=background)
             self._restore(saved, master, exp_avg, exp_avg_sq)
             if param is not None:                 # the frozen ranges' params: their masters' cast
                 for o, n, *_ in saved:
@@ -199,6 +206,37 @@ class ChunkAdamW:
             for o, n in [*(r[:2] for r in saved), *_gaps([r for _, ranges in groups for r in ranges],
                                                           master.numel())]:
                 param[o:o + n].copy_(master[o:o + n])
+
+    def update_chunk_out(self, param_out: torch.Tensor | None, master: torch.Tensor, exp_avg: torch.Tensor,
+                         exp_avg_sq: torch.Tensor, states_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
+                         grad: torch.Tensor, grad_factor: float, frozen: list[tuple[int, int]],
+                         groups: list[tuple[int, list[tuple[int, int]] | None]] | None = None) -> None:
+        """``update_chunk`` out of place: the new master and moments go into ``states_out``, the new
+        params into ``param_out`` (None: the master is the param chunk); ``grad``, ``master`` and the
+        moments are left as they were, so the update can be dropped (``runtime/early_update.py``).
+        The same bits as ``update_chunk``; it runs beside the compute (``background``)."""
+        groups_ = [(len(self.hps) - 1, None)] if groups is None else groups
+        mo, eo, vo = states_out
+        # the kernel exactly where ``update_chunk`` would use it: the same bits
+        if (self.kernels is not None and len(groups_) == 1 and groups_[0][1] is None
+                and self.kernels.wanted(master)):
+            hp = self.hps[groups_[0][0]]
+            self.kernels.update(grad, master, exp_avg, exp_avg_sq, hp, coefficients(hp, self.step_count, grad_factor),
+                                param_out, states_out=states_out, background=True)
+            for o, n in frozen:                  # no gradient: the old values, and their params' cast
+                mo[o:o + n].copy_(master[o:o + n])
+                eo[o:o + n].copy_(exp_avg[o:o + n])
+                vo[o:o + n].copy_(exp_avg_sq[o:o + n])
+                if param_out is not None:
+                    param_out[o:o + n].copy_(master[o:o + n])
+            return
+        mo.copy_(master)                         # (the eager path: copies, then the update in place)
+        eo.copy_(exp_avg)
+        vo.copy_(exp_avg_sq)
+        if grad.dtype == torch.float32 and grad_factor != 1.0:
+            grad = grad.clone()                  # (its fp32 path scales the gradient in place)
+        self.update_chunk(param_out, mo, eo, vo, grad_factor=grad_factor, frozen=frozen, grad=grad, groups=groups,
+                          background=True)
 
     @staticmethod
     def _restore(saved, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:

@@ -17,6 +17,12 @@ warm from Inductor's cache); ``Config.host_kernel="auto"`` uses it for chunks of
 ``MIN_KERNEL_NUMEL`` elements, where the compile pays for itself, and ``torch._fused_adamw_``
 below that.
 
+A kernel that runs on a thread beside the compute (lock-free updating, updates in the backward)
+is compiled with Inductor's C++ wrapper, which lets go of the GIL while it runs: the default
+Python binding holds it, which measured as stopping the compute thread's Python (the executor) for
+the whole update. It compiles in about 13 s cold against 4 s, so the main thread's kernels keep
+the default.
+
 On x86 the kernel is generated for 256-bit vectors: with 512-bit vectors Inductor loads and stores
 16-bit tensors half a vector at a time through a bounce buffer, which measured 2x slower here
 (docs/host-optimizer.md); AMD's Zen 4 runs 512-bit arithmetic as two 256-bit halves anyway.
@@ -32,6 +38,7 @@ import math
 from typing import Callable, Literal
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from pscompile.config import AdamW
 
@@ -41,7 +48,7 @@ KernelName = Literal["auto", "inductor", "eager"]
 # (seconds) costs more than the passes it saves in a short run, and tests stay fast
 MIN_KERNEL_NUMEL = 1 << 20
 
-Variant = Literal["plain", "into", "to"]
+Variant = Literal["plain", "into", "to", "out", "out_to"]
 
 
 def coefficients(hp: AdamW, step: int, grad_factor: float) -> torch.Tensor:
@@ -74,10 +81,20 @@ def _write(master, m, v, p2, m2, v2) -> None:
 
 def _function(variant: Variant, out_dtype: torch.dtype | None, b1: float, b2: float, eps: float) -> Callable:
     """The update as an in-place function of its buffers: ``plain`` (grad, master, m, v, c),
-    ``into`` (the grad buffer gets the new master's cast) or ``to`` (an extra ``out`` buffer does)."""
+    ``into`` (the grad buffer gets the new master's cast) or ``to`` (an extra ``out`` buffer does);
+    ``out`` and ``out_to`` write the new master and moments into three more buffers instead (the
+    same bytes move: an early update, ``runtime/early_update.py``)."""
     if variant == "plain":
         def fn(grad, master, m, v, c):
             _write(master, m, v, *_adamw(grad, master, m, v, c, b1, b2, eps))
+    elif variant == "out":                      # out of place: the inputs are left as they were
+        def fn(grad, master, m, v, c, master_out, m_out, v_out):
+            _write(master_out, m_out, v_out, *_adamw(grad, master, m, v, c, b1, b2, eps))
+    elif variant == "out_to":
+        def fn(grad, master, m, v, c, master_out, m_out, v_out, out):
+            p2, m2, v2 = _adamw(grad, master, m, v, c, b1, b2, eps)
+            _write(master_out, m_out, v_out, p2, m2, v2)
+            out.copy_(p2.to(out_dtype))
     elif variant == "into":
         def fn(grad, master, m, v, c):
             p2, m2, v2 = _adamw(grad, master, m, v, c, b1, b2, eps)
@@ -106,38 +123,53 @@ class HostKernels:
         self.threads = threads
         self._compiled: dict[tuple, Callable] = {}
 
-    def wanted(self, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None, grad_factor: float) -> bool:
-        """Whether the kernel updates this chunk: on the host, when it saves a pass -- a 16-bit
-        gradient, a cast into a param chunk, or a factor to multiply the gradient by (an fp32
-        gradient into a master that is the param chunk is one pass of ``torch._fused_adamw_``
-        already, which measured faster than the generated loop)."""
+    def wanted(self, master: torch.Tensor) -> bool:
+        """Whether the kernel updates this chunk (its master): on the host, "inductor", or "auto"
+        and at least ``MIN_KERNEL_NUMEL`` elements. An fp32 gradient into a master that is the
+        param chunk is one pass of ``torch._fused_adamw_`` too (measured 0-6% faster), but only the
+        kernel also updates out of place, which an update in the backward needs without a copy."""
         if master.device.type != "cpu" or self.choice == "eager":
-            return False
-        if grad.dtype == torch.float32 and out is None and grad_factor == 1.0:
             return False
         return self.choice == "inductor" or master.numel() >= MIN_KERNEL_NUMEL
 
     def update(self, grad: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-               hp: AdamW, c: torch.Tensor, out: torch.Tensor | None) -> None:
-        """One chunk's update in place (``c``: ``coefficients``); ``out`` (None, ``grad`` itself,
-        or another buffer) gets the new master in its dtype."""
-        variant = "plain" if out is None else "into" if out is grad else "to"
-        key = (variant, None if out is None else out.dtype, grad.dtype, grad.numel(), *hp.betas, hp.eps)
+               hp: AdamW, c: torch.Tensor, out: torch.Tensor | None,
+               states_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               background: bool = False) -> None:
+        """One chunk's update (``c``: ``coefficients``): in place, or into ``states_out`` (new
+        master and moments; the inputs stay as they were); ``out`` (None, ``grad`` itself, or
+        another buffer) gets the new master in its dtype. ``background``: called on a thread
+        beside the compute (the kernel lets go of the GIL)."""
+        if states_out is not None:
+            variant = "out" if out is None else "out_to"
+        else:
+            variant = "plain" if out is None else "into" if out is grad else "to"
+        key = (variant, None if out is None else out.dtype, grad.dtype, grad.numel(), *hp.betas, hp.eps, background)
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compile(key)
-        args = (grad, master, m, v, c) if key[0] != "to" else (grad, master, m, v, c, out)
-        fn(*args)
+        args = {"plain": (grad, master, m, v, c), "into": (grad, master, m, v, c), "to": (grad, master, m, v, c, out),
+                "out": (grad, master, m, v, c, *(states_out or ())),
+                "out_to": (grad, master, m, v, c, *(states_out or ()), out)}[variant]
+        if _get_current_dispatch_mode() is None:
+            fn(*args)
+            return
+        # host work under a device tracker's dispatch mode (compiled mode's measuring steps): the
+        # tracker has nothing to see in an in-place host kernel, and torch.compile runs under none
+        with _disable_current_modes():
+            fn(*args)
 
     def _compile(self, key: tuple) -> Callable:
         # a GraphModule per kernel: its own code object, so Dynamo's per-function recompile limit
         # never makes several kernels in one process share (and overflow) one cache
-        gm = torch.fx.symbolic_trace(_function(key[0], key[1], *key[4:]))
+        gm = torch.fx.symbolic_trace(_function(key[0], key[1], *key[4:7]))
         options: dict = {}
         if self.threads is not None:
             options["cpp.threads"] = self.threads
         if (simd := _simdlen()) is not None:
             options["cpp.simdlen"] = simd
+        if key[7]:
+            options["cpp_wrapper"] = True            # (lets go of the GIL: the module docstring)
         fn = torch.compile(gm, dynamic=False, fullgraph=True, options=options)
         self._compiled[key] = fn
         return fn

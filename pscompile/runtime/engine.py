@@ -39,6 +39,7 @@ from pscompile.memory.tiers import Link, Traffic
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.host_kernel import HostKernels
+from pscompile.runtime.early_update import EarlyUpdates
 from pscompile.optim.groups import resolve_groups
 from pscompile.runtime.groups import GroupControl
 from pscompile.runtime.model_access import ModelAccess
@@ -122,6 +123,12 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             self._load_into_chunks()
         self.adam = ChunkAdamW(list(self.groups.hps),
                                kernels=HostKernels(config.optimizer_kernel, config.optimizer_threads))
+        # chunk updates that start in the backward (compiled mode's ``update`` nodes), on a host
+        # thread (its pool lets the thread go when the engine is collected; close() joins it)
+        self.early = EarlyUpdates(self.adam, update=self._early_update, grad=self.store.grad_home,
+                                  spare=self.store.spare_home, swap=self.store.swap_home,
+                                  release=self.store.release_spare, shared=self.store.shares_master)
+        self._clipped_last = False            # the last step's gradients were clipped (no guess this step)
         self._make_optimizer()             # engine.optimizer: the groups for torch's LR schedulers
         self._chunk_groups_cache: dict[int, list] = {}
         self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
@@ -249,6 +256,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             except BaseException:            # noqa: BLE001 -- closing goes on; the engine is broken
                 pass
             self.updater.discard()           # (nothing left after a drain) no thread outlives close
+        self.early.close()
         self._detach_from_model()
         self.closed = True
         try:
@@ -386,6 +394,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             self.comm.reset()
         runs: list[MicroRun] = []
         rng = rng_state(self.device)          # a failed step leaves the random numbers where they were
+        # the factor an early update (``update`` nodes) assumes: the loss-scale inverse, no clipping
+        self.early.begin(1.0 / (self._grad_divisor(scale, k) * self.world)
+                         if k == 1 and acc is None and self.updater is None and not self._clipped_last else None)
         try:
             for i, b in enumerate(batches):
                 self._fresh_acc = self.updater is not None and i == 0    # (lock-free buffers are zero)
@@ -396,9 +407,13 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             # ZeRO reduce-scatters sum over ranks: the mean gradient divides by the world size too
             skipped = self._update(runs[-1], written, self._grad_divisor(scale, k) * self.world, acc)
         except BaseException:
-            set_rng_state(self.device, rng)
-            if self.updater is not None:
-                self._abandon_step(acc)
+            try:
+                self.early.undo()             # (the modes' recovery undid any already: then a no-op)
+                set_rng_state(self.device, rng)
+                if self.updater is not None:
+                    self._abandon_step(acc)
+            finally:
+                self.early.release_interrupts()
             raise
         finally:
             if acc is not None and self.updater is None:
@@ -460,7 +475,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _undo_all(self, only: list[bool] | None = None) -> None:
         """Gradients written over parameter chunks are undone (each chunk ``only`` marks, or all):
-        the chunk is made again from its fp32 master. Both modes undo a failed step with it."""
+        the chunk is made again from its fp32 master (a chunk updated early gets its master back
+        first). Both modes undo a failed step with it."""
+        self.early.undo()
         for c in range(self.layout.num_chunks):
             if only is None or only[c]:
                 self.store.restore_from_master(c)

@@ -64,14 +64,31 @@ class ChunkUpdate:
                     for c in range(n)]
         if self.updater is not None:
             return self._queue_update(written, scale, tracker, has_grad, before_update, grads)
+        try:
+            return self._guarded_step(written, scale, tracker, before_update, grads, norm_source, order,
+                                      after_update, has_grad)
+        finally:
+            self.early.release_interrupts()   # a Ctrl-C held back since the first early update
+
+    def _guarded_step(self, written: set[str], scale: float, tracker: NonModelTracker,
+                      before_update: Callable[[int], None], grads: list[torch.Tensor] | None,
+                      norm_source: Callable[[int, list], torch.Tensor | None] | None, order: Iterable[int] | None,
+                      after_update: Callable[[int], None], has_grad: list[bool]) -> bool:
+        """``_optimizer_step`` after its lock-free branch: the norm (with the early updates' chunks
+        undone if the step's factor is not the one they assumed), then the commit."""
+        store, n = self.store, self.layout.num_chunks
         undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
         try:
-            factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads, norm_source)
+            early = self.early.finish()       # the chunks updated in the backward, with their norms
+            factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads, norm_source, early)
         except BaseException:
             self._undo_all(undo)              # the chunks hold gradients: back to the parameters
             raise
         if factor is None:
             return True
+        self._clipped_last = factor != 1.0 / scale
+        if early and factor != self.early.factor:   # clipped: the early updates assumed otherwise
+            self.early.undo()
         # The commit: masters and Adam states change chunk by chunk and cannot be undone. Ctrl-C
         # waits until the update is done; any other failure leaves a partial update, which the
         # engine refuses to train on or save until a checkpoint is loaded.
@@ -79,6 +96,7 @@ class ChunkUpdate:
             try:
                 self._apply_update(written, factor, tracker, has_grad, before_update, grads, order, after_update)
             except BaseException as e:
+                self.early.undo()                 # (a partial update: the engine refuses to go on)
                 try:
                     store.settle_disk()           # no transfer left running, staging buffers back
                 except BaseException:             # noqa: BLE001 -- the first failure is the one raised
@@ -86,6 +104,20 @@ class ChunkUpdate:
                 self._mark_update_failed(e)
                 raise
         return False
+
+    # ================================================================ updates in the backward
+    def _early_update(self, c: int, factor: float, frozen: list[tuple[int, int]], groups, spare: list) -> None:
+        """On the early-update thread: chunk ``c``'s update from its gradient at home, as
+        ``_update_chunk`` does it for a host home, into ``spare`` (``ChunkStore.spare_home``)."""
+        store = self.store
+        self.adam.update_chunk_out(spare[3], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
+                                   tuple(spare[:3]), grad=store.grad_home(c), grad_factor=factor, frozen=frozen,
+                                   groups=groups)
+
+    def _start_update(self, c: int, landed, written: set[str]) -> None:
+        """An ``update`` node: chunk ``c``'s gradients are final at home once ``landed`` has."""
+        if self.store.os_tier[c] is Tier.HOST and any(e.fqn in written for e, _ in self.layout.chunk_members(c)):
+            self.early.submit(c, landed, self._frozen_ranges(c, written), self._chunk_groups(c))
 
     # ================================================================ lock-free updating
     def _queue_update(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
@@ -133,7 +165,7 @@ class ChunkUpdate:
                 # the next params get the new masters' cast in the same pass (the compiled kernel)
                 self.adam.update_chunk(self._next_params[c], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
                                        grad_factor=job.factor, frozen=frozen, grad=job.grads[c], groups=groups,
-                                       hps=job.hps)
+                                       hps=job.hps, background=True)
                 job.grads[c].zero_()
                 if disk:
                     store.disk.write_back(c, [store.master[c], store.exp_avg[c], store.exp_avg_sq[c]])
@@ -184,13 +216,18 @@ class ChunkUpdate:
 
     def _unscale_and_clip(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
                           undo: list[bool], grads: list[torch.Tensor] | None,
-                          norm_source: Callable[[int, list], torch.Tensor | None] | None = None) -> float | None:
+                          norm_source: Callable[[int, list], torch.Tensor | None] | None = None,
+                          early: dict[int, torch.Tensor] | None = None) -> float | None:
         """The gradient norm over every rank; on inf/NaN, undo and skip (or raise). Returns the
-        factor the gradients are multiplied by in the update, None for a skipped step."""
+        factor the gradients are multiplied by in the update, None for a skipped step. ``early``:
+        the norms of the chunks updated in the backward (computed there, from the same buffers)."""
         store, n = self.store, self.layout.num_chunks
         norms: list[torch.Tensor] = []
         for c in range(n):
             if not has_grad[c]:
+                continue
+            if early and c in early:
+                norms.append(early[c])
                 continue
             frozen = self._frozen_ranges(c, written)
             buf = norm_source(c, frozen) if norm_source is not None else None
@@ -237,12 +274,18 @@ class ChunkUpdate:
                       after_update: Callable[[int], None] = lambda c: None) -> None:
         store, n = self.store, self.layout.num_chunks
         on_disk = [c for c in range(n) if has_grad[c] and store.os_tier[c] is Tier.DISK]
-        self.adam.begin_step()
+        early = self.early.chunks                              # updated in the backward already
+        if not self.early.started:
+            self.adam.begin_step()
         for c in (range(n) if order is None else order):
             before_update(c)
-            if has_grad[c]:                                     # (else nothing to update here)
+            if c in early:                                      # its new buffers take the old ones' place
+                self.early.commit(c)
+                store.mark_updated(c)
+            elif has_grad[c]:                                   # (else nothing to update here)
                 self._update_chunk(c, written, factor, tracker, grads, on_disk)
             after_update(c)
+        self.early.end_step()
         store.settle_disk()
 
     def _update_chunk(self, c: int, written: set[str], factor: float, tracker: NonModelTracker,

@@ -1,0 +1,169 @@
+"""Chunk updates that start in the backward (the ``update`` nodes of ``passes/plan_early_updates``).
+
+ZeRO-Offload runs the CPU's Adam on one chunk while the GPU goes on with the backward. Here a
+chunk whose gradients are final at home is updated on a host thread of its own while the backward
+goes on, and the step's guarantees still hold:
+
+- **Out of place.** The update reads the chunk's gradient, master and Adam moments and writes the
+  new master, moments and params into spare buffers from the store's pools. The old ones are left
+  as they were, and the same bytes move as in place. At the commit the spares become the chunk's
+  buffers (``ChunkStore.swap_home``), and the old ones are the spares of the next step. Dropping
+  an early update costs nothing: nothing it read was changed.
+- **The factor is a guess.** The update needs the gradient factor: the loss-scale inverse times the
+  clip coefficient. The inverse is known before the backward; the clip coefficient needs the
+  global norm. The early update assumes no clipping, which is exact whenever the coefficient
+  comes out 1.0: the same float, so the same bits as the update after the backward. The chunk's
+  norm is computed where that update would compute it, and the step sums the norms in chunk
+  order as before. If the coefficient is below 1, the early updates are dropped and the step
+  updates every chunk as before. The next step makes no guess while the last one clipped.
+- **Failures.** Anything that fails before the commit drops them too: the backward, the norm, an
+  inf/NaN, or the thread itself. So does a skipped step. Then the step goes on as if nothing had
+  started: it is skipped, undone, or it raises. The spares count in the host meter
+  (``StepStats.peak_host_bytes``) and stay allocated between steps (fresh pages each step cost
+  more than the update), and the plan gives ``update`` nodes to at most as many chunks as half
+  the host's spare room holds.
+- **Ctrl-C** waits from the first early update to the end of the step's update, as it waits for
+  the update without them (``runtime/interrupts.py``): the step finishes, then it interrupts.
+
+Only the chunks the schedule names are updated early; the rest are updated after the backward,
+as before.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Callable
+
+import torch
+
+from pscompile.memory.copies import settle
+from pscompile.optim.adamw import grad_norm
+from pscompile.runtime.interrupts import deferred_interrupts
+
+
+class EarlyUpdates:
+    """The early updates of one engine's steps.
+
+    ``update(c, factor, frozen, groups, spare)`` is the engine's out-of-place chunk update;
+    ``spare(c)`` / ``swap(c, bufs)`` / ``release(shared, bufs)`` are the store's ``spare_home`` /
+    ``swap_home`` / ``release_spare``; ``grad(c)`` is the chunk's gradient at home and
+    ``shared(c)`` whether its master is its param chunk (the two kinds of spare sets). Spare sets
+    stay between steps (as many as the most chunks one step updated early) until ``close``."""
+
+    def __init__(self, adam, *, update: Callable, grad: Callable[[int], torch.Tensor], spare: Callable,
+                 swap: Callable, release: Callable, shared: Callable[[int], bool]):
+        self.adam, self._update, self._grad = adam, update, grad
+        self._spare, self._swap, self._release, self._shared = spare, swap, release, shared
+        self.factor: float | None = None           # the step's guess (None: no early updates this step)
+        self.last_count = 0                         # chunks the last committed step updated early
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: dict[int, Future] = {}
+        self._done: dict[int, list] = {}            # chunk -> its filled spare buffers
+        self._free: dict[bool, list[list]] = {}     # spare sets kept between steps, by ``shared(c)``
+        self._started = False                       # the step counter was advanced for this step
+        self._interrupts: ExitStack | None = None   # SIGINT held back from the first early update on
+
+    # ---- the step's life ---------------------------------------------------------------------
+    def begin(self, factor: float | None) -> None:
+        """A step starts; ``factor``: the gradient factor if nothing clips (None: none this step)."""
+        assert not self._jobs and not self._done, "early updates left over from an earlier step"
+        self.factor = factor
+        self.last_count = 0
+
+    def submit(self, c: int, landed, frozen: list[tuple[int, int]], groups) -> None:
+        """Chunk ``c``'s gradients are final at home once ``landed`` (a copy, or None) has landed:
+        start its update on the host thread (main thread: it takes the spares and holds Ctrl-C)."""
+        if self.factor is None:
+            return
+        if not self._started:
+            self.adam.begin_step()             # (the main thread does not use the optimizer until ``finish``)
+            self._started = True
+            self._interrupts = ExitStack()
+            self._interrupts.enter_context(deferred_interrupts())
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pscompile-early-update")
+        free = self._free.get(self._shared(c))
+        spare = free.pop() if free else self._spare(c)     # (kept from the last step: no page faults)
+        self._done[c] = spare
+        self._jobs[c] = self._pool.submit(self._run, c, landed, frozen, groups, self.factor, spare)
+
+    def _run(self, c: int, landed, frozen, groups, factor: float, spare: list) -> torch.Tensor:
+        if landed is not None:
+            landed.wait_host()
+        grad = self._grad(c)
+        for o, n in frozen:                    # no gradient: counts as zero (as the step's norm does)
+            grad[o:o + n].zero_()
+        norm = grad_norm(grad)
+        self._update(c, factor, frozen, groups, spare)
+        return norm
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        """Wait for every early update; their chunks' norms. A failed one drops them all and raises."""
+        jobs, self._jobs = self._jobs, {}
+        errors = settle(list(jobs.values()))
+        if errors:
+            self.undo()
+            raise errors[0]
+        return {c: f.result() for c, f in jobs.items()}
+
+    @property
+    def chunks(self) -> frozenset[int]:
+        """The chunks updated early this step (after ``finish``), not committed yet."""
+        return frozenset(self._done)
+
+    @property
+    def started(self) -> bool:
+        """The step counter is this step's already (an early update began)."""
+        return self._started
+
+    def commit(self, c: int) -> None:
+        """Chunk ``c``'s early update stands: its spares become its buffers (main thread)."""
+        old = self._swap(c, self._done.pop(c))
+        self._free.setdefault(self._shared(c), []).append(old)
+        self.last_count += 1
+
+    def end_step(self) -> None:
+        """The step committed: every early update of it stands (``commit`` was called for each)."""
+        assert not self._done, f"early updates of chunks {sorted(self._done)} neither committed nor dropped"
+        self._started = False
+        self.factor = None
+
+    def undo(self) -> frozenset[int]:
+        """Drop every early update of this step (waits for the thread first): the chunks keep their
+        buffers, which nothing changed, and the step counter goes back. Harmless when none began."""
+        jobs, self._jobs = self._jobs, {}
+        settle(list(jobs.values()))
+        dropped = frozenset(self._done)
+        for c, spare in self._done.items():
+            self._free.setdefault(self._shared(c), []).append(spare)
+        self._done.clear()
+        if self._started:
+            self.adam.undo_step()
+            self._started = False
+        self.factor = None
+        return dropped
+
+    def release_interrupts(self) -> None:
+        """The step is over (committed or undone): a Ctrl-C held back since the first early update
+        interrupts now. Call it where the step's own recovery is done."""
+        stack, self._interrupts = self._interrupts, None
+        if stack is not None:
+            stack.close()
+
+    def close(self) -> None:
+        """Drop what is pending, give the spares back to the store's pools, stop the thread."""
+        self.undo()
+        for shared, sets in self._free.items():
+            for bufs in sets:
+                self._release(shared, bufs)
+        self._free.clear()
+        stack, self._interrupts = self._interrupts, None
+        if stack is not None:
+            try:
+                stack.close()
+            except BaseException:               # noqa: BLE001 -- closing: nothing left to hold back for
+                pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,163 @@
+"""Updates in the backward (``Config.overlap_update``; passes/plan_early_updates.py,
+runtime/early_update.py): the schedule shows where each chunk's update starts, the results are
+bit-identical to updating after the backward -- clipped or not, fp16 loss scaling included, under
+the race checker too -- and a step that fails after some chunks were updated leaves every weight,
+moment and the step counter as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pscompile
+from conftest import make_batches, make_model, same_state, snapshot
+from pscompile.graph.meta import get
+from pscompile.graph.ops import is_memory_node
+from pscompile.kinds import MemKind
+from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
+
+BATCHES = make_batches("gpt", 5, distinct=3)
+
+
+def _engine(dtype=torch.float32, overlap=True, clip=None, **kw):
+    config = pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=dtype, chunk_size=2048, **kw)
+    least = pscompile.min_device_memory(make_model("gpt"), BATCHES[0], config)
+    hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=clip)
+    return pscompile.compile(make_model("gpt"), BATCHES[0], optimizer=hp, config=pscompile.Config(
+        mode="compiled", backend="eager", device="cpu", dtype=dtype, chunk_size=2048,
+        device_memory=least + 2 * 2048 * dtype.itemsize, overlap_update=overlap, **kw))
+
+
+def _updates(engine) -> list:
+    return [n for n in engine.schedule.scheduled.gm.graph.nodes
+            if is_memory_node(n) and get(n, "mem").kind == MemKind.UPDATE]
+
+
+# (dtype, clip, kernel): no clipping; a clip that never bites; one that bites every step (the early
+# updates are dropped and made again); float16's loss scaling (inverse scale known before the
+# backward); fp32 with the compiled host kernel asked for (each path must pick the same kernel)
+CASES = [(torch.float32, None, "auto"), (torch.bfloat16, 100.0, "auto"), (torch.bfloat16, 0.05, "auto"),
+         (torch.float16, None, "auto"), (torch.float32, None, "inductor")]
+
+
+@pytest.mark.parametrize("dtype,clip,kernel", CASES,
+                         ids=["fp32", "bf16-clip-idle", "bf16-clip-bites", "fp16", "fp32-inductor"])
+def test_bit_identical_to_updating_after_the_backward(dtype, clip, kernel):
+    runs = []
+    for overlap in (False, True):
+        engine = _engine(dtype, overlap, clip, optimizer_kernel=kernel)
+        losses, early = [], []
+        for i, b in enumerate(BATCHES):
+            torch.manual_seed(i)
+            losses.append(engine.step(b))
+            early.append(engine.early.last_count)
+        runs.append((losses, snapshot(engine), early, engine))
+    (l0, s0, e0, plain), (l1, s1, e1, over) = runs
+    assert l0 == l1 and same_state(s0, s1)
+    assert not _updates(plain) and len(_updates(over)) > 0
+    if clip == 0.05:
+        assert sum(e1) == 0            # each step clipped: dropped, then none guessed while it clips
+    else:
+        assert min(e1[1:]) > 0 and sum(e0) == 0
+
+
+def test_the_schedule_lists_each_update_after_its_final_writeback():
+    engine = _engine()
+    engine.step(BATCHES[0])
+    text = str(engine.schedule)
+    nodes = list(engine.schedule.scheduled.gm.graph.nodes)
+    for u in _updates(engine):
+        c = get(u, "mem").chunk
+        line = next(x for x in text.splitlines() if x.strip().startswith(f"{u.name} = pscompile.update("))
+        assert f"update chunk {c}: its AdamW step starts on a host thread" in line
+        before = [get(n, "mem") for n in nodes[:nodes.index(u)] if is_memory_node(n) and get(n, "mem").chunk == c]
+        after = [get(n, "mem") for n in nodes[nodes.index(u) + 1:] if is_memory_node(n) and get(n, "mem").chunk == c]
+        assert before[-1].kind == MemKind.WRITEBACK and all(m.kind.leaves for m in after)
+    assert "chunks updated while the backward goes on" in text        # the pass's line in the header
+
+
+def test_the_verifier_refuses_an_update_before_the_gradients_are_home():
+    engine = _engine()
+    engine.step(BATCHES[0])
+    sched = engine.schedule.scheduled
+    gm = sched.gm
+    u = _updates(engine)[0]
+    c = get(u, "mem").chunk
+    wb = next(n for n in gm.graph.nodes if is_memory_node(n) and get(n, "mem").kind == MemKind.WRITEBACK
+              and get(n, "mem").chunk == c)
+    wb.prepend(u)                                    # the update before the chunk's writeback
+    with pytest.raises(ScheduleError, match=f"update of chunk {c} while its gradients are on the device"):
+        verify_schedule(gm, engine.layout, slot_bytes=engine.store.param_chunk_bytes, budget=None,
+                        initial=dict(sched.plan.initial), grad_fqns=sched.captured.grad_fqns)
+
+
+def test_race_checker_passes_with_updates_in_the_backward():
+    """Every copy lands at the latest moment its contract allows (Config.strict_copies): the
+    update thread reads each chunk's gradients only once its writeback has landed."""
+    runs = []
+    for overlap in (False, True):
+        engine = _engine(torch.bfloat16, overlap, strict_copies=True)
+        runs.append(([engine.step(b) for b in BATCHES[:3]], snapshot(engine), engine.early.last_count))
+    assert runs[0][0] == runs[1][0] and same_state(runs[0][1], runs[1][1]) and runs[1][2] > 0
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["backward", "update thread", "norm"])
+def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
+    """A failure after some chunks' updates ran leaves every weight, moment and the step counter
+    as before the step, and the next step matches an engine that never failed."""
+    faulty, clean = _engine(), _engine()
+    for e in (faulty, clean):
+        torch.manual_seed(0)
+        e.step(BATCHES[0])
+    before = snapshot(faulty)
+    if where == "backward":                     # a memory node after the third update node fails
+        run, count = faulty._run_memory_node, [0]
+
+        def failing(mem, *a, **k):
+            count[0] += mem.kind == MemKind.UPDATE
+            if count[0] >= 3 and mem.kind == MemKind.WRITEBACK:
+                faulty.early.finish()           # (the updates so far have really run)
+                raise _Boom()
+            return run(mem, *a, **k)
+        monkeypatch.setattr(faulty, "_run_memory_node", failing)
+    elif where == "update thread":              # the fourth early update fails on its thread
+        real, calls = faulty._early_update, [0]
+
+        def failing(*a, **k):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise _Boom()
+            return real(*a, **k)
+        monkeypatch.setattr(faulty.early, "_update", failing)
+    else:                                       # the global norm fails after every early update
+        monkeypatch.setattr(faulty, "_unscale_and_clip", lambda *a, **k: (_ for _ in ()).throw(_Boom()))
+    torch.manual_seed(1)
+    with pytest.raises(_Boom):
+        faulty.step(BATCHES[1])
+    assert same_state(snapshot(faulty), before)
+    monkeypatch.undo()
+    for i, b in enumerate(BATCHES[1:3]):
+        torch.manual_seed(10 + i)
+        want = clean.step(b)
+        torch.manual_seed(10 + i)
+        assert faulty.step(b) == want
+    assert same_state(snapshot(faulty), snapshot(clean))
+
+
+def test_spares_count_as_host_memory_and_go_back_on_close():
+    engine = _engine()
+    engine.step(BATCHES[0])
+    engine.step(BATCHES[1])
+    on = engine.stats.peak_host_bytes
+    plain = _engine(overlap=False)
+    plain.step(BATCHES[0])
+    plain.step(BATCHES[1])
+    per_set = engine.store.os_chunk_bytes        # fp32: master (the param chunk) and moments
+    assert on >= plain.stats.peak_host_bytes + engine.early.last_count * per_set
+    assert engine.early._free                  # kept between steps
+    engine.close()
+    assert not engine.early._free
