@@ -7,13 +7,14 @@ order flipped every step, after warm-up. Per engine: the median step, backward a
 times (``StepStats``), and the chunks updated in the backward. The losses must agree bit for bit.
 
 A small batch makes the update matter: at batch 1 x 64 tokens, a 4-layer d768 GPT's host AdamW
-is about a tenth of the step on this machine. On a GPU the backward runs on the device and the
-host is free; here the CPU is both, so the update thread takes the second core.
+is a tenth (float32) to two fifths (bfloat16 compute, fp32 masters) of the step on this machine.
+On a GPU the backward runs on the device and the host is free; here the CPU is both, so the
+update thread takes the second core.
 
     python bench/overlap_update.py [--quick] [--markdown] [--size L,D] [--batch B] [--seq T]
                                    [--steps 20] [--out bench/results/overlap_update.json]
 
-Float32, the eager backend, one torch thread.
+bfloat16 and float32 compute, the eager backend, one torch thread.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import pscompile
 from pscompile.models.gpt import GPT, GPTConfig
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overlap_update.json"
-FULL = dict(size=(4, 768), batch=1, seq=64, vocab=8192, warmup=3, steps=20)
-QUICK = dict(size=(2, 128), batch=1, seq=32, vocab=512, warmup=1, steps=4)
+FULL = dict(size=(4, 768), batch=1, seq=64, vocab=8192, warmup=3, steps=20, dtypes=("bfloat16", "float32"))
+QUICK = dict(size=(2, 128), batch=1, seq=32, vocab=512, warmup=1, steps=4, dtypes=("bfloat16",))
 
 
 def _model(s: dict) -> GPT:
@@ -48,14 +49,14 @@ def _batches(s: dict, n: int) -> list:
             for _ in range(n)]
 
 
-def run(s: dict) -> dict:
+def run(s: dict, dtype: torch.dtype) -> dict:
     data = _batches(s, s["warmup"] + s["steps"])
-    base = dict(mode="compiled", backend="eager", device="cpu", dtype=torch.float32)
+    base = dict(mode="compiled", backend="eager", device="cpu", dtype=dtype)
     probe = pscompile.compile(_model(s), data[0], config=pscompile.Config(**base))
     probe.step(data[0])
     least, chunk = probe.min_device_memory, probe.layout.chunk_size
     probe.close()
-    budget = least + 2 * chunk * 4
+    budget = least + 2 * chunk * dtype.itemsize
     engines = {ov: pscompile.compile(_model(s), data[0], optimizer=pscompile.AdamW(lr=1e-3),
                                      config=pscompile.Config(**base, device_memory=budget, chunk_size=chunk,
                                                              overlap_update=ov))
@@ -76,7 +77,7 @@ def run(s: dict) -> dict:
                         early_chunks=st[-1][3], chunks=e.layout.num_chunks,
                         peak_host=e.stats.peak_host_bytes, update_nodes=str(e.schedule).count("pscompile.update("))
         e.close()
-    return dict(settings=s, budget=budget, chunk=chunk, rows=[rows[False], rows[True]],
+    return dict(dtype=str(dtype)[6:], budget=budget, chunk=chunk, rows=[rows[False], rows[True]],
                 identical=losses[False] == losses[True], step_ratio=rows[True]["step_s"] / rows[False]["step_s"],
                 optimizer_ratio=rows[True]["optimizer_s"] / rows[False]["optimizer_s"])
 
@@ -93,21 +94,22 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     given = {k: getattr(args, k) for k in ("size", "batch", "seq", "steps") if getattr(args, k) is not None}
     s = {**(QUICK if args.quick else FULL), **given}
-    res = run(s)
-    table = [["after the backward" if not r["overlap_update"] else "in the backward", f"{r['step_s']:.4f}",
-              f"{r['backward_s']:.4f}", f"{r['optimizer_s']:.4f}", f"{r['early_chunks']} / {r['chunks']}",
-              f"{r['peak_host'] / 2**20:.1f}"] for r in res["rows"]]
+    results = [run(s, getattr(torch, d)) for d in s["dtypes"]]
+    table = [[res["dtype"], "after the backward" if not r["overlap_update"] else "in the backward",
+              f"{res['budget'] / 2**20:.1f}", f"{r['step_s']:.4f}", f"{r['backward_s']:.4f}", f"{r['optimizer_s']:.4f}",
+              f"{r['early_chunks']} / {r['chunks']}", f"{r['peak_host'] / 2**20:.1f}"]
+             for res in results for r in res["rows"]]
     L, D = s["size"]
-    print(f"GPT L{L} d{D}, batch {s['batch']} x {s['seq']}, float32, compiled eager, budget "
-          f"{res['budget'] / 2**20:.1f} MiB (minimum + 2 chunks of {res['chunk']} elements); medians of "
-          f"{s['steps']} alternating steps")
-    print(tabulate(table, ["update", "step s", "backward s", "optimizer s", "chunks updated early", "peak host MiB"],
-                   tablefmt="github" if args.markdown else "simple"))
-    print(f"\nstep: {res['step_ratio']:.3f}x, optimizer: {res['optimizer_ratio']:.3f}x of updating after the "
-          f"backward; losses bit-identical: {res['identical']}")
+    print(f"GPT L{L} d{D}, batch {s['batch']} x {s['seq']}, compiled eager, budget = minimum + 2 chunks; medians "
+          f"of {s['steps']} alternating steps")
+    print(tabulate(table, ["compute", "update", "budget MiB", "step s", "backward s", "optimizer s",
+                           "chunks updated early", "peak host MiB"], tablefmt="github" if args.markdown else "simple"))
+    for res in results:
+        print(f"\n{res['dtype']}: step {res['step_ratio']:.3f}x, optimizer {res['optimizer_ratio']:.3f}x of updating "
+              f"after the backward; losses bit-identical: {res['identical']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    return 0 if res["identical"] else 1
+    args.out.write_text(json.dumps({"settings": s, "results": results}, indent=1))
+    return 0 if all(res["identical"] for res in results) else 1
 
 
 if __name__ == "__main__":

@@ -111,8 +111,8 @@ class Config:
     optimizer_threads: int | None = None
     # compiled mode, one process: a chunk whose gradients are final on the host before the backward
     # ends is updated on a host thread while the backward goes on (ZeRO-Offload's overlap), out of
-    # place until the step commits; bit-identical to False. Off by default: on the CPU stand-in it
-    # measured 0.96-1.05x the step time and takes spare host memory (docs/host-optimizer.md)
+    # place until the step commits; bit-identical to False. Off by default: it takes spare host
+    # memory, and it is measured on the CPU only (bf16 steps 0.75-0.94x there; docs/host-optimizer.md)
     overlap_update: bool = False
 
     def __post_init__(self):

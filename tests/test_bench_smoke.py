@@ -479,7 +479,7 @@ def test_overlap_update_quick(tmp_path):
     losses, the overlapped one updated chunks in the backward (update nodes in its schedule)."""
     out = tmp_path / "overlap.json"
     _run("overlap_update.py", "--quick", "--out", str(out))
-    res = json.loads(out.read_text())
+    (res,) = json.loads(out.read_text())["results"]
     after, during = res["rows"]
     assert res["identical"] and not after["overlap_update"] and during["overlap_update"]
     assert after["early_chunks"] == after["update_nodes"] == 0

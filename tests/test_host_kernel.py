@@ -74,13 +74,16 @@ def test_kernel_thread_counts_agree():
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_the_kernel_runs_for_large_host_chunks():
-    """"auto": host chunks of 1M+ elements only; "eager" never; "inductor" always."""
+def test_the_kernel_runs_where_it_saves_a_pass():
+    """"auto": chunks of 1M+ elements only; never for an fp32 gradient into a master that is the
+    param chunk with no factor (torch's fused kernel is one pass already)."""
     big, small = torch.empty(1 << 20), torch.empty(4096)
+    bf = torch.empty(1 << 20, dtype=torch.bfloat16)
     auto = HostKernels("auto")
-    assert auto.wanted(big) and not auto.wanted(small)
-    assert not HostKernels("eager").wanted(big)
-    assert HostKernels("inductor").wanted(small)
+    assert auto.wanted(big, bf, bf, 1.0) and not auto.wanted(small, bf[:4096], bf[:4096], 1.0)
+    assert not auto.wanted(big, big, None, 1.0) and auto.wanted(big, big, None, 0.5)
+    assert not HostKernels("eager").wanted(big, bf, bf, 1.0)
+    assert HostKernels("inductor").wanted(small, small, small, 1.0)
 
 
 def test_bad_kernel_choices_are_refused():

@@ -160,7 +160,7 @@ class ChunkAdamW:
         if groups is None:
             groups = [(len(hps) - 1, None)]
         if (self.kernels is not None and len(groups) == 1 and groups[0][1] is None
-                and self.kernels.wanted(master)):
+                and self.kernels.wanted(master, src, param, grad_factor)):
             hp = hps[groups[0][0]]
             self.kernels.update(src, master, exp_avg, exp_avg_sq, hp, coefficients(hp, self.step_count, grad_factor),
                                 param, background=background)
@@ -219,7 +219,7 @@ class ChunkAdamW:
         mo, eo, vo = states_out
         # the kernel exactly where ``update_chunk`` would use it: the same bits
         if (self.kernels is not None and len(groups_) == 1 and groups_[0][1] is None
-                and self.kernels.wanted(master)):
+                and self.kernels.wanted(master, grad, param_out, grad_factor)):
             hp = self.hps[groups_[0][0]]
             self.kernels.update(grad, master, exp_avg, exp_avg_sq, hp, coefficients(hp, self.step_count, grad_factor),
                                 param_out, states_out=states_out, background=True)
