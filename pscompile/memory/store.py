@@ -442,32 +442,6 @@ class ChunkStore:
         states = 0 if self.disk is None else len(self.disk.slot_of) * self.os_chunk_bytes
         return states + (0 if self.param_disk is None else len(self.param_disk.slot_of) * self.param_chunk_bytes)
 
-    def spare_home(self, c: int) -> list[torch.Tensor | None]:
-        """Buffers to update host chunk ``c`` into out of place (``swap_home``): master, moments and
-        (unless the master is the param chunk) a param chunk, from the pools its own come from."""
-        shared = self.shares_master(c)
-        master = (self.host_param_pool if shared else self.host_os_pool).acquire()
-        return [master, self.host_os_pool.acquire(), self.host_os_pool.acquire(),
-                None if shared else self.host_param_pool.acquire()]
-
-    def swap_home(self, c: int, bufs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Make ``bufs`` (``spare_home``'s, filled) host chunk ``c``'s master, moments and param
-        chunk; returns the ones they replace, in the same order (spares now)."""
-        shared = self.shares_master(c)
-        old = [self.master[c], self.exp_avg[c], self.exp_avg_sq[c], None if shared else self.host_param[c]]
-        self.master[c], self.exp_avg[c], self.exp_avg_sq[c] = bufs[:3]
-        self.host_param[c] = bufs[0] if shared else bufs[3]
-        return old
-
-    def release_spare(self, shared: bool, bufs: list[torch.Tensor | None]) -> None:
-        """Give a ``spare_home`` set back to its pools (``shared``: made for a chunk whose master is
-        its param chunk)."""
-        (self.host_param_pool if shared else self.host_os_pool).release(bufs[0])
-        self.host_os_pool.release(bufs[1])
-        self.host_os_pool.release(bufs[2])
-        if bufs[3] is not None:
-            self.host_param_pool.release(bufs[3])
-
     def restore_from_master(self, c: int) -> None:
         """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""
         self._home_copy.discard(c)

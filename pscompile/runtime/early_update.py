@@ -7,7 +7,7 @@ goes on, and the step's guarantees still hold:
 - **Out of place.** The update reads the chunk's gradient, master and Adam moments and writes the
   new master, moments and params into spare buffers from the store's pools. The old ones are left
   as they were, and the same bytes move as in place. At the commit the spares become the chunk's
-  buffers (``ChunkStore.swap_home``), and the old ones are the spares of the next step. Dropping
+  buffers (``swap_home``), and the old ones are the spares of the next step. Dropping
   an early update costs nothing: nothing it read was changed.
 - **The factor is a guess.** The update needs the gradient factor: the loss-scale inverse times the
   clip coefficient. The inverse is known before the backward; the clip coefficient needs the
@@ -42,19 +42,44 @@ from pscompile.optim.adamw import grad_norm
 from pscompile.runtime.interrupts import deferred_interrupts
 
 
+def spare_home(store, c: int) -> list[torch.Tensor | None]:
+    """Buffers to update host chunk ``c`` of ``store`` into out of place: master, moments and
+    (unless the master is the param chunk) a param chunk, from the pools its own come from."""
+    shared = store.shares_master(c)
+    master = (store.host_param_pool if shared else store.host_os_pool).acquire()
+    return [master, store.host_os_pool.acquire(), store.host_os_pool.acquire(),
+            None if shared else store.host_param_pool.acquire()]
+
+
+def swap_home(store, c: int, bufs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Make ``bufs`` (``spare_home``'s, filled) host chunk ``c``'s master, moments and param chunk;
+    returns the ones they replace, in the same order (spares now)."""
+    shared = store.shares_master(c)
+    old = [store.master[c], store.exp_avg[c], store.exp_avg_sq[c], None if shared else store.host_param[c]]
+    store.master[c], store.exp_avg[c], store.exp_avg_sq[c] = bufs[:3]
+    store.host_param[c] = bufs[0] if shared else bufs[3]
+    return old
+
+
+def release_spare(store, shared: bool, bufs: list[torch.Tensor | None]) -> None:
+    """Give a ``spare_home`` set back to its pools (``shared``: made for a chunk whose master is
+    its param chunk)."""
+    (store.host_param_pool if shared else store.host_os_pool).release(bufs[0])
+    store.host_os_pool.release(bufs[1])
+    store.host_os_pool.release(bufs[2])
+    if bufs[3] is not None:
+        store.host_param_pool.release(bufs[3])
+
+
 class EarlyUpdates:
     """The early updates of one engine's steps.
 
-    ``update(c, factor, frozen, groups, spare)`` is the engine's out-of-place chunk update;
-    ``spare(c)`` / ``swap(c, bufs)`` / ``release(shared, bufs)`` are the store's ``spare_home`` /
-    ``swap_home`` / ``release_spare``; ``grad(c)`` is the chunk's gradient at home and
-    ``shared(c)`` whether its master is its param chunk (the two kinds of spare sets). Spare sets
-    stay between steps (as many as the most chunks one step updated early) until ``close``."""
+    ``update(c, factor, frozen, groups, spare)`` is the engine's out-of-place chunk update, on
+    ``store``'s host chunks (spare sets from ``spare_home``, swapped in by ``swap_home``). Spare
+    sets stay between steps (as many as the most chunks one step updated early) until ``close``."""
 
-    def __init__(self, adam, *, update: Callable, grad: Callable[[int], torch.Tensor], spare: Callable,
-                 swap: Callable, release: Callable, shared: Callable[[int], bool]):
-        self.adam, self._update, self._grad = adam, update, grad
-        self._spare, self._swap, self._release, self._shared = spare, swap, release, shared
+    def __init__(self, adam, store, *, update: Callable):
+        self.adam, self._update, self._store = adam, update, store
         self.factor: float | None = None           # the step's guess (None: no early updates this step)
         self.last_count = 0                         # chunks the last committed step updated early
         self._pool: ThreadPoolExecutor | None = None
@@ -83,15 +108,15 @@ class EarlyUpdates:
             self._interrupts.enter_context(deferred_interrupts())
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pscompile-early-update")
-        free = self._free.get(self._shared(c))
-        spare = free.pop() if free else self._spare(c)     # (kept from the last step: no page faults)
+        free = self._free.get(self._store.shares_master(c))
+        spare = free.pop() if free else spare_home(self._store, c)     # (kept from the last step: no page faults)
         self._done[c] = spare
         self._jobs[c] = self._pool.submit(self._run, c, landed, frozen, groups, self.factor, spare)
 
     def _run(self, c: int, landed, frozen, groups, factor: float, spare: list) -> torch.Tensor:
         if landed is not None:
             landed.wait_host()
-        grad = self._grad(c)
+        grad = self._store.grad_home(c)
         for o, n in frozen:                    # no gradient: counts as zero (as the step's norm does)
             grad[o:o + n].zero_()
         norm = grad_norm(grad)
@@ -119,8 +144,8 @@ class EarlyUpdates:
 
     def commit(self, c: int) -> None:
         """Chunk ``c``'s early update stands: its spares become its buffers (main thread)."""
-        old = self._swap(c, self._done.pop(c))
-        self._free.setdefault(self._shared(c), []).append(old)
+        old = swap_home(self._store, c, self._done.pop(c))
+        self._free.setdefault(self._store.shares_master(c), []).append(old)
         self.last_count += 1
 
     def end_step(self) -> None:
@@ -136,7 +161,7 @@ class EarlyUpdates:
         settle(list(jobs.values()))
         dropped = frozenset(self._done)
         for c, spare in self._done.items():
-            self._free.setdefault(self._shared(c), []).append(spare)
+            self._free.setdefault(self._store.shares_master(c), []).append(spare)
         self._done.clear()
         if self._started:
             self.adam.undo_step()
@@ -156,7 +181,7 @@ class EarlyUpdates:
         self.undo()
         for shared, sets in self._free.items():
             for bufs in sets:
-                self._release(shared, bufs)
+                release_spare(self._store, shared, bufs)
         self._free.clear()
         stack, self._interrupts = self._interrupts, None
         if stack is not None:

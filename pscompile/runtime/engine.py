@@ -121,14 +121,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
         with torch.no_grad():
             self._load_into_chunks()
-        self.adam = ChunkAdamW(list(self.groups.hps),
-                               kernels=HostKernels(config.optimizer_kernel, config.optimizer_threads))
-        # chunk updates that start in the backward (compiled mode's ``update`` nodes), on a host
-        # thread (its pool lets the thread go when the engine is collected; close() joins it)
-        self.early = EarlyUpdates(self.adam, update=self._early_update, grad=self.store.grad_home,
-                                  spare=self.store.spare_home, swap=self.store.swap_home,
-                                  release=self.store.release_spare, shared=self.store.shares_master)
-        self._clipped_last = False            # the last step's gradients were clipped (no guess this step)
+        self._make_update(config)
         self._make_optimizer()             # engine.optimizer: the groups for torch's LR schedulers
         self._chunk_groups_cache: dict[int, list] = {}
         self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
@@ -191,6 +184,15 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # the copy threads, the disk tier's I/O thread and file: released by close(), or when the
         # engine is garbage-collected without it
         self._release = weakref.finalize(self, _release_resources, self.copies, self.store.param_disk, self.store.disk)
+
+    def _make_update(self, config: Config) -> None:
+        """The AdamW of the chunks, with its host kernels, and the chunk updates that start in the
+        backward (compiled mode's ``update`` nodes) on a host thread: its pool lets the thread go
+        when the engine is collected; ``close`` joins it."""
+        self.adam = ChunkAdamW(list(self.groups.hps),
+                               kernels=HostKernels(config.optimizer_kernel, config.optimizer_threads))
+        self.early = EarlyUpdates(self.adam, self.store, update=self._early_update)
+        self._clipped_last = False            # the last step's gradients were clipped (no guess this step)
 
     def _count_outside_steps(self) -> None:
         """Finish the disk tier's transfers (written back, staging buffers returned; not while a

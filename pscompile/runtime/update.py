@@ -108,7 +108,7 @@ class ChunkUpdate:
     # ================================================================ updates in the backward
     def _early_update(self, c: int, factor: float, frozen: list[tuple[int, int]], groups, spare: list) -> None:
         """On the early-update thread: chunk ``c``'s update from its gradient at home, as
-        ``_update_chunk`` does it for a host home, into ``spare`` (``ChunkStore.spare_home``)."""
+        ``_update_chunk`` does it for a host home, into ``spare`` (``runtime/early_update.spare_home``)."""
         store = self.store
         self.adam.update_chunk_out(spare[3], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
                                    tuple(spare[:3]), grad=store.grad_home(c), grad_factor=factor, frozen=frozen,
