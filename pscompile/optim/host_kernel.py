@@ -152,9 +152,8 @@ class HostKernels:
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compile(key)
-        args = {"plain": (grad, master, m, v, c), "into": (grad, master, m, v, c), "to": (grad, master, m, v, c, out),
-                "out": (grad, master, m, v, c, *(states_out or ())),
-                "out_to": (grad, master, m, v, c, *(states_out or ()), out)}[variant]
+        # (the functions' arguments: the buffers, then the out-of-place ones, then a separate ``out``)
+        args = (grad, master, m, v, c, *(states_out or ()), *((out,) if variant in ("to", "out_to") else ()))
         if _get_current_dispatch_mode() is None:
             fn(*args)
             return
