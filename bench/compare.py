@@ -71,7 +71,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compare.json"
 
 FULL = dict(sizes=[(2, 128), (4, 256)], vocab=4096, seq=128, batch=4, warmup=2, steps=5,
             link="100MB/s")
-QUICK = dict(sizes=[(2, 64)], vocab=512, seq=64, batch=2, warmup=1, steps=2, link="50MB/s")
+QUICK = dict(sizes=[(2, 64)], vocab=512, seq=64, batch=2, warmup=2, steps=7, link="50MB/s")
 
 
 def make_model(n_layer: int, d: int, s: dict) -> GPT:

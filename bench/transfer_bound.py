@@ -60,15 +60,16 @@ def run(s: dict, data, cfg: pscompile.Config) -> dict:
     engine = pscompile.compile(make_model(*s["size"], s), data[0], config=cfg)
     try:
         engine.step(data[0])                          # compiled mode measures non-model memory here
-        times, peaks = [], []
+        times, forwards, peaks = [], [], []
         for i, b in enumerate(data[1:]):
             engine.step(b)
             peaks.append(engine.stats.peak_device_bytes)
             if i >= s["warmup"] - 1:
                 times.append(engine.stats.time_s)
+                forwards.append(engine.stats.forward_s)
         st = engine.stats
-        return dict(step_s=statistics.median(times), moved=st.bytes_moved, h2d=st.h2d_bytes, d2h=st.d2h_bytes,
-                    peak=max(peaks))
+        return dict(step_s=statistics.median(times), forward_s=statistics.median(forwards), moved=st.bytes_moved,
+                    h2d=st.h2d_bytes, d2h=st.d2h_bytes, chunk_d2h=st.chunk_d2h_bytes, peak=max(peaks))
     finally:
         engine.close()
 
@@ -106,12 +107,19 @@ def main(argv=None) -> int:
                 base = base or r
                 r.update(batch=bs, system=sname, link=lname, rate=rate, budget=budget,
                          link_s=max(r["h2d"], r["d2h"]) / rate if rate else 0.0, slowdown=r["step_s"] / base["step_s"])
+                r["bound_s"] = max(base["step_s"], r["link_s"])     # the step with no link, or the link busy
+                r["of_bound"] = r["step_s"] / r["bound_s"]
+                # gradients leave only once the forward is done: no chunk is dirty before the backward
+                r["dep_bound_s"] = max(r["bound_s"], base["forward_s"] + r["chunk_d2h"] / rate if rate else 0.0)
+                r["of_dep_bound"] = r["step_s"] / r["dep_bound_s"]
                 r["transfer_bound"] = rate is not None and r["slowdown"] >= BOUND
                 raw.append(r)
     rows = [[r["batch"], r["system"], r["link"], f"{r['budget'] / 2**20:.1f}", f"{r['moved'] / 2**20:.2f}",
-             f"{r['step_s']:.3f}", f"{r['link_s']:.3f}", f"{r['slowdown']:.2f}",
+             f"{r['step_s']:.3f}", f"{r['link_s']:.3f}", f"{r['slowdown']:.2f}", f"{r['of_bound']:.2f}",
+             f"{r['dep_bound_s']:.3f}", f"{r['of_dep_bound']:.2f}",
              "yes" if r["transfer_bound"] else ("-" if r["rate"] is None else "no")] for r in raw]
-    headers = ["batch", "system", "link", "budget MiB", "MiB moved", "step s", "link s", "slowdown", "transfer-bound"]
+    headers = ["batch", "system", "link", "budget MiB", "MiB moved", "step s", "link s", "slowdown", "step / bound",
+               "dep. bound s", "step / dep. bound", "transfer-bound"]
     L, D = s["size"]
     caption = (f"GPT L{L} d{D}, sequence {s['seq']}, float32, one thread; tight budget = that batch's minimum + 2 "
                f"chunks; step = median of {s['steps']} steps after {s['warmup']} warm-up; link s = the busier direction's "

@@ -191,7 +191,26 @@ def test_transfer_bound_quick(tmp_path):
         assert r["h2d"] + r["d2h"] == r["moved"]
         assert r["link_s"] == (max(r["h2d"], r["d2h"]) / r["rate"] if r["rate"] else 0.0)
         assert r["transfer_bound"] == (r["rate"] is not None and r["slowdown"] >= res["bound"])
+        base = next(b for b in rows if (b["batch"], b["system"], b["rate"]) == (r["batch"], r["system"], None))
+        assert r["bound_s"] == max(base["step_s"], r["link_s"]) and r["of_bound"] == r["step_s"] / r["bound_s"]
+        dep = base["forward_s"] + r["chunk_d2h"] / r["rate"] if r["rate"] else 0.0
+        assert r["dep_bound_s"] == max(r["bound_s"], dep) >= r["bound_s"]
     assert "transfer-bound at batch" in proc.stdout
+
+
+def test_small_kernels_quick(tmp_path):
+    """bench/small_kernels.py --quick --eager-only: plain PyTorch and compiled eager (tight and no
+    budget) took interleaved steps, each ratio is its median over plain PyTorch's, and every
+    compiled step's measured peak is within its budget."""
+    out = tmp_path / "sk.json"
+    proc = _run("small_kernels.py", "--quick", "--eager-only", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["system"] for r in rows] == ["plain PyTorch", "compiled eager, tight", "compiled eager, none"]
+    base = rows[0]["step_s"]
+    for r in rows:
+        assert r["step_s"] > 0 and r["ratio"] == r["step_s"] / base and r["within_budget"]
+    assert rows[1]["budget"] is not None and rows[1]["peak"] <= rows[1]["budget"]
+    assert "step / plain" in proc.stdout
 
 
 def test_budgets_quick(tmp_path):

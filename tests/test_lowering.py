@@ -253,6 +253,43 @@ def test_deferred_stores_run_like_the_graph():
     assert "stores into slots" in lg.describe()
 
 
+def test_slot_views_are_kept_between_runs_and_follow_their_slot():
+    """The parameter views the executor makes for compiled regions (``slice``/``view`` of a slot,
+    ``Step.memo``) are made once and reused while the slot tensors are the same objects, also after
+    a slot's storage was freed and allocated again (a view follows its storage); slot tensors that
+    are other objects get new views. Each run is checked against the plain graph on a copy of its
+    inputs. (Kept views of the old slots would read the old slots here: the second set's host
+    buffers hold other values.)"""
+    engine = engine_for(2, "tight")
+    gm, slots = engine.schedule.gm, engine.schedule.plan.num_slots
+    lg = Executor(gm, backend="inductor", min_fusible=10**9)
+    assert sum(1 for s in lg._program if s.memo) >= 2
+
+    def check(inputs):
+        ref_in = [t.clone() for t in inputs]
+        (ref,) = gm(*ref_in)
+        (out,) = lg.run(inputs, perform)
+        assert torch.equal(out, ref)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, ref_in))
+
+    first = graph_inputs(engine)
+    check(first)
+    views = {n: kept[1] for n, kept in lg._views.items()}
+    assert views
+    for t in first[:slots]:                 # freed and allocated again, as a drop and a fetch do
+        t.untyped_storage().resize_(0)
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+    for t, fresh in zip(first, graph_inputs(engine)):
+        t.copy_(fresh)
+    check(first)
+    assert all(lg._views[n][1] is v for n, v in views.items())      # the same view objects
+    second = graph_inputs(engine)
+    for t in second[slots:slots + engine.layout.num_chunks]:
+        t.mul_(0.5)
+    check(second)
+    assert not any(lg._views[n][1] is v for n, v in views.items())
+
+
 def test_run_rejects_inputs_of_another_layout():
     engine = engine_for(2, "tight")
     lg = lower_regions(engine.schedule.gm, backend="eager")

@@ -101,6 +101,7 @@ class Executor:
                 device=device, fold=fold_stores)
         release_plan(program, self.output_node)
         self._program = program
+        self._views: dict[fx.Node, tuple[list, Any]] = {}   # memo steps: (arguments, the view made of them)
         first_bwd = first_backward(nodes)
         self._first_bwd_step = next(
             (i for i, s in enumerate(program)
@@ -134,6 +135,7 @@ class Executor:
                                  f"{t.dtype}, the graph was lowered for {shape} {stride} {dtype}")
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
         check = self.check_inputs
+        memo = self._views
         first_bwd = self._first_bwd_step if on_backward is not None else None
         for k, s in enumerate(self._program):
             # no local variable may keep a value alive past its last use: ``args`` is a list the
@@ -172,7 +174,8 @@ class Executor:
             if kind is StepKind.MEM:
                 if observer is not None:
                     observer.before(n)
-                made = run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
+                made = run_memory(n, tuple([env[a] if isinstance(a, fx.Node) else a for a in n.args]) if s.flat
+                                  else fx.node.map_arg(n.args, env.__getitem__))
                 if n.users:                       # an activation's offload or reload
                     env[n] = made
                 del made
@@ -183,9 +186,16 @@ class Executor:
                     observer.before(n)
                 if n.op == "get_attr":            # a constant the capture kept as an attribute
                     env[n] = attr(self.gm, n.target)
+                elif s.memo:                       # a view of a slot (program.Step.memo)
+                    args = [env[a] if isinstance(a, fx.Node) else a for a in n.args]
+                    kept = memo.get(n)
+                    if kept is None or any(x is not y for x, y in zip(kept[0], args)):
+                        memo[n] = kept = (args, n.target(*args))
+                    env[n] = kept[1]
+                    del args, kept
                 else:
-                    env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__),
-                                      **fx.node.map_arg(n.kwargs, env.__getitem__))
+                    env[n] = n.target(*[env[a] if isinstance(a, fx.Node) else a for a in n.args]) if s.flat else \
+                        n.target(*fx.node.map_arg(n.args, env.__getitem__), **fx.node.map_arg(n.kwargs, env.__getitem__))
                     if on_outputs is not None and s.allocates:   # (a gathered parameter, not a view)
                         on_outputs((env[n],))
                 if observer is not None:

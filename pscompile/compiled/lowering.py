@@ -66,6 +66,8 @@ class RegionLowering:
         self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
         self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
         self._node_by_node: set[CaptureKey] = set()       # captures whose regions did not fit: run eagerly
+        # captures whose compiled regions no longer defer their gradient stores (``_stop_deferring``)
+        self._unfolded: set[CaptureKey] = set()
 
     def _forget_lowering(self, gm: fx.GraphModule) -> None:
         """Drop what was made for the schedule of ``gm`` (it is being replaced)."""
@@ -94,7 +96,7 @@ class RegionLowering:
             eager = self.config.backend == Backend.EAGER
             ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
                           cache=self._region_cache, lift_params=not eager,
-                          fold_stores=regions and (eager or self.budget is None))
+                          fold_stores=regions and key.capture not in self._unfolded)
             self._executors[sched.gm] = ex
             if regions:
                 compiled = ex.compiled_regions()
@@ -194,6 +196,24 @@ class RegionLowering:
                         "%s (a larger device_memory lets it run compiled)", cap.token[:80], why)
         self._node_by_node.add(cap)
 
+    def _stop_deferring(self, cap: CaptureKey) -> bool:
+        """Under a budget, compiled regions run the gradient stores into slots after them (the
+        gradients live to the region's end). Where the budget cannot hold that, ``cap``'s stores
+        cut its regions again and it is planned afresh from the node-by-node curve, before the
+        last resort of running node by node. False if its stores already cut (or nothing defers)."""
+        if self.budget is None or self.config.backend == Backend.EAGER or cap in self._unfolded:
+            return False
+        log.info("pscompile: %s: gradient stores cut the compiled regions again (the budget cannot hold "
+                 "gradients kept to their region's end)", cap.token[:80])
+        self._unfolded.add(cap)
+        self._region_rounds[cap] = 0
+        self._measured[cap] = curve = self._node_curves.get(cap, self._measured.get(cap))
+        self._fit_optimizer_states(max(curve))
+        for other in list(self._schedules):
+            if other.capture == cap:
+                self._replan(other, curve, measured=True)
+        return True
+
     def _adopt_region_curve(self, cap: CaptureKey, curve: tuple[int, ...]) -> None:
         """Compiled regions allocate more inside than the node-by-node measurement saw: plan every
         schedule of the capture again with the region peaks (a few rounds, since new plans cut new
@@ -201,7 +221,8 @@ class RegionLowering:
         curve holds."""
         rounds = self._region_rounds.get(cap, 0)
         if rounds >= _MAX_REGION_ROUNDS:
-            self._run_node_by_node(cap, f"its compiled regions still needed more memory after {rounds} re-plans")
+            if not self._stop_deferring(cap):
+                self._run_node_by_node(cap, f"its compiled regions still needed more memory after {rounds} re-plans")
             return
         self._region_rounds[cap] = rounds + 1
         previous = self._measured.get(cap)
@@ -213,6 +234,8 @@ class RegionLowering:
                     self._replan(other, curve, measured=True)
         except BudgetError:
             self._measured[cap] = previous
+            if self._stop_deferring(cap):
+                return
             self._run_node_by_node(cap, "the budget cannot hold what its compiled regions allocate")
             for other in list(self._schedules):
                 if other.capture == cap:

@@ -33,6 +33,16 @@ def _add_landed(copies: list) -> None:
             target.add_(host)                    # fp32 += compute dtype, on the host
 
 
+# the ``MemoryMoves`` method that performs each kind of memory node
+_MEM_HANDLERS: dict[MemKind, str] = {
+    MemKind.DISK_READ: "_mem_disk_read", MemKind.UPDATE: "_mem_update", MemKind.FETCH: "_mem_fetch",
+    MemKind.ALLGATHER: "_mem_gather", MemKind.BROADCAST: "_mem_gather", MemKind.REDUCE_SCATTER: "_mem_reduce",
+    MemKind.REDUCE: "_mem_reduce", MemKind.WAIT: "_mem_wait", MemKind.WRITEBACK: "_mem_writeback",
+    MemKind.DROP: "_mem_leave", MemKind.RELEASE_REMOTE: "_mem_leave", MemKind.ACCUMULATE_GRAD: "_mem_accumulate",
+    MemKind.STORE_GRAD: "_mem_store_grad",
+}
+
+
 class MemoryMoves:
     """Mixin of ``CompiledEngine``: its device slots and memory nodes (the module docstring)."""
 
@@ -125,100 +135,118 @@ class MemoryMoves:
         chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it.
         Every copy goes through the copy engine (``memory/copies.py``) and names ``node``; waits are
         compute-side, except where the host reads what landed (gradients it adds or updates from).
+        One handler per kind (``_MEM_HANDLERS``): a dictionary lookup, not a chain of comparisons,
+        since it runs for every memory node of every step."""
+        getattr(self, _MEM_HANDLERS[mem.kind])(mem, args, at_end, node)
 
-        Long on purpose: one dispatch over the memory kinds, each a few lines, so each kind's copy and
-        wait sit side by side.
-        """
-        store, q = self.store, self.copies
-        if mem.kind == MemKind.DISK_READ:       # (disk_prefetch False: each read when its fetch needs it)
-            if self.disk_prefetch:
-                store.read_ahead(mem.chunk)
-        elif mem.kind == MemKind.UPDATE:        # its writeback was the chunk's last move: its update starts
-            self._start_update(mem.chunk, self._homing.get(mem.chunk), self._written)
-        elif mem.kind == MemKind.FETCH:
-            slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
-            self._allocate_slot(mem.slot)
-            # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
-            fut = q.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk), node=node)
-            store.close_home(mem.chunk, copy=fut)      # (a disk home's buffer is kept until the copy lands)
-            self.link.traffic.num_fetches += 1
-            store.attach(mem.chunk, slot)
-            self._slot_chunk[mem.slot] = mem.chunk
-            if mem.asynchronous:
-                self._in_flight[mem.slot] = fut
-            else:
-                fut.wait()
-        elif mem.kind in (MemKind.ALLGATHER, MemKind.BROADCAST):    # ZeRO: the chunk/group arrives
-            slot = args[0]
-            self._allocate_slot(mem.slot)
-            handle = store.gather_into(mem.chunk, slot, async_op=mem.asynchronous,
-                                       copy=lambda d, s_: q.submit(d, s_, "h2d", node=node).wait())
-            self.link.traffic.num_fetches += 1
-            store.attach(mem.chunk, slot)
-            self._slot_chunk[mem.slot] = mem.chunk
-            if mem.asynchronous:
-                self._in_flight[mem.slot] = handle
-        elif mem.kind.reduces:                                      # ZeRO: gradients to their owners
-            dest, slot, _, _, accumulate = args
-            store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
-                                   copy=lambda d, s_: q.submit(d, s_, "d2h", node=node).wait_host())
-            store.dirty[mem.chunk] = False
-        elif mem.kind == MemKind.WAIT and mem.slot is None:       # a gradient's copy (overlap_grad_copies)
-            _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk), []))   # (none: added at once, on disk)
-        elif mem.kind == MemKind.WAIT:
-            self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
-        elif mem.kind == MemKind.WRITEBACK:
-            _, slot = args                  # host_c: the chunk's home; its gradient's own buffer there
-            fetching = self._in_flight.get(mem.slot)        # (planned after its wait; kept safe anyway)
-            self._reading[mem.slot] = self._homing[mem.chunk] = q.submit(
-                store.home_for_device_data(mem.chunk, whole=True), slot, "d2h",
-                after=fetching if isinstance(fetching, Copy) else None, node=node)
-            store.close_home(mem.chunk, dirty=True, copy=self._homing[mem.chunk])
-            store.dirty[mem.chunk] = False
-        elif mem.kind.leaves:
-            pending = self._reading.pop(mem.slot, None)
-            if pending is not None and at_end:   # the optimizer step starts while it lands (_overlapped_update)
-                chunk = self._slot_chunk.pop(mem.slot)
-                store.detach(chunk)
-                self._deferred[mem.slot] = (chunk, pending)
-            else:
-                if pending is not None:    # the slot's memory goes back only once its writeback has read it
-                    pending.wait()
-                self._release_slot(mem.slot, node)
-            self.link.traffic.num_evictions += 1
-        elif mem.kind == MemKind.ACCUMULATE_GRAD:
-            acc, grad, offset, *page = args
-            disk_acc = self._disk_acc                 # (on disk: its buffer is opened, added into, closed)
-            if disk_acc is not None:
-                acc = disk_acc.open(mem.chunk)
-            copies = []
-            for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
-                target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
-                if self._fresh_acc:                                     # a zero buffer: 0 + g is g
-                    copies.append((q.submit(target, piece, "d2h", node=node), target, None))
-                    continue
-                host = q.host_empty(piece.shape, piece.dtype)           # the gradient crosses the link
-                copies.append((q.submit(host, piece, "d2h", node=node), target, host))
-            if mem.asynchronous and disk_acc is None:   # its wait_grad adds it (the gradient lives until then)
-                self._grad_copies[(mem.fqn, mem.chunk)] = copies
-            else:
-                _add_landed(copies)
-                if disk_acc is not None:
-                    disk_acc.close(mem.chunk, dirty=True)
-            self._written.add(mem.fqn)
+    def _mem_disk_read(self, mem, args, at_end, node) -> None:
+        if self.disk_prefetch:                  # (disk_prefetch False: each read when its fetch needs it)
+            self.store.read_ahead(mem.chunk)
+
+    def _mem_update(self, mem, args, at_end, node) -> None:
+        """Its writeback was the chunk's last move: its update starts."""
+        self._start_update(mem.chunk, self._homing.get(mem.chunk), self._written)
+
+    def _mem_fetch(self, mem, args, at_end, node) -> None:
+        store = self.store
+        slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
+        self._allocate_slot(mem.slot)
+        # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
+        fut = self.copies.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk),
+                                 node=node)
+        store.close_home(mem.chunk, copy=fut)      # (a disk home's buffer is kept until the copy lands)
+        self.link.traffic.num_fetches += 1
+        store.attach(mem.chunk, slot)
+        self._slot_chunk[mem.slot] = mem.chunk
+        if mem.asynchronous:
+            self._in_flight[mem.slot] = fut
         else:
-            dest, grad, offset, *page = args
-            if mem.slot is None:                                        # home: the gradient's buffer there
-                dest = store.home_for_device_data(mem.chunk, whole=False)
-            for piece, at in flat_pieces(grad, *page):                  # strided grads: no temporary
-                target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
-                if mem.slot is not None:
-                    target.copy_(piece)
-                else:            # waited for: the gradient dies here, as the plan assumes (and the host
-                    q.submit(target, piece, "d2h", node=node).wait_host()       # optimizer reads it)
-            if mem.slot is None:
-                store.close_home(mem.chunk, dirty=True)
-            self._mark_stored(mem)
+            fut.wait()
+
+    def _mem_gather(self, mem, args, at_end, node) -> None:
+        """ZeRO: the chunk/group arrives (allgather, broadcast)."""
+        slot, q = args[0], self.copies
+        self._allocate_slot(mem.slot)
+        handle = self.store.gather_into(mem.chunk, slot, async_op=mem.asynchronous,
+                                        copy=lambda d, s_: q.submit(d, s_, "h2d", node=node).wait())
+        self.link.traffic.num_fetches += 1
+        self.store.attach(mem.chunk, slot)
+        self._slot_chunk[mem.slot] = mem.chunk
+        if mem.asynchronous:
+            self._in_flight[mem.slot] = handle
+
+    def _mem_reduce(self, mem, args, at_end, node) -> None:
+        """ZeRO: gradients to their owners (reduce_scatter, reduce)."""
+        dest, slot, _, _, accumulate = args
+        q = self.copies
+        self.store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
+                                    copy=lambda d, s_: q.submit(d, s_, "d2h", node=node).wait_host())
+        self.store.dirty[mem.chunk] = False
+
+    def _mem_wait(self, mem, args, at_end, node) -> None:
+        if mem.slot is None:           # a gradient's copy (overlap_grad_copies; none: added at once, on disk)
+            _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk), []))
+        else:
+            self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
+
+    def _mem_writeback(self, mem, args, at_end, node) -> None:
+        store = self.store
+        _, slot = args                  # host_c: the chunk's home; its gradient's own buffer there
+        fetching = self._in_flight.get(mem.slot)        # (planned after its wait; kept safe anyway)
+        self._reading[mem.slot] = self._homing[mem.chunk] = self.copies.submit(
+            store.home_for_device_data(mem.chunk, whole=True), slot, "d2h",
+            after=fetching if isinstance(fetching, Copy) else None, node=node)
+        store.close_home(mem.chunk, dirty=True, copy=self._homing[mem.chunk])
+        store.dirty[mem.chunk] = False
+
+    def _mem_leave(self, mem, args, at_end, node) -> None:
+        """drop, release_remote: the slot gives its chunk (group) up."""
+        pending = self._reading.pop(mem.slot, None)
+        if pending is not None and at_end:   # the optimizer step starts while it lands (_overlapped_update)
+            chunk = self._slot_chunk.pop(mem.slot)
+            self.store.detach(chunk)
+            self._deferred[mem.slot] = (chunk, pending)
+        else:
+            if pending is not None:    # the slot's memory goes back only once its writeback has read it
+                pending.wait()
+            self._release_slot(mem.slot, node)
+        self.link.traffic.num_evictions += 1
+
+    def _mem_accumulate(self, mem, args, at_end, node) -> None:
+        acc, grad, offset, *page = args
+        q = self.copies
+        disk_acc = self._disk_acc                 # (on disk: its buffer is opened, added into, closed)
+        if disk_acc is not None:
+            acc = disk_acc.open(mem.chunk)
+        copies = []
+        for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
+            target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
+            if self._fresh_acc:                                     # a zero buffer: 0 + g is g
+                copies.append((q.submit(target, piece, "d2h", node=node), target, None))
+                continue
+            host = q.host_empty(piece.shape, piece.dtype)           # the gradient crosses the link
+            copies.append((q.submit(host, piece, "d2h", node=node), target, host))
+        if mem.asynchronous and disk_acc is None:   # its wait_grad adds it (the gradient lives until then)
+            self._grad_copies[(mem.fqn, mem.chunk)] = copies
+        else:
+            _add_landed(copies)
+            if disk_acc is not None:
+                disk_acc.close(mem.chunk, dirty=True)
+        self._written.add(mem.fqn)
+
+    def _mem_store_grad(self, mem, args, at_end, node) -> None:
+        dest, grad, offset, *page = args
+        if mem.slot is None:                                        # home: the gradient's buffer there
+            dest = self.store.home_for_device_data(mem.chunk, whole=False)
+        for piece, at in flat_pieces(grad, *page):                  # strided grads: no temporary
+            target = dest[offset + at:offset + at + piece.numel()].view(piece.shape)
+            if mem.slot is not None:
+                target.copy_(piece)
+            else:            # waited for: the gradient dies here, as the plan assumes (and the host
+                self.copies.submit(target, piece, "d2h", node=node).wait_host()     # optimizer reads it)
+        if mem.slot is None:
+            self.store.close_home(mem.chunk, dirty=True)
+        self._mark_stored(mem)
 
     def _mark_stored(self, mem) -> None:
         """The bookkeeping of a ``store_grad``: a slot's chunk is dirty, the parameter written. An
