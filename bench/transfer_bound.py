@@ -14,6 +14,14 @@ calibrated once, here). Per row:
 - **transfer-bound**: a slowdown of at least ``BOUND`` (1.5: a third of the step or more waits for
   copies that compute does not hide).
 
+- step / bound: step s over max(the same mode's step with no link, link s), the physical bound;
+  step / dep. bound: over the larger of that and the no-link forward plus the chunk bytes sent to
+  the host over the rate (no gradient leaves the device before the forward is done).
+
+Each configuration runs its steps alone, one configuration after the other, not interleaved with
+the others: a step returns while the next step's fetches may still be landing (``plan_lookahead``),
+and those copies would run during another engine's step, a link time the step gets for free.
+
 A larger batch does more compute per chunk read, but at a tight budget it also leaves less room for
 chunks (activations grow with the batch), so the bytes moved grow too; the table shows which wins.
 
