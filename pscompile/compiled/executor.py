@@ -174,8 +174,7 @@ class Executor:
             if kind is StepKind.MEM:
                 if observer is not None:
                     observer.before(n)
-                made = run_memory(n, tuple([env[a] if isinstance(a, fx.Node) else a for a in n.args]) if s.flat
-                                  else fx.node.map_arg(n.args, env.__getitem__))
+                made = run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
                 if n.users:                       # an activation's offload or reload
                     env[n] = made
                 del made
@@ -187,15 +186,15 @@ class Executor:
                 if n.op == "get_attr":            # a constant the capture kept as an attribute
                     env[n] = attr(self.gm, n.target)
                 elif s.memo:                       # a view of a slot (program.Step.memo)
-                    args = [env[a] if isinstance(a, fx.Node) else a for a in n.args]
+                    args = [env[a] if isinstance(a, fx.Node) else a for a in n.args]   # (constants: the same objects)
                     kept = memo.get(n)
                     if kept is None or any(x is not y for x, y in zip(kept[0], args)):
                         memo[n] = kept = (args, n.target(*args))
                     env[n] = kept[1]
                     del args, kept
                 else:
-                    env[n] = n.target(*[env[a] if isinstance(a, fx.Node) else a for a in n.args]) if s.flat else \
-                        n.target(*fx.node.map_arg(n.args, env.__getitem__), **fx.node.map_arg(n.kwargs, env.__getitem__))
+                    env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__),
+                                      **fx.node.map_arg(n.kwargs, env.__getitem__))
                     if on_outputs is not None and s.allocates:   # (a gathered parameter, not a view)
                         on_outputs((env[n],))
                 if observer is not None:

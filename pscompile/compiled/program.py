@@ -68,16 +68,10 @@ class Step:
     free: tuple[fx.Node, ...] = ()        # values released after this step
     dead: tuple[fx.Node, ...] = ()        # values this step makes that nobody reads
     allocates: bool = True                 # EVAL: the value may be new memory (not a view, not an item)
-    flat: bool = field(init=False, default=False)   # MEM, EVAL: no kwargs, no argument in a container
     # EVAL: a view of a device slot (a parameter the executor lifts out of a region): kept between
     # runs and made again only when the slot tensor is another one (a slot's storage is resized
     # as it takes and gives up chunks, and a view follows its storage: the view stays valid)
     memo: bool = False
-
-    def __post_init__(self) -> None:
-        n = self.node
-        self.flat = n is not None and not n.kwargs and not any(isinstance(a, (list, tuple, dict, slice))
-                                                               for a in n.args)
 
     def reads(self) -> Iterable[fx.Node]:
         if self.kind is StepKind.REGION:
@@ -333,7 +327,8 @@ def _interleave(steps: list[Step], placeholders: list[fx.Node], eager_nodes: set
                     view = is_view_op(x)
                     step = Step(StepKind.EVAL, node=x, allocates=not (
                         view or x.op != "call_function" or x.target is operator.getitem))
-                    if view and step.flat and x.all_input_nodes and all(i in of_slots for i in x.all_input_nodes):
+                    top = [a for a in x.args if isinstance(a, fx.Node)]    # (no node inside a list)
+                    if view and not x.kwargs and top and top == x.all_input_nodes and all(i in of_slots for i in top):
                         step.memo = True
                         of_slots.add(x)
                     program.append(step)
