@@ -48,7 +48,7 @@ from tabulate import tabulate
 
 import pscompile
 from pscompile.graph.pipeline import BudgetSweep
-from pscompile.testing import ARCHITECTURES, EXTRA_ARCHITECTURES, HF_ARCHITECTURES, tiny_model
+from pscompile.testing import ARCHITECTURES, EXTRA_ARCHITECTURES, tiny_model
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "budgets.json"
 HAVE_HF = importlib.util.find_spec("transformers") is not None

@@ -9,11 +9,13 @@ measured, all interleaved (each repeat in a rotated order), medians of ``--reps`
   ``x.addcmul_(y, z)`` (16 B) over the candidates' own fp32 chunks, in bytes/s, divided by the 28
   bytes an AdamW update must move per parameter: fp32, gradient read 4 + master, exp_avg and
   exp_avg_sq read and written 24; bf16, gradient read 2 + the same 24 + the param's cast written 2;
+- **pscompile, native**: ``ChunkAdamW`` with ``optimizer_kernel="native"``, the C++ kernel
+  (``optim/host_adamw.cpp``), as the engine calls it (the same buffers as the next row);
 - **pscompile, inductor**: ``ChunkAdamW`` with ``optimizer_kernel="inductor"``, as the engine calls
   it: bf16, the param chunk holds the gradient (put there untimed, as the backward does) and gets
   the new master's cast, in one compiled pass per chunk (``optim/host_kernel.py``); fp32, the master
   is the param chunk and the gradient has its own buffer, which ``torch._fused_adamw_`` updates in
-  one pass already, so the kernel choice picks it there;
+  one pass already, so both kernel choices pick it there;
 - **pscompile, eager**: ``optimizer_kernel="eager"``: ``torch._fused_adamw_`` (bf16: upcast, step
   and cast back in 64Ki-element blocks, the path before this kernel);
 - **torch AdamW(fused=True)** over the chunks as parameters; bf16: the recipe -- upcast the
@@ -45,6 +47,7 @@ from tabulate import tabulate
 from pscompile.config import AdamW
 from pscompile.optim.adamw import ChunkAdamW
 from pscompile.optim.host_kernel import HostKernels
+from pscompile.optim.native_kernel import unavailable_reason
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "host_adamw.json"
 CHUNK = 1 << 22
@@ -156,13 +159,15 @@ def worker(threads: int, sizes: list[int], reps: int) -> dict:
     """Every candidate and the bound at each size and dtype, in this process."""
     torch.set_num_threads(threads)
     ds, ds_note = _deepspeed()
+    native_note = unavailable_reason()
     torch_kw = dict(lr=HP.lr, betas=HP.betas, eps=HP.eps, weight_decay=HP.weight_decay)
     rows = []
     for numel in sizes:
         for dtype in (torch.float32, torch.bfloat16):
             b = _Buffers(numel, dtype)
             bound_ops = _bound_ops(b)
-            cands = {"pscompile, inductor": _Ours(b, HostKernels("inductor", threads)),
+            cands = {**({"pscompile, native": _Ours(b, HostKernels("native", threads))} if native_note is None else {}),
+                     "pscompile, inductor": _Ours(b, HostKernels("inductor", threads)),
                      "pscompile, eager": _Ours(b, None),
                      "torch AdamW(fused=True)": _Recipe(b, lambda ps: torch.optim.AdamW(ps, fused=True, **torch_kw),
                                                         lambda: torch.tensor(0.0))}
@@ -193,7 +198,10 @@ def worker(threads: int, sizes: list[int], reps: int) -> dict:
                                  fraction_of_bound=numel / med / bound, max_diff_vs_torch=diff,
                                  bound_gb_s=bw / 1e9, bound_mparams_per_s=bound / 1e6))
             del cands, b, results
-    return {"rows": rows, "deepspeed": ds_note or "DeepSpeedCPUAdam measured"}
+    notes = [ds_note or "DeepSpeedCPUAdam measured"]
+    if native_note is not None:
+        notes.append(f"pscompile's C++ kernel not measured: {native_note}")
+    return {"rows": rows, "notes": notes}
 
 
 def _table(rows: list[dict], fmt: str) -> str:
@@ -241,7 +249,7 @@ def main(argv=None) -> int:
             return proc.returncode
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         rows += res["rows"]
-        notes.add(res["deepspeed"])
+        notes.update(res["notes"])
     rows.sort(key=lambda r: (r["numel"], r["dtype"], r["method"], r["threads"]))
     table = _table(rows, "github" if args.markdown else "simple")
     print(table)
@@ -249,7 +257,7 @@ def main(argv=None) -> int:
         print(f"\n{n}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "threads": threads, "chunk": CHUNK, "reps": reps,
-                                    "bytes_per_param": BYTES_PER_PARAM, "deepspeed": sorted(notes),
+                                    "bytes_per_param": BYTES_PER_PARAM, "notes": sorted(notes),
                                     "cpu_capability": torch.backends.cpu.get_cpu_capability()}, indent=1))
     return 0
 

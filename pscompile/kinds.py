@@ -128,7 +128,9 @@ class Activations(StrEnum):
 class HostKernel(StrEnum):
     """Which kernel updates the chunks whose optimizer states live on the host."""
 
-    AUTO = "auto"            # the compiled kernel for chunks of at least 1M elements, else torch's fused
+    AUTO = "auto"            # a kernel for chunks of at least 1M elements (NATIVE where it builds, else
+                             # INDUCTOR), else torch's fused
+    NATIVE = "native"        # the C++ pass per chunk (optim/host_adamw.cpp, built once per machine)
     INDUCTOR = "inductor"    # one Inductor-generated pass per chunk (optim/host_kernel.py)
     EAGER = "eager"          # torch._fused_adamw_ (16-bit gradients: upcast, step, cast back per block)
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pscompile.optim.native_kernel import unavailable_reason
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "foundation.py"
 
 
@@ -484,7 +486,8 @@ def test_host_adamw_quick(tmp_path):
     res = json.loads(out.read_text())
     rows = res["rows"]
     got = {(r["method"], r["dtype"], r["threads"]) for r in rows}
-    for m in ("pscompile, inductor", "pscompile, eager", "torch AdamW(fused=True)"):
+    native = [] if unavailable_reason() else ["pscompile, native"]
+    for m in (*native, "pscompile, inductor", "pscompile, eager", "torch AdamW(fused=True)"):
         for d in ("float32", "bfloat16"):
             assert {(m, d, 1), (m, d, 2)} <= got, (m, d, got)
     for r in rows:

@@ -14,6 +14,7 @@ from conftest import make_batches, make_model, same_state, snapshot
 from pscompile.graph.meta import get
 from pscompile.graph.ops import is_memory_node
 from pscompile.kinds import MemKind
+from pscompile.optim.native_kernel import unavailable_reason
 from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
 
 BATCHES = make_batches("gpt", 5, distinct=3)
@@ -37,11 +38,13 @@ def _updates(engine) -> list:
 # updates are dropped and made again); float16's loss scaling (inverse scale known before the
 # backward); fp32 with the compiled host kernel asked for (each path must pick the same kernel)
 CASES = [(torch.float32, None, "auto"), (torch.bfloat16, 100.0, "auto"), (torch.bfloat16, 0.05, "auto"),
-         (torch.float16, None, "auto"), (torch.float32, None, "inductor")]
+         (torch.float16, None, "auto"), (torch.float32, None, "inductor"),
+         pytest.param(torch.bfloat16, 100.0, "native", marks=pytest.mark.skipif(
+             unavailable_reason() is not None, reason=str(unavailable_reason())))]
 
 
 @pytest.mark.parametrize("dtype,clip,kernel", CASES,
-                         ids=["fp32", "bf16-clip-idle", "bf16-clip-bites", "fp16", "fp32-inductor"])
+                         ids=["fp32", "bf16-clip-idle", "bf16-clip-bites", "fp16", "fp32-inductor", "bf16-native"])
 def test_bit_identical_to_updating_after_the_backward(dtype, clip, kernel):
     runs = []
     for overlap in (False, True):
@@ -54,6 +57,8 @@ def test_bit_identical_to_updating_after_the_backward(dtype, clip, kernel):
         runs.append((losses, snapshot(engine), early, engine))
     (l0, s0, e0, plain), (l1, s1, e1, over) = runs
     assert l0 == l1 and same_state(s0, s1)
+    if kernel == "native":                         # the C++ kernel ran, in place and out of place
+        assert {k[:2] for k in over.adam.kernels.used} >= {("native", "into"), ("native", "out_to")}
     assert not _updates(plain) and len(_updates(over)) > 0
     if clip == 0.05:
         assert sum(e1) == 0            # each step clipped: dropped, then none guessed while it clips

@@ -1,6 +1,7 @@
-"""The compiled host AdamW kernel (optim/host_kernel.py): the same update as torch's fused AdamW on
-the same numbers, for every gradient/param dtype pair and thread count it is compiled for, frozen
-ranges and padding kept; and an engine that uses it tracks plain PyTorch."""
+"""The host AdamW kernels (optim/host_kernel.py: the C++ one and the Inductor one): the same update
+as torch's fused AdamW on the same numbers, for every gradient/param dtype pair and thread count,
+frozen ranges and padding kept; the two kernels bit for bit alike; and an engine that uses them
+tracks plain PyTorch."""
 
 import pytest
 import torch
@@ -10,6 +11,10 @@ from conftest import fresh_masters, run_parity, tracking_tol, worst_tracking
 from pscompile.config import AdamW
 from pscompile.optim.adamw import ChunkAdamW
 from pscompile.optim.host_kernel import HostKernels
+from pscompile.optim.native_kernel import unavailable_reason
+
+NATIVE = unavailable_reason()
+KERNELS = ["inductor", pytest.param("native", marks=pytest.mark.skipif(NATIVE is not None, reason=str(NATIVE)))]
 
 HP = AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 N = 4096 + 64          # a chunk; the last 64 elements are padding
@@ -33,12 +38,13 @@ def _grads(dtype: torch.dtype, step: int) -> torch.Tensor:
 CASES = [(torch.bfloat16, "param"), (torch.float16, "param"), (torch.bfloat16, "acc"), (torch.float32, "shared")]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype,where", CASES, ids=[f"{str(d)[6:]}-{w}" for d, w in CASES])
-def test_kernel_matches_fused_adamw(dtype, where):
+def test_kernel_matches_fused_adamw(dtype, where, kernel):
     """Three steps with a loss-scale factor and frozen ranges, against ChunkAdamW's eager path
     (``torch._fused_adamw_``, checked against torch.optim.AdamW in test_optimizer.py)."""
     runs = []
-    for kernels in (None, HostKernels("inductor")):
+    for kernels in (None, HostKernels(kernel)):
         adam = ChunkAdamW(HP, kernels=kernels)
         master, ea, eas = _chunks(0)
         param = None if where == "shared" else master.to(dtype)
@@ -61,13 +67,18 @@ def test_kernel_matches_fused_adamw(dtype, where):
     assert not torch.equal(ours[:100], master0[:100])
 
 
-def test_kernel_thread_counts_agree():
-    """One and two OpenMP threads compiled in: the same bits (the kernel is elementwise)."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_thread_counts_agree(kernel):
+    """One and two OpenMP threads: the same bits (the kernel is elementwise). The C++ kernel gets
+    a chunk of several of its parallel blocks (16Ki elements) and a tail."""
     outs = []
     for threads in (1, 2):
-        adam = ChunkAdamW(HP, kernels=HostKernels("inductor", threads=threads))
+        adam = ChunkAdamW(HP, kernels=HostKernels(kernel, threads=threads))
         master, ea, eas = _chunks(1)
         param = _grads(torch.bfloat16, 0)
+        if kernel == "native":
+            master, ea, eas = (torch.cat([t] * 13)[:-5] for t in (master, ea, eas))
+            param = torch.cat([param] * 13)[:-5]
         adam.begin_step()
         adam.update_chunk(param, master, ea, eas, grad_factor=1.0, frozen=[])
         outs.append((param, master, ea, eas))
@@ -75,15 +86,18 @@ def test_kernel_thread_counts_agree():
 
 
 def test_the_kernel_runs_where_it_saves_a_pass():
-    """"auto": chunks of 1M+ elements only; never for an fp32 gradient into a master that is the
-    param chunk with no factor (torch's fused kernel is one pass already)."""
+    """"auto": chunks of 1M+ elements only; the Inductor kernel never for an fp32 gradient into a
+    master that is the param chunk with no factor (torch's fused kernel is one pass already, and
+    faster than it), the C++ kernel there too (faster than torch's)."""
     big, small = torch.empty(1 << 20), torch.empty(4096)
     bf = torch.empty(1 << 20, dtype=torch.bfloat16)
     auto = HostKernels("auto")
     assert auto.wanted(big, bf, bf, 1.0) and not auto.wanted(small, bf[:4096], bf[:4096], 1.0)
-    assert not auto.wanted(big, big, None, 1.0) and auto.wanted(big, big, None, 0.5)
+    assert auto.wanted(big, big, None, 0.5)
+    assert auto.wanted(big, big, None, 1.0) == (NATIVE is None)
     assert not HostKernels("eager").wanted(big, bf, bf, 1.0)
-    assert HostKernels("inductor").wanted(small, small, small, 1.0)
+    inductor = HostKernels("inductor")
+    assert inductor.wanted(small, small, small, 1.0) and not inductor.wanted(big, big, None, 1.0)
 
 
 def test_bad_kernel_choices_are_refused():
@@ -93,23 +107,25 @@ def test_bad_kernel_choices_are_refused():
         pscompile.Config(device="cpu", optimizer_threads=0)
 
 
-def test_engine_with_the_kernel_tracks_plain_pytorch(tight_budget):
-    """bf16 under a budget that forces eviction: every chunk updated by the compiled kernel."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_engine_with_the_kernel_tracks_plain_pytorch(tight_budget, kernel):
+    """bf16 under a budget that forces eviction: every chunk updated by the kernel."""
     dtype = torch.bfloat16
     ref_l, ours_l, _, engine, ref = run_parity("gpt", dtype, steps=6, device_memory=tight_budget("gpt", dtype),
-                                               config_kw=dict(optimizer_kernel="inductor"))
-    assert len(engine.adam.kernels._compiled) >= 1           # the kernel ran
+                                               config_kw=dict(optimizer_kernel=kernel))
+    assert {k[0] for k in engine.adam.kernels.used} == {kernel}           # the kernel ran
     worst, name = worst_tracking(engine, ref, fresh_masters("gpt", dtype))
     assert worst < tracking_tol(dtype), (worst, name)
     for a, b in zip(ref_l, ours_l):
         assert abs(a - b) < 2e-2 * abs(a)
 
 
-def test_out_of_place_kernel_equals_in_place():
-    """``update_chunk_out`` (an update in the backward, on a thread: the kernel compiled to let go
-    of the GIL) writes the same bits into the spare buffers as ``update_chunk`` does in place, and
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_out_of_place_kernel_equals_in_place(kernel):
+    """``update_chunk_out`` (an update in the backward, on a thread: a kernel that lets go of the
+    GIL) writes the same bits into the spare buffers as ``update_chunk`` does in place, and
     leaves what it read as it was."""
-    adam_in, adam_out = (ChunkAdamW(HP, kernels=HostKernels("inductor")) for _ in range(2))
+    adam_in, adam_out = (ChunkAdamW(HP, kernels=HostKernels(kernel)) for _ in range(2))
     master, ea, eas = _chunks(2)
     ea.normal_().abs_().mul_(1e-3)
     eas.normal_().abs_().mul_(1e-6)
@@ -125,4 +141,6 @@ def test_out_of_place_kernel_equals_in_place():
     adam_in.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30)])
     assert torch.equal(param_out, param)
     assert all(torch.equal(a, b) for a, b in zip(spares, (master, ea, eas)))
-    assert any(k[0] == "out_to" and k[-1] for k in adam_out.kernels._compiled)     # the background kernel ran
+    assert (kernel, "out_to", torch.bfloat16, torch.bfloat16) in adam_out.kernels.used
+    if kernel == "inductor":                                       # compiled with the C++ wrapper
+        assert any(k[0] == "out_to" and k[-1] for k in adam_out.kernels._compiled)
