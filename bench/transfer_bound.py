@@ -25,8 +25,8 @@ and those copies would run during another engine's step, a link time the step ge
 A larger batch does more compute per chunk read, but at a tight budget it also leaves less room for
 chunks (activations grow with the batch), so the bytes moved grow too; the table shows which wins.
 
-    python bench/transfer_bound.py [--quick] [--markdown] [--eager] [--size L,D] [--batches 1,2,4,8,16,32,64]
-                                   [--out bench/results/transfer_bound.json]
+    python bench/transfer_bound.py [--quick] [--markdown] [--eager] [--overlap-update] [--size L,D]
+                                   [--batches 1,2,4,8,16,32,64] [--out bench/results/transfer_bound.json]
 
 Float32, one torch thread.
 """
@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="compiled mode with backend='eager' instead of Inductor")
     ap.add_argument("--size", default=None, help="L,D: layers and width of the GPT (default: the settings')")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the settings')")
+    ap.add_argument("--overlap-update", action="store_true",
+                    help="add compiled mode with Config(overlap_update=True) (chunks updated in the backward)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -101,6 +103,8 @@ def main(argv=None) -> int:
     links = [("none", None), ("100MB/s", 100e6), (f"v100 {v100 / 1e6:.1f}MB/s", v100)]
     backend = "eager" if args.eager or args.quick else "inductor"
     systems = [("hooks", dict(mode="hooks")), (f"compiled {backend}", dict(mode="compiled", backend=backend))]
+    if args.overlap_update:
+        systems.append((f"compiled {backend} overlap_update", dict(mode="compiled", backend=backend, overlap_update=True)))
     raw = []
     for bs in s["batches"]:
         data = batches(dict(s, batch=bs), 1 + s["warmup"] + s["steps"])

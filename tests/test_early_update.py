@@ -15,6 +15,7 @@ from pscompile.graph.meta import get
 from pscompile.graph.ops import is_memory_node
 from pscompile.kinds import MemKind
 from pscompile.optim.native_kernel import unavailable_reason
+from pscompile.runtime import early_update
 from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
 
 BATCHES = make_batches("gpt", 5, distinct=3)
@@ -112,6 +113,7 @@ class _Boom(Exception):
 
 @pytest.mark.parametrize("where", ["backward", "update thread", "norm"])
 def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
+    """(``update thread``: the thread fails before the step knows its factor, in a chunk's norm)"""
     """A failure after some chunks' updates ran leaves every weight, moment and the step counter
     as before the step, and the next step matches an engine that never failed."""
     faulty, clean = _engine(), _engine()
@@ -125,19 +127,19 @@ def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
         def failing(mem, *a, **k):
             count[0] += mem.kind == MemKind.UPDATE
             if count[0] >= 3 and mem.kind == MemKind.WRITEBACK:
-                faulty.early.finish()           # (the updates so far have really run)
+                faulty.early.wait()             # (the updates so far have really run)
                 raise _Boom()
             return run(mem, *a, **k)
         monkeypatch.setattr(faulty, "_run_memory_node", failing)
-    elif where == "update thread":              # the fourth early update fails on its thread
-        real, calls = faulty._early_update, [0]
+    elif where == "update thread":              # the fourth early chunk's norm fails on its thread
+        real, calls = early_update.grad_norm, [0]
 
         def failing(*a, **k):
             calls[0] += 1
             if calls[0] == 4:
                 raise _Boom()
             return real(*a, **k)
-        monkeypatch.setattr(faulty.early, "_update", failing)
+        monkeypatch.setattr(early_update, "grad_norm", failing)
     else:                                       # the global norm fails after every early update
         monkeypatch.setattr(faulty, "_unscale_and_clip", lambda *a, **k: (_ for _ in ()).throw(_Boom()))
     torch.manual_seed(1)
@@ -150,6 +152,28 @@ def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
         want = clean.step(b)
         torch.manual_seed(10 + i)
         assert faulty.step(b) == want
+    assert same_state(snapshot(faulty), snapshot(clean))
+
+
+def test_an_update_that_fails_after_its_norm_is_made_in_place(monkeypatch):
+    """The fourth early update fails on its thread once the step may already be committing other
+    chunks: that chunk is updated in place at its turn (its buffers were never touched), and the
+    step ends where an engine whose updates never failed ends, bit for bit."""
+    faulty, clean = _engine(), _engine()
+    real, calls = faulty._early_update, [0]
+
+    def failing(*a, **k):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise _Boom()
+        return real(*a, **k)
+    monkeypatch.setattr(faulty.early, "_update", failing)
+    for i, b in enumerate(BATCHES[:3]):
+        torch.manual_seed(i)
+        got = faulty.step(b)
+        torch.manual_seed(i)
+        assert got == clean.step(b)
+    assert calls[0] > 4                         # (early updates ran after the one that failed)
     assert same_state(snapshot(faulty), snapshot(clean))
 
 

@@ -3,6 +3,8 @@ as torch's fused AdamW on the same numbers, for every gradient/param dtype pair 
 frozen ranges and padding kept; the two kernels bit for bit alike; and an engine that uses them
 tracks plain PyTorch."""
 
+import threading
+
 import pytest
 import torch
 
@@ -35,7 +37,8 @@ def _grads(dtype: torch.dtype, step: int) -> torch.Tensor:
 
 # (param dtype, where the gradient is): "param" (it overwrote the param chunk), "acc" (an fp32
 # accumulation buffer, the params kept), "shared" (fp32: the master is the param chunk)
-CASES = [(torch.bfloat16, "param"), (torch.float16, "param"), (torch.bfloat16, "acc"), (torch.float32, "shared")]
+CASES = [(torch.bfloat16, "param"), (torch.float16, "param"), (torch.bfloat16, "acc"), (torch.float32, "shared"),
+         (torch.float32, "param")]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -47,7 +50,7 @@ def test_kernel_matches_fused_adamw(dtype, where, kernel):
     for kernels in (None, HostKernels(kernel)):
         adam = ChunkAdamW(HP, kernels=kernels)
         master, ea, eas = _chunks(0)
-        param = None if where == "shared" else master.to(dtype)
+        param = None if where == "shared" else master.to(dtype, copy=True)
         for step in range(3):
             grad = _grads(torch.float32 if where != "param" else dtype, step)
             if where == "param":
@@ -144,3 +147,34 @@ def test_out_of_place_kernel_equals_in_place(kernel):
     assert (kernel, "out_to", torch.bfloat16, torch.bfloat16) in adam_out.kernels.used
     if kernel == "inductor":                                       # compiled with the C++ wrapper
         assert any(k[0] == "out_to" and k[-1] for k in adam_out.kernels._compiled)
+
+
+def test_a_background_update_beside_a_main_thread_one_keeps_its_bits():
+    """An early update (``background``) runs on its thread while the main thread updates another
+    chunk, both on the eager 16-bit path, whose fp32 block buffer each must have to itself."""
+    n = 1 << 20
+    g = torch.Generator().manual_seed(5)
+    base = [(torch.randn(n, generator=g) * 1e-2).bfloat16() for _ in range(2)], [torch.randn(n, generator=g) for _ in range(2)]
+
+    def run(together: bool):
+        adam = ChunkAdamW(HP)
+        adam.begin_step()
+        params = [p.clone() for p in base[0]]
+        masters = [m.clone() for m in base[1]]
+        states = [(torch.zeros(n), torch.zeros(n)) for _ in range(2)]
+
+        def one(i: int, background: bool):
+            for _ in range(3):
+                adam.update_chunk(params[i], masters[i], *states[i], grad_factor=1.0, frozen=[], background=background)
+        if together:
+            t = threading.Thread(target=one, args=(1, True))
+            t.start()
+            one(0, False)
+            t.join()
+        else:
+            one(0, False)
+            one(1, True)
+        return params + masters
+    alone = run(False)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(run(True), alone))

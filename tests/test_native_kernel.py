@@ -29,12 +29,13 @@ def _case(gdt: torch.dtype, variant: str, seed: int = 0):
     return grad, master, m, v
 
 
-def _run(kernel, gdt, variant, coef):
-    """One update; what it wrote (states, then the cast) and whether its inputs stayed."""
+def _run(kernel, gdt, variant, coef, odt=None):
+    """One update; what it wrote (states, then the cast) and whether its inputs stayed. ``odt``:
+    the new params' dtype (None: the gradient's, bf16 for an fp32 gradient)."""
     grad, master, m, v = _case(gdt, variant)
     before = [t.clone() for t in (grad, master, m, v)]
     so = tuple(torch.empty(N) for _ in range(3)) if variant.startswith("out") else None
-    odt = torch.bfloat16 if gdt == torch.float32 else gdt
+    odt = odt or (torch.bfloat16 if gdt == torch.float32 else gdt)
     out = None if variant in ("plain", "out") else grad if variant == "into" else torch.empty(N, dtype=odt)
     kernel(grad, master, m, v, coef, so, out)
     kept = so is None or all(torch.equal(a, b) for a, b in zip((grad, master, m, v), before))
@@ -42,12 +43,15 @@ def _run(kernel, gdt, variant, coef):
 
 
 def _cases():
-    return [(g, v) for g, v in itertools.product(GRADS, VARIANTS) if not (v == "into" and g == torch.float32)]
+    """(grad dtype, variant, param dtype): every pair, and an fp32 param chunk apart from its master."""
+    return [(g, v, None) for g, v in itertools.product(GRADS, VARIANTS) if not (v == "into" and g == torch.float32)] \
+        + [(torch.float32, "to", torch.float32), (torch.float32, "out_to", torch.float32)]
 
 
-@pytest.mark.parametrize("gdt,variant", [(torch.bfloat16, "into"), (torch.float16, "out_to"), (torch.float32, "to")],
-                         ids=["bf16-into", "fp16-out_to", "fp32-to"])
-def test_native_equals_inductor_bit_for_bit(gdt, variant):
+@pytest.mark.parametrize("gdt,variant,odt", [(torch.bfloat16, "into", None), (torch.float16, "out_to", None),
+                                             (torch.float32, "to", None), (torch.float32, "to", torch.float32)],
+                         ids=["bf16-into", "fp16-out_to", "fp32-to-bf16", "fp32-to-fp32"])
+def test_native_equals_inductor_bit_for_bit(gdt, variant, odt):
     """The C++ kernel writes the Inductor kernel's bits (three variants and dtypes here: an
     Inductor kernel takes seconds to compile; the others agree with these through the next test
     and test_host_kernel.py)."""
@@ -55,7 +59,7 @@ def test_native_equals_inductor_bit_for_bit(gdt, variant):
     nat, ind = HostKernels("native"), HostKernels("inductor")
     outs = []
     for k in (nat, ind):
-        out, kept = _run(lambda g, p, m, v, c, so, o, k=k: k.update(g, p, m, v, HP, c, o, so), gdt, variant, coef)
+        out, kept = _run(lambda g, p, m, v, c, so, o, k=k: k.update(g, p, m, v, HP, c, o, so), gdt, variant, coef, odt)
         assert kept                                        # out of place: the inputs as they were
         outs.append(out)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -69,8 +73,8 @@ def test_avx2_and_avx512_builds_agree(tmp_path):
     narrow = load(tmp_path, cpu=_cpu_flags() - {"avx512f", "avx512_bf16"})
     assert (wide.lanes, narrow.lanes) == (16, 8) and wide.path != narrow.path
     coef = coefficients(HP, 2, 1.0)
-    for gdt, variant in _cases():
-        outs = [_run(lambda *a, k=k: k.update(*a, HP.betas, HP.eps, 1), gdt, variant, coef)[0]
+    for gdt, variant, odt in _cases():
+        outs = [_run(lambda *a, k=k: k.update(*a, HP.betas, HP.eps, 1), gdt, variant, coef, odt)[0]
                 for k in (wide, narrow)]
         assert all(torch.equal(a, b) for a, b in zip(*outs)), (gdt, variant)
 

@@ -356,11 +356,12 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
 
     def _update_order(self):
         """Every chunk once: the next step's lookahead chunks first, then the others; a chunk whose
-        writeback is still landing waits its turn while any landed one is left."""
+        writeback is still landing, or whose early update still runs, waits its turn while any
+        ready one is left."""
         first = [c for c, _ in self._ahead]
         todo = first + [c for c in range(self.layout.num_chunks) if c not in set(first)]
         while todo:
-            landing = {c for c, fut in self._deferred.values() if not fut.done()}
+            landing = {c for c, fut in self._deferred.values() if not fut.done()} | self.early.running()
             c = next((c for c in todo if c not in landing), todo[0])
             todo.remove(c)
             yield c

@@ -113,7 +113,9 @@ class ChunkAdamW:
         self.kernels = kernels      # the compiled host kernels (None: torch._fused_adamw_ only)
         self.step_count = 0
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
-        self._scratches: dict[torch.device, torch.Tensor] = {}    # one block's fp32 gradient
+        # one block's fp32 gradient, by (device, background): an update on a thread beside the
+        # compute (an early update) may run while the main thread updates another chunk
+        self._scratches: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
     @property
     def hp(self) -> AdamW:
@@ -186,7 +188,7 @@ class ChunkAdamW:
         # launches cost there, not caches (the upcast is a temporary the placement reserves room
         # for: optim/placement.UPDATE_TEMP_BYTES_PER_ELEMENT)
         blocked = master.device.type == "cpu" if self.blocked is None else self.blocked
-        scratch = self._scratch(master.device) if blocked else None
+        scratch = self._scratch(master.device, background) if blocked else None
         for g, ranges in groups:
             args = _kernel_args(hps[g])
             for o, n in ranges:
@@ -246,10 +248,10 @@ class ChunkAdamW:
             exp_avg[o:o + n].copy_(ea)
             exp_avg_sq[o:o + n].copy_(eas)
 
-    def _scratch(self, device: torch.device) -> torch.Tensor:
-        buf = self._scratches.get(device)
+    def _scratch(self, device: torch.device, background: bool) -> torch.Tensor:
+        buf = self._scratches.get((device, background))
         if buf is None:
-            buf = self._scratches[device] = torch.empty(UPDATE_BLOCK, dtype=torch.float32, device=device)
+            buf = self._scratches[device, background] = torch.empty(UPDATE_BLOCK, dtype=torch.float32, device=device)
         return buf
 
     def state_dict(self) -> dict:

@@ -8,8 +8,8 @@
 //   m' = m + (g - m) * (1 - b1)
 //   v' = v * b2 + (g * g) * (1 - b2)
 //   p' = p * c1 - (c2 * m') / (sqrt(v') * c3 + eps)   (c1: 1 - lr * wd, c2: lr / bc1, c3: 1 / sqrt(bc2))
-// The gradient is fp32, bf16 or fp16; ``out`` (optional) gets p' cast to bf16 or fp16 with the
-// rounding torch's CPU cast uses (round to nearest even; bf16 NaN -> 0xFFFF); master, m and v are
+// The gradient is fp32, bf16 or fp16; ``out`` (optional) gets p' (fp32: a param chunk apart from
+// its master), or p' cast to bf16 or fp16 with the rounding torch's CPU cast uses (round to nearest even; bf16 NaN -> 0xFFFF); master, m and v are
 // updated in place, or written into master_out, m_out and v_out with the inputs left as they were.
 // No torch header: the file compiles in about a second. AVX2 + FMA + F16C, or AVX-512 where the
 // compiler is told to target it; with AVX512-BF16 the bf16 cast is one instruction wherever it
@@ -50,6 +50,10 @@ template <int G> inline float load1(const void* p, int64_t i) {
 }
 
 template <int O> inline void store1(void* out, int64_t i, float x) {
+    if (O == F32) {
+        static_cast<float*>(out)[i] = x;
+        return;
+    }
     uint16_t* p = static_cast<uint16_t*>(out) + i;
     if (O == BF16) *p = bf16_1(x);
     else if (O == F16) *p = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -152,6 +156,7 @@ template <class V, int G, int O, bool SO> inline void step(const Buffers& b, con
     V::store((SO ? b.v_out : const_cast<float*>(b.v)) + i, v2);
     V::store((SO ? b.master_out : const_cast<float*>(b.master)) + i, p2);
     // (the gradient was read above: ``out`` may be the gradient itself)
+    if (O == F32) V::store(static_cast<float*>(b.out) + i, p2);
     if (O == BF16) V::store_bf16(static_cast<uint16_t*>(b.out) + i, p2);
     if (O == F16) V::store_f16(static_cast<uint16_t*>(b.out) + i, p2);
 }
@@ -205,6 +210,7 @@ template <int G, int O> int with_states(const Buffers& b, const Coef& c, int64_t
 template <int G> int with_out(const Buffers& b, const Coef& c, int64_t n, int okind, int threads) {
     switch (okind) {
         case NONE: return with_states<G, NONE>(b, c, n, threads);
+        case F32: return with_states<G, F32>(b, c, n, threads);
         case BF16: return with_states<G, BF16>(b, c, n, threads);
         case F16: return with_states<G, F16>(b, c, n, threads);
         default: return 2;
@@ -220,7 +226,7 @@ extern "C" int pscompile_host_adamw(const void* grad, int gkind, const float* ma
                                     float eps, int threads) {
     const Buffers b{grad, master, m, v, master_out, m_out, v_out, out};
     const Coef c{coef4[0], coef4[1], coef4[2], coef4[3], omb1, b2, omb2, eps};
-    if (okind != NONE && okind != BF16 && okind != F16) return 2;
+    if (okind != NONE && okind != F32 && okind != BF16 && okind != F16) return 2;
     switch (gkind) {
         case F32: return with_out<F32>(b, c, n, okind, threads);
         case BF16: return with_out<BF16>(b, c, n, okind, threads);

@@ -132,8 +132,8 @@ def _check(grad, master, m, v, c, states_out, out) -> None:
     if any(t.dtype != torch.float32 for t in fp32) or grad.dtype not in KIND:
         raise TypeError("the native AdamW kernel takes fp32 masters, moments and coefficients and an fp32, bf16 "
                         f"or fp16 gradient; got grad {grad.dtype}, master {master.dtype}")
-    if out is not None and out.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"the native AdamW kernel casts into bf16 or fp16, not {out.dtype}")
+    if out is not None and out.dtype not in KIND:
+        raise TypeError(f"the native AdamW kernel writes the new params in fp32, bf16 or fp16, not {out.dtype}")
     tensors = [grad, *fp32, *((out,) if out is not None else ())]
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         raise ValueError("the native AdamW kernel takes contiguous host tensors")

@@ -17,8 +17,15 @@ goes on, and the step's guarantees still hold:
   order as before. If the coefficient is below 1, the early updates are dropped and the step
   updates every chunk as before. The next step makes no guess while the last one clipped.
 - **Failures.** Anything that fails before the commit drops them too: the backward, the norm, an
-  inf/NaN, or the thread itself. So does a skipped step. Then the step goes on as if nothing had
-  started: it is skipped, undone, or it raises. The spares count in the host meter
+  inf/NaN, or the thread's norm. So does a skipped step. Then the step goes on as if nothing had
+  started: it is skipped, undone, or it raises.
+- **Each commit waits for its own update only.** The step needs every early chunk's norm before
+  it knows its factor. It reads it from the chunk's device slot while the gradient still lands,
+  as it does for the other chunks, or else waits for the job, which computes it first. It then
+  commits each chunk in its turn, waiting for that chunk's update alone, while the rest of the
+  step (the other chunks' updates, the next step's fetches) goes on. An update
+  that failed after its norm leaves the chunk's buffers as they were (it was out of place): that
+  chunk is updated in place at its turn instead, as if it had never started. The spares count in the host meter
   (``StepStats.peak_host_bytes``) and stay allocated between steps (fresh pages each step cost
   more than the update), and the plan gives ``update`` nodes to at most as many chunks as half
   the host's spare room holds.
@@ -84,6 +91,7 @@ class EarlyUpdates:
         self.last_count = 0                         # chunks the last committed step updated early
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: dict[int, Future] = {}
+        self._norms: dict[int, Future] = {}         # chunk -> its norm, set by its job before it updates
         self._done: dict[int, list] = {}            # chunk -> its filled spare buffers
         self._free: dict[bool, list[list]] = {}     # spare sets kept between steps, by ``shared(c)``
         self._started = False                       # the step counter was advanced for this step
@@ -92,7 +100,7 @@ class EarlyUpdates:
     # ---- the step's life ---------------------------------------------------------------------
     def begin(self, factor: float | None) -> None:
         """A step starts; ``factor``: the gradient factor if nothing clips (None: none this step)."""
-        assert not self._jobs and not self._done, "early updates left over from an earlier step"
+        assert not self._jobs and not self._done and not self._norms, "early updates left over from an earlier step"
         self.factor = factor
         self.last_count = 0
 
@@ -111,46 +119,64 @@ class EarlyUpdates:
         free = self._free.get(self._store.shares_master(c))
         spare = free.pop() if free else spare_home(self._store, c)     # (kept from the last step: no page faults)
         self._done[c] = spare
+        self._norms[c] = Future()
         self._jobs[c] = self._pool.submit(self._run, c, landed, frozen, groups, self.factor, spare)
 
-    def _run(self, c: int, landed, frozen, groups, factor: float, spare: list) -> torch.Tensor:
-        if landed is not None:
-            landed.wait_host()
-        grad = self._store.grad_home(c)
-        for o, n in frozen:                    # no gradient: counts as zero (as the step's norm does)
-            grad[o:o + n].zero_()
-        norm = grad_norm(grad)
+    def _run(self, c: int, landed, frozen, groups, factor: float, spare: list) -> None:
+        norm = self._norms[c]
+        try:
+            if landed is not None:
+                landed.wait_host()
+            grad = self._store.grad_home(c)
+            for o, n in frozen:                # no gradient: counts as zero (as the step's norm does)
+                grad[o:o + n].zero_()
+            norm.set_result(grad_norm(grad))
+        except BaseException as e:
+            norm.set_exception(e)
+            raise
         self._update(c, factor, frozen, groups, spare)
-        return norm
 
-    def finish(self) -> dict[int, torch.Tensor]:
-        """Wait for every early update; their chunks' norms. A failed one drops them all and raises."""
-        jobs, self._jobs = self._jobs, {}
-        errors = settle(list(jobs.values()))
-        if errors:
-            self.undo()
-            raise errors[0]
-        return {c: f.result() for c, f in jobs.items()}
+    def norms(self) -> dict[int, Future]:
+        """Each early chunk's norm, as its job will set it (before it updates; waiting on one
+        raises what its job raised). The step reads a norm from the chunk's device slot where it
+        can (``norm_source``), so it need not wait for the gradient to land."""
+        return dict(self._norms)
 
     @property
     def chunks(self) -> frozenset[int]:
         """The chunks updated early this step (after ``finish``), not committed yet."""
         return frozenset(self._done)
 
+    def wait(self) -> None:
+        """Wait for every early update started so far to end (their failures stay for ``commit``)."""
+        settle(list(self._jobs.values()))
+
+    def running(self) -> frozenset[int]:
+        """The chunks whose early update is still running (a ``commit`` of one would wait)."""
+        return frozenset(c for c, job in self._jobs.items() if not job.done())
+
     @property
     def started(self) -> bool:
         """The step counter is this step's already (an early update began)."""
         return self._started
 
-    def commit(self, c: int) -> None:
-        """Chunk ``c``'s early update stands: its spares become its buffers (main thread)."""
-        old = swap_home(self._store, c, self._done.pop(c))
+    def commit(self, c: int) -> bool:
+        """Chunk ``c``'s early update stands: once it is done, its spares become its buffers (main
+        thread). False if it failed: the chunk's buffers are as they were, to update in place."""
+        job, spare = self._jobs.pop(c), self._done.pop(c)
+        del self._norms[c]
+        if settle([job]):
+            self._free.setdefault(self._store.shares_master(c), []).append(spare)
+            return False
+        old = swap_home(self._store, c, spare)
         self._free.setdefault(self._store.shares_master(c), []).append(old)
         self.last_count += 1
+        return True
 
     def end_step(self) -> None:
         """The step committed: every early update of it stands (``commit`` was called for each)."""
-        assert not self._done, f"early updates of chunks {sorted(self._done)} neither committed nor dropped"
+        assert not self._done and not self._jobs, \
+            f"early updates of chunks {sorted(self._done)} neither committed nor dropped"
         self._started = False
         self.factor = None
 
@@ -159,6 +185,7 @@ class EarlyUpdates:
         buffers, which nothing changed, and the step counter goes back. Harmless when none began."""
         jobs, self._jobs = self._jobs, {}
         settle(list(jobs.values()))
+        self._norms.clear()
         dropped = frozenset(self._done)
         for c, spare in self._done.items():
             self._free.setdefault(self._store.shares_master(c), []).append(spare)

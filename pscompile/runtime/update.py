@@ -79,9 +79,10 @@ class ChunkUpdate:
         store, n = self.store, self.layout.num_chunks
         undo = has_grad if grads is None else [False] * n     # accumulation left the params intact
         try:
-            early = self.early.finish()       # the chunks updated in the backward, with their norms
+            early = self.early.norms()        # the chunks updated in the backward, with their norms
             factor = self._unscale_and_clip(written, scale, tracker, has_grad, undo, grads, norm_source, early)
         except BaseException:
+            self.early.undo()                 # (a job's norm failed, or anything else: none stands)
             self._undo_all(undo)              # the chunks hold gradients: back to the parameters
             raise
         if factor is None:
@@ -217,19 +218,21 @@ class ChunkUpdate:
     def _unscale_and_clip(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
                           undo: list[bool], grads: list[torch.Tensor] | None,
                           norm_source: Callable[[int, list], torch.Tensor | None] | None = None,
-                          early: dict[int, torch.Tensor] | None = None) -> float | None:
+                          early: dict | None = None) -> float | None:
         """The gradient norm over every rank; on inf/NaN, undo and skip (or raise). Returns the
         factor the gradients are multiplied by in the update, None for a skipped step. ``early``:
-        the norms of the chunks updated in the backward (computed there, from the same buffers)."""
+        the chunks updated in the backward, with futures of their norms (computed there, from the
+        same values): read from the device slot instead where ``norm_source`` has it."""
         store, n = self.store, self.layout.num_chunks
         norms: list[torch.Tensor] = []
         for c in range(n):
             if not has_grad[c]:
                 continue
-            if early and c in early:
-                norms.append(early[c])
-                continue
             frozen = self._frozen_ranges(c, written)
+            if early and c in early:
+                buf = norm_source(c, frozen) if norm_source is not None and not frozen else None
+                norms.append(grad_norm(buf) if buf is not None else early[c].result())
+                continue
             buf = norm_source(c, frozen) if norm_source is not None else None
             if buf is not None:                              # (a device copy of it, no frozen ranges)
                 norms.append(grad_norm(buf))
@@ -279,10 +282,10 @@ class ChunkUpdate:
             self.adam.begin_step()
         for c in (range(n) if order is None else order):
             before_update(c)
-            if c in early:                                      # its new buffers take the old ones' place
-                self.early.commit(c)
+            if c in early and self.early.commit(c):             # its new buffers take the old ones' place
                 store.mark_updated(c)
-            elif has_grad[c]:                                   # (else nothing to update here)
+            elif has_grad[c]:                                   # (else nothing to update here; an early
+                                                                # update that failed: in place instead)
                 self._update_chunk(c, written, factor, tracker, grads, on_disk)
             after_update(c)
         self.early.end_step()
