@@ -137,3 +137,33 @@ def test_a_step_that_fails_after_a_lookahead_loses_nothing():
     assert all(torch.equal(before[k], after[k]) for k in before)
     for b in batches[3:]:
         assert engine.step(b) == clean.step(b)
+
+
+class _Landing:
+    """A writeback's handle: lands when the test says so."""
+
+    def __init__(self):
+        self.landed = False
+
+    def done(self) -> bool:
+        return self.landed
+
+
+def test_chunks_are_updated_as_their_writebacks_land():
+    """The step's update order: the next step's first chunks first among those whose writeback has
+    landed; while none has, the one whose writeback was issued first (it lands first on a link
+    that carries each direction in order), not the first of the order, which may land last."""
+    engine, _ = _engine(None)
+    n = engine.layout.num_chunks
+    assert n >= 4
+    copies = {c: _Landing() for c in range(n)}
+    engine._ahead = [(c, 100 + c) for c in range(n)]                 # the next step needs 0, 1, 2, ...
+    engine._deferred = {200 + c: (c, copies[c]) for c in range(n)}
+    engine._wb_seq = {c: n - c for c in range(n)}                    # the backward wrote n-1 first
+    copies[1].landed = True
+    order = engine._update_order()
+    assert next(order) == 1                                          # landed: before the rest
+    assert next(order) == n - 1                                      # none landed: the first issued
+    copies[0].landed = True
+    assert next(order) == 0                                          # landed: first of the order
+    assert list(order) == list(range(n - 2, 1, -1))                  # then in issue order again

@@ -357,12 +357,15 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
     def _update_order(self):
         """Every chunk once: the next step's lookahead chunks first, then the others; a chunk whose
         writeback is still landing, or whose early update still runs, waits its turn while any
-        ready one is left."""
+        ready one is left. When none is, the next is the one whose writeback was issued first
+        (the link carries each direction in order, so it lands first), not the first in order,
+        whose writeback may land last while the others could be updated and fetched ahead."""
         first = [c for c, _ in self._ahead]
         todo = first + [c for c in range(self.layout.num_chunks) if c not in set(first)]
         while todo:
             landing = {c for c, fut in self._deferred.values() if not fut.done()} | self.early.running()
-            c = next((c for c in todo if c not in landing), todo[0])
+            issued = sorted((c for c in todo if c in landing), key=lambda c: self._wb_seq.get(c, 0))
+            c = next((c for c in todo if c not in landing), issued[0] if issued else todo[0])
             todo.remove(c)
             yield c
 

@@ -54,6 +54,8 @@ class MemoryMoves:
         self._in_flight: dict[int, Any] = {}       # slot -> its asynchronous fetch (a Copy, or a collective's work)
         self._reading: dict[int, Copy] = {}        # slot -> the writeback reading it
         self._homing: dict[int, Copy] = {}         # chunk -> the writeback writing its home
+        self._wb_seq: dict[int, int] = {}          # chunk -> when its last writeback was issued (a count)
+        self._wb_count = 0
         self._copying: dict[int, Copy] = {}        # id(activation copy) -> its asynchronous copy
         # (parameter, chunk) -> [(copy, fp32 target, host copy or None)] of an asynchronous accumulate_grad
         self._grad_copies: dict[tuple[str, int], list] = {}
@@ -193,6 +195,8 @@ class MemoryMoves:
         store = self.store
         _, slot = args                  # host_c: the chunk's home; its gradient's own buffer there
         fetching = self._in_flight.get(mem.slot)        # (planned after its wait; kept safe anyway)
+        self._wb_count += 1
+        self._wb_seq[mem.chunk] = self._wb_count        # (the optimizer step updates them in landing order)
         self._reading[mem.slot] = self._homing[mem.chunk] = self.copies.submit(
             store.home_for_device_data(mem.chunk, whole=True), slot, "d2h",
             after=fetching if isinstance(fetching, Copy) else None, node=node)
