@@ -482,8 +482,9 @@ def test_host_adamw_quick(tmp_path):
     """bench/host_adamw.py --quick: every candidate at 1 and 2 threads in fp32 and bf16, each ending
     where torch's fused AdamW ends (same steps, same gradients), against a measured bound."""
     out = tmp_path / "host_adamw.json"
-    proc = _run("host_adamw.py", "--quick", "--markdown", "--out", str(out))
+    proc = _run("host_adamw.py", "--quick", "--markdown", "--huge-pages", "--out", str(out))
     res = json.loads(out.read_text())
+    assert res["huge_pages"] is True
     rows = res["rows"]
     got = {(r["method"], r["dtype"], r["threads"]) for r in rows}
     native = [] if unavailable_reason() else ["pscompile, native"]
