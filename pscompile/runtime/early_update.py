@@ -23,12 +23,12 @@ goes on, and the step's guarantees still hold:
   it knows its factor. It reads it from the chunk's device slot while the gradient still lands,
   as it does for the other chunks, or else waits for the job, which computes it first. It then
   commits each chunk in its turn, waiting for that chunk's update alone, while the rest of the
-  step (the other chunks' updates, the next step's fetches) goes on. An update
-  that failed after its norm leaves the chunk's buffers as they were (it was out of place): that
-  chunk is updated in place at its turn instead, as if it had never started. The spares count in the host meter
-  (``StepStats.peak_host_bytes``) and stay allocated between steps (fresh pages each step cost
-  more than the update), and the plan gives ``update`` nodes to at most as many chunks as half
-  the host's spare room holds.
+  step (the other chunks' updates, the next step's fetches) goes on. An update that failed after
+  its norm leaves the chunk's buffers as they were (it was out of place): that chunk is updated
+  in place at its turn instead, as if it had never started.
+- **Host memory.** The spares count in the host meter (``StepStats.peak_host_bytes``) and stay
+  allocated between steps (fresh pages each step cost more than the update), and the plan gives
+  ``update`` nodes to at most as many chunks as half the host's spare room holds.
 - **Ctrl-C** waits from the first early update to the end of the step's update, as it waits for
   the update without them (``runtime/interrupts.py``): the step finishes, then it interrupts.
 
@@ -119,11 +119,10 @@ class EarlyUpdates:
         free = self._free.get(self._store.shares_master(c))
         spare = free.pop() if free else spare_home(self._store, c)     # (kept from the last step: no page faults)
         self._done[c] = spare
-        self._norms[c] = Future()
-        self._jobs[c] = self._pool.submit(self._run, c, landed, frozen, groups, self.factor, spare)
+        norm = self._norms[c] = Future()
+        self._jobs[c] = self._pool.submit(self._run, c, landed, frozen, groups, self.factor, spare, norm)
 
-    def _run(self, c: int, landed, frozen, groups, factor: float, spare: list) -> None:
-        norm = self._norms[c]
+    def _run(self, c: int, landed, frozen, groups, factor: float, spare: list, norm: Future) -> None:
         try:
             if landed is not None:
                 landed.wait_host()
@@ -144,7 +143,7 @@ class EarlyUpdates:
 
     @property
     def chunks(self) -> frozenset[int]:
-        """The chunks updated early this step (after ``finish``), not committed yet."""
+        """The chunks updated early this step (submitted), not committed or dropped yet."""
         return frozenset(self._done)
 
     def wait(self) -> None:
