@@ -6,6 +6,8 @@ moment and the step counter as they were."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from conftest import make_batches, make_model, same_state, snapshot
 from pscompile.graph.meta import get
 from pscompile.graph.ops import is_memory_node
 from pscompile.kinds import MemKind
+from pscompile.optim.adamw import ChunkAdamW
 from pscompile.optim.native_kernel import unavailable_reason
 from pscompile.runtime import early_update
 from pscompile.passes.verify_schedule import ScheduleError, verify_schedule
@@ -190,3 +193,52 @@ def test_spares_count_as_host_memory_and_go_back_on_close():
     assert engine.early._free                  # kept between steps
     engine.close()
     assert not engine.early._free
+
+
+class _Pool:
+    def acquire(self):
+        return torch.zeros(4)
+
+    def release(self, t):
+        pass
+
+
+class _Store:
+    """What ``EarlyUpdates`` reads of a chunk store: two chunks whose masters are their params."""
+
+    def __init__(self):
+        self.host_param_pool = self.host_os_pool = _Pool()
+        self.master, self.exp_avg, self.exp_avg_sq, self.host_param = ([torch.ones(4) for _ in range(2)]
+                                                                        for _ in range(4))
+
+    def shares_master(self, c):
+        return True
+
+    def grad_home(self, c):
+        return torch.ones(4)
+
+
+def test_a_commit_takes_over_an_update_that_has_not_started():
+    """One update thread: chunk 1's update waits behind chunk 0's. Committing chunk 1 then cancels
+    it (the main thread updates it in place, quicker than waiting), and chunk 0's commit waits for
+    its own update and takes its buffers."""
+    gate, ran = threading.Event(), []
+
+    def update(c, factor, frozen, groups, spare):
+        if c == 0:
+            gate.wait(10)
+        ran.append(c)
+        spare[0].fill_(c + 2)
+    adam = ChunkAdamW(pscompile.AdamW())
+    store = _Store()
+    early = early_update.EarlyUpdates(adam, store, update=update)
+    early.begin(1.0)
+    early.submit(0, None, [], None)
+    early.submit(1, None, [], None)
+    assert 1 in early.running()
+    assert early.commit(1) is False                # queued: cancelled, left to the main thread
+    gate.set()
+    assert early.commit(0) is True and torch.equal(store.master[0], torch.full((4,), 2.0))
+    assert ran == [0] and torch.equal(store.master[1], torch.ones(4))
+    early.end_step()
+    early.close()

@@ -39,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from pscompile.memory.tiers import Link
 
@@ -117,7 +118,16 @@ class CopyEngine(ABC):
         return torch.empty_strided(shape, stride, dtype=dtype)
 
     def close(self) -> None:
-        self.drain()
+        # (also called by an engine's finalizer, at whatever point the garbage collector runs it:
+        # perhaps inside a fake-tensor kernel of another engine's tracing, which sends every
+        # tensor op to the meta device until it returns)
+        meta = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(False)
+        try:
+            with _disable_current_modes():
+                self.drain()
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta)
 
 
 def settle(futures: list[Future]) -> list[BaseException]:
@@ -223,7 +233,7 @@ class ThreadCopies(CopyEngine):
         return all(f.done() for f in self._pending)
 
     def close(self) -> None:
-        self.drain()
+        super().close()
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         self._pools.clear()

@@ -161,10 +161,11 @@ class EarlyUpdates:
 
     def commit(self, c: int) -> bool:
         """Chunk ``c``'s early update stands: once it is done, its spares become its buffers (main
-        thread). False if it failed: the chunk's buffers are as they were, to update in place."""
+        thread). False if it failed, or had not started (it never will): the chunk's buffers are
+        as they were, to update in place."""
         job, spare = self._jobs.pop(c), self._done.pop(c)
         del self._norms[c]
-        if settle([job]):
+        if job.cancel() or settle([job]):    # (not started yet: the main thread is quicker)
             self._free.setdefault(self._store.shares_master(c), []).append(spare)
             return False
         old = swap_home(self._store, c, spare)
