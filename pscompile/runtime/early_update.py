@@ -23,9 +23,10 @@ goes on, and the step's guarantees still hold:
   it knows its factor. It reads it from the chunk's device slot while the gradient still lands,
   as it does for the other chunks, or else waits for the job, which computes it first. It then
   commits each chunk in its turn, waiting for that chunk's update alone, while the rest of the
-  step (the other chunks' updates, the next step's fetches) goes on. An update that failed after
-  its norm leaves the chunk's buffers as they were (it was out of place): that chunk is updated
-  in place at its turn instead, as if it had never started.
+  step (the other chunks' updates, the next step's fetches) goes on. An update that has not
+  started by then is cancelled, and one that failed after its norm left the chunk's buffers as
+  they were (it was out of place): either way that chunk is updated in place at its turn instead,
+  as if it had never started.
 - **Host memory.** The spares count in the host meter (``StepStats.peak_host_bytes``) and stay
   allocated between steps (fresh pages each step cost more than the update), and the plan gives
   ``update`` nodes to at most as many chunks as half the host's spare room holds.
