@@ -114,6 +114,19 @@ class _Boom(Exception):
     pass
 
 
+def _fails_on_call(n: int, real):
+    """``real``, raising _Boom on its ``n``-th call instead; the calls so far in ``.calls[0]``."""
+    calls = [0]
+
+    def failing(*a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            raise _Boom()
+        return real(*a, **k)
+    failing.calls = calls
+    return failing
+
+
 @pytest.mark.parametrize("where", ["backward", "update thread", "norm"])
 def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
     """(``update thread``: the thread fails before the step knows its factor, in a chunk's norm)"""
@@ -135,14 +148,7 @@ def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
             return run(mem, *a, **k)
         monkeypatch.setattr(faulty, "_run_memory_node", failing)
     elif where == "update thread":              # the fourth early chunk's norm fails on its thread
-        real, calls = early_update.grad_norm, [0]
-
-        def failing(*a, **k):
-            calls[0] += 1
-            if calls[0] == 4:
-                raise _Boom()
-            return real(*a, **k)
-        monkeypatch.setattr(early_update, "grad_norm", failing)
+        monkeypatch.setattr(early_update, "grad_norm", _fails_on_call(4, early_update.grad_norm))
     else:                                       # the global norm fails after every early update
         monkeypatch.setattr(faulty, "_unscale_and_clip", lambda *a, **k: (_ for _ in ()).throw(_Boom()))
     torch.manual_seed(1)
@@ -163,20 +169,14 @@ def test_an_update_that_fails_after_its_norm_is_made_in_place(monkeypatch):
     chunks: that chunk is updated in place at its turn (its buffers were never touched), and the
     step ends where an engine whose updates never failed ends, bit for bit."""
     faulty, clean = _engine(), _engine()
-    real, calls = faulty._early_update, [0]
-
-    def failing(*a, **k):
-        calls[0] += 1
-        if calls[0] == 4:
-            raise _Boom()
-        return real(*a, **k)
+    failing = _fails_on_call(4, faulty._early_update)
     monkeypatch.setattr(faulty.early, "_update", failing)
     for i, b in enumerate(BATCHES[:3]):
         torch.manual_seed(i)
         got = faulty.step(b)
         torch.manual_seed(i)
         assert got == clean.step(b)
-    assert calls[0] > 4                         # (early updates ran after the one that failed)
+    assert failing.calls[0] > 4                 # (early updates ran after the one that failed)
     assert same_state(snapshot(faulty), snapshot(clean))
 
 

@@ -364,8 +364,9 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         todo = first + [c for c in range(self.layout.num_chunks) if c not in set(first)]
         while todo:
             landing = {c for c, fut in self._deferred.values() if not fut.done()} | self.early.running()
-            issued = sorted((c for c in todo if c in landing), key=lambda c: self._wb_seq.get(c, 0))
-            c = next((c for c in todo if c not in landing), issued[0] if issued else todo[0])
+            c = next((c for c in todo if c not in landing), None)
+            if c is None:                                        # all landing: the first issued
+                c = min(todo, key=lambda c: self._wb_seq.get(c, 0))
             todo.remove(c)
             yield c
 

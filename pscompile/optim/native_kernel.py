@@ -2,9 +2,9 @@
 called through ctypes.
 
 Why beside the Inductor kernel (``host_kernel.py``): measured on this project's AVX-512 EPYC, one
-thread, bf16 gradients, the Inductor-generated loop ran at 1024 Mparam/s with its arrays in cache
-and this one at 1900-2970 (the bf16 cast, the unroll by two); streaming 16M parameters, 760-830
-against 1050-1200, the level of ``torch._fused_adamw_`` on fp32 (docs/host-optimizer.md). The
+thread, bf16 gradients, the Inductor-generated loop ran at 1095-1185 Mparam/s with its arrays in
+cache and this one at 2233 (the bf16 cast, 512-bit vectors, the unroll by two); streaming, at
+0.61-0.73 of the memory-bandwidth bound against 0.84-1.02 (docs/host-optimizer.md). The
 source includes no torch header, so a build takes about a second, once per machine: the library
 is kept in Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``) under a name that hashes the
 source, the compiler and its flags, written to a temporary name and renamed, so a crash or a
