@@ -15,10 +15,12 @@ and each mode:
   ``pscompile.compile`` and every step's measured peak stays within the budget;
 - both modes: ``compile`` refuses 1% below the minimum with ``BudgetError``;
 - ``--inductor``: compiled mode also trains with ``backend="inductor"`` at the minimum and 1.15x,
-  1.5x, 2x and 3x it (a cold Inductor compile per model: tens of seconds), and says at each budget
-  whether the compiled regions ran or their measured peaks did not fit and the schedule ran node by
-  node; ``--inductor-only`` trains only those (``--arch mixtral`` too: a model the Inductor tests
-  run that is not in the sweeps).
+  1.5x, 2x and 3x it (a cold Inductor compile per model: tens of seconds), beside compiled eager at
+  the same budget (``bench/inductor_cells.py``): per cell the share of compute operators that ran
+  inside compiled code, the largest peak/budget of both, the steady step time over compiled
+  eager's (interleaved, one process), and the first steps' time against plain ``torch.compile``'s
+  first step; ``--inductor-only`` trains only those (``--arch mixtral`` too: a model the Inductor
+  tests run that is not in the sweeps).
 
 Any other exception, a peak over its budget, a non-finite loss or a budget below the minimum that is
 accepted counts as a failure; the first failure's message is kept. Exit status 1 if any failed.
@@ -27,7 +29,7 @@ accepted counts as a failure; the first failure's message is kept. Exit status 1
                             [--out bench/results/budgets.json]
 
 ``--quick``: only "gpt" and "opt" (opt when transformers imports), 10 budgets of the sweep, and only
-the minimum trained (with Inductor: 2x the minimum, where its compiled regions run). Float32, one torch thread (see
+the minimum trained (with Inductor: 2x the minimum, and no plain ``torch.compile`` first step). Float32, one torch thread (see
 bench/foundation.py for why).
 """
 
@@ -49,6 +51,9 @@ from tabulate import tabulate
 import pscompile
 from pscompile.graph.pipeline import BudgetSweep
 from pscompile.testing import ARCHITECTURES, EXTRA_ARCHITECTURES, tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from inductor_cells import STEADY, WARMUP, Cell, plain_compile_first_step, run_cell  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "budgets.json"
 HAVE_HF = importlib.util.find_spec("transformers") is not None
@@ -230,9 +235,48 @@ def run_arch(arch: str, mode: str, *, quick: bool, link: str | None) -> Row:
     return Row(arch, mode, minimum, sweep, trained, below, failures_of(sweep, trained, below))
 
 
-def run_inductor(arch: str, minimum: int, link: str | None, factors=INDUCTOR_FACTORS) -> Row:
-    trained = train_sample(arch, "compiled", minimum, factors, backend="inductor", link=link)
-    return Row(arch, "compiled (inductor)", minimum, None, trained, None, failures_of(None, trained, None))
+@dataclass(frozen=True)
+class InductorRow:
+    """One architecture through Inductor at each budget of ``INDUCTOR_FACTORS`` (``inductor_cells``)."""
+
+    arch: str
+    minimum: int
+    cells: tuple[Cell, ...]
+    plain_compile_first_s: float | None     # plain torch.compile's first step, no budget
+    failures: tuple[str, ...]
+
+    def as_json(self) -> dict:
+        return dict(arch=self.arch, mode="compiled (inductor)", minimum=self.minimum,
+                    plain_compile_first_s=self.plain_compile_first_s, failures=list(self.failures),
+                    num_failures=len(self.failures),
+                    cells=[dict(dataclasses.asdict(c), ratio=c.ratio, regions=c.regions) for c in self.cells])
+
+
+def run_inductor(arch: str, minimum: int, link: str | None, factors=INDUCTOR_FACTORS,
+                 plain_compile: bool = True) -> InductorRow:
+    cells = tuple(run_cell(arch, int(minimum * f), f, link) for f in factors)
+    try:
+        plain = plain_compile_first_step(arch) if plain_compile else None
+    except Exception:                                   # noqa: BLE001 -- a model torch.compile cannot take
+        plain = None
+    failures = tuple(f"{c.factor}x ({c.budget}): {c.error}" for c in cells if not c.ok)
+    return InductorRow(arch, minimum, cells, plain, failures)
+
+
+def inductor_table(rows: list[InductorRow]) -> tuple[list[str], list[list]]:
+    """Per architecture and budget: the compiled share, the largest peak/budget of both backends,
+    Inductor's steady step over compiled eager's."""
+    headers = ["architecture", "minimum bytes"] + [f"{c.factor}x" for c in rows[0].cells] + [
+        "first steps (s)", "plain compile 1st (s)"]
+    out = []
+    for r in rows:
+        cells = [("FAILED" if not c.ok else
+                  f"{c.compiled_share:.0%} {max(c.peaks + c.eager_peaks) / c.budget:.3f} {c.ratio:.2f}x")
+                 for c in r.cells]
+        first = "/".join(f"{c.first_steps_s:.0f}" for c in r.cells)
+        out.append([r.arch, f"{r.minimum:,}", *cells, first,
+                    f"{r.plain_compile_first_s:.1f}" if r.plain_compile_first_s is not None else "-"])
+    return headers, out
 
 
 def architectures(args) -> tuple[list[str], list[str]]:
@@ -274,52 +318,56 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     archs, skipped = architectures(args)
     t0 = time.perf_counter()
-    rows: list[Row] = []
+    rows: list[Row | InductorRow] = []
     for arch in archs:
         for mode in ("compiled", "hooks") if not args.inductor_only else ():
             rows.append(run_arch(arch, mode, quick=args.quick, link=args.link))
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} {mode}: {len(rows[-1].failures)} failure(s)",
                   file=sys.stderr, flush=True)
         if args.inductor or args.inductor_only:
-            minimum = next((r.minimum for r in rows if r.arch == arch and r.mode == "compiled"), None)
+            minimum = next((r.minimum for r in rows if r.arch == arch and isinstance(r, Row)
+                            and r.mode == "compiled"), None)
             if minimum is None:
                 minimum = pscompile.min_device_memory(*tiny_model(arch), config("compiled"))
-            rows.append(run_inductor(arch, minimum, args.link, QUICK_INDUCTOR_FACTORS if args.quick else INDUCTOR_FACTORS))
+            rows.append(run_inductor(arch, minimum, args.link, QUICK_INDUCTOR_FACTORS if args.quick else INDUCTOR_FACTORS,
+                                     plain_compile=not args.quick))
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} inductor: {len(rows[-1].failures)} failure(s)",
                   file=sys.stderr, flush=True)
     headers = ["architecture", "mode", "minimum bytes", "budgets verified", "failures", "budgets trained",
                "max peak/budget", "1% below refused"]
-    n_sweep = next((r.sweep.budgets for r in rows if r.sweep), 0)
+    n_sweep = next((r.sweep.budgets for r in rows if isinstance(r, Row) and r.sweep), 0)
     caption = (f"Budgets from the minimum up, float32, one thread; compiled: {n_sweep} budgets planned and verified "
                f"per architecture from one capture (minimum to 2x); trained: {STEPS} steps per budget, "
                f"peak measured" + (f", emulated link {args.link}" if args.link else "")
                + f"; {time.perf_counter() - t0:.0f} s")
     print(caption)
-    print(tabulate(table_rows(rows), headers=headers, disable_numparse=True))
-    if args.markdown:
+    plain_rows = [r for r in rows if isinstance(r, Row)]
+    if plain_rows:
+        print(tabulate(table_rows(plain_rows), headers=headers, disable_numparse=True))
+    if args.markdown and plain_rows:
         print("\n" + caption + "\n")
-        print(tabulate(table_rows(rows), headers=headers, tablefmt="github", disable_numparse=True))
-    inductor = [r for r in rows if r.mode == "compiled (inductor)"]
+        print(tabulate(table_rows(plain_rows), headers=headers, tablefmt="github", disable_numparse=True))
+    inductor = [r for r in rows if isinstance(r, InductorRow)]
     if inductor:
-        ind_caption = ("Inductor: at each budget (x the minimum), 'regions' where the compiled regions ran, "
-                       "'nodes' where their measured peaks did not fit the budget and the schedule ran node by "
-                       "node (within it); peak/budget the largest over the steps")
-        ind_headers = ["architecture", "minimum bytes"] + [f"{t.factor}x" for t in inductor[0].trained]
-        ind_rows = [[r.arch, f"{r.minimum:,}"] + [
-            ("FAILED" if not t.ok else ("regions" if t.regions else "nodes")
-             + f" {max(t.peaks) / t.budget:.3f}") for t in r.trained] for r in inductor]
+        ind_caption = (f"Inductor at each budget (x the minimum): the share of compute operators that ran inside "
+                       f"compiled code in its last step, the largest peak/budget over every step of Inductor and "
+                       f"of compiled eager, and Inductor's steady step over compiled eager's (medians of {STEADY} "
+                       f"interleaved steps each, after {WARMUP} steps alone); first steps: Inductor's first "
+                       f"{WARMUP} steps per budget (capture, measuring, probing, cutting, compiling); plain "
+                       f"compile 1st: torch.compile's first training step, no budget")
+        ind_headers, ind_rows = inductor_table(inductor)
         print("\n" + ind_caption)
         print(tabulate(ind_rows, headers=ind_headers, tablefmt="github" if args.markdown else "simple",
                        disable_numparse=True))
     if skipped:
         print(f"skipped (transformers is not installed): {', '.join(skipped)}")
-    failed = [(r.arch, r.mode, f) for r in rows for f in r.failures]
+    failed = [(r.arch, getattr(r, "mode", "compiled (inductor)"), f) for r in rows for f in r.failures]
     for arch, mode, f in failed:
         print(f"FAILED {arch} {mode}: {f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = dict(quick=args.quick, inductor=args.inductor or args.inductor_only, link=args.link, steps=STEPS,
-                    below=BELOW, inductor_factors=[t.factor for t in next(
-                        (r.trained for r in rows if r.mode == "compiled (inductor)"), ())] or None,
+                    below=BELOW, inductor_factors=[c.factor for c in next(
+                        (r.cells for r in inductor), ())] or None, inductor_warmup=WARMUP, inductor_steady=STEADY,
                     train_factors=TRAIN_FACTORS[:1] if args.quick else TRAIN_FACTORS, torch=torch.__version__)
     args.out.write_text(json.dumps(dict(settings=settings,
                                         skipped=skipped, rows=[r.as_json() for r in rows],

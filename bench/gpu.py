@@ -1,6 +1,7 @@
 """The GPU acceptance run: one command, JSON plus a Markdown table.
 
     python bench/gpu.py [--dry-run] [--quick] [--markdown] [--out bench/results/gpu.json] [--deadline-s 470]
+    python bench/gpu.py --lease [...]      # a short lease's one command: bench/gpu_lease.py
 
 On a CUDA machine (at most 8 minutes on one H100; the lent machines hold torch 2.11):
 
@@ -120,12 +121,18 @@ def run_pscompile(make, data, device: str, budget) -> dict:
         rows = timed(engine.step, data, device, lambda: dict(
             moved=engine.stats.bytes_moved, peak=engine.stats.peak_device_bytes,
             allocator_peak=engine.stats.allocator_peak_bytes, forward_s=engine.stats.forward_s,
-            backward_s=engine.stats.backward_s, optimizer_s=engine.stats.optimizer_s))
+            backward_s=engine.stats.backward_s, optimizer_s=engine.stats.optimizer_s, **op_counts(engine.stats)))
         over = [r for r in rows if budget is not None and max(r["peak"], r["allocator_peak"] or 0) > budget]
         return dict(first_s=time.perf_counter() - t - sum(r["time_s"] for r in rows[1:]), steps=rows,
                     within_budget=not over, min_device_memory=engine.min_device_memory)
     finally:
         engine.close()
+
+
+def op_counts(stats) -> dict:
+    """The step's compute operators and those that ran in compiled code (StepStats fields that newer
+    pscompile versions have; None where this one lacks them)."""
+    return {k: getattr(stats, k, None) for k in ("compute_ops", "compiled_ops", "compiled_share")}
 
 
 def run_plain(size, data, s, device: str, dtype, compiled: bool) -> dict:
@@ -175,7 +182,9 @@ def minimum_and_full(size, data, s: dict, device: str, dtype) -> tuple[int, int]
         engine.close()
 
 
-def parity_rows(s, device, systems, clock) -> list[dict]:
+def parity_rows(s, device, systems, clock, need=lambda name: 60.0, emit=lambda row: None) -> list[dict]:
+    """Per dtype and system, a row; ``need(system)``: the seconds a row needs to start before the
+    deadline; ``emit(row)`` sees each row as it ends."""
     out = []
     data = batches(s, 1 + s["steps"])
     for dtype in (torch.float32, torch.bfloat16):
@@ -190,11 +199,12 @@ def parity_rows(s, device, systems, clock) -> list[dict]:
                 return dict(budget=budget, **run_pscompile(lambda: pscompile.compile(
                     model(s["parity"], s), data[0], config=config(device, dtype, budget, name, s["chunk"])),
                     data, device, budget))
-            row = guarded(clock, 60, run, section="parity", system=name, dtype=str(dtype).split(".")[-1])
+            row = guarded(clock, need(name), run, section="parity", system=name, dtype=str(dtype).split(".")[-1])
             if "steps" in row:
                 diffs = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(row["steps"], ref["steps"])]
                 row.update(max_rel_loss=max(diffs), tracks=max(diffs) <= tol,
                            evicted=sum(r["moved"] for r in row["steps"]) > 0)
+            emit(row)
             out.append(row)
     return out
 
@@ -313,7 +323,14 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--lease" in argv:                  # the short lease's one command: bench/gpu_lease.py
+        from gpu_lease import main as lease
+        return lease([a for a in argv if a != "--lease"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lease", action="store_true",
+                    help="the one command of a lent GPU (tests/gpu, then speed and parity rows, in at most 5 "
+                         "minutes): bench/gpu_lease.py, whose flags follow (--lease --help lists them)")
     ap.add_argument("--dry-run", action="store_true", help="the same script on the CPU with tiny shapes")
     ap.add_argument("--inductor", action="store_true", help="dry run: also the Inductor rows (slow on a CPU)")
     ap.add_argument("--quick", action="store_true",

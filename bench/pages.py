@@ -92,7 +92,7 @@ def same_budget_rows(s: dict) -> tuple[list[list], list[dict]]:
             return make_model(n_layer, d, vocab, s["seq"])
         minima = {m: pscompile.min_device_memory(make(), data[0], config(m, None)) for m in ("compiled", "hooks")}
         base = int(1.1 * max(minima.values()))
-        mp = collect_params(make(), data[0], call_model)
+        mp = collect_params(make(), call_model, data[0])
         whole = choose_layout(mp, config("compiled", None), None, pages=False).chunk_size
         for bname, budget in (("tight", base), ("mid", int(1.5 * base))):
             got = {}
@@ -121,7 +121,7 @@ def chunk_size_rows(s: dict) -> tuple[list[list], list[dict]]:
     data = make_batches(vocab, s, 1)
     model = make_model(n_layer, d, vocab, s["seq"])
     cfg = config("compiled", None)
-    mp = collect_params(model, data[0], call_model)
+    mp = collect_params(model, call_model, data[0])
     analyzed = capture_and_analyze(model, data[0], params=mp.params, dtype=torch.float32)
     minimum = pscompile.min_device_memory(make_model(n_layer, d, vocab, s["seq"]), data[0], cfg)
     rows, raw = [], []

@@ -48,19 +48,29 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
             return CompiledEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         return HooksEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
     except BudgetError as e:
-        if e.minimum is None or config.chunk_size != "auto":
+        given = config.device_memory
+        if e.minimum is None or config.chunk_size != "auto" or given is None:
             raise
         # "auto" sizes chunks by the budget, so the minimum at this budget's chunk size may not hold
         # at the minimum's own: name the budget that really works
         least, chunk_size = _least_budget(model, batch, optimizer, config, loss_fn)
         if least == e.minimum:
             raise
+        budget = f"device_memory={format_bytes(given)} ({given} bytes)"
+        there = f"chunk_size='auto' picks {chunk_size:,} elements there"
+        needs = (f"it needs {format_bytes(e.minimum)}" if e.minimum > given else "it does not fit") + \
+            (f" {e.detail}" if e.detail else "")
+        if least > given:
+            raise BudgetError(
+                f"{budget} is below the minimum {format_bytes(least)} ({least} bytes) this model needs in "
+                f"{config.mode} mode ({there}); at this budget {needs}; give device_memory >= {least}, a smaller "
+                "batch or a smaller chunk_size", minimum=least) from e
+        # the least budget is at most this one, yet the layout "auto" picks here does not fit (a larger
+        # budget may pick larger chunks): the message must not call this budget below that minimum
         raise BudgetError(
-            f"device_memory={format_bytes(config.device_memory)} ({config.device_memory} bytes) is below the "
-            f"minimum {format_bytes(least)} ({least} bytes) this model needs in {config.mode} mode (chunk_size="
-            f"'auto' picks {chunk_size:,} elements there); at this budget it needs {format_bytes(e.minimum)} "
-            f"{e.detail or ''}; give device_memory >= {least}, a smaller batch or a smaller chunk_size",
-            minimum=least) from e
+            f"{budget} is at least the minimum {format_bytes(least)} ({least} bytes) this model needs in "
+            f"{config.mode} mode ({there}), but the layout chunk_size='auto' picks at this budget does not fit in "
+            f"it: {needs}; give device_memory={least} or an explicit chunk_size", minimum=least) from e
 
 
 def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None, *,
@@ -99,7 +109,7 @@ def _compiled_minimum(model: nn.Module, batch: Any, config: Config, loss_fn: Los
     comm = resolve_comm(config.process_group)
     world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
     per_chunk = config.collectives == Collectives.PER_CHUNK
-    mp = collect_params(model, batch, call_model)
+    mp = collect_params(model, call_model, batch)
     analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, loss_fn=loss_fn)
     leasts: dict[int, int] = {}             # chunk size -> least budget of its layout
     variants: dict = {}                      # activation rewrites, shared by every layout

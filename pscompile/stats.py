@@ -37,6 +37,16 @@ class StepStats:
     # the disk tier's staging buffers, gradient accumulation and lock-free gradient buffers (the
     # figure host_memory bounds; offloaded activations use the room host_memory leaves besides)
     peak_host_bytes: int = 0
+    # compiled mode: the step's compute operators (every executed op but views, getitems, memory
+    # nodes and parameter gathers), and those of them that ran inside compiled code (Inductor
+    # regions); hooks mode and backend="eager": compiled_ops is 0
+    compute_ops: int = 0
+    compiled_ops: int = 0
+
+    @property
+    def compiled_share(self) -> float:
+        """The share of the step's compute operators that ran inside compiled code (0.0-1.0)."""
+        return self.compiled_ops / self.compute_ops if self.compute_ops else 0.0
 
     @property
     def chunk_h2d_bytes(self) -> int:

@@ -297,3 +297,27 @@ def test_a_cli_output_that_cannot_be_written_is_refused_before_anything_runs(tmp
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "error: --" in err and ("cannot write" in err or "is a folder" in err or "is a file" in err), err
+
+
+def test_a_budget_error_never_calls_the_budget_below_a_minimum_it_reaches(monkeypatch):
+    """With chunk_size="auto" a refused budget's error names the least budget (what
+    ``min_device_memory`` returns). Below it, it says so; where the search and the layout "auto"
+    picks at this budget disagree (as they did for Phi-3, refused at its own minimum with "515652
+    bytes is below the minimum 515652 bytes"), it must not call the budget below a minimum it reaches."""
+    import re
+    import pscompile.api as api
+
+    def minima_claimed(e: BaseException) -> list[int]:
+        return [int(n) for n in re.findall(r"below the minimum (?:\S+ \S+ \()?(\d+) bytes", str(e))]
+    budget = 64 * 1024
+    config = pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=torch.float32,
+                              device_memory=budget)
+    with pytest.raises(pscompile.BudgetError) as small:
+        pscompile.compile(make_model("gpt"), GOOD, config=config)
+    assert minima_claimed(small.value) and min(minima_claimed(small.value)) > budget, str(small.value)
+    monkeypatch.setattr(api, "_least_budget", lambda *args: (budget, 2048))    # the search accepts this budget
+    with pytest.raises(pscompile.BudgetError) as raised:
+        pscompile.compile(make_model("gpt"), GOOD, config=config)
+    message = str(raised.value)
+    assert not [n for n in minima_claimed(raised.value) if n <= budget], message
+    assert raised.value.minimum == budget and f"give device_memory={budget}" in message, message

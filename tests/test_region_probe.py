@@ -70,10 +70,11 @@ def test_positions_computed_in_another_region_index_in_range():
     (ex, *_) = _region_executors(engine)
     div = next(n for n in ex.gm.graph.nodes if n.target is aten.div.Tensor)
     gather = next(n for n in ex.gm.graph.nodes if n.target is aten.gather.default)
-    r = next(r for r in ex.regions if div in r.nodes)
-    # the premise: the division's operands come from another region, and the region that divides
-    # also gathers with the result, compiled
-    assert set(div.all_input_nodes) <= set(r.inputs) and gather in r.nodes and ex.is_compiled(r), ex.describe()
+    r = next(r for r in ex.regions if gather in r.nodes)
+    # the premise: the division's operands come from another region, and the positions it gives
+    # are gathered with in a compiled region (the division's, or one cut from it to fit the budget)
+    assert set(div.all_input_nodes) <= set(next(q for q in ex.regions if div in q.nodes).inputs), ex.describe()
+    assert ex.is_compiled(r), ex.describe()
     assert r.key in engine._allocs and engine._allocs[r.key].peak > 0
     assert not engine._region_cache.failures("inductor")       # measured, not fallen back
     engine.close()
@@ -88,7 +89,9 @@ def _tight_gpt() -> int:
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name.startswith("pscompile") and r.levelno == logging.WARNING]
+    """The fall-back warnings (a region cut to fit the budget warns of its own)."""
+    return [r.getMessage() for r in caplog.records if r.name.startswith("pscompile") and r.levelno == logging.WARNING
+            and "runs as eager code from now on" in r.getMessage()]
 
 
 def _first_layer_norm_region(graph: fx.Graph) -> bool:

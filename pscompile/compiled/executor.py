@@ -32,9 +32,10 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 from torch import fx
 
-from pscompile.compiled.program import (LoweringReport, Step, StepKind, attr, by_regions, first_backward, per_node,
-                                        release_plan, run_deferred)
+from pscompile.compiled.program import (LoweringReport, Step, StepKind, attr, by_regions, first_backward,
+                                        is_compute_op, per_node, release_plan, run_deferred)
 from pscompile.compiled.regions import Region, RegionCache, check_region_args
+from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import mem_op
 from pscompile.kinds import Backend
 
@@ -45,6 +46,13 @@ def _same_but_unit_strides(t: torch.Tensor, shape, stride) -> bool:
     """``t`` has ``shape`` and ``stride`` except in dimensions of size 1 (a ``(1, T)`` row sliced
     from a wider batch: torch calls it contiguous, and its first stride is the wider row's)."""
     return t.shape == shape and all(a == b for a, b, n in zip(t.stride(), stride, shape) if n > 1)
+
+
+def _slot_view(a: fx.Node) -> bool:
+    """A parameter the executor makes as a view of its slot (not a gathered copy): freeing it frees
+    no memory."""
+    base = a.args[0] if a.args else None
+    return gmeta.get(a, "param") is not None and not (isinstance(base, fx.Node) and gmeta.get(base, "gather"))
 
 
 class NodeObserver(Protocol):
@@ -72,12 +80,14 @@ class Executor:
       compiled regions leave them to the executor, which runs them right after the region
       (``program.by_regions``). Each region lists them in ``effects``; ``around_region`` is where the
       caller does their bookkeeping.
+    - ``cuts``, ``solo``: captured node indices where a region also ends, and operators that run
+      alone as eager code (regions cut to fit the budget: ``program.by_regions``).
     """
 
     def __init__(self, gm: fx.GraphModule, *, split: str = "regions", backend: str = "inductor",
                  cache: RegionCache | None = None, lift_params: bool = True, min_fusible: int = 2,
                  check_inputs: bool = False, device: torch.device | str | None = None,
-                 fold_stores: bool = False):
+                 fold_stores: bool = False, cuts: frozenset[int] = frozenset(), solo: frozenset[int] = frozenset()):
         if split not in ("nodes", "regions"):
             raise ValueError(f"split={split!r}: expected 'nodes' or 'regions'")
         if fold_stores and split != "regions":
@@ -98,9 +108,17 @@ class Executor:
         else:
             program, self.regions, self.report, self._input_checks = by_regions(
                 gm, backend=backend, cache=self.cache, lift_params=lift_params, min_fusible=min_fusible,
-                device=device, fold=fold_stores)
+                device=device, fold=fold_stores, cuts=cuts, solo=solo)
         release_plan(program, self.output_node)
+        for s in program:     # inputs whose memory dies in the region: the environment lets go of them before
+            if s.kind is StepKind.REGION:      # the call, and they are no view of a slot (model memory)
+                s.region.frees = frozenset(i for i, a in enumerate(s.region.inputs) if a in set(s.free)
+                                           and a.op != "get_attr" and not _slot_view(a))
         self._program = program
+        # compute operators a run runs (outside regions: evaluated nodes), and those in compiled code
+        self.ops = sum(s.region.ops if s.kind is StepKind.REGION else int(s.kind is StepKind.EVAL and is_compute_op(s.node))
+                       for s in program)
+        self.compiled_ops = sum(s.region.ops for s in program if s.kind is StepKind.REGION and self.is_compiled(s.region))
         self._views: dict[fx.Node, tuple[list, Any]] = {}   # memo steps: (arguments, the view made of them)
         first_bwd = first_backward(nodes)
         self._first_bwd_step = next(
@@ -222,6 +240,7 @@ class Executor:
         changed = [r for r in self.compiled_regions() if r.key == key]
         for r in changed:
             r.fallback, r.fn = reason, r.eager()
+            self.compiled_ops -= r.ops
         return changed
 
     def describe(self) -> str:

@@ -8,9 +8,12 @@
 - the first run of a region executor is probed (``compiled/probe.py``): compiled regions are
   checked for the layouts they receive and, where their allocations are not measured yet, run as
   eager code while their real inputs are kept; after the step they are measured on those inputs;
-- a region's measured peak goes into the plan (``probe.region_curve``): where the plan does not
-  hold it, the capture is planned again (a few rounds), and where the budget cannot hold it, the
-  capture runs node by node;
+- the plan is checked against each region's measured peak (``probe.over_plan``): the plan stays
+  (it is planned from the node-by-node measurement, and moves what compiled eager moves), and a
+  region that does not fit it is cut where its peak is into smaller regions, which are measured
+  in their next run (a few rounds); after the last round, the operators of a region that still
+  does not fit run alone as eager code, one by one, which the plan holds by construction (it was
+  planned with their node-by-node measurement);
 - a region that cannot be compiled, fails on its real inputs or would receive another layout runs
   as eager code from then on (``_fall_back``).
 
@@ -24,13 +27,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
 from torch import fx
 
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.probe import Allocation, Probe, measure, region_curve, warn_fallback
-from pscompile.compiled.regions import RegionCache
-from pscompile.errors import BudgetError
+from pscompile.compiled.probe import Allocation, Probe, measure, over_plan, region_peaks, starts_from_nodes, warn_fallback
+from pscompile.compiled.program import is_compute_op
+from pscompile.compiled.regions import RegionCache, region_source
+from pscompile.graph.meta import get
 from pscompile.kinds import Backend
 
 log = logging.getLogger("pscompile.compiled")
@@ -40,7 +46,14 @@ if TYPE_CHECKING:
 
 __all__ = ["RegionLowering"]
 
-_MAX_REGION_ROUNDS = 3
+_MAX_REGION_ROUNDS = 3     # rounds of cuts per capture; then what still does not fit runs alone as eager code
+# operators cut apart from the rest of a region that does not fit: compiled, attention is a library
+# call whose inputs Inductor first copies to the strides it requires (8 KiB more than eager code for
+# the tiny GPT's, docs/inductor.md), so a region that holds one rarely fits where its eager code does
+_APART = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")}
 
 
 class RegionLowering:
@@ -63,15 +76,17 @@ class RegionLowering:
         self._region_extra: dict[fx.GraphModule, dict[int, int]] = {}
         self._unlearned: set[fx.GraphModule] = set()        # eager regions not yet measured
         self._tails: dict[fx.GraphModule, frozenset[fx.Node]] = {}   # its memory nodes after the last compute
-        self._region_rounds: dict[CaptureKey, int] = {}   # re-plans for measured region peaks
-        self._pending_curves: dict[CaptureKey, tuple[int, ...]] = {}   # region-raised curves to plan with
-        self._node_by_node: set[CaptureKey] = set()       # captures whose regions did not fit: run eagerly
-        # captures whose compiled regions no longer defer their gradient stores (``_stop_deferring``)
-        self._unfolded: set[CaptureKey] = set()
+        self._region_rounds: dict[CaptureKey, int] = {}   # rounds of cuts for measured region peaks (the most
+        self._gm_rounds: dict[fx.GraphModule, int] = {}   # of any of its schedules'; per schedule here)
+        self._node_by_node: set[CaptureKey] = set()       # last resort (never expected): run node by node
+        # regions cut to fit the budget, per capture (captured node indices, ``src_index``): a region
+        # also ends before each node of ``_cuts``; each node of ``_solo`` runs alone as eager code
+        self._cuts: dict[CaptureKey, set[int]] = {}
+        self._solo: dict[CaptureKey, set[int]] = {}
 
     def _forget_lowering(self, gm: fx.GraphModule) -> None:
         """Drop what was made for the schedule of ``gm`` (it is being replaced)."""
-        for made in (self._executors, self._region_extra, self._probing, self._tails):
+        for made in (self._executors, self._region_extra, self._probing, self._tails, self._gm_rounds):
             made.pop(gm, None)
         self._unlearned.discard(gm)
 
@@ -80,67 +95,137 @@ class RegionLowering:
         nodes for a measured schedule, compiled by Inductor (``backend="inductor"``, compiled once
         per schedule and shared through the engine's RegionCache) or run as eager graph code
         (``backend="eager"``, and Inductor's regions too small to compile). The first run of a
-        region executor is probed (``compiled/probe.py``): where every compiled region's
-        allocation is known, the plan is checked against them now and that run only checks the
-        layouts its compiled regions receive; otherwise the plan is checked for the regions as
-        eager code (which that run runs them as), and they are measured on their real inputs, and
-        the plan checked again, after it (``_settle_probe``)."""
+        region executor with compiled regions is a probing run (``compiled/probe.py``): every
+        region runs as eager code (the plan is checked for that first: only the parameters gathered
+        before a region can need more than the node-by-node curve there), the bytes live at each
+        region's start are sampled, compiled regions not measured yet are measured on the real
+        inputs it kept, and the plan is checked against all of it after the run (``_settle_probe``)."""
         ex = self._executors.get(sched.gm)
         if ex is None:
             regions = sched.measured and key.capture not in self._node_by_node
-            # eager regions read parameters as the graph does (no region is shared, so none is lifted
-            # out: a gathered parameter is made where the node-by-node measurement saw it made)
-            # and run the gradient stores into device slots themselves (``_mark_stored``); compiled
-            # regions leave them to the executor, right after the region, with no budget only (a
-            # gradient then lives to its region's end; under a budget the plan gave it no room)
-            eager = self.config.backend == Backend.EAGER
-            ex = Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
-                          cache=self._region_cache, lift_params=not eager,
-                          fold_stores=regions and key.capture not in self._unfolded)
-            self._executors[sched.gm] = ex
+            ex = self._executors[sched.gm] = self._new_executor(key, sched, regions)
             if regions:
-                compiled = ex.compiled_regions()
-                known = all(r.key in self._allocs for r in compiled)
-                if compiled:
-                    self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=not known)
-                ex = self._check_region_curve(key, sched, ex, {} if known else None)
+                ex = self._probe_or_check(key, sched, ex)
         return ex
 
-    def _check_region_curve(self, key: ScheduleKey, sched: Scheduled, ex: Executor,
-                            learned: dict[int, int] | None) -> Executor:
-        """Plan check of a region executor. ``learned`` None: before a probing run, which runs
-        every region as eager code (only the parameters gathered before a region can need more
-        than the node-by-node curve). Else its compiled regions' allocations are all known: if the
-        plan holds them, keep ``ex`` (its regions' inside bytes, sampled at their boundaries, in
-        ``_region_extra``; ``learned``: its eager regions' too, else they learn them in its next
-        run). Where the plan does not hold them, the curve they need is planned next and the
-        schedule runs node by node until then."""
-        compiled = ex.compiled_regions() if learned is not None else []
-        extra = {r.index: self._allocs[r.key].peak for r in compiled}
-        excess = {r.index: self._allocs[r.key].excess for r in compiled}
-        curve = region_curve(ex.regions, extra, excess, sched.nonmodel, sched.captured,
-                             self._node_curves.get(key.capture, sched.nonmodel))
-        if self.comm is not None:      # the ranks decide together (their plans must match)
-            agreed = self.comm.agree_max(curve if curve is not None else sched.nonmodel)
-            curve = agreed if agreed != tuple(sched.nonmodel) else None
-        if curve is not None:          # the regions need more than this plan gives them: run node
-            self._pending_curves[key.capture] = curve     # by node until it is planned again
-            self._probing.pop(sched.gm, None)
+    def _new_executor(self, key: ScheduleKey, sched: Scheduled, regions: bool) -> Executor:
+        """Eager regions read parameters as the graph does (no region is shared, so none is lifted
+        out: a gathered parameter is made where the node-by-node measurement saw it made) and run
+        the gradient stores into device slots themselves (``_mark_stored``); compiled regions leave
+        them to the executor, right after the region (a gradient then lives to its region's end,
+        which the region's measured peak includes). ``_cuts`` and ``_solo`` cut regions to fit.
+        Every region with an operator is compiled (``min_fusible=0``): under a budget, memory nodes
+        cut many regions of one or two operators, and run as eager code they were most of the
+        step's operators (docs/inductor.md)."""
+        eager = self.config.backend == Backend.EAGER
+        cap = key.capture
+        return Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
+                        cache=self._region_cache, lift_params=not eager, fold_stores=regions, min_fusible=0,
+                        cuts=frozenset(self._cuts.get(cap, ())), solo=frozenset(self._solo.get(cap, ())))
+
+    def _probe_or_check(self, key: ScheduleKey, sched: Scheduled, ex: Executor) -> Executor:
+        """A new region executor: checked now if what its compiled regions allocate is measured
+        already and the node-by-node run said what is live where each region starts (its first run
+        then only checks the layouts its compiled regions receive); else probed in its first run."""
+        compiled = ex.compiled_regions()
+        starts = self._node_starts.get(key.capture)
+        starts = starts_from_nodes(ex.regions, starts) if starts is not None else None
+        if compiled and (starts is None or not all(r.key in self._allocs for r in compiled)):
+            self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=True)
+            return self._check_regions(key, sched, ex, None)
+        if compiled:
+            self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=False)
+        return self._check_regions(key, sched, ex, {}, starts)
+
+    def _check_regions(self, key: ScheduleKey, sched: Scheduled, ex: Executor, learned: dict[int, int] | None,
+                       starts: dict[int, int] | None = None, models: dict[int, int] | None = None) -> Executor:
+        """Plan check of a region executor (``probe.over_plan``). ``learned`` None: before a probing
+        run, which runs every region as eager code. Else after it (or for an executor without
+        compiled regions): what its regions allocate inside (compiled: measured, ``_allocs``; eager:
+        ``learned``, by the tracker in that run), the bytes live at their starts (``starts``) and the
+        model bytes on the device while they ran (``models``).
+        If the plan holds every region's peak, keep ``ex`` (the inside bytes are sampled at the
+        region boundaries from now on, ``_region_extra``; eager regions not learned yet learn them
+        in its next run). Where it does not, the plan stays and the regions beyond it are cut
+        (``_cut_regions``) in a new executor, probed in its first run; after ``_MAX_REGION_ROUNDS``
+        rounds the operators of the regions still beyond it run alone as eager code, which the
+        plan holds (it was planned with at least their node-by-node measurement)."""
+        cap = key.capture
+        inside = {r.index: self._allocs[r.key].peak for r in ex.compiled_regions()} if learned is not None else {}
+        excess = {r.index: self._allocs[r.key].excess for r in ex.compiled_regions()} if learned is not None else {}
+        inside.update({r.index: v for r in ex.regions if not ex.is_compiled(r)
+                       and (v := (learned or {}).get(r.index)) is not None})
+        peaks = region_peaks(ex.regions, inside, excess, starts, sched.captured,
+                             self._node_curves.get(cap, sched.nonmodel))
+        if self.budget is None:
+            over = {}
+        else:                          # (the room every region has for sure, and each one's measured)
+            floor = self.budget - sched.plan.num_slots * self.store.param_chunk_bytes - self._fixed_device_bytes()
+            rooms = {r.index: max(rs) for r in ex.regions if (rs := [x for n in r.nodes if (x := get(n, "room"))])}
+            for i, m in (models or {}).items():
+                rooms[i] = min(rooms.get(i, self.budget - m), self.budget - m)
+            over = over_plan(peaks, sched.nonmodel, rooms, floor)
+        if self.comm is not None:      # the ranks decide together (their plans and regions must match)
+            agreed = self.comm.agree_max([over.get(r.index, 0) for r in ex.regions])
+            over = {i: v for i, v in enumerate(agreed) if v > 0}
+        if not over:
+            if learned is not None:
+                self._region_extra[sched.gm] = inside
+                if any(not ex.is_compiled(r) and r.index not in inside for r in ex.regions):
+                    self._unlearned.add(sched.gm)
+            return ex
+        self._probing.pop(sched.gm, None)
+        rounds = self._gm_rounds.get(sched.gm, 0)
+        if learned is not None:        # (a round is a measurement; cuts before a probing run cost none)
+            rounds = self._gm_rounds[sched.gm] = rounds + 1
+            self._region_rounds[cap] = max(self._region_rounds.get(cap, 0), rounds)
+        if not self._cut_regions(cap, ex, over, alone=rounds > _MAX_REGION_ROUNDS):
+            self._run_node_by_node(cap, "its regions still did not fit after their operators ran alone")
             ex = self._executors[sched.gm] = Executor(sched.gm, split="nodes")
             return ex
-        if learned is None:
-            return ex
-        # steps after measurement sample at region boundaries only (no dispatch mode): eager
-        # regions learn what they allocate inside in their first run (_run_graph)
-        if learned:
-            extra.update({r.index: v for r in ex.regions if not ex.is_compiled(r)
-                          and (v := learned.get(r.index)) is not None})
-        self._region_extra[sched.gm] = extra
-        if not learned:
-            self._unlearned.add(sched.gm)
-        return ex
+        ex = self._executors[sched.gm] = self._new_executor(key, sched, True)   # the plan stays
+        return self._probe_or_check(key, sched, ex)
 
-    def _settle_probe(self, key: ScheduleKey, sched: Scheduled, probe: Probe) -> None:
+    def _cut_regions(self, cap: CaptureKey, ex: Executor, over: dict[int, int], *, alone: bool) -> bool:
+        """Cut each region of ``over`` for ``cap``'s next executors around the operator where its
+        node-by-node measurement peaks (compiled regions allocate most where their eager code does)
+        and its attention operators (``_APART``), and in half, so each part holds less; a region of one operator, or every region with ``alone``, has its
+        operators run alone as eager code (said at WARNING, naming the region). False if nothing
+        changed."""
+        cuts, solo = self._cuts.setdefault(cap, set()), self._solo.setdefault(cap, set())
+        before = (len(cuts), len(solo))
+        node_curve = self._node_curves.get(cap) or ()
+        for index in over:
+            r = ex.regions[index]
+            ops = [i for n in r.nodes if is_compute_op(n) and (i := get(n, "src_index")) is not None]
+            if alone or len(ops) <= 1:           # every node alone (views too: their gathered inputs
+                nodes = [i for n in r.nodes if (i := get(n, "src_index")) is not None]   # made at each)
+                if ops and not solo.issuperset(ops):
+                    log.warning("pscompile: %d operator(s) of region %d (%s) run alone as eager code: compiled, "
+                                "they need %d bytes more than the budget leaves there", len(ops), r.index,
+                                region_source(r), over[index])
+                solo.update(nodes)
+                continue
+            peak = max(ops, key=lambda i: node_curve[i] if i < len(node_curve) else 0)
+            apart = {ops.index(peak)} | {ops.index(i) for n in r.nodes if n.target in _APART
+                                         and (i := get(n, "src_index")) in ops}
+            cuts.update(ops[k] for at in apart for k in (at, at + 1) if 0 < k < len(ops))
+            cuts.add(ops[len(ops) // 2])          # and in half: a few rounds leave no large region
+        return (len(cuts), len(solo)) != before
+
+    def _settle_measure(self, probe: Probe, tracker) -> tuple[dict, dict]:
+        """Measure the regions a probing run kept the inputs of (``probe.measure``), between steps
+        with only the chunks that live on the device there (the others, clean, are dropped: no
+        bytes move); the measurement's device bytes count in the step's peak (``tracker``)."""
+        if not probe.saved:
+            return {}, {}
+        self._settle()
+        found = measure(probe.saved, self.device)
+        if tracker is not None:
+            tracker.note(found.footprint, self._model_bytes())
+        return found.allocs, found.failed
+
+    def _settle_probe(self, key: ScheduleKey, sched: Scheduled, probe: Probe, tracker=None) -> None:
         """After an executor's first run: regions that failed (the layout check, or the measurement)
         become eager code. After a probing run (``eager_all``; between steps, no activation live)
         the compiled regions are measured on the real inputs it kept, and the plan is checked
@@ -148,7 +233,7 @@ class RegionLowering:
         if self._probing.get(sched.gm) is not probe:
             return
         del self._probing[sched.gm]
-        allocs, failed = measure(probe.saved, self.device) if probe.eager_all else ({}, {})
+        allocs, failed = self._settle_measure(probe, tracker) if probe.eager_all else ({}, {})
         self._allocs.update(allocs)
         for stage, problems in (("checking its inputs' layout", probe.mismatched),
                                 ("running it on its real inputs", failed)):
@@ -156,8 +241,8 @@ class RegionLowering:
                 self._fall_back(region_key, r, stage, why)
         ex = self._executors.get(sched.gm)
         if not probe.eager_all or ex is None or ex.split != "regions":
-            return                      # (without eager_all the plan was checked when ex was made)
-        self._check_region_curve(key, sched, ex, probe.learned)
+            return
+        self._check_regions(key, sched, ex, probe.learned, probe.starts, probe.models)
         self._lower(key)
 
     def _fall_back(self, region_key: str, r, stage: str, why: str) -> None:
@@ -173,20 +258,9 @@ class RegionLowering:
                 self._unlearned.add(gm)
 
     def _lower(self, key: ScheduleKey) -> None:
-        """Make the executor of ``key``'s schedule now, not inside the next step, and plan again
-        while its compiled regions need more than planned (a few rounds)."""
-        for _ in range(_MAX_REGION_ROUNDS + 1):
-            if key not in self._schedules:
-                return
+        """Make the executor of ``key``'s schedule now (its regions compiled), not inside the next step."""
+        if key in self._schedules:
             self._executor_for(key, self._schedules[key])
-            if not self._pending_curves:
-                return
-            self._adopt_pending_curves()
-
-    def _adopt_pending_curves(self) -> None:
-        while self._pending_curves:
-            cap, curve = self._pending_curves.popitem()
-            self._adopt_region_curve(cap, curve)
 
     def _run_node_by_node(self, cap: CaptureKey, why: str) -> None:
         """From now on ``cap`` runs node by node (the measured curve holds there), which is several
@@ -195,48 +269,3 @@ class RegionLowering:
             log.warning("pscompile: %s runs node by node from now on, several times slower than compiled regions: "
                         "%s (a larger device_memory lets it run compiled)", cap.token[:80], why)
         self._node_by_node.add(cap)
-
-    def _stop_deferring(self, cap: CaptureKey) -> bool:
-        """Under a budget, compiled regions run the gradient stores into slots after them (the
-        gradients live to the region's end). Where the budget cannot hold that, ``cap``'s stores
-        cut its regions again and it is planned afresh from the node-by-node curve, before the
-        last resort of running node by node. False if its stores already cut (or nothing defers)."""
-        if self.budget is None or self.config.backend == Backend.EAGER or cap in self._unfolded:
-            return False
-        log.info("pscompile: %s: gradient stores cut the compiled regions again (the budget cannot hold "
-                 "gradients kept to their region's end)", cap.token[:80])
-        self._unfolded.add(cap)
-        self._region_rounds[cap] = 0
-        self._measured[cap] = curve = self._node_curves.get(cap, self._measured.get(cap))
-        self._fit_optimizer_states(max(curve))
-        for other in list(self._schedules):
-            if other.capture == cap:
-                self._replan(other, curve, measured=True)
-        return True
-
-    def _adopt_region_curve(self, cap: CaptureKey, curve: tuple[int, ...]) -> None:
-        """Compiled regions allocate more inside than the node-by-node measurement saw: plan every
-        schedule of the capture again with the region peaks (a few rounds, since new plans cut new
-        regions). If the budget cannot hold them, the capture runs node by node, where the measured
-        curve holds."""
-        rounds = self._region_rounds.get(cap, 0)
-        if rounds >= _MAX_REGION_ROUNDS:
-            if not self._stop_deferring(cap):
-                self._run_node_by_node(cap, f"its compiled regions still needed more memory after {rounds} re-plans")
-            return
-        self._region_rounds[cap] = rounds + 1
-        previous = self._measured.get(cap)
-        try:
-            self._measured[cap] = curve
-            self._fit_optimizer_states(max(curve))
-            for other in list(self._schedules):
-                if other.capture == cap:
-                    self._replan(other, curve, measured=True)
-        except BudgetError:
-            self._measured[cap] = previous
-            if self._stop_deferring(cap):
-                return
-            self._run_node_by_node(cap, "the budget cannot hold what its compiled regions allocate")
-            for other in list(self._schedules):
-                if other.capture == cap:
-                    self._replan(other, previous, measured=True)

@@ -25,7 +25,8 @@ code on inputs of the same layouts, so they allocate the same bytes: one measure
 layer. A region that raises there falls back to eager code too. Each fall-back is logged once as a
 ``pscompile`` warning naming the region, its source line and the reason.
 
-``region_curve`` turns the measurements into the non-model curve the plan must hold.
+``region_peaks`` turns the measurements into each region's peak, and ``over_plan`` says which regions
+the plan does not hold (compiled/lowering.py cuts them).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from pscompile.graph.analysis import executed_nodes
 from pscompile.memory.region_peaks import allocation_peaks
 from pscompile.passes.plan_residency import arrivals
 
-__all__ = ["Allocation", "Probe", "Snapshot", "measure", "region_curve", "warn_fallback"]
+__all__ = ["Allocation", "Measured", "Probe", "Snapshot", "measure", "RegionPeak", "over_plan",
+           "region_peaks", "starts_from_nodes", "warn_fallback"]
 
 log = logging.getLogger("pscompile.compiled")
 
@@ -100,7 +102,10 @@ class Probe:
     saved: dict[str, tuple[Region, list]] = field(default_factory=dict)   # key -> (region, its inputs)
     mismatched: dict[str, tuple[Region, str]] = field(default_factory=dict)  # key -> (region, why)
     learned: dict[int, int] = field(default_factory=dict)   # region index -> bytes its eager run allocated
+    starts: dict[int, int] = field(default_factory=dict)    # region index -> non-model bytes live at its start
+    models: dict[int, int] = field(default_factory=dict)    # region index -> model bytes on the device then
     checked: int = 0                   # compiled region calls whose inputs were checked
+    eager_ops: int = 0                 # compute operators of compiled regions it ran as eager code
 
     def call(self, r: Region, compiled: bool, args: list) -> Sequence[Any]:
         if not compiled:
@@ -109,88 +114,199 @@ class Probe:
         problem = layout_mismatch(r, args)
         if problem is not None:
             self.mismatched.setdefault(r.key, (r, problem))
+            self.eager_ops += r.ops
             return r.eager()(args)     # compiled code given another layout computes wrong numbers
         if not self.eager_all:
             return r.fn(args)
         if not self.known(r.key) and r.key not in self.saved:
             with self.quiet():
                 self.saved[r.key] = (r, [Snapshot.of(a) if isinstance(a, torch.Tensor) else a for a in args])
+        self.eager_ops += r.ops
         return r.eager()(args)
 
 
-def measure(saved: dict[str, tuple[Region, list]], device: torch.device
-            ) -> tuple[dict[str, Allocation], dict[str, tuple[Region, str]]]:
+@dataclass(frozen=True)
+class Measured:
+    """What ``measure`` found: per key its allocation, the keys that failed (with why), and the
+    most device bytes a measurement held at once (its input copies plus what the region allocated:
+    the measuring step's peak counts it)."""
+
+    allocs: dict[str, Allocation]
+    failed: dict[str, tuple[Region, str]]
+    footprint: int = 0
+
+
+def measure(saved: dict[str, tuple[Region, list]], device: torch.device) -> Measured:
     """Call each saved region once, compiled, on device copies of its real inputs under the
-    profiler: ``(key -> Allocation, key -> (region, why) for those that raised)``. Inputs are
-    copied before the region's range opens and kept alive through it (freeing one inside cannot
-    hide bytes: an upper bound). Random ops draw from the generators, which are put back."""
+    profiler. Inputs are copied before the region's range opens; the region is called as the
+    executor calls it (boxed: the inputs it is the last reader of, ``Region.frees``, die inside it
+    at their last use; the others are kept alive through it, as the executor's environment keeps
+    them). Random ops draw from the generators, which are put back."""
     allocs: dict[str, Allocation] = {}
     failed: dict[str, tuple[Region, str]] = {}
     if not saved:
-        return allocs, failed
+        return Measured(allocs, failed)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     label = "pscompile::measure/"
     excess: dict[int, int] = {}
+    copies: dict[int, int] = {}
     keys = list(saved)
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             for i, key in enumerate(keys):
                 r, snaps = saved[key]
-                inputs = [s.restore() if isinstance(s, Snapshot) else s for s in snaps]
+                args = [s.restore() if isinstance(s, Snapshot) else s for s in snaps]
+                copies[i] = _storage_bytes(args)
+                kept = [a for j, a in enumerate(args) if j not in r.frees]    # live after it in a real run
                 try:
                     with torch.profiler.record_function(f"{label}{i}"):
-                        outs = r.fn(list(inputs))
+                        outs = r.fn(args)          # (boxed: clears ``args``)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                 except Exception as e:  # noqa: BLE001 -- any failure: the region runs as eager code instead
                     failed[key] = (r, f"{type(e).__name__}: {first_line(e)}")
                     continue
+                finally:
+                    args.clear()
                 excess[i] = max(0, _storage_bytes(outs) - _eager_bytes(r.outputs))
-                del outs, inputs
+                del outs, kept
     finally:
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
     peaks = allocation_peaks(prof, label, device)
+    footprint = 0
     for i, key in enumerate(keys):
         if key not in failed:
             allocs[key] = Allocation(peaks.get(i, 0), excess[i])
-    return allocs, failed
+            footprint = max(footprint, copies[i] + peaks.get(i, 0))
+    return Measured(allocs, failed, footprint)
 
 
-def region_curve(regions: Sequence[Region], extra: dict[int, int], excess: dict[int, int], nonmodel: tuple[int, ...],
-                 captured, measured: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The schedule's curve ``nonmodel`` with every node of a compiled region raised to the
-    region's peak, or None if no node rises. A region starts with at most the bytes of the last
-    node that executes before it live (that node's peak in ``measured``, the node-by-node
-    measurement) plus what the outputs of the regions before it hold beyond their eager sizes
-    (``excess``), and allocates at most ``extra`` inside; the chunks it reads all arrive before it
-    starts, so they sit next to that whole peak. The executor gathers every tensor spanning chunks
-    that a region reads before the region starts (``regions.lifted_views``), so all of them are
-    live at once there, where the node-by-node curve counted each at its own reader: they are
-    added to the region's peak, and to each node of an eager region next to its own measurement."""
-    arrive = arrivals(measured, executed_nodes(captured))
-    curve, changed, wider = list(nonmodel), False, 0
+@dataclass(frozen=True)
+class RegionPeak:
+    """The most non-model bytes live while one region runs, and the captured nodes it spans."""
+
+    peak: int
+    srcs: tuple[int, ...]        # its nodes' ``src_index`` (parameter views left out), in order
+
+
+def region_peaks(regions: Sequence[Region], inside: dict[int, int], excess: dict[int, int],
+                 starts: dict[int, int] | None, captured, measured: tuple[int, ...]) -> dict[int, RegionPeak]:
+    """Region index -> its peak, for each region whose allocations are known (``inside``: bytes it
+    allocates beyond what is live at its start: a compiled region's measured by ``measure``, an
+    eager one's by the tracker in a probing run) or that receives gathered parameters.
+
+    A region starts with ``starts[index]`` live (measured at its start in a probing run, every
+    region run as eager code there) plus what the outputs of the compiled regions before it hold
+    beyond their eager sizes (``excess``). Without ``starts``, an upper bound: the peak of the last
+    node that executes before it in the node-by-node measurement ``measured``, plus the tensors
+    spanning chunks the executor gathers before it (``regions.lifted_views``). An eager region not
+    measured yet holds at each node what the node-by-node run held there, plus the gathered copies
+    of readers after it (node by node, a gathered copy is made right before its one reader), plus
+    the gradients whose stores the executor runs after the region (``Region.deferred``) from the
+    store's place on (node by node, a gradient is stored, and freed, there)."""
+    arrive = arrivals(measured, executed_nodes(captured)) if starts is None else None
+    out: dict[int, RegionPeak] = {}
+    wider = _excess_live(regions, excess)
+    position: dict[fx.Node, int] = {}
     for r in sorted(regions, key=lambda r: r.index):
-        gathered = sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in r.inputs
-                       if get(a, "param") is not None and isinstance(a.args[0], fx.Node)
-                       and get(a.args[0], "gather") is not None)
-        if r.index not in extra and not gathered:
+        gathers = _gathered_inputs(r)
+        srcs = tuple(i for n in r.nodes if (i := get(n, "src_index")) is not None and get(n, "param") is None
+                     and i < len(measured))
+        if not srcs or (r.index not in inside and not gathers and not r.deferred):
             continue
-        # parameter views carry the index of their captured (forward) place, not of this region
-        srcs = [get(n, "src_index") for n in r.nodes if get(n, "src_index") is not None and get(n, "param") is None]
-        if not srcs:
+        if r.index in inside:
+            start = starts[r.index] if starts is not None else arrive[min(srcs)] + sum(gathers.values())
+            out[r.index] = RegionPeak(start + wider.get(r.index, 0) + inside[r.index], srcs)
             continue
-        if r.index in extra:
-            rises = {src: arrive[min(srcs)] + wider + extra[r.index] + gathered for src in srcs}
-            wider += excess.get(r.index, 0)
-        else:
-            rises = {src: measured[src] + gathered for src in srcs if src < len(measured)}
-        for src, peak in rises.items():
-            if src < len(curve) and peak > curve[src]:
-                curve[src], changed = peak, True
-    return tuple(curve) if changed else None
+        if not position:
+            position.update((n, i) for i, n in enumerate(r.nodes[0].graph.nodes))
+        held = _deferred_gradients(r)
+        peak = max(measured[get(n, "src_index")] + sum(b for cat, b in gathers.items() if position[cat] > position[n])
+                   + sum(b for store, b in held.items() if position[store] < position[n])
+                   for n in r.nodes if get(n, "src_index") in srcs)
+        out[r.index] = RegionPeak(peak + wider.get(r.index, 0), srcs)
+    return out
+
+
+def starts_from_nodes(regions: Sequence[Region], node_starts: dict[int, int]) -> dict[int, int] | None:
+    """Region index -> the non-model bytes live when it starts, from the node-by-node measurement
+    (``node_starts``: bytes live right before each node ran, its gathered parameters made): those
+    before the region's first node, plus the gathered copies of its later readers (the executor
+    makes them all before the region). None if a region's first node was not measured."""
+    out = {}
+    position: dict[fx.Node, int] = {}
+    for r in regions:
+        first = next((n for n in r.nodes if get(n, "src_index") is not None and get(n, "param") is None), None)
+        if first is None:
+            continue
+        if get(first, "src_index") not in node_starts:
+            return None
+        if not position:
+            position.update((n, i) for i, n in enumerate(r.nodes[0].graph.nodes))
+        later = sum(b for cat, b in _gathered_inputs(r).items() if position[cat] > position[first])
+        out[r.index] = node_starts[get(first, "src_index")] + later
+    return out
+
+
+def over_plan(peaks: dict[int, RegionPeak], nonmodel: Sequence[int], floors: dict[int, int] | None = None,
+              floor: int = 0) -> dict[int, int]:
+    """Region index -> how far its peak goes beyond the room it has, for the regions that go beyond
+    it. A region runs between memory nodes, so the chunks on the device do not change while it
+    runs, and it has the most of: the non-model bytes the plan planned for any of its nodes
+    (``nonmodel``, the curve it was planned with), ``floor`` (the budget less every slot of the
+    plan and what lives on the device for good) and ``floors[index]`` (the budget less the model
+    bytes measured on the device while it ran)."""
+    floors = floors or {}
+    return {i: p.peak - room for i, p in peaks.items()
+            if p.peak > (room := max(max(nonmodel[s] for s in p.srcs), floor, floors.get(i, 0)))}
+
+
+def _gathered_inputs(r: Region) -> dict[fx.Node, int]:
+    """The gathered copies of tensors spanning chunks that region ``r`` receives: ``cat`` node ->
+    bytes (the executor makes them before the region)."""
+    out = {}
+    for a in r.inputs:
+        if get(a, "param") is not None and isinstance(a.args[0], fx.Node) and get(a.args[0], "gather") is not None:
+            v = a.meta["val"]
+            out[a.args[0]] = v.numel() * v.element_size()
+    return out
+
+
+def _excess_live(regions: Sequence[Region], excess: dict[int, int]) -> dict[int, int]:
+    """Region index -> the bytes the outputs of the compiled regions before it hold beyond their
+    eager sizes and that are still live when it runs (an output lives to the last region that
+    reads it; one no later region reads, a graph output, to the end)."""
+    by_index = sorted(regions, key=lambda r: r.index)
+    readers: dict[fx.Node, int] = {}
+    for r in by_index:
+        for a in r.inputs:
+            readers[a] = r.index
+    out: dict[int, int] = {}
+    for r in by_index:
+        if not excess.get(r.index):
+            continue
+        last = max((readers.get(o, 1 << 30) for o in r.outputs), default=r.index)
+        for q in by_index:
+            if r.index < q.index <= last:
+                out[q.index] = out.get(q.index, 0) + excess[r.index]
+    return out
+
+
+def _deferred_gradients(r: Region) -> dict[fx.Node, int]:
+    """Region ``r``'s gradient stores the executor runs after it: store node -> the bytes of the
+    gradient it keeps alive to the region's end (its storage's)."""
+    out = {}
+    for d in r.deferred:
+        v = d.args[1].meta.get("val") if isinstance(d.args[1], fx.Node) else None
+        if isinstance(v, torch.Tensor):
+            try:
+                out[d] = v.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):       # (a value without a storage)
+                out[d] = v.numel() * v.element_size()
+    return out
 
 
 def _storage_bytes(values: Sequence[Any]) -> int:

@@ -27,7 +27,9 @@ from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import copy_grad_into, folds_into_region, is_memory_node, runs_as_transfer
 from pscompile.kinds import Backend, Phase, StrEnum
 
-__all__ = ["LoweringReport", "Step", "StepKind", "attr", "by_regions", "first_backward", "per_node",
+aten = torch.ops.aten
+
+__all__ = ["LoweringReport", "Step", "StepKind", "attr", "by_regions", "first_backward", "is_compute_op", "per_node",
            "release_plan", "run_deferred"]
 
 
@@ -87,6 +89,13 @@ class Step:
         return (self.node,) if self.kind is StepKind.EVAL else ()
 
 
+def is_compute_op(n: fx.Node) -> bool:
+    """An operator that computes (what ``StepStats.compute_ops`` counts): a called function that
+    is not a memory node, a view, a ``getitem`` or a parameter's view or gather."""
+    return (n.op == "call_function" and not is_memory_node(n) and not is_view_op(n)
+            and n.target is not operator.getitem and gmeta.get(n, "param") is None)
+
+
 def first_backward(nodes: Iterable[fx.Node]) -> fx.Node | None:
     """The first node of phase "bwd" (where the backward starts), or None."""
     return next((n for n in nodes if gmeta.get(n, "phase") == Phase.BWD), None)
@@ -111,7 +120,8 @@ def per_node(gm: fx.GraphModule) -> list[Step]:
 
 
 def by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_params: bool, min_fusible: int,
-               device: torch.device | str | None, fold: bool = False):
+               device: torch.device | str | None, fold: bool = False, cuts: frozenset[int] = frozenset(),
+               solo: frozenset[int] = frozenset()):
     """Regions between memory nodes, compiled through ``cache``; parameter views as eval steps
     right before their first reader. ``fold``: memory nodes that ``folds_into_region`` do not cut
     the graph; they are listed in their region's ``effects``. With ``backend="eager"`` the region
@@ -119,7 +129,10 @@ def by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_par
     region (``deferred``), since a compiler is not given a write into a graph input. That is
     exact: a gradient is stored after its parameter's last read (``grad_store_points``), so no node
     of the region reads the bytes a store overwrites; the gradient only lives until the region's
-    end instead of until its store. Returns (program, regions, report, input checks)."""
+    end instead of until its store. ``cuts``: captured node indices (``src_index``) where a region
+    ends before the node although no memory node is there (a region cut to fit the budget);
+    ``solo``: nodes that run alone, as eager code (an operator that fits no other way). Returns
+    (program, regions, report, input checks)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -127,7 +140,7 @@ def by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_par
     aliases = buffer_aliases(gm, buffers)
     lifted = lifted_views(gm, buffers) if lift_params else set()
     lifted |= {n for n in nodes if n.op == "get_attr"}      # constants: evaluated by the executor, passed in
-    cut = _assign(nodes, lifted, fold=fold, defer=backend != Backend.EAGER)
+    cut = _assign(nodes, lifted, fold=fold, defer=backend != Backend.EAGER, cuts=cuts, solo=solo)
     rebuilt = sum(_build_graph(r, cut.region_of, aliases, lifted, min_fusible) for r in cut.regions)
     # buffer views read by a memory node or the output: evaluated by the executor
     evals = {n for n in nodes if n in aliases and n not in lifted
@@ -159,8 +172,10 @@ class _Cut:
     memory_nodes: int = 0
 
 
-def _assign(nodes: list[fx.Node], lifted: set[fx.Node], *, fold: bool, defer: bool) -> _Cut:
-    """Assign every node to a step, in graph order (``by_regions``' docstring says what folds)."""
+def _assign(nodes: list[fx.Node], lifted: set[fx.Node], *, fold: bool, defer: bool,
+            cuts: frozenset[int] = frozenset(), solo: frozenset[int] = frozenset()) -> _Cut:
+    """Assign every node to a step, in graph order (``by_regions``' docstring says what folds and
+    what ``cuts`` and ``solo`` cut)."""
     cut = _Cut()
     cur: Region | None = None
     first_bwd = first_backward(nodes)
@@ -180,18 +195,21 @@ def _assign(nodes: list[fx.Node], lifted: set[fx.Node], *, fold: bool, defer: bo
         if n.op != "call_function":
             raise ValueError(f"lower_regions: node {n.name} ({n.op}) is not supported; "
                              "the scheduled graph should only call functions")
-        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in cut.region_of \
-                and cut.region_of[n.args[0]] is not cur:
+        item = n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in cut.region_of
+        if item and cut.region_of[n.args[0]] is not cur:
             r = cut.region_of[n.args[0]]                 # keep a tuple op with its getitems
             r.nodes.append(n)
             cut.region_of[n] = r
             cut.moved_getitems += 1
             continue
+        src = gmeta.get(n, "src_index")
+        if cur is not None and not item and (cur.solo or src in cuts or src in solo):
+            cur = None                                   # a region cut to fit the budget
         if n is first_bwd and fold and defer:
             cur = None      # with stores folded, a compiled region ends where the backward starts: a cold
                             # compile of the two halves apart takes less than of both in one
         if cur is None:
-            cur = Region(len(cut.regions))
+            cur = Region(len(cut.regions), solo=src in solo and not item)
             cut.regions.append(cur)
             cut.steps.append(Step(StepKind.REGION, region=cur))
         cur.nodes.append(n)
@@ -241,9 +259,21 @@ def _build_graph(r: Region, region_of: dict[fx.Node, Region], aliases: set[fx.No
     g.output(tuple(local[o] for o in outs))
     g.lint()
     r.graph = g
-    r.compute = fusible_ops(r.nodes) >= min_fusible
+    r.ops = sum(1 for n in r.nodes if is_compute_op(n))
+    r.compute = not r.solo and r.ops > 0 and fusible_ops(r.nodes) >= min_fusible
     r.written = written_inputs(g)
     return rebuilt
+
+
+# outputs a CUDA kernel returns on the host: flash attention's RNG seed and offset (torch 2.11 on an
+# H200, 2026-11-26: a region compiled for them on the GPU was given CPU tensors and fell back)
+_HOST_OUTPUTS = {aten._scaled_dot_product_flash_attention.default: (6, 7)}
+
+
+def _on_host(a: fx.Node, device: torch.device) -> bool:
+    """``a`` is an output the kernel that makes it on ``device`` returns on the host (``_HOST_OUTPUTS``)."""
+    src = a.args[0] if a.target is operator.getitem and a.args else None
+    return device.type == "cuda" and isinstance(src, fx.Node) and a.args[1] in _HOST_OUTPUTS.get(src.target, ())
 
 
 def _describe_inputs(gm: fx.GraphModule, regions: list[Region], lifted: set[fx.Node],
@@ -266,6 +296,8 @@ def _describe_inputs(gm: fx.GraphModule, regions: list[Region], lifted: set[fx.N
                 v = a.meta.get("val")
                 meta_env[a] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") \
                     if a.op == "placeholder" and isinstance(v, torch.Tensor) else v
+                if _on_host(a, torch.device(device)):
+                    meta_env[a] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
         return meta_env[a]
 
     for r in regions:

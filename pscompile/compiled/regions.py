@@ -347,6 +347,9 @@ class Region:
     held: list[fx.Node] = field(default_factory=list)      # what they read that the region does not make
     fallback: str | None = None     # why this region runs as eager code though it was to be compiled
     written: frozenset[int] = frozenset()   # positions of the inputs it writes in place (written_inputs)
+    ops: int = 0                    # its compute operators (is_compute_op)
+    frees: frozenset[int] = frozenset()     # positions of the inputs it is the last reader of
+    solo: bool = False              # one operator cut out alone to run as eager code (it fits no other way)
     _eager: Callable[[list], Sequence[Any]] | None = field(default=None, repr=False)
 
     def eager(self) -> Callable[[list], Sequence[Any]]:

@@ -172,7 +172,7 @@ def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind =
     ``world``: the ranks a ZeRO engine would shard over (no process group is needed to plan);
     ``per_chunk``: its collectives go per chunk, so the layout's unit stays one chunk."""
     kind = RunKind(kind)
-    mp = collect_params(model, batch, call_model)
+    mp = collect_params(model, call_model, batch)
     analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
                                    loss_fn=loss_fn)
     train = analyzed if kind.backward and kind is RunKind.TRAIN else None
@@ -193,7 +193,7 @@ class BudgetSweep:
     def __init__(self, model: nn.Module, batch: Any, config: Config, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None):
         self.config = config
-        self.mp = collect_params(model, batch, call_model)
+        self.mp = collect_params(model, call_model, batch)
         self.analyzed = capture_and_analyze(model, batch, params=self.mp.params, dtype=config.dtype, loss_fn=loss_fn)
         self._variants: dict[tuple, AnalyzedGraph] = {}
         self._leasts: dict[int, int] = {}

@@ -1,10 +1,9 @@
 """ChunkEngine: what every pscompile execution mode shares.
 
-Parameters named and ordered (first use), packed into a ``ChunkLayout``, loaded into a
-``ChunkStore`` (fp32 masters, compute-dtype chunks, Adam states); the model keeps placeholders.
-The one ``step()`` loop (micro-batching, gradient accumulation, the update, ``StepStats``),
-``close`` and the learning rate live here; the chunk-by-chunk optimizer step (clipping, the
-update, lock-free updating) in ``runtime/update.py``, state dicts and export in ``runtime/state.py``.
+Parameters named and ordered (first use), packed into a ``ChunkLayout``, loaded into a ``ChunkStore`` (fp32 masters,
+compute-dtype chunks, Adam states); the model keeps placeholders. The one ``step()`` loop (micro-batching, gradient
+accumulation, the update, ``StepStats``), ``close`` and the learning rate live here; the chunk-by-chunk optimizer
+step (clipping, the update, lock-free updating) in ``runtime/update.py``, state dicts and export in ``runtime/state.py``.
 A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
 
     _prepare_step(batches)          before any run: plan what the batches need (hooks: trace)
@@ -36,7 +35,7 @@ from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.copies import INLINE_COPY_BYTES
 from pscompile.memory.copy_engines import make_copy_engine
 from pscompile.memory.tiers import Link, Traffic
-from pscompile.memory.tracker import NonModelTracker
+from pscompile.memory.tracker import NonModelTracker, warm_device_libraries
 from pscompile.optim.adamw import ChunkAdamW, LossScaler
 from pscompile.optim.host_kernel import HostKernels
 from pscompile.runtime.early_update import EarlyUpdates
@@ -69,6 +68,7 @@ class MicroRun:
     backward_s: float
     written: frozenset[str]        # parameters whose gradients it produced
     context: Any = None            # the mode's own record (hooks: the pass; compiled: the schedule)
+    ops: tuple[int, int] = (0, 0)  # compute operators run, and those inside compiled code (compiled mode)
 
 
 class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupControl, ModelAccess):
@@ -82,8 +82,8 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self.dtype = config.dtype
         self.budget: int | None = config.device_memory
         if self.budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            self.budget = int(free * 0.9)
+            self.budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.9)     # (free bytes)
+        warm_device_libraries(self.device, self.dtype)     # (CUDA: library workspaces made before any measurement)
         batch = to_device(batch, self.device)
         micro = micro_batches(batch)
         self.batch_structure = structure(batch if micro is None else micro[0])   # every step's batch has it
@@ -444,15 +444,15 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             transfer_s=sum(r.traffic.transfer_s for r in runs) + opt.transfer_s,
             offload_bytes=sum(r.traffic.offload_bytes for r in runs),
             reload_bytes=sum(r.traffic.reload_bytes for r in runs),
-            allocator_peak_bytes=self._allocator_peak(runs), peak_host_bytes=self.store.host_meter.peak)
+            allocator_peak_bytes=self._allocator_peak(runs), peak_host_bytes=self.store.host_meter.peak,
+            compute_ops=sum(r.ops[0] for r in runs), compiled_ops=sum(r.ops[1] for r in runs))
         return self.stats.loss
 
     def _allocator_peak(self, runs: list) -> int | None:
         """CUDA: the caching allocator's peak over the step less the bytes held outside it (the
         trackers' ``external_bytes``), the figure the budget bounds; None elsewhere."""
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.max_memory_allocated(self.device) - min(r.tracker.external_bytes for r in runs)
+        return None if self.device.type != "cuda" else \
+            torch.cuda.max_memory_allocated(self.device) - min(r.tracker.external_bytes for r in runs)
 
     def _prepare_step(self, batches: list, *, accumulate: bool) -> None:
         """Mode hook: before any run of a step (hooks mode traces new batch shapes here)."""

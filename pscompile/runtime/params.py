@@ -54,8 +54,13 @@ class ModelParams:
         return {id(p): f for f, p in self.params.items()}
 
 
-def collect_params(model: nn.Module, batch: Any, run: Callable[[nn.Module, Any], Any]) -> ModelParams:
-    """The parameters of ``model`` in the order ``run(model, batch)`` first uses them."""
+def collect_params(model: nn.Module, run: Callable[[nn.Module, Any], Any], batch: Any) -> ModelParams:
+    """The parameters of ``model`` in the order ``run(model, batch)`` first uses them (the arguments
+    in ``first_use_order``'s order). The engines and the engine-free pipeline (``min_device_memory``,
+    ``schedule_model``) must get the same order, or they lay the chunks out differently: a ``run``
+    that is not callable is refused here, not taken as a failed forward (construction order)."""
+    if not callable(run):
+        raise TypeError(f"collect_params(model, run, batch): run must be callable, got {type(run).__name__}")
     in_order, how = first_use_order(model, run, batch)
     names: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):

@@ -1,0 +1,132 @@
+"""One cell of ``bench/budgets.py --inductor-only``: an architecture at one budget, Inductor
+against compiled eager.
+
+At ``budget`` bytes, two engines of the same tiny model are built, one per backend
+(``backend="inductor"`` and ``backend="eager"``). Each first runs ``WARMUP`` steps on its own (the
+first steps capture, measure node by node, probe and measure the compiled regions, cut the ones
+that do not fit and compile: the time to steady state), then ``STEADY`` steps each, interleaved in
+one process (inductor, eager, inductor, ...), whose medians give the steady step-time ratio. Every
+step's measured peak is checked against the budget, in both engines.
+
+``compiled_share`` is ``StepStats.compiled_share`` of Inductor's last step: the share of the step's
+compute operators (every executed op but views, getitems, memory nodes and parameter gathers)
+that ran inside compiled code. ``first_steps_s`` is the wall time of the first ``WARMUP`` steps;
+``plain_compile_first_s`` (per architecture, ``plain_compile_first_step``) is plain
+``torch.compile``'s first training step on the same model with no budget, the time a user of
+``torch.compile`` waits before a step runs compiled.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import pscompile
+from pscompile.testing import tiny_model
+
+WARMUP = 6           # steps each engine runs alone before the interleaved ones (measuring, probing, cuts)
+STEADY = 8           # interleaved steps per engine whose medians are compared
+
+
+@dataclass(frozen=True)
+class Cell:
+    budget: int
+    factor: float
+    ok: bool
+    error: str | None
+    peaks: tuple[int, ...]          # Inductor's measured peak per step (all steps)
+    eager_peaks: tuple[int, ...]    # compiled eager's
+    losses: tuple[float, ...]
+    compiled_share: float           # Inductor's last step: compute operators inside compiled code
+    shares: tuple[float, ...]       # the same, per step
+    step_s: float                   # Inductor's steady step (median of STEADY, interleaved)
+    eager_step_s: float             # compiled eager's
+    first_steps_s: float            # Inductor's first WARMUP steps, together
+    eager_first_steps_s: float
+    cuts: int                       # regions cut to fit the budget (cut points) ...
+    solo: int                       # ... and operators run alone as eager code
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.step_s / self.eager_step_s if self.eager_step_s else float("nan")
+
+    @property
+    def regions(self) -> bool:
+        return self.compiled_share > 0
+
+
+def _engine(arch: str, budget: int, backend: str, link: str | None):
+    model, batch = tiny_model(arch)
+    cfg = pscompile.Config(mode="compiled", backend=backend, device="cpu", dtype=torch.float32,
+                           device_memory=budget, link_bandwidth=link)
+    return pscompile.compile(model, batch, config=cfg), batch
+
+
+def _step(engine, batch, budget: int, peaks: list, losses: list | None = None) -> float:
+    t = time.perf_counter()
+    loss = engine.step(batch)
+    dt = time.perf_counter() - t
+    peaks.append(engine.stats.peak_device_bytes)
+    if losses is not None:
+        losses.append(loss)
+    if peaks[-1] > budget:
+        raise AssertionError(f"step {len(peaks)}: measured peak {peaks[-1]} > budget {budget}")
+    return dt
+
+
+def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> Cell:
+    """Inductor and compiled eager at ``budget`` (see the module doc)."""
+    t0 = time.perf_counter()
+    peaks, eager_peaks, losses, shares = [], [], [], []
+    times, eager_times, cut_count = [], [], (0, 0)
+    error = None
+    engines = []
+    try:
+        ind, batch = _engine(arch, budget, "inductor", link)
+        engines.append(ind)
+        eag, _ = _engine(arch, budget, "eager", link)
+        engines.append(eag)
+        first = sum(_step(ind, batch, budget, peaks, losses) for _ in range(WARMUP))
+        shares = [ind.stats.compiled_share]
+        eager_first = sum(_step(eag, batch, budget, eager_peaks) for _ in range(WARMUP))
+        for _ in range(STEADY):
+            times.append(_step(ind, batch, budget, peaks, losses))
+            shares.append(ind.stats.compiled_share)
+            eager_times.append(_step(eag, batch, budget, eager_peaks))
+        cut_count = (sum(map(len, ind._cuts.values())), sum(map(len, ind._solo.values())))
+    except Exception as e:                              # noqa: BLE001 -- a failed cell is reported, not fatal
+        error = f"{type(e).__name__}: {str(e)[:400]}"
+        first = eager_first = float("nan")
+    finally:
+        for e in engines:
+            e.close()
+    ok = error is None and all(map(_finite, losses))
+    if error is None and not ok:
+        error = f"non-finite loss: {losses}"
+    return Cell(budget, factor, ok, error, tuple(peaks), tuple(eager_peaks), tuple(losses),
+                shares[-1] if shares else 0.0, tuple(shares),
+                statistics.median(times) if times else float("nan"),
+                statistics.median(eager_times) if eager_times else float("nan"),
+                first, eager_first, cut_count[0], cut_count[1], time.perf_counter() - t0)
+
+
+def plain_compile_first_step(arch: str) -> float:
+    """Plain ``torch.compile``'s first training step (forward, backward, ``torch.optim.AdamW``) on
+    the same model with no budget: seconds until its first step ran."""
+    model, batch = tiny_model(arch)
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    t = time.perf_counter()
+    out = compiled(**batch) if isinstance(batch, dict) else compiled(*batch)
+    loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", out)
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - t
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
