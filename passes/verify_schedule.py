@@ -294,8 +294,8 @@ class _Replay:
         """The planned device bytes at ``node``: resident slots, device optimizer states, its
         non-model bytes and the gradients still copying; within the budget."""
         used = len(self.holds) * slot_bytes + os_device_bytes + self.nonmodel + self.held
-        if budget is not None:     # the non-model bytes the plan leaves room for here (compiled regions: lowering.py)
-            gmeta.put(node, "room", budget - (used - self.nonmodel))
+        if budget is not None:     # the non-model bytes (gradients still copying among them: they are live
+            gmeta.put(node, "room", budget - (used - self.nonmodel - self.held))   # tensors) the plan leaves room for here
         if used > self.peak:
             self.peak, self.peak_node = used, node.name
         if budget is not None and used > budget:

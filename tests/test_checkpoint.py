@@ -57,10 +57,10 @@ def test_save_then_load_in_a_new_process_resumes_bit_for_bit(tmp_path, mode, dty
 
 
 def test_inductor_resume_is_exact_the_checkpoint_carries_the_measurements(tmp_path, monkeypatch):
-    """A new engine would measure its first step in an eager run, whose kernels round differently
-    from the Inductor regions the uninterrupted run is using by then: the checkpoint carries the
-    measured curves and the optimizer-state placement, so the resumed engine runs those regions at
-    once. Inductor's CPU embedding backward adds with atomics: two identical runs differ in the
+    """A new engine would measure its first step node by node: the checkpoint carries the measured
+    curves, the region measurements, the cuts and the optimizer-state placement, so the resumed
+    engine plans and cuts the same regions and only probes them once (since issue 49 the resumed
+    run tracks the uninterrupted one within float32 rounding, no longer bit for bit: docs/design.md). Inductor's CPU embedding backward adds with atomics: two identical runs differ in the
     tied embedding unless deterministic algorithms are on, as for any bitwise reproducibility."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -97,8 +97,13 @@ def _inductor_resume(tmp_path):
     pscompile.save(first, tmp_path / "i.ckpt")
     resumed = engine(budget)
     pscompile.load(resumed, tmp_path / "i.ckpt")
-    assert [resumed.step(b) for b in batches[SETTLED:]] == losses[SETTLED:]
-    assert same_state(snapshot(resumed), snapshot(whole))
+    after = [resumed.step(b) for b in batches[SETTLED:]]
+    # no measuring step (node by node) after the load: the curves came with the checkpoint; its new
+    # executors probe their regions once (eager code, which rounds otherwise than Inductor's), so
+    # the resumed run tracks the uninterrupted one within float32 rounding, not bit for bit
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(after, losses[SETTLED:])), (after, losses[SETTLED:])
+    a, b = resumed.state_dict()["master"], whole.state_dict()["master"]
+    assert resumed.stats.compiled_ops > 0 and max((a[k] - b[k]).abs().max().item() for k in b) <= 1e-5
     assert whole.stats.num_evictions > 0
 
 

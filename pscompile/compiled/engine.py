@@ -63,14 +63,10 @@ class _NodeMemory:
     def __init__(self, tracker: NonModelTracker):
         self.tracker = tracker
         self.samples: dict[int, int] = {}
-        self.starts: dict[int, int] = {}     # bytes live right before each node runs (its inputs made)
 
     def before(self, node: fx.Node) -> None:
         if get(node, "param") is None:
             self.tracker.start_window()
-            src = get(node, "src_index")
-            if src is not None:
-                self.starts[src] = max(self.starts.get(src, 0), self.tracker.window_peak)
 
     def after(self, node: fx.Node) -> None:
         if get(node, "param") is not None:
@@ -88,7 +84,6 @@ class _RunRecord:
     scheduled: Scheduled
     samples: dict[int, int] | None      # measured non-model bytes per captured node (measuring run)
     probe: Probe | None = None          # a probing run's (its compiled regions are measured after the step)
-    starts: dict[int, int] | None = None   # measuring run: non-model bytes live right before each node
 
 
 class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledState, ChunkEngine):
@@ -111,7 +106,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._init_lowering()
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
         self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
-        self._node_starts: dict[CaptureKey, dict[int, int]] = {}       # and the bytes live before each node
         self._restored: dict[str, dict] = {}      # CaptureKey.token -> what a loaded checkpoint measured
         self._unproven: set[CaptureKey] = set()    # captures planned with those, not yet run within budget
         self._written: set[str] = set()            # parameters whose gradients the current run stored
@@ -185,7 +179,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             probe is not None and probe.eager_all))
         learned: dict[int, int] = {}
         starts: dict[int, int] = {}       # non-model bytes live at each region's start
-        models: dict[int, int] = {}       # and model bytes on the device while it runs
         if learning:
             tracker.exact_windows = True
 
@@ -196,7 +189,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             yield
             learned[r.index] = max(learned.get(r.index, 0), tracker.window_peak - start)
             starts[r.index] = max(starts.get(r.index, 0), start)
-            models[r.index] = max(models.get(r.index, 0), self._model_bytes())
 
         def around_region(r) -> contextlib.AbstractContextManager:   # what the tracker cannot see inside
             for n in r.effects:
@@ -244,7 +236,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
                 for i, v in learned.items():
                     probe.learned[i] = max(probe.learned.get(i, 0), v)
                     probe.starts[i] = max(probe.starts.get(i, 0), starts[i])
-                    probe.models[i] = max(probe.models.get(i, 0), models[i])
             elif learning:                   # (a failed run learns nothing: its next run measures again)
                 extra.update(learned)
                 self._unlearned.discard(sched.gm)
@@ -264,8 +255,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         t_end = time.perf_counter()
         t_back = t_bwd[0] if t_bwd else t_end
         record = _RunRecord(key, sched, observer.samples if observer is not None else None,
-                            probe if probe is not None and probe.eager_all else None,
-                            observer.starts if observer is not None else None)
+                            probe if probe is not None and probe.eager_all else None)
         value = float(loss.detach().float())
         self.copies.sync_compute()    # (reading the loss waited for compute already)
         compiled_ops = executor.compiled_ops - (probe.eager_ops if probe is not None else 0)
@@ -398,7 +388,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             if r.context.samples is not None:
                 measured.setdefault(r.context.key.capture, r.context)
         for rec in measured.values():
-            self._remeasure(rec.key, rec.samples, rec.starts)
+            self._remeasure(rec.key, rec.samples)
         self.last_plan = runs[-1].context.scheduled.plan
         self._last_key = runs[-1].context.key
 
@@ -410,11 +400,11 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             self._settle_probe(key, sched, run.context.probe, run.tracker)
         self._prove_restored([run])
         if run.context.samples is not None:
-            self._remeasure(key, run.context.samples, run.context.starts)
+            self._remeasure(key, run.context.samples)
         self.eval_plan = sched.plan
         return run.loss, run.tracker.peak_total, run.traffic.h2d_bytes + run.traffic.d2h_bytes
 
-    def _remeasure(self, key: ScheduleKey, samples: dict[int, int], starts: dict[int, int] | None = None) -> None:
+    def _remeasure(self, key: ScheduleKey, samples: dict[int, int]) -> None:
         """Replace the static non-model estimate by the measured one and plan again (every
         schedule of the same capture: train and accumulation share it)."""
         cap = key.capture
@@ -423,8 +413,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         if self.comm is not None:          # every rank plans from the same curve: the same collectives
             measured = self.comm.agree_max(measured)
         self._measured[cap] = self._node_curves[cap] = measured
-        if starts is not None:
-            self._node_starts[cap] = starts
         self._fit_optimizer_states(max(measured))     # first: the new curve may leave less margin
         for other in list(self._schedules):
             if other.capture == cap:

@@ -33,7 +33,7 @@ from torch import fx
 
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.probe import Allocation, Probe, measure, over_plan, region_peaks, starts_from_nodes, warn_fallback
+from pscompile.compiled.probe import Allocation, Probe, measure, over_plan, region_peaks, warn_fallback
 from pscompile.compiled.program import is_compute_op
 from pscompile.compiled.regions import RegionCache, region_source
 from pscompile.graph.meta import get
@@ -124,26 +124,22 @@ class RegionLowering:
                         cuts=frozenset(self._cuts.get(cap, ())), solo=frozenset(self._solo.get(cap, ())))
 
     def _probe_or_check(self, key: ScheduleKey, sched: Scheduled, ex: Executor) -> Executor:
-        """A new region executor: checked now if what its compiled regions allocate is measured
-        already and the node-by-node run said what is live where each region starts (its first run
-        then only checks the layouts its compiled regions receive); else probed in its first run."""
-        compiled = ex.compiled_regions()
-        starts = self._node_starts.get(key.capture)
-        starts = starts_from_nodes(ex.regions, starts) if starts is not None else None
-        if compiled and (starts is None or not all(r.key in self._allocs for r in compiled)):
+        """A new region executor: probed in its first run if it has compiled regions (what is live
+        where each region starts depends on the schedule: another schedule of the same capture
+        reloads activations and gathers parameters elsewhere), else checked now."""
+        if ex.compiled_regions():
             self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=True)
             return self._check_regions(key, sched, ex, None)
-        if compiled:
-            self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=False)
-        return self._check_regions(key, sched, ex, {}, starts)
+        return self._check_regions(key, sched, ex, {})
 
     def _check_regions(self, key: ScheduleKey, sched: Scheduled, ex: Executor, learned: dict[int, int] | None,
-                       starts: dict[int, int] | None = None, models: dict[int, int] | None = None) -> Executor:
+                       starts: dict[int, int] | None = None) -> Executor:
         """Plan check of a region executor (``probe.over_plan``). ``learned`` None: before a probing
         run, which runs every region as eager code. Else after it (or for an executor without
         compiled regions): what its regions allocate inside (compiled: measured, ``_allocs``; eager:
-        ``learned``, by the tracker in that run), the bytes live at their starts (``starts``) and the
-        model bytes on the device while they ran (``models``).
+        ``learned``, by the tracker in that run) and the bytes live at their starts (``starts``). The
+        room a region has is the same whether it was probed or not (a resumed engine decides as the
+        uninterrupted one did).
         If the plan holds every region's peak, keep ``ex`` (the inside bytes are sampled at the
         region boundaries from now on, ``_region_extra``; eager regions not learned yet learn them
         in its next run). Where it does not, the plan stays and the regions beyond it are cut
@@ -159,12 +155,14 @@ class RegionLowering:
                              self._node_curves.get(cap, sched.nonmodel))
         if self.budget is None:
             over = {}
-        else:                          # (the room every region has for sure, and each one's measured)
+        else:                          # (the room every region has for sure)
             floor = self.budget - sched.plan.num_slots * self.store.param_chunk_bytes - self._fixed_device_bytes()
+            # the room the plan leaves each region (verify_schedule's replay: the budget less the slots, the
+            # states on the device and the gradients still copying there), the same probed or not
             rooms = {r.index: max(rs) for r in ex.regions if (rs := [x for n in r.nodes if (x := get(n, "room"))])}
-            for i, m in (models or {}).items():
-                rooms[i] = min(rooms.get(i, self.budget - m), self.budget - m)
             over = over_plan(peaks, sched.nonmodel, rooms, floor)
+            if learned is not None:    # an eager region ran within the budget in the probing run, as it will
+                over = {i: v for i, v in over.items() if ex.is_compiled(ex.regions[i])}   # from now on
         if self.comm is not None:      # the ranks decide together (their plans and regions must match)
             agreed = self.comm.agree_max([over.get(r.index, 0) for r in ex.regions])
             over = {i: v for i, v in enumerate(agreed) if v > 0}
@@ -242,7 +240,7 @@ class RegionLowering:
         ex = self._executors.get(sched.gm)
         if not probe.eager_all or ex is None or ex.split != "regions":
             return
-        self._check_regions(key, sched, ex, probe.learned, probe.starts, probe.models)
+        self._check_regions(key, sched, ex, probe.learned, probe.starts)
         self._lower(key)
 
     def _fall_back(self, region_key: str, r, stage: str, why: str) -> None:

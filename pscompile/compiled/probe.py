@@ -47,7 +47,7 @@ from pscompile.memory.region_peaks import allocation_peaks
 from pscompile.passes.plan_residency import arrivals
 
 __all__ = ["Allocation", "Measured", "Probe", "Snapshot", "measure", "RegionPeak", "over_plan",
-           "region_peaks", "starts_from_nodes", "warn_fallback"]
+           "region_peaks", "warn_fallback"]
 
 log = logging.getLogger("pscompile.compiled")
 
@@ -103,7 +103,6 @@ class Probe:
     mismatched: dict[str, tuple[Region, str]] = field(default_factory=dict)  # key -> (region, why)
     learned: dict[int, int] = field(default_factory=dict)   # region index -> bytes its eager run allocated
     starts: dict[int, int] = field(default_factory=dict)    # region index -> non-model bytes live at its start
-    models: dict[int, int] = field(default_factory=dict)    # region index -> model bytes on the device then
     checked: int = 0                   # compiled region calls whose inputs were checked
     eager_ops: int = 0                 # compute operators of compiled regions it ran as eager code
 
@@ -231,34 +230,13 @@ def region_peaks(regions: Sequence[Region], inside: dict[int, int], excess: dict
     return out
 
 
-def starts_from_nodes(regions: Sequence[Region], node_starts: dict[int, int]) -> dict[int, int] | None:
-    """Region index -> the non-model bytes live when it starts, from the node-by-node measurement
-    (``node_starts``: bytes live right before each node ran, its gathered parameters made): those
-    before the region's first node, plus the gathered copies of its later readers (the executor
-    makes them all before the region). None if a region's first node was not measured."""
-    out = {}
-    position: dict[fx.Node, int] = {}
-    for r in regions:
-        first = next((n for n in r.nodes if get(n, "src_index") is not None and get(n, "param") is None), None)
-        if first is None:
-            continue
-        if get(first, "src_index") not in node_starts:
-            return None
-        if not position:
-            position.update((n, i) for i, n in enumerate(r.nodes[0].graph.nodes))
-        later = sum(b for cat, b in _gathered_inputs(r).items() if position[cat] > position[first])
-        out[r.index] = node_starts[get(first, "src_index")] + later
-    return out
-
-
 def over_plan(peaks: dict[int, RegionPeak], nonmodel: Sequence[int], floors: dict[int, int] | None = None,
               floor: int = 0) -> dict[int, int]:
     """Region index -> how far its peak goes beyond the room it has, for the regions that go beyond
     it. A region runs between memory nodes, so the chunks on the device do not change while it
     runs, and it has the most of: the non-model bytes the plan planned for any of its nodes
     (``nonmodel``, the curve it was planned with), ``floor`` (the budget less every slot of the
-    plan and what lives on the device for good) and ``floors[index]`` (the budget less the model
-    bytes measured on the device while it ran)."""
+    plan and what lives on the device for good) and ``floors[index]`` if given."""
     floors = floors or {}
     return {i: p.peak - room for i, p in peaks.items()
             if p.peak > (room := max(max(nonmodel[s] for s in p.srcs), floor, floors.get(i, 0)))}

@@ -43,8 +43,7 @@ class CompiledState:
         captures = {cap.token: {"static": list(self._captures[cap].nonmodel), "measured": list(curve),
                                 "node": list(self._node_curves.get(cap, curve)),
                                 "rounds": self._region_rounds.get(cap, 0), "node_by_node": cap in self._node_by_node,
-                                "cuts": sorted(self._cuts.get(cap, ())), "solo": sorted(self._solo.get(cap, ())),
-                                "starts": {str(i): v for i, v in self._node_starts.get(cap, {}).items()}}
+                                "cuts": sorted(self._cuts.get(cap, ())), "solo": sorted(self._solo.get(cap, ()))}
                     for cap, curve in self._measured.items() if cap in self._captures}
         rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
         regions = {"allocs": {k: [a.peak, a.excess] for k, a in self._allocs.items()},
@@ -93,8 +92,7 @@ class CompiledState:
             if warm is not None:
                 self._forget(warm)
         del self._captures[cap]
-        for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo,
-                         self._node_starts):
+        for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo):
             measured.pop(cap, None)
         self._node_by_node.discard(cap)
         self._unproven.discard(cap)
@@ -112,8 +110,6 @@ class CompiledState:
         self._region_rounds[cap] = int(entry["rounds"])
         self._cuts[cap] = {int(i) for i in entry.get("cuts", ())}
         self._solo[cap] = {int(i) for i in entry.get("solo", ())}
-        if entry.get("starts"):
-            self._node_starts[cap] = {int(i): int(v) for i, v in entry["starts"].items()}
         if entry["node_by_node"]:
             self._node_by_node.add(cap)
         for key in list(self._schedules):
@@ -140,8 +136,7 @@ class CompiledState:
                         "peaked at %d bytes, device_memory=%d): dropped; the next step measures again",
                         cap.token[:80], r.tracker.peak_total, self.budget)
             static = self._captures[cap].nonmodel
-            for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo,
-                             self._node_starts):
+            for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo):
                 measured.pop(cap, None)
             self._node_by_node.discard(cap)
             self._fit_optimizer_states(max(static))       # (the curve may leave less margin)
