@@ -112,7 +112,8 @@ class Executor:
         release_plan(program, self.output_node)
         for s in program:     # inputs whose memory dies in the region: the environment lets go of them before
             if s.kind is StepKind.REGION:      # the call, and they are no view of a slot (model memory)
-                s.region.frees = frozenset(i for i, a in enumerate(s.region.inputs) if a in set(s.free)
+                free = set(s.free)
+                s.region.frees = frozenset(i for i, a in enumerate(s.region.inputs) if a in free
                                            and a.op != "get_attr" and not _slot_view(a))
         self._program = program
         # compute operators a run runs (outside regions: evaluated nodes), and those in compiled code
