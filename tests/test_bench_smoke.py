@@ -238,7 +238,8 @@ def test_budgets_quick(tmp_path):
 
 def test_budgets_inductor_only_quick(tmp_path):
     """bench/budgets.py --inductor-only --quick --arch gpt: compiled mode with Inductor trains at
-    2x the minimum within the budget beside compiled eager, with most of its operators in compiled
+    1.15x the minimum (test_regions_fit's budget: Inductor's cache shares their compiles) within
+    the budget beside compiled eager, with most of its operators in compiled
     code, and reports the steady step-time ratio (the quick form; the minimum itself trains through
     Inductor in test_grad_overlap and test_compiled_parity)."""
     out = tmp_path / "budgets.json"
@@ -246,7 +247,7 @@ def test_budgets_inductor_only_quick(tmp_path):
     res = json.loads(out.read_text())
     (row,) = res["rows"]
     assert row["mode"] == "compiled (inductor)" and row["num_failures"] == 0, row["failures"]
-    assert [c["factor"] for c in row["cells"]] == res["settings"]["inductor_factors"] == [2.0]
+    assert [c["factor"] for c in row["cells"]] == res["settings"]["inductor_factors"] == [1.15]
     for c in row["cells"]:
         assert c["ok"] and max(c["peaks"] + c["eager_peaks"]) <= c["budget"], c
         assert c["compiled_share"] >= 0.9 and c["regions"], c      # compiled code ran, for most operators

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -161,15 +163,24 @@ def test_compiled_eager_matches_hooks_mode_to_1e_6():
         assert abs(a - c) <= 1e-6 * abs(a)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("room", ["tight", "roomy"])
+# each case is some 40 regions of cold Inductor compiles (25-50 s): CI runs one per model and dtype,
+# the tight GPT in float32, the tight BERT in bfloat16 and the roomy GPT in bfloat16;
+# PSCOMPILE_SLOW_TESTS=1 runs all eight
+_SLOW = pytest.mark.skipif(not os.environ.get("PSCOMPILE_SLOW_TESTS"),
+                           reason="25-50 s of cold Inductor compiles: set PSCOMPILE_SLOW_TESTS=1")
+_IN_CI = {("gpt", torch.float32, "tight"), ("bert", torch.bfloat16, "tight"), ("gpt", torch.bfloat16, "roomy")}
+INDUCTOR_CASES = [pytest.param(k, d, r, marks=() if (k, d, r) in _IN_CI else _SLOW,
+                               id=f"{r}-{'fp32' if d == torch.float32 else 'bf16'}-{k}")
+                  for r in ("tight", "roomy") for d in (torch.float32, torch.bfloat16) for k in ("gpt", "bert")]
+
+
+@pytest.mark.parametrize("kind, dtype, room", INDUCTOR_CASES)
 def test_inductor_backend_parity_under_eviction(kind, dtype, room):
     """backend='inductor': the first step runs eagerly (it measures), later steps run compiled
     regions; losses track plain PyTorch, bytes moved equal the plan, peak <= budget, where the peak
     includes what the compiled regions allocate inside (measured before they first run). At a
-    tight budget the regions' peaks may not fit: the schedule then runs node by node, still within
-    the budget; with more room compiled regions run."""
+    tight budget, regions whose measured peaks do not fit are cut to fit; compiled regions run at
+    both budgets."""
     hp = pscompile.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     batches = make_batches(kind, 4)
     minimum = min_budget(kind, dtype)
@@ -183,9 +194,9 @@ def test_inductor_backend_parity_under_eviction(kind, dtype, room):
         s, plan = engine.stats, engine.last_plan
         assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes)
         assert s.peak_device_bytes <= budget and s.num_evictions > 0
-    if room == "roomy":
-        assert any(ex.split == "regions" for ex in engine._executors.values()), \
-            "later steps did not run compiled regions"
+    assert any(ex.split == "regions" and ex.compiled_regions() for ex in engine._executors.values()), \
+        "later steps did not run compiled regions"
+    assert not engine._node_by_node
     assert max_weight_diff(engine, ref) <= (1e-4 if dtype == torch.float32 else 5e-2)
     tol = TRACKING_TOL if dtype == torch.float32 else TRACKING_TOL_INDUCTOR_BF16
     assert worst_tracking(engine, ref, fresh_masters(kind, dtype))[0] <= tol

@@ -179,7 +179,7 @@ def test_accumulation_at_every_budget_from_the_minimum(backend):
     ref = ReferenceTrainer(make_model("gpt"), optimizer=hp, dtype=torch.float32)
     expected = [ref.step(micro), ref.step(micro)]
     steps = 2
-    fractions = (0, 0.05, 0.15, 0.4) if backend == "eager" else (0, 0.15)
+    fractions = (0, 0.05, 0.15, 0.4) if backend == "eager" else (0,)     # (Inductor: some 40 cold compiles each)
     for frac in fractions:
         budget = int(minimum * (1 + frac))
         engine, _ = _accum_engine(budget, backend)

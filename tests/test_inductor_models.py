@@ -2,13 +2,12 @@
 backend) and tracks plain PyTorch, and so does a mixture of experts (Mixtral: its router computes the
 expert ids and token positions later regions index with).
 
-One engine per case, under a budget that evicts chunks every step and has room for the measured
-peaks of the compiled regions (below it a schedule runs node by node, which is not the point here:
-1.15x the named minimum for Mixtral, 2-3x for the others), or with no budget (T5 and Mixtral: their
-regions are then the whole forward and the whole backward; PSCOMPILE_SLOW_TESTS=1); pscompile's own
-GPT and BERT and Hugging Face's GPT-2 run through Inductor in test_compiled_parity.py and
-test_compiled_robustness.py. Compiles are cached on disk by Inductor, so a second run of the suite
-is fast; ``bench/budgets.py --inductor`` sweeps the budgets.
+One engine per case, under a budget that evicts chunks every step (1.15x the named minimum: regions
+whose measured peaks do not fit are cut to fit, compiled/lowering.py), or with no budget (T5 and
+Mixtral: their regions are then the whole forward and the whole backward; PSCOMPILE_SLOW_TESTS=1);
+pscompile's own GPT and BERT and Hugging Face's GPT-2 run through Inductor in
+test_compiled_parity.py and test_compiled_robustness.py. Compiles are cached on disk by Inductor,
+so a second run of the suite is fast; ``bench/budgets.py --inductor-only`` sweeps the budgets.
 """
 
 from __future__ import annotations
@@ -29,12 +28,17 @@ HP = pscompile.AdamW(lr=1e-3)
 # with no budget (the regions are then the whole forward and the whole backward): 15-50 s of cold
 # Inductor compiles each, so CI runs the budgeted cases only; PSCOMPILE_SLOW_TESTS=1 runs these too
 WHOLE = pytest.mark.skipif(not os.environ.get("PSCOMPILE_SLOW_TESTS"),
-                           reason="15-50 s of cold Inductor compiles: set PSCOMPILE_SLOW_TESTS=1")
+                           reason="15-90 s of cold Inductor compiles: set PSCOMPILE_SLOW_TESTS=1")
 # Llama: Mistral's decoder layers are Llama's (transformers builds MistralForCausalLM from the same
 # modules), so CI trains the family once, through Mistral; PSCOMPILE_SLOW_TESTS=1 runs Llama too
-CASES = [("hf-bert", 2.0), ("opt", 3.0), pytest.param("llama", 2.0, marks=WHOLE), ("mistral", 3.0), ("gpt-neox", 2.0),
-         ("t5", 3.0), pytest.param("t5", None, marks=WHOLE), ("mixtral", 1.15), pytest.param("mixtral", None, marks=WHOLE)]
-IDS = ["hf-bert-2.0", "opt-3.0", "llama-2.0", "mistral-3.0", "gpt-neox-2.0", "t5-3.0", "t5-none", "mixtral-1.15",
+# CI trains three families at tight budgets (each is some 40 regions of cold Inductor compiles, about a
+# minute): Mistral (Llama's layers) and GPT-NeoX at 1.15x and Mixtral at 1.15x; the others here run
+# with PSCOMPILE_SLOW_TESTS=1, and bench/budgets.py --inductor-only trains all ten at 1.0-3x
+CASES = [pytest.param("hf-bert", 2.0, marks=WHOLE), pytest.param("opt", 3.0, marks=WHOLE),
+         pytest.param("llama", 2.0, marks=WHOLE), ("mistral", 1.15), ("gpt-neox", 1.15),
+         pytest.param("t5", 3.0, marks=WHOLE), pytest.param("t5", None, marks=WHOLE), ("mixtral", 1.15),
+         pytest.param("mixtral", None, marks=WHOLE)]
+IDS = ["hf-bert-2.0", "opt-3.0", "llama-2.0", "mistral-1.15", "gpt-neox-1.15", "t5-3.0", "t5-none", "mixtral-1.15",
        "mixtral-none"]
 
 
@@ -49,10 +53,12 @@ def test_trains_through_inductor_like_plain_pytorch(arch, room):
     budget = None if room is None else int(pscompile.min_device_memory(model, batch, _config()) * room)
     ref = ReferenceTrainer(tiny_model(arch, seq_len=16)[0], optimizer=HP, dtype=torch.float32)
     engine = pscompile.compile(model, batch, optimizer=HP, config=_config(budget))
+    shares = []
     for step in range(3 if budget is None else 5):      # (under a budget: measured, probed, cut, probed)
         ours, plain = engine.step(batch), ref.step(batch)
         assert abs(ours - plain) <= 1e-5 * abs(plain), (step, ours, plain)
         s = engine.stats
+        shares.append(s.compiled_share)
         assert budget is None or s.peak_device_bytes <= budget, (step, s.peak_device_bytes, budget)
         assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
     # (Inductor's fused kernels round otherwise than eager's: with nearly every operator compiled,
@@ -63,6 +69,9 @@ def test_trains_through_inductor_like_plain_pytorch(arch, room):
     ran = [e for gm, e in engine._executors.items() if e.split == "regions" and e.compiled_regions()
            and gm not in engine._probing]            # (executors made after a round of cuts probe first)
     assert ran and not engine._node_by_node, f"{arch}: no schedule ran compiled regions"
+    # most operators ran compiled once the cuts settled (GPT-NeoX ran 66-84% of them compiled while
+    # the outputs of its attention regions that view their input were counted as excess)
+    assert budget is None or max(shares) >= 0.9, (arch, shares)
     assert all(r.key in engine._allocs for e in ran for r in e.compiled_regions())
     # and none fell back to eager code (a region measured on made-up values fails inside Inductor)
     assert not engine._region_cache.failures("inductor"), engine._region_cache.failures("inductor")

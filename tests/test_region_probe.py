@@ -161,6 +161,32 @@ def test_a_region_given_another_layout_runs_as_eager_code(monkeypatch, caplog):
     engine.close()
 
 
+def test_the_first_compiled_run_checks_layouts_too(monkeypatch, caplog):
+    """A compiled region's outputs may have other strides than its eager code's (Phi-3's attention
+    received a transposed view where the probing run, all eager code, had passed a contiguous
+    tensor, and Inductor's stride assertion ended the step): the first compiled run of every
+    executor checks each compiled region's inputs again, and a region given another layout there
+    runs as eager code (here the mismatch is made to appear in that run only)."""
+    import inspect
+    real, hit = probe_module.layout_mismatch, []
+
+    def mismatch_when_compiled(r, args):
+        caller = inspect.currentframe().f_back.f_locals.get("self")
+        if isinstance(caller, probe_module.Probe) and not caller.eager_all and not hit \
+                and _first_layer_norm_region(r.graph):
+            hit.append(r.key)
+            return f"region {r.index} receives node {r.inputs[0].name} as stride (1,), compiled for (64,)"
+        return real(r, args)
+    monkeypatch.setattr(probe_module, "layout_mismatch", mismatch_when_compiled)
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        engine = _train_against_plain(_gpt, _tight_gpt(), steps=5)
+    assert hit, "no compiled run checked its regions' inputs"
+    (message,) = _warnings(caplog)
+    assert "checking its inputs' layout failed" in message and "compiled for (64,)" in message
+    assert all(r.fallback for ex in _region_executors(engine) for r in ex.regions if r.key in hit)
+    engine.close()
+
+
 def _region(graph: fx.Graph, metas) -> Region:
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     return Region(0, nodes=[n for n in graph.nodes if n.op == "call_function"], inputs=inputs, graph=graph,

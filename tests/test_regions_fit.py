@@ -74,10 +74,10 @@ class _Collect(logging.Handler):
 def test_a_tight_budget_runs_compiled_regions_cut_to_fit(run):
     engine, budget, stats, ours, plain, _, warnings, weights = run
     assert not engine._node_by_node and not any("node by node" in m for m in warnings), warnings
-    # compiled code for most operators; every other one runs alone, as eager code, because compiled
-    # it needs more than the plan leaves at its node (here: attention and layer-norm backward, by
-    # 256 B to 8 KiB): no region runs as eager code for want of room
-    assert stats[-1].compiled_share >= 0.85, [s.compiled_share for s in stats]
+    # compiled code for most operators (99% here); every other one runs alone, as eager code,
+    # because compiled it needs more than the plan leaves at its node (here: the split of the QKV
+    # projection): no region runs as eager code for want of room
+    assert stats[-1].compiled_share >= 0.9, [s.compiled_share for s in stats]
     ex = engine._executors[engine._schedules[engine._last_key].gm]
     alone = sum(r.ops for r in ex.regions if r.solo)
     assert stats[-1].compiled_ops + alone == stats[-1].compute_ops, ex.describe()
@@ -118,3 +118,49 @@ def test_flash_attentions_rng_outputs_are_described_on_the_host_on_cuda():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert _on_host(seed, cuda) and _on_host(offset, cuda)
     assert not _on_host(out, cuda) and not _on_host(seed, cpu)
+
+
+def test_outputs_that_view_an_input_hold_no_excess():
+    """Inductor returns a split of a region's input as a view of it, as eager code does: such an
+    output holds nothing beyond its eager value (counting the input's whole storage as "excess"
+    made every later region of GPT-NeoX look over its room, and run alone as eager code)."""
+    from types import SimpleNamespace
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from pscompile.compiled.probe import _excess_bytes
+
+    def f(x):
+        a, b = x.split(2)
+        return a, b.exp()
+
+    x = torch.randn(4, 8)
+    gm = make_fx(f)(x)
+    nodes = list(gm.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    outputs = list(nodes[-1].args[0])
+    r = SimpleNamespace(inputs=inputs, outputs=outputs)
+    held = {x.untyped_storage().data_ptr()}
+    a, b = x.split(2)
+    assert _excess_bytes([a, b.exp()], r, held) == 0
+    # an output made anew in a storage larger than its eager value's holds the difference
+    wide = torch.empty(2, 16)[:, :8]
+    assert _excess_bytes([a, wide], r, held) == 2 * 8 * 4
+    # and an output eager code makes as a view of an input, compiled code anew, counts whole
+    assert _excess_bytes([a.clone(), b.exp()], r, held) == 2 * 8 * 4
+
+
+def test_a_regions_room_is_where_it_runs_not_where_its_getitems_were_planned():
+    """The backward reads a forward attention's outputs through getitems that stay in the forward's
+    region (with their multi-output op); the plan's room at their captured place (the backward,
+    fewer chunks) is not the forward region's room (a Llama step overshot its budget by 0.4%)."""
+    import operator
+    from types import SimpleNamespace
+    from torch import fx
+    from pscompile.compiled.probe import room_of
+    from pscompile.graph import meta
+    g = fx.Graph()
+    q = g.placeholder("q")
+    attn = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q))
+    out, lse = (g.call_function(operator.getitem, (attn, i)) for i in (0, 1))
+    for n, room in ((attn, 1000), (out, 1000), (lse, 5000)):
+        meta.put(n, "room", room)
+    assert room_of(SimpleNamespace(nodes=[attn, out, lse])) == 1000

@@ -33,7 +33,7 @@ from torch import fx
 
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.probe import Allocation, Probe, measure, over_plan, region_peaks, warn_fallback
+from pscompile.compiled.probe import Allocation, Probe, measure, over_plan, region_peaks, room_of, warn_fallback
 from pscompile.compiled.program import is_compute_op
 from pscompile.compiled.regions import RegionCache, region_source
 from pscompile.graph.meta import get
@@ -159,7 +159,7 @@ class RegionLowering:
             floor = self.budget - sched.plan.num_slots * self.store.param_chunk_bytes - self._fixed_device_bytes()
             # the room the plan leaves each region (verify_schedule's replay: the budget less the slots, the
             # states on the device and the gradients still copying there), the same probed or not
-            rooms = {r.index: max(rs) for r in ex.regions if (rs := [x for n in r.nodes if (x := get(n, "room"))])}
+            rooms = {r.index: x for r in ex.regions if (x := room_of(r)) is not None}
             over = over_plan(peaks, sched.nonmodel, rooms, floor)
             if learned is not None:    # an eager region ran within the budget in the probing run, as it will
                 over = {i: v for i, v in over.items() if ex.is_compiled(ex.regions[i])}   # from now on
@@ -171,6 +171,9 @@ class RegionLowering:
                 self._region_extra[sched.gm] = inside
                 if any(not ex.is_compiled(r) and r.index not in inside for r in ex.regions):
                     self._unlearned.add(sched.gm)
+                if ex.compiled_regions():  # its first compiled run checks every layout: a compiled region's
+                    # outputs may have other strides than the eager code's the probing run passed on
+                    self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=False)
             return ex
         self._probing.pop(sched.gm, None)
         rounds = self._gm_rounds.get(sched.gm, 0)

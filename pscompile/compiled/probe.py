@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -47,7 +48,7 @@ from pscompile.memory.region_peaks import allocation_peaks
 from pscompile.passes.plan_residency import arrivals
 
 __all__ = ["Allocation", "Measured", "Probe", "Snapshot", "measure", "RegionPeak", "over_plan",
-           "region_peaks", "warn_fallback"]
+           "region_peaks", "warn_fallback", "room_of"]
 
 log = logging.getLogger("pscompile.compiled")
 
@@ -157,6 +158,7 @@ def measure(saved: dict[str, tuple[Region, list]], device: torch.device) -> Meas
                 r, snaps = saved[key]
                 args = [s.restore() if isinstance(s, Snapshot) else s for s in snaps]
                 copies[i] = _storage_bytes(args)
+                held = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
                 kept = [a for j, a in enumerate(args) if j not in r.frees]    # live after it in a real run
                 try:
                     with torch.profiler.record_function(f"{label}{i}"):
@@ -168,7 +170,7 @@ def measure(saved: dict[str, tuple[Region, list]], device: torch.device) -> Meas
                     continue
                 finally:
                     args.clear()
-                excess[i] = max(0, _storage_bytes(outs) - _eager_bytes(r.outputs))
+                excess[i] = _excess_bytes(outs, r, held)
                 del outs, kept
     finally:
         torch.set_rng_state(rng)
@@ -212,7 +214,7 @@ def region_peaks(regions: Sequence[Region], inside: dict[int, int], excess: dict
     position: dict[fx.Node, int] = {}
     for r in sorted(regions, key=lambda r: r.index):
         gathers = _gathered_inputs(r)
-        srcs = tuple(i for n in r.nodes if (i := get(n, "src_index")) is not None and get(n, "param") is None
+        srcs = tuple(i for n in r.nodes if (i := get(n, "src_index")) is not None and _in_place(n)
                      and i < len(measured))
         if not srcs or (r.index not in inside and not gathers and not r.deferred):
             continue
@@ -230,6 +232,13 @@ def region_peaks(regions: Sequence[Region], inside: dict[int, int], excess: dict
     return out
 
 
+def _in_place(n: fx.Node) -> bool:
+    """Whether ``n`` runs in its region where the plan placed it: not a parameter view (made where
+    it is read) nor a ``getitem`` (it stays with its multi-output op: the backward's getitems of a
+    forward attention's outputs run in the forward's region, where the plan left less room)."""
+    return get(n, "param") is None and n.target is not operator.getitem
+
+
 def over_plan(peaks: dict[int, RegionPeak], nonmodel: Sequence[int], floors: dict[int, int] | None = None,
               floor: int = 0) -> dict[int, int]:
     """Region index -> how far its peak goes beyond the room it has, for the regions that go beyond
@@ -240,6 +249,12 @@ def over_plan(peaks: dict[int, RegionPeak], nonmodel: Sequence[int], floors: dic
     floors = floors or {}
     return {i: p.peak - room for i, p in peaks.items()
             if p.peak > (room := max(max(nonmodel[s] for s in p.srcs), floor, floors.get(i, 0)))}
+
+
+def room_of(r: Region) -> int | None:
+    """The most non-model room the plan leaves region ``r`` (``verify_schedule``'s ``room`` meta of
+    its nodes that run where the plan placed them), None if none has one."""
+    return max((x for n in r.nodes if _in_place(n) and (x := get(n, "room"))), default=None)
 
 
 def _gathered_inputs(r: Region) -> dict[fx.Node, int]:
@@ -287,8 +302,9 @@ def _deferred_gradients(r: Region) -> dict[fx.Node, int]:
     return out
 
 
-def _storage_bytes(values: Sequence[Any]) -> int:
-    seen, total = set(), 0
+def _storage_bytes(values: Sequence[Any], skip: frozenset[int] | set[int] = frozenset()) -> int:
+    """Bytes of the storages of ``values`` (each once), but those whose address is in ``skip``."""
+    seen, total = set(skip), 0
     for v in values:
         if isinstance(v, torch.Tensor):
             st = v.untyped_storage()
@@ -296,6 +312,30 @@ def _storage_bytes(values: Sequence[Any]) -> int:
                 seen.add(st.data_ptr())
                 total += st.nbytes()
     return total
+
+
+def _excess_bytes(outs: Sequence[Any], r: Region, inputs: set[int]) -> int:
+    """Bytes the compiled outputs ``outs`` of ``r`` hold beyond the same values computed eagerly.
+    Outputs that are views of the region's inputs (storage addresses ``inputs``) hold nothing new,
+    compiled or eager (Inductor returns a split of an input as a view of it, as eager code does):
+    they are left out on both sides; an output eager code makes as a view of an input but the
+    compiled code makes anew counts whole."""
+    fresh = [(o, n) for o, n in zip(outs, r.outputs)
+             if not (isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in inputs)]
+    made = _storage_bytes([o for o, _ in fresh], inputs)
+    return max(0, made - _eager_bytes([n for _, n in fresh if not _views_an_input(n, r)]))
+
+
+def _views_an_input(n: fx.Node, r: Region) -> bool:
+    """Whether the eager value of ``n`` is a view of one of ``r``'s inputs (a chain of view ops
+    and getitems back to an input)."""
+    inputs = set(r.inputs)
+    while n not in inputs:
+        if not (n.op == "call_function" and (is_view_op(n) or n.target is operator.getitem)) \
+                or not n.args or not isinstance(n.args[0], fx.Node):
+            return False
+        n = n.args[0]
+    return True
 
 
 def _eager_bytes(nodes: Sequence[fx.Node]) -> int:
