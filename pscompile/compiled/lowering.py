@@ -33,7 +33,7 @@ from torch import fx
 
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.probe import Allocation, Probe, measure, over_plan, region_peaks, room_of, warn_fallback
+from pscompile.compiled.probe import Allocation, Probe, Snapshot, made_bytes, measure, over_plan, region_peaks, room_of, warn_fallback
 from pscompile.compiled.program import is_compute_op
 from pscompile.compiled.regions import RegionCache, region_source
 from pscompile.graph.meta import get
@@ -83,6 +83,9 @@ class RegionLowering:
         # also ends before each node of ``_cuts``; each node of ``_solo`` runs alone as eager code
         self._cuts: dict[CaptureKey, set[int]] = {}
         self._solo: dict[CaptureKey, set[int]] = {}
+        # region key -> bytes its measurement would need beyond the room between steps (not measured:
+        # its regions are cut like those that do not fit the plan)
+        self._unmeasured: dict[str, int] = {}
 
     def _forget_lowering(self, gm: fx.GraphModule) -> None:
         """Drop what was made for the schedule of ``gm`` (it is being replaced)."""
@@ -147,8 +150,9 @@ class RegionLowering:
         rounds the operators of the regions still beyond it run alone as eager code, which the
         plan holds (it was planned with at least their node-by-node measurement)."""
         cap = key.capture
-        inside = {r.index: self._allocs[r.key].peak for r in ex.compiled_regions()} if learned is not None else {}
-        excess = {r.index: self._allocs[r.key].excess for r in ex.compiled_regions()} if learned is not None else {}
+        measured = [r for r in ex.compiled_regions() if r.key in self._allocs] if learned is not None else []
+        inside = {r.index: self._allocs[r.key].peak for r in measured}
+        excess = {r.index: self._allocs[r.key].excess for r in measured}
         inside.update({r.index: v for r in ex.regions if not ex.is_compiled(r)
                        and (v := (learned or {}).get(r.index)) is not None})
         peaks = region_peaks(ex.regions, inside, excess, starts, sched.captured,
@@ -163,6 +167,8 @@ class RegionLowering:
             over = over_plan(peaks, sched.nonmodel, rooms, floor)
             if learned is not None:    # an eager region ran within the budget in the probing run, as it will
                 over = {i: v for i, v in over.items() if ex.is_compiled(ex.regions[i])}   # from now on
+                over.update({r.index: self._unmeasured[r.key] for r in ex.compiled_regions()   # (too large
+                             if r.key not in self._allocs and r.key in self._unmeasured})     # to measure)
         if self.comm is not None:      # the ranks decide together (their plans and regions must match)
             agreed = self.comm.agree_max([over.get(r.index, 0) for r in ex.regions])
             over = {i: v for i, v in enumerate(agreed) if v > 0}
@@ -214,17 +220,37 @@ class RegionLowering:
             cuts.add(ops[len(ops) // 2])          # and in half: a few rounds leave no large region
         return (len(cuts), len(solo)) != before
 
-    def _settle_measure(self, probe: Probe, tracker) -> tuple[dict, dict]:
+    def _settle_measure(self, probe: Probe, tracker) -> tuple[dict, dict, dict]:
         """Measure the regions a probing run kept the inputs of (``probe.measure``), between steps
         with only the chunks that live on the device there (the others, clean, are dropped: no
-        bytes move); the measurement's device bytes count in the step's peak (``tracker``)."""
+        bytes move); the measurement's device bytes count in the step's peak (``tracker``). Returns
+        the allocations, the keys that failed, and those whose measurement would not fit (``_measurable``)."""
         if not probe.saved:
-            return {}, {}
+            return {}, {}, {}
         self._settle()
-        found = measure(probe.saved, self.device)
+        saved, unfit = self._measurable(probe)
+        found = measure(saved, self.device)
         if tracker is not None:
             tracker.note(found.footprint, self._model_bytes())
-        return found.allocs, found.failed
+        return found.allocs, found.failed, unfit
+
+    def _measurable(self, probe: Probe) -> tuple[dict, dict]:
+        """The saved regions whose measurement fits the budget now: the copies of their inputs plus
+        every value their graph makes (``probe.made_bytes``: the most their code can allocate)
+        beside the chunks on the device; the others (a region that reads a large parameter
+        holds a copy of it there, beside the chunk itself in a real run: Mixtral's stacked experts)
+        are not measured (key -> (region, bytes over)): they are cut like regions that do not fit."""
+        if self.budget is None:
+            return probe.saved, {}
+        room = self.budget - self._model_bytes()
+        saved, unfit = {}, {}
+        for key, (r, snaps) in probe.saved.items():
+            need = sum(s.nbytes for s in snaps if isinstance(s, Snapshot)) + made_bytes(r)
+            if need > room:
+                unfit[key] = (r, need - room)
+            else:
+                saved[key] = (r, snaps)
+        return saved, unfit
 
     def _settle_probe(self, key: ScheduleKey, sched: Scheduled, probe: Probe, tracker=None) -> None:
         """After an executor's first run: regions that failed (the layout check, or the measurement)
@@ -234,8 +260,9 @@ class RegionLowering:
         if self._probing.get(sched.gm) is not probe:
             return
         del self._probing[sched.gm]
-        allocs, failed = self._settle_measure(probe, tracker) if probe.eager_all else ({}, {})
+        allocs, failed, unfit = self._settle_measure(probe, tracker) if probe.eager_all else ({}, {}, {})
         self._allocs.update(allocs)
+        self._unmeasured.update({k: need for k, (_, need) in unfit.items()})
         for stage, problems in (("checking its inputs' layout", probe.mismatched),
                                 ("running it on its real inputs", failed)):
             for region_key, (r, why) in problems.items():

@@ -48,7 +48,7 @@ from pscompile.memory.region_peaks import allocation_peaks
 from pscompile.passes.plan_residency import arrivals
 
 __all__ = ["Allocation", "Measured", "Probe", "Snapshot", "measure", "RegionPeak", "over_plan",
-           "region_peaks", "warn_fallback", "room_of"]
+           "region_peaks", "warn_fallback", "room_of", "made_bytes"]
 
 log = logging.getLogger("pscompile.compiled")
 
@@ -76,6 +76,11 @@ class Snapshot:
         flat = t.as_strided((meta.span,), (1,), t.storage_offset())
         per_16 = max(1, 16 // t.element_size())
         return Snapshot(flat.detach().to("cpu", copy=True), meta, t.storage_offset() % per_16)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes ``restore`` allocates."""
+        return (self.offset + max(self.meta.span, 1)) * self.span.element_size()
 
     def restore(self) -> torch.Tensor:
         """A device tensor with the snapshot's values, layout and alignment class."""
@@ -255,6 +260,21 @@ def room_of(r: Region) -> int | None:
     """The most non-model room the plan leaves region ``r`` (``verify_schedule``'s ``room`` meta of
     its nodes that run where the plan placed them), None if none has one."""
     return max((x for n in r.nodes if _in_place(n) and (x := get(n, "room"))), default=None)
+
+
+def made_bytes(r: Region) -> int:
+    """Bytes of every value region ``r``'s nodes make (views and ``getitem``s left out, a tuple's
+    tensors counted): what any code for its graph allocates at most, temporaries that fusion
+    removes included (library calls' workspaces aside)."""
+    total = 0
+    for n in r.nodes:
+        if is_view_op(n) or n.target is operator.getitem:
+            continue
+        v = n.meta.get("val")
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
 
 
 def _gathered_inputs(r: Region) -> dict[fx.Node, int]:
