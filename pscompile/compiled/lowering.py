@@ -33,7 +33,8 @@ from torch import fx
 
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.probe import Allocation, Probe, Snapshot, made_bytes, measure, over_plan, region_peaks, room_of, warn_fallback
+from pscompile.compiled.probe import (Allocation, Probe, Snapshot, made_bytes, measure, over_plan, region_peaks,
+                                      room_of, warn_fallback)
 from pscompile.compiled.program import is_compute_op
 from pscompile.compiled.regions import RegionCache, region_source
 from pscompile.graph.meta import get

@@ -78,13 +78,17 @@ class Snapshot:
         return Snapshot(flat.detach().to("cpu", copy=True), meta, t.storage_offset() % per_16)
 
     @property
+    def numel(self) -> int:
+        """Elements of the device storage ``restore`` allocates."""
+        return self.offset + max(self.meta.span, 1)
+
+    @property
     def nbytes(self) -> int:
-        """Device bytes ``restore`` allocates."""
-        return (self.offset + max(self.meta.span, 1)) * self.span.element_size()
+        return self.numel * self.span.element_size()
 
     def restore(self) -> torch.Tensor:
         """A device tensor with the snapshot's values, layout and alignment class."""
-        base = torch.empty(self.offset + max(self.meta.span, 1), dtype=self.meta.dtype, device=self.meta.device)
+        base = torch.empty(self.numel, dtype=self.meta.dtype, device=self.meta.device)
         base[self.offset:self.offset + self.meta.span].copy_(self.span)
         return base.as_strided(self.meta.shape, self.meta.stride, self.offset)
 
@@ -343,13 +347,13 @@ def _excess_bytes(outs: Sequence[Any], r: Region, inputs: set[int]) -> int:
     fresh = [(o, n) for o, n in zip(outs, r.outputs)
              if not (isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in inputs)]
     made = _storage_bytes([o for o, _ in fresh], inputs)
-    return max(0, made - _eager_bytes([n for _, n in fresh if not _views_an_input(n, r)]))
+    placeholders = set(r.inputs)
+    return max(0, made - _eager_bytes([n for _, n in fresh if not _views_an_input(n, placeholders)]))
 
 
-def _views_an_input(n: fx.Node, r: Region) -> bool:
-    """Whether the eager value of ``n`` is a view of one of ``r``'s inputs (a chain of view ops
-    and getitems back to an input)."""
-    inputs = set(r.inputs)
+def _views_an_input(n: fx.Node, inputs: set[fx.Node]) -> bool:
+    """Whether the eager value of ``n`` is a view of one of ``inputs`` (a region's: a chain of
+    view ops and getitems back to one)."""
     while n not in inputs:
         if not (n.op == "call_function" and (is_view_op(n) or n.target is operator.getitem)) \
                 or not n.args or not isinstance(n.args[0], fx.Node):
