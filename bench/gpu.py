@@ -2,6 +2,7 @@
 
     python bench/gpu.py [--dry-run] [--quick] [--markdown] [--out bench/results/gpu.json] [--deadline-s 470]
     python bench/gpu.py --lease [...]      # a short lease's one command: bench/gpu_lease.py
+    python bench/gpu.py --peers [...]      # against FSDP2, DeepSpeed, torch.compile: bench/gpu_peers.py
 
 On a CUDA machine (at most 8 minutes on one H100; the lent machines hold torch 2.11):
 
@@ -15,8 +16,9 @@ On a CUDA machine (at most 8 minutes on one H100; the lent machines hold torch 2
 3. **Overlap ratio** per row: step time / max(the same system's step with no budget, bytes moved /
    the measured pinned-copy rate of this machine's link). 1.0 is the limit: every byte hidden
    behind compute, or the link busy the whole step.
-4. **Capacity**: the largest GPT of a ladder that trains (two steps) under a budget of one eighth
-   of the GPU, per system (plain PyTorch limited by ``set_per_process_memory_fraction``).
+
+The capacity ladder (the largest GPT each system trains under one eighth of the GPU) is
+``--peers``'s, where it runs beside FSDP2 and plain PyTorch (``capped_plain`` below).
 
 ``--dry-run`` runs the same script end to end on the CPU with tiny shapes (the budget's "GPU" is a
 pretend 64 MiB device), so the script cannot rot while no GPU is lent; there the peaks are
@@ -45,10 +47,9 @@ from pscompile.units import format_bytes
 
 MiB = 2**20
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
-GPU = dict(parity=(2, 256), speed=(24, 2048), vocab=8192, seq=512, batch=4, steps=4, warmup=1,
-           ladder=[(8, 2048), (16, 2048), (24, 2048), (32, 2048), (48, 2048), (32, 4096)], chunk=None)
-DRY = dict(parity=(2, 64), speed=(2, 64), vocab=256, seq=32, batch=2, steps=2, warmup=1,
-           ladder=[(1, 64), (2, 128), (4, 256), (8, 512)], chunk=4096, device_bytes=64 * MiB)
+GPU = dict(parity=(2, 256), speed=(24, 2048), vocab=8192, seq=512, batch=4, steps=4, warmup=1, chunk=None)
+DRY = dict(parity=(2, 64), speed=(2, 64), vocab=256, seq=32, batch=2, steps=2, warmup=1, chunk=4096,
+           device_bytes=64 * MiB)
 
 
 class Clock:
@@ -119,7 +120,8 @@ def run_pscompile(make, data, device: str, budget) -> dict:
     engine = make()
     try:
         rows = timed(engine.step, data, device, lambda: dict(
-            moved=engine.stats.bytes_moved, peak=engine.stats.peak_device_bytes,
+            moved=engine.stats.bytes_moved, h2d=engine.stats.h2d_bytes, d2h=engine.stats.d2h_bytes,
+            peak=engine.stats.peak_device_bytes,
             allocator_peak=engine.stats.allocator_peak_bytes, forward_s=engine.stats.forward_s,
             backward_s=engine.stats.backward_s, optimizer_s=engine.stats.optimizer_s, **op_counts(engine.stats)))
         over = [r for r in rows if budget is not None and max(r["peak"], r["allocator_peak"] or 0) > budget]
@@ -245,33 +247,6 @@ def speed_rows(s, device, systems, clock, rate: float, quick: bool = False) -> l
     return out
 
 
-def capacity_rows(s, device, systems, clock, device_bytes: int) -> list[dict]:
-    budget = device_bytes // 8
-    out = []
-    for name in ["plain PyTorch", *systems]:
-        largest = None
-        for size in s["ladder"]:
-            data = batches(s, 2)
-            if name == "plain PyTorch":
-                if device != "cuda":       # (the CPU has no allocator limit to train plain PyTorch under)
-                    largest = "n/a on the CPU"
-                    break
-                fn = lambda: capped_plain(size, data, s, budget)
-            else:
-                fn = lambda: run_pscompile(lambda: pscompile.compile(
-                    model(size, s), data[0], config=config(device, torch.bfloat16 if device == "cuda" else torch.float32,
-                                                          budget, name, s["chunk"])), data, device, budget)
-            row = guarded(clock, 60, fn, section="capacity", system=name, size=list(size), budget=budget)
-            ok = "steps" in row and row.get("within_budget", True)
-            if "skipped" in row and largest is None:
-                largest = "skipped (deadline)"
-            if not ok:
-                break
-            largest = dict(size=list(size), params=model(size, s).config.num_params())
-        out.append(dict(section="capacity", system=name, budget=budget, largest=largest))
-    return out
-
-
 def capped_plain(size, data, s, budget: int) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(budget / total)
@@ -309,17 +284,12 @@ def markdown(res: dict) -> str:
               r.get("skipped") or r.get("error") or f"{r['step_s']:.3f}",
               f"{r['overlap_ratio']:.2f}" if "overlap_ratio" in r else "-"]
              for r in res["rows"] if r["section"] == "speed"]
-    cap = [[r["system"], format_bytes(r["budget"]), "none" if not r["largest"] else r["largest"]
-            if isinstance(r["largest"], str) else
-            f"L{r['largest']['size'][0]} d{r['largest']['size'][1]} ({r['largest']['params'] / 1e6:.0f}M)"]
-           for r in res["rows"] if r["section"] == "capacity"]
     meta = res["meta"]
     head = (f"device: {meta['device']}, torch {meta['torch']}, link {meta['link_GBps']:.1f} GB/s, "
             f"{meta['date']}{' (dry run on the CPU: times mean nothing)' if meta['dry_run'] else ''}\n\n")
     return head + "\n\n".join([
         tabulate(parity, ["parity", "dtype", "budget", "max rel loss diff", "peak (ours)", "peak (allocator)"], "github"),
-        tabulate(speed, ["speed", "budget", "bytes", "step s", "overlap ratio"], "github"),
-        tabulate(cap, ["capacity", "budget (GPU / 8)", "largest GPT trained"], "github")])
+        tabulate(speed, ["speed", "budget", "bytes", "step s", "overlap ratio"], "github")])
 
 
 def main(argv=None) -> int:
@@ -327,15 +297,21 @@ def main(argv=None) -> int:
     if "--lease" in argv:                  # the short lease's one command: bench/gpu_lease.py
         from gpu_lease import main as lease
         return lease([a for a in argv if a != "--lease"])
+    if "--peers" in argv:                  # against FSDP2, DeepSpeed and plain torch.compile: bench/gpu_peers.py
+        from gpu_peers import main as peers
+        return peers([a for a in argv if a != "--peers"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lease", action="store_true",
                     help="the one command of a lent GPU (tests/gpu, then speed and parity rows, in at most 5 "
                          "minutes): bench/gpu_lease.py, whose flags follow (--lease --help lists them)")
+    ap.add_argument("--peers", action="store_true",
+                    help="pscompile against FSDP2 + CPU offload, DeepSpeed ZeRO-3 offload and plain torch.compile on "
+                         "one GPU (about 8 minutes): bench/gpu_peers.py, whose flags follow (--peers --help lists them)")
     ap.add_argument("--dry-run", action="store_true", help="the same script on the CPU with tiny shapes")
     ap.add_argument("--inductor", action="store_true", help="dry run: also the Inductor rows (slow on a CPU)")
     ap.add_argument("--quick", action="store_true",
                     help="a short lease: speed rows for hooks and compiled eager on 12 layers (not 24) at no and a "
-                         "tight budget, no capacity")
+                         "tight budget")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--deadline-s", type=float, default=470.0, help="rows starting later are skipped")
@@ -354,8 +330,6 @@ def main(argv=None) -> int:
     rows = parity_rows(s, device, systems, clock)
     fast = [n for n in systems if n != "compiled inductor"] if args.quick else systems
     rows += speed_rows(s, device, fast, clock, rate, quick=args.quick)
-    if not args.quick:
-        rows += capacity_rows(s, device, systems, clock, device_bytes)
     meta = dict(device=torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run)", torch=torch.__version__,
                 dry_run=args.dry_run, link_GBps=rate / 1e9, date=time.strftime("%Y-%m-%d"),
                 device_bytes=device_bytes, settings={k: v for k, v in s.items()})

@@ -118,6 +118,7 @@ class Lease:
     warm: set = field(default_factory=set)      # systems a row of which ran: their caches are warm
     running: dict = field(default_factory=dict)  # the label of the row that runs now
     start: float = field(default_factory=time.perf_counter)
+    wheels: Path | None = None                   # DeepSpeed's wheels, for bench/gpu_peers.py's row
 
     @property
     def stacks(self) -> Path:
@@ -392,14 +393,20 @@ def summary(tests: list[dict], rows: list[dict]) -> str:
                          "allocator peak", "budget", "compiled share"], "github")])
 
 
-def parse(argv) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="bench/gpu.py --lease", description=__doc__.split("\n")[0])
+def arguments(prog: str, doc: str, out: Path, deadline_s: float, hard_s: float) -> argparse.ArgumentParser:
+    """The flags a timed GPU command shares (this one, bench/gpu_peers.py)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="all of it on the CPU with tiny shapes")
     ap.add_argument("--inductor", action="store_true", help="dry run: also the Inductor rows (slow on a CPU)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the results, JSON lines")
-    ap.add_argument("--deadline-s", type=float, default=270.0, help="no row starts that would end later")
-    ap.add_argument("--hard-s", type=float, default=290.0,
+    ap.add_argument("--out", type=Path, default=out, help="the results, JSON lines")
+    ap.add_argument("--deadline-s", type=float, default=deadline_s, help="no row starts that would end later")
+    ap.add_argument("--hard-s", type=float, default=hard_s,
                     help="a row still running then is written as cut off, and the process ends")
+    return ap
+
+
+def parse(argv) -> argparse.Namespace:
+    ap = arguments("bench/gpu.py --lease", __doc__, DEFAULT_OUT, 270.0, 290.0)
     ap.add_argument("--tests-s", type=float, default=100.0, help="the tests phase's limit")
     ap.add_argument("--test-s", type=float, default=60.0, help="one test's limit")
     ap.add_argument("--parity-s", type=float, default=45.0,
@@ -419,25 +426,35 @@ def abort(lease: Lease, hard_s: float) -> None:
     os._exit(1)
 
 
-def start(args) -> Lease:
+def start(args, settings: dict = LEASE, dry: dict = gpu.DRY, costs: dict = COSTS, **lease_kw) -> Lease:
+    """The results file emptied, the Lease, and its ``meta`` line (``settings`` on CUDA, ``dry`` on a
+    dry run)."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("")
-    lease = Lease(args.out, "cpu" if args.dry_run else "cuda", dict(gpu.DRY if args.dry_run else LEASE),
-                  inductor=not args.dry_run or args.inductor)
+    lease = Lease(args.out, "cpu" if args.dry_run else "cuda", dict(dry if args.dry_run else settings),
+                  inductor=not args.dry_run or args.inductor, **lease_kw)
     lease.stacks.write_text("")
     lease.write(dict(kind="meta", torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M"), dry_run=args.dry_run,
                      device=torch.cuda.get_device_name(0) if lease.device == "cuda" else "CPU (dry run)",
-                     args=vars(args), settings=lease.s, costs={k: asdict(c) for k, c in COSTS.items()}))
+                     args=vars(args), settings=lease.s, host_threads=torch.get_num_threads(),
+                     costs={k: asdict(c) for k, c in costs.items()}))
     return lease
+
+
+def refused(args, prog: str) -> bool:
+    """No CUDA here and no ``--dry-run``: says so; otherwise a dry run gets one torch thread."""
+    if not args.dry_run and not torch.cuda.is_available():
+        print(f"{prog}: no CUDA device here; add --dry-run to run it on the CPU", file=sys.stderr)
+        return True
+    if args.dry_run:
+        torch.set_num_threads(1)
+    return False
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("bench/gpu.py --lease: no CUDA device here; add --dry-run to run it on the CPU", file=sys.stderr)
+    if refused(args, "bench/gpu.py --lease"):
         return 2
-    if args.dry_run:
-        torch.set_num_threads(1)
     clock = gpu.Clock(args.deadline_s)
     lease = start(args)
     tests = tests_phase(lease, min(args.tests_s, clock.left()), args.test_s)

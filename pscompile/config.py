@@ -115,6 +115,11 @@ class Config:
     # place until the step commits; bit-identical to False. Off by default: it takes spare host
     # memory, and it is measured on the CPU only (bf16 steps 0.75-0.94x there; docs/host-optimizer.md)
     overlap_update: bool = False
+    # CUDA only: the host buffers copies go to and from (the chunk pools, gradient and activation
+    # staging) are pinned, so a copy runs on its stream while the host runs on. False: pageable
+    # (nothing to pin at start; the driver stages each copy, and a device -> host copy holds the
+    # host until it lands). On by default until the lent GPU's A/B row decides (docs/gpu.md)
+    pinned_host: bool = True
 
     def __post_init__(self):
         dev = self._check_device()
@@ -222,6 +227,8 @@ class Config:
             raise ValueError(f"skip_nonfinite={self.skip_nonfinite!r} must be True or False")
         if not isinstance(self.overlap_update, bool):
             raise ValueError(f"overlap_update={self.overlap_update!r} must be True or False")
+        if not isinstance(self.pinned_host, bool):
+            raise ValueError(f"pinned_host={self.pinned_host!r} must be True or False")
         if not isinstance(self.lock_free, bool):
             raise ValueError(f"lock_free={self.lock_free!r} must be True or False")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 1:

@@ -27,6 +27,7 @@ from pscompile.units import format_bytes, parse_rate, parse_size
     (dict(collectives="ring"), "collectives"),
     (dict(planner="lru"), "planner"),
     (dict(planner="angel", mode="hooks"), "planner"),
+    (dict(pinned_host="no"), "pinned_host"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -77,6 +77,8 @@ class Copy(ABC):
 class CopyEngine(ABC):
     """What every copy engine offers (the contract is the module docstring)."""
 
+    pins_host = False       # host buffers are page-locked (CUDA, ``Config.pinned_host``)
+
     def __init__(self, link: Link):
         self.link = link
 

@@ -21,11 +21,13 @@ def strict_requested(flag: bool) -> bool:
     return flag or os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def make_copy_engine(link: Link, device: torch.device, *, strict: bool = False, inline_bytes: int = 0) -> CopyEngine:
+def make_copy_engine(link: Link, device: torch.device, *, strict: bool = False, inline_bytes: int = 0,
+                     pinned: bool = True) -> CopyEngine:
     """The copy engine for ``device``. The environment variable is for CPU runs: a CUDA device keeps
-    its streams (``Config`` refuses ``strict_copies=True`` there)."""
+    its streams (``Config`` refuses ``strict_copies=True`` there); ``pinned`` (CUDA): its host
+    buffers are page-locked (``Config.pinned_host``)."""
     if device.type == "cuda":
-        return CudaCopies(link, device)
+        return CudaCopies(link, device, pinned=pinned)
     if strict_requested(strict):
         return StrictCopies(link)
     return ThreadCopies(link, inline_bytes=inline_bytes)

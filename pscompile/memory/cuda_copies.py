@@ -50,9 +50,10 @@ class _EventCopy(Copy):
 class CudaCopies(CopyEngine):
     """Copies on one CUDA stream per direction (see the module docstring)."""
 
-    def __init__(self, link: Link, device: torch.device):
+    def __init__(self, link: Link, device: torch.device, *, pinned: bool = True):
         super().__init__(link)
         self.device = device
+        self.pins_host = pinned     # False: pageable host buffers (the driver stages each copy)
         self.streams = {d: torch.cuda.Stream(device=device) for d in DIRECTIONS}
         self._pending: list[_EventCopy] = []
 
@@ -108,5 +109,5 @@ class CudaCopies(CopyEngine):
 
     def host_empty(self, shape, dtype: torch.dtype, stride=None) -> torch.Tensor:
         if stride is None:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return torch.empty_strided(shape, stride, dtype=dtype, pin_memory=True)
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pins_host)
+        return torch.empty_strided(shape, stride, dtype=dtype, pin_memory=self.pins_host)

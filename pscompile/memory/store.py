@@ -65,7 +65,7 @@ class ChunkStore:
         self.copies = copies if copies is not None else ThreadCopies(link)
         cs = layout.chunk_size
         self.home_numel = hs = cs if home_numel is None else home_numel
-        pin = device.type == "cuda"
+        pin = self.copies.pins_host
         self.dev_param_pool = SlotPool(Tier.DEVICE, device, dtype, cs)
         self.host_meter = HostMeter()       # host bytes of model data now, and their peak
         self.host_param_pool = SlotPool(Tier.HOST, _HOST, dtype, hs, pin=pin, meter=self.host_meter)

@@ -154,9 +154,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _make_store(self, config: Config) -> None:
         """The link, the copy engine and the chunk store (one process, or a ZeRO store)."""
-        self.link = Link(config.link_bandwidth)
-        # every copy between device and host goes through it (docs/design.md, "The copy contract")
-        self.copies = make_copy_engine(self.link, self.device, strict=config.strict_copies, inline_bytes=INLINE_COPY_BYTES)
+        self.link = Link(config.link_bandwidth)   # every copy goes through self.copies (docs/design.md, "The copy contract")
+        self.copies = make_copy_engine(self.link, self.device, strict=config.strict_copies,
+                                       inline_bytes=INLINE_COPY_BYTES, pinned=config.pinned_host)
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()
