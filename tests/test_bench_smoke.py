@@ -108,7 +108,8 @@ def test_compare_quick(tmp_path):
     (with no more Belady fetches in the bound than the plan made)."""
     out = tmp_path / "compare.json"
     proc = subprocess.run([sys.executable, "-m", "pscompile", "bench", "--quick", "--planners", "belady,angel",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--steps", "3", "--warmup", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compiled eager" in proc.stdout and "hooks" in proc.stdout
     res = json.loads(out.read_text())
