@@ -6,6 +6,7 @@ the field and the values that would work. Sizes accept bytes (int) or strings ("
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -156,6 +157,9 @@ class Config:
                 raise ValueError("device_memory=0 leaves no room for anything; give a budget like '256MiB' or None")
         if self.host_memory is not None:
             set_("host_memory", parse_size(self.host_memory, "host_memory"))
+            if self.host_memory == 0:
+                raise ValueError("host_memory=0 leaves no room for the chunks' host copies; give a budget like "
+                                 "'8GiB', or None (80% of the available RAM)")
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.path.isdir(self.disk_dir):
                 raise ValueError(f"disk_dir={self.disk_dir!r} is not an existing folder; create it, or leave "
@@ -308,6 +312,11 @@ def _param_group(i: int, group: Any) -> ParamGroup:
     return ParamGroup(params, **{k: getattr(checked, k) for k in _GROUP_KEYS if k in group})
 
 
+def _finite(x, least: float) -> bool:
+    """``x`` is a real number (not a bool), finite and at least ``least``."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= least
+
+
 @dataclass(frozen=True)
 class AdamW:
     """AdamW hyper-parameters with exactly ``torch.optim.AdamW`` semantics (decoupled weight
@@ -332,15 +341,16 @@ class AdamW:
             raise ValueError(f"param_groups={groups!r} must be a list of dicts, e.g. "
                              "[{'params': ['lm_head.bias'], 'weight_decay': 0.0}]")
         object.__setattr__(self, "param_groups", tuple(_param_group(i, g) for i, g in enumerate(groups)))
-        if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
-            raise ValueError(f"lr={self.lr!r} must be a number >= 0, e.g. 3e-4")
+        if not _finite(self.lr, 0.0):
+            raise ValueError(f"lr={self.lr!r} must be a finite number >= 0, e.g. 3e-4")
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
-                and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+                and all(_finite(b, 0.0) and b < 1.0 for b in self.betas)):
             raise ValueError(f"betas={self.betas!r} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
-        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
-            raise ValueError(f"eps={self.eps!r} must be a number >= 0, e.g. 1e-8")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay={self.weight_decay!r} must be a number >= 0, e.g. 0.1")
-        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
+        if not (_finite(self.eps, 0.0) and self.eps > 0):
+            raise ValueError(f"eps={self.eps!r} must be a finite number > 0, e.g. 1e-8 (0 divides zero "
+                             "gradients by zero)")
+        if not _finite(self.weight_decay, 0.0):
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be a finite number >= 0, e.g. 0.1")
+        if self.max_grad_norm is not None and not (_finite(self.max_grad_norm, 0.0) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number or None")

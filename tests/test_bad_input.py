@@ -230,7 +230,7 @@ TABLE = [   # (input, what raises it, exception, words of its message)
      "planner='lru' is not a planner; use one of ('belady', 'angel')"),
     ("`planner=\"angel\"` in hooks mode", lambda tmp: _hooks(planner="angel"), ValueError,
      "mode='hooks' evicts at run time by farthest next use"),
-    ("`AdamW(lr=-1)`", lambda tmp: pscompile.AdamW(lr=-1), ValueError, "lr=-1 must be a number >= 0"),
+    ("`AdamW(lr=-1)`", lambda tmp: pscompile.AdamW(lr=-1), ValueError, "lr=-1 must be a finite number >= 0"),
     ("`AdamW(betas=(0.9, 1.0))`", lambda tmp: pscompile.AdamW(betas=(0.9, 1.0)), ValueError,
      "must be two numbers in [0, 1)"),
     ("a parameter group naming a parameter the model lacks",
@@ -268,6 +268,15 @@ TABLE = [   # (input, what raises it, exception, words of its message)
     ("a checkpoint with `step=-5` (checksum recomputed)", _negative_step, ValueError,
      "state_dict['step']: the number of steps taken (an int >= 0) is needed, got -5"),
     ("a checkpoint with NaN masters (checksum recomputed)", _nan_masters, ValueError, "holds inf or NaN"),
+    ("an empty batch (`(4, 0)` token ids)", lambda tmp: _stepped().step(tuple(t[:, :0] for t in GOOD)), ValueError,
+     "batch[0] has no elements (shape (4, 0))"),
+    ("a sparse batch tensor", lambda tmp: _stepped().step((GOOD[0].to_sparse(), GOOD[1])), ValueError,
+     "batch[0] is a torch.sparse_coo tensor"),
+    ("`AdamW(lr=float('inf'))`", lambda tmp: pscompile.AdamW(lr=float("inf")), ValueError,
+     "lr=inf must be a finite number >= 0"),
+    ("`AdamW(eps=0)`", lambda tmp: pscompile.AdamW(eps=0), ValueError, "eps=0 must be a finite number > 0"),
+    ("`Config(host_memory=0)`", lambda tmp: _hooks(host_memory=0), ValueError,
+     "host_memory=0 leaves no room for the chunks' host copies"),
 ]
 
 
@@ -321,3 +330,33 @@ def test_a_budget_error_never_calls_the_budget_below_a_minimum_it_reaches(monkey
     message = str(raised.value)
     assert not [n for n in minima_claimed(raised.value) if n <= budget], message
     assert raised.value.minimum == budget and f"give device_memory={budget}" in message, message
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_an_empty_or_sparse_batch_is_refused_before_anything_changes(mode):
+    engine = _stepped(mode)
+    before, steps = engine.state_dict(), engine.state_dict()["step"]
+    for bad, words in (((GOOD[0][:, :0], GOOD[1][:, :0]), "has no elements"),
+                       ((GOOD[0].to_sparse(), GOOD[1]), "sparse_coo")):
+        with pytest.raises(ValueError, match=words):
+            engine.step(bad)
+        with pytest.raises(ValueError, match=words):
+            engine.evaluate(bad)
+    after = engine.state_dict()
+    assert after["step"] == steps
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(before[key][f], after[key][f]) for f in before[key]), key
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_a_transposed_batch_trains_as_its_contiguous_copy(mode):
+    """A non-contiguous batch (a transposed view) that plain PyTorch takes: compiled mode copies it
+    into the layout it lowered for, and the step equals the contiguous batch's."""
+    view = tuple(t.t().contiguous().t() for t in GOOD)
+    assert not view[0].is_contiguous() and torch.equal(view[0], GOOD[0])
+    a, b = _stepped(mode), _stepped(mode)
+    torch.manual_seed(3)
+    want = a.step(GOOD)
+    torch.manual_seed(3)
+    assert b.step(view) == want
+

@@ -82,7 +82,7 @@ def test_wrong_groups_are_refused_by_name(groups, message):
     ([{"params": ["a"], "amsgrad": True}], r"param_groups\[0\] has keys \['amsgrad'\]"),
     ([{"lr": 1e-3}], r"param_groups\[0\] has no 'params'"),
     ([{"params": [torch.zeros(2)]}], r"param_groups\[0\]\['params'\] must be parameter names"),
-    ([{"params": ["a"], "lr": -1.0}], r"lr=-1.0 must be a number >= 0"),
+    ([{"params": ["a"], "lr": -1.0}], r"lr=-1.0 must be a finite number >= 0"),
     ({"params": ["a"]}, r"param_groups=.* must be a list of dicts"),
     ([("a", 1e-3)], r"param_groups\[0\] is a tuple"),
 ])

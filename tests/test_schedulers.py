@@ -81,7 +81,7 @@ def test_the_optimizer_refuses_what_adamw_refuses_and_changes_nothing():
     engine.step(batches[0])
     before = engine.state_dict()["master"]
     engine.optimizer.param_groups[1]["lr"] = -1.0
-    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr=-1.0 must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr=-1.0 must be a finite number >= 0"):
         engine.step(batches[1])
     assert engine.adam.step_count == 1
     assert all(torch.equal(before[k], v) for k, v in engine.state_dict()["master"].items())

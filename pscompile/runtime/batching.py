@@ -12,14 +12,18 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """The batch's tensors on ``device``. A tensor already there that is a view into a larger
-    storage (a micro-batch sliced from a batch) is copied into its own memory, as a copy to the
-    device would be: the device holds what the step reads, which is what the planner counts."""
+    """The batch's tensors on ``device``, each contiguous: compiled mode lowers its graph for the
+    layout it captured, so a transposed view that plain PyTorch takes is copied into that layout
+    here, as ``.contiguous()`` would. A tensor already there that is a view into a larger storage
+    (a micro-batch sliced from a batch) is copied into its own memory, as a copy to the device
+    would be: the device holds what the step reads, which is what the planner counts."""
     def move(t):
-        if not isinstance(t, torch.Tensor):
-            return t
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return t                     # (a sparse tensor: tensor_problem names it)
         t = t.to(device, non_blocking=True)
-        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        if not t.is_contiguous():
+            t = t.contiguous()
+        elif t.untyped_storage().nbytes() > t.numel() * t.element_size():
             t = t.clone()
         return t
     return tree_map(move, batch)
@@ -111,14 +115,20 @@ def micro_batches(batch: Any) -> list | None:
 
 
 def tensor_problem(batch: Any) -> str | None:
-    """A batch tensor the engine cannot train on: one on the meta device (no data) or one that
-    requires grad (pscompile differentiates the loss by the parameters only); naming it and what
-    would work."""
+    """A batch tensor the engine cannot train on: a sparse one, an empty one (a NaN loss whose update
+    would still run), one on the meta device (no data) or one that requires grad (pscompile
+    differentiates the loss by the parameters only); naming it and what would work."""
     leaves, _ = tree_flatten_with_path(batch)
     for path, leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             continue
         where = f"batch{keystr(path)}"
+        if leaf.layout != torch.strided:
+            return (f"{where} is a {leaf.layout} tensor; pscompile captures and moves dense tensors: pass "
+                    "tensor.to_dense()")
+        if leaf.numel() == 0:
+            return (f"{where} has no elements (shape {tuple(leaf.shape)}): the loss of an empty batch is NaN "
+                    "and its update would change the weights; skip empty batches")
         if leaf.is_meta:
             return (f"{where} is on the meta device (it has shapes but no data); give real tensors (a model "
                     "built on meta can be planned with pscompile.plan, not trained)")
