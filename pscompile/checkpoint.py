@@ -101,11 +101,18 @@ def _differences(meta: dict, engine, *, same_place: bool) -> list[str]:
 
 
 def _finite_master(name: str, t: torch.Tensor, block: int = 1 << 16) -> str | None:
-    """A master holding inf or NaN (checked in blocks: ``isfinite`` makes temporaries several
-    times its input's size)."""
-    if name.startswith("master.") and not all(bool(torch.isfinite(t[i:i + block]).all())
-                                              for i in range(0, t.numel(), block)):
-        return f"{name} (the fp32 master of chunk {name.split('.')[1]}) holds inf or NaN"
+    """A master or Adam state holding inf or NaN, or an ``exp_avg_sq`` below 0 (checked in blocks:
+    ``isfinite`` makes temporaries several times its input's size)."""
+    kind = name.split(".")[0]
+    if kind not in ("master", "exp_avg", "exp_avg_sq") or not t.is_floating_point():
+        return None
+    chunk = name.split(".")[1] if "." in name else "?"
+    blocks = [t[i:i + block] for i in range(0, t.numel(), block)]
+    if not all(bool(torch.isfinite(b).all()) for b in blocks):
+        what = "the fp32 master" if kind == "master" else f"the Adam state {kind}"
+        return f"{name} ({what} of chunk {chunk}) holds inf or NaN"
+    if kind == "exp_avg_sq" and any(bool((b < 0).any()) for b in blocks):
+        return f"{name} (the Adam state exp_avg_sq of chunk {chunk}) holds negative values (a running mean of squares)"
     return None
 
 

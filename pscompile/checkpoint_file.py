@@ -116,15 +116,24 @@ class CheckpointReader:
             raise self._bad("is not a complete pscompile checkpoint (no PSCKPT03 header: truncated, "
                             "corrupted or another kind of file)")
         (n,) = struct.unpack("<Q", head[8:])
+        size = self.path.stat().st_size
+        if 16 + n + _DIGEST > size:         # (checked before n bytes are read: a corrupted length)
+            raise self._bad(f"has a corrupted header (its length {n} runs past the file's {size} bytes)")
         try:
             header = json.loads(self.f.read(n).decode())
             records, offset = {}, 16 + n
             for name, dtype, numel in header["tensors"]:
-                records[name] = Record(name, _dtype(dtype), int(numel), offset)
+                if name in records:
+                    raise ValueError(f"the tensor {name!r} is listed twice")
+                if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+                    raise ValueError(f"the tensor {name!r} has {numel!r} elements")
+                records[name] = Record(name, _dtype(dtype), numel, offset)
                 offset += records[name].nbytes
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            for key, kind in (("meta", dict), ("state", dict), ("client", dict)):
+                if key in header and not isinstance(header[key], kind):
+                    raise TypeError(f"its {key!r} is a {type(header[key]).__name__}, not a JSON object")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise self._bad(f"has a corrupted header ({type(e).__name__}: {str(e)[:100]})") from e
-        size = self.path.stat().st_size
         if size != offset + _DIGEST:
             raise self._bad(f"is not a complete pscompile checkpoint ({size} bytes where its header announces "
                             f"{offset + _DIGEST}: truncated, or bytes were added)")

@@ -266,7 +266,7 @@ TABLE = [   # (input, what raises it, exception, words of its message)
     ("a second thread calling `step()` while one runs", lambda tmp: _second_thread(), RuntimeError,
      "while this engine's step() runs"),
     ("a checkpoint with `step=-5` (checksum recomputed)", _negative_step, ValueError,
-     "state_dict['step']: the number of steps taken (an int >= 0) is needed, got -5"),
+     "state_dict['step']: the number of steps taken (an int >= 0 that fits int64) is needed, got -5"),
     ("a checkpoint with NaN masters (checksum recomputed)", _nan_masters, ValueError, "holds inf or NaN"),
     ("an empty batch (`(4, 0)` token ids)", lambda tmp: _stepped().step(tuple(t[:, :0] for t in GOOD)), ValueError,
      "batch[0] has no elements (shape (4, 0))"),

@@ -31,4 +31,9 @@ def rng_problems(device: torch.device, state) -> list[str]:
         if not isinstance(have, torch.Tensor) or have.dtype != ref.dtype or have.shape != ref.shape:
             out.append(f"rng[{name!r}]: a {ref.dtype} tensor of shape {tuple(ref.shape)} is needed, got "
                        f"{getattr(have, 'dtype', type(have).__name__)} {tuple(getattr(have, 'shape', ()))}")
+            continue
+        try:                                 # set on a generator aside first: the bytes must be a state
+            torch.Generator(device=device if name != "cpu" else "cpu").set_state(have.cpu())
+        except RuntimeError as e:
+            out.append(f"rng[{name!r}] is not a generator state ({str(e).splitlines()[0][:80]})")
     return out

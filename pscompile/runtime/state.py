@@ -88,8 +88,10 @@ class EngineState:
                     out.append(f"state_dict[{key!r}][{f!r}] has shape {tuple(getattr(t, 'shape', ()))}, "
                                f"the model has {want}" if isinstance(t, torch.Tensor) and t.is_floating_point()
                                else f"state_dict[{key!r}][{f!r}]: a float tensor of shape {want} is needed")
-                elif key == "master" and not bool(torch.isfinite(t).all()):
-                    out.append(f"state_dict['master'][{f!r}] holds inf or NaN")
+                elif not bool(torch.isfinite(t).all()):
+                    out.append(f"state_dict[{key!r}][{f!r}] holds inf or NaN")
+                elif key == "exp_avg_sq" and bool((t < 0).any()):
+                    out.append(f"state_dict['exp_avg_sq'][{f!r}] holds negative values (a running mean of squares)")
         return out
 
     def load_state_dict(self, sd: dict) -> None:
@@ -168,8 +170,9 @@ def _scalar_problems(sd: dict, *, loss_scaled: bool) -> list[str]:
     """The step and the loss scale of a state dict."""
     out = []
     step = sd.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        out.append(f"state_dict['step']: the number of steps taken (an int >= 0) is needed, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        out.append(f"state_dict['step']: the number of steps taken (an int >= 0 that fits int64) is needed, "
+                   f"got {step!r}")
     scale = sd.get("loss_scale", 1.0)
     if loss_scaled and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
         out.append(f"state_dict['loss_scale']: a finite positive number is needed, got {scale!r}")
