@@ -260,16 +260,22 @@ def json_state(value: Any, where: str) -> dict:
     return value
 
 
-def _not_json(value: Any, where: str) -> str | None:
+MAX_CLIENT_DEPTH = 100         # lists and dicts inside each other (JSON readers recurse on each level)
+
+
+def _not_json(value: Any, where: str, depth: int = 0) -> str | None:
     if value is None or isinstance(value, (bool, int, float, str)):
         return None
+    if depth >= MAX_CLIENT_DEPTH:
+        return f"{where.split('[')[0]} nests lists and dicts deeper than {MAX_CLIENT_DEPTH} levels"
     if isinstance(value, (list, tuple)):
-        return next((b for i, v in enumerate(value) if (b := _not_json(v, f"{where}[{i}]")) is not None), None)
+        return next((b for i, v in enumerate(value) if (b := _not_json(v, f"{where}[{i}]", depth + 1)) is not None),
+                    None)
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 return f"{where} has the key {k!r}, which is not a string"
-            b = _not_json(v, f"{where}[{k!r}]")
+            b = _not_json(v, f"{where}[{k!r}]", depth + 1)
             if b is not None:
                 return b
         return None

@@ -69,7 +69,8 @@ def write_atomic(path: Path, content: Any) -> Digest:
     size and that hash, e.g. ``checkpoint_file.write_checkpoint``'s); or any object, streamed with
     ``torch.save``. Nothing is left behind if the write fails."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    # (the writer's pid in the name: remove_stale leaves the temporaries of live writers alone)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(content):
@@ -97,9 +98,31 @@ def write_atomic(path: Path, content: Any) -> Digest:
 
 
 def remove_stale(folder: Path, name: str = "*") -> None:
-    """Remove the temporary files killed writes of ``name`` (default: of any file) left in ``folder``."""
+    """Remove the temporary files killed writes of ``name`` (default: of any file) left in ``folder``:
+    those of writers no longer alive. A live process's temporaries (another save of the same path
+    running in another thread or process) are left alone."""
     for p in Path(folder).glob(f".{name}.*{TMP_SUFFIX}"):
+        if _writer_alive(p.name):
+            continue
         try:
             p.unlink()
         except OSError:
             pass
+
+
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process that made ``temp_name`` (``.<file>.<pid>.<random><TMP_SUFFIX>``) runs; a
+    name without a pid (an older version's) is stale."""
+    parts = temp_name[:-len(TMP_SUFFIX)].rsplit(".", 2)
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

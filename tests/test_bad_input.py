@@ -187,6 +187,13 @@ def _nan_masters(tmp):
                                                  for n, t in ts.items()})
 
 
+def _nested(depth: int) -> dict:
+    top = inner = {}
+    for _ in range(depth):
+        inner["a"] = inner = {}
+    return top
+
+
 def _compile(**kw):
     return lambda tmp: pscompile.compile(make_model("gpt"), GOOD, **kw)
 
@@ -277,6 +284,9 @@ TABLE = [   # (input, what raises it, exception, words of its message)
     ("`AdamW(eps=0)`", lambda tmp: pscompile.AdamW(eps=0), ValueError, "eps=0 must be a finite number > 0"),
     ("`Config(host_memory=0)`", lambda tmp: _hooks(host_memory=0), ValueError,
      "host_memory=0 leaves no room for the chunks' host copies"),
+    ("`client_state` nested 5,000 deep", lambda tmp: pscompile.save(_stepped(), tmp / "deep.ckpt",
+                                                                     client_state=_nested(5000)), ValueError,
+     "pscompile.save: client_state nests lists and dicts deeper than 100 levels"),
 ]
 
 

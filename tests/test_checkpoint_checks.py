@@ -103,3 +103,42 @@ def test_an_edited_checkpoint_is_refused_with_the_engine_unchanged(tmp_path, mod
         _unchanged(engine, before, rng)
     pscompile.load(engine, good)
     assert engine.state_dict()["step"] == before["step"] - 1
+
+
+def test_two_engines_saving_to_one_path_at_once_both_succeed(tmp_path):
+    """Each save writes its own temporary (the writer's pid in its name) and clears only the
+    temporaries of writers no longer alive: 2 x 10 saves from two threads all succeed, the file
+    left is whole, and no temporary is left."""
+    import threading
+    path, errors = tmp_path / "one.ckpt", []
+    engines = [_engine("hooks"), _engine("hooks")]
+
+    def saves(engine):
+        for _ in range(10):
+            try:
+                pscompile.save(engine, path)
+            except Exception as e:          # noqa: BLE001 -- collected, the test fails on any
+                errors.append(e)
+    threads = [threading.Thread(target=saves, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    pscompile.load(engines[0], path)
+    assert not list(tmp_path.glob("*.pscompile-tmp"))
+
+
+def test_only_the_temporaries_of_dead_writers_are_stale(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pscompile.files import remove_stale
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    names = {"dead": f".x.ckpt.{int(dead.stdout)}.ab12.pscompile-tmp", "old": ".x.ckpt.ab12cd.pscompile-tmp",
+             "mine": f".x.ckpt.{os.getpid()}.ef34.pscompile-tmp", "parent": f".x.ckpt.{os.getppid()}.gh56.pscompile-tmp"}
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"x")
+    remove_stale(tmp_path, "x.ckpt")
+    left = {k for k, n in names.items() if (tmp_path / n).exists()}
+    assert left == {"mine", "parent"}
