@@ -190,6 +190,8 @@ def _load(engine, path: Path) -> dict:
             problem = f"{path} does not fit this engine; nothing was loaded:\n  - " + "\n  - ".join(problems)
     except (OSError, ValueError, KeyError) as e:
         problem = str(e).replace("pscompile.load: ", "")
+    except Exception as e:              # noqa: BLE001 -- any fault of the files: refused on every rank alike
+        problem = f"{path} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
     try:
         if engine.comm is not None:
             sharded.agree(engine, problem, f"the checkpoint at {path}")
