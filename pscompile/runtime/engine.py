@@ -215,7 +215,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _choose_layout(self, mp: ModelParams, batch: Any) -> ChunkLayout:
         """The chunk layout (``runtime.params.choose_layout``); compiled mode weighs candidates."""
-        return choose_layout(mp, self.config, self.budget, world=1 if self.per_chunk else self.world)
+        return choose_layout(mp, self.config, self.budget, world=1 if self.per_chunk else self.world, host_staging=True)
 
     def _run_model(self, model: nn.Module, batch: Any) -> Any:
         return call_model(model, batch)

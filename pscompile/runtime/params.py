@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pscompile.config import Config
+from pscompile.memory.disk_homes import disk_staging_bytes
 from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
 from pscompile.runtime.order import first_use_order
 
@@ -79,10 +80,20 @@ def collect_params(model: nn.Module, run: Callable[[nn.Module, Any], Any], batch
     return ModelParams(params, aliases, how)
 
 
+def _host_cap(config: Config, elsize: int) -> int | None:
+    """With a disk tier and a host budget, the largest chunk whose disk staging buffers (parameters
+    on disk: ``disk_staging_bytes``) take at most half of ``host_memory``, the rest left for chunks
+    the host keeps; None otherwise."""
+    if config.disk_dir is None or config.host_memory is None:
+        return None
+    return max(1024, config.host_memory // (2 * disk_staging_bytes(1, elsize)))
+
+
 def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world: int = 1,
-                  pages: bool = True, fraction: int = 8) -> ChunkLayout:
+                  pages: bool = True, fraction: int = 8, host_staging: bool = False) -> ChunkLayout:
     """The chunk layout: ``config.chunk_size``, or with "auto" the least-waste size, at most
-    1/``fraction`` of the budget and a quarter of the model; a tensor larger than a chunk spans
+    1/``fraction`` of the budget, a quarter of the model and (``host_staging``: hooks mode, which
+    takes the one size; compiled mode weighs several) ``_host_cap``; a tensor larger than a chunk spans
     several (pages). ``pages=False`` ("auto" only): the least-waste size no smaller than the largest
     tensor, whatever the budget (compiled mode weighs several, ``pipeline.engine_layout``).
 
@@ -95,6 +106,8 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
     elsize = torch.empty((), dtype=config.dtype).element_size()
     if cs == "auto":
         cap = None if budget is None else max(1024, budget // (elsize * fraction))
+        host = _host_cap(config, elsize) if host_staging else None
+        cap = host if cap is None else cap if host is None else min(cap, host)
         cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=not pages).chunk_size
         cs = -(-cs // world) * world
     else:
