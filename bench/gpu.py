@@ -62,10 +62,15 @@ class Clock:
         return self.end - time.perf_counter()
 
 
+def gpt_config(size: tuple[int, int], s: dict) -> GPTConfig:
+    """The GPT of ``size`` (layers, width) at ``s``'s vocabulary and sequence length."""
+    n_layer, d = size
+    return GPTConfig(n_layer=n_layer, n_head=max(1, d // 128), d_model=d, vocab_size=s["vocab"], seq_len=s["seq"])
+
+
 def model(size: tuple[int, int], s: dict) -> GPT:
     torch.manual_seed(0)
-    n_layer, d = size
-    return GPT(GPTConfig(n_layer=n_layer, n_head=max(1, d // 128), d_model=d, vocab_size=s["vocab"], seq_len=s["seq"]))
+    return GPT(gpt_config(size, s))
 
 
 def batches(s: dict, n: int) -> list:

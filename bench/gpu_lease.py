@@ -58,7 +58,6 @@ from tabulate import tabulate
 
 import gpu
 import pscompile
-from pscompile.models.gpt import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "lease.jsonl"
@@ -141,8 +140,7 @@ class Lease:
 def step_estimate_s(size: tuple[int, int], s: dict, budget: bool) -> float:
     """One step: its FLOPs at EFFECTIVE_FLOPS; under a budget, at least its chunk copies (forward's
     fetches, backward's again, the gradients back) over the link, plus the host's update."""
-    params = GPTConfig(n_layer=size[0], n_head=max(1, size[1] // 128), d_model=size[1], vocab_size=s["vocab"],
-                       seq_len=s["seq"]).num_params()
+    params = gpu.gpt_config(size, s).num_params()
     compute = 6 * params * s["batch"] * s["seq"] / EFFECTIVE_FLOPS
     if not budget:
         return compute
@@ -224,15 +222,19 @@ def ours(lease: Lease, system: str, data, dtype, rate: float, budget: int | None
     return dict(row, transfer_s=row["steps"][-1]["moved"] / rate)
 
 
-def tight(lease: Lease, system: str, rows: list[dict], data, dtype) -> int:
-    """TIGHT x the system's minimum. Compiled mode plans its minimum on fake tensors, the same for
-    both backends: the no-budget compiled eager row's, or computed here; hooks mode's is its own."""
+def minimum(lease: Lease, system: str, rows: list[dict], data, dtype) -> int:
+    """The system's minimum. Compiled mode plans it on fake tensors, the same for both backends: the
+    no-budget compiled eager row's, or computed here; hooks mode's is its own."""
     s = lease.s
     base = "hooks" if system == "hooks" else "compiled eager"
     known = [r["min_device_memory"] for r in rows if r["system"] == base and "min_device_memory" in r]
-    minimum = known[0] if known else pscompile.min_device_memory(
+    return known[0] if known else pscompile.min_device_memory(
         gpu.model(s["speed"], s), data[0], gpu.config(lease.device, dtype, None, base, s["chunk"]))
-    return int(minimum * TIGHT)
+
+
+def tight(lease: Lease, system: str, rows: list[dict], data, dtype) -> int:
+    """TIGHT x the system's minimum."""
+    return int(minimum(lease, system, rows, data, dtype) * TIGHT)
 
 
 def speed_phase(lease: Lease, clock: gpu.Clock, rate: float, plan=SPEED) -> list[dict]:

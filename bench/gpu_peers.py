@@ -87,7 +87,8 @@ def model_bytes(params: int, dtype: torch.dtype) -> int:
 
 
 def params_of(size, s: dict) -> int:
-    return gpu.model(size, s).config.num_params() if s is not None else 0
+    """The GPT's parameters, from its config (building a 420M-parameter model to count them costs seconds)."""
+    return gpu.gpt_config(size, s).num_params()
 
 
 def peer_estimate_s(system: str, size, s: dict, warm: bool) -> float:
@@ -219,7 +220,7 @@ def guarded_row(lease: Lease, clock: gpu.Clock, need: float, fn, **lab) -> dict:
 def the_cap(lease: Lease, cap: dict, data, dtype, rows: list[dict]) -> int:
     """The shared device cap (computed once): max(1.15 x compiled mode's minimum, model data / 4)."""
     if not cap:
-        minimum = int(gpu_lease.tight(lease, "compiled eager", rows, data, dtype) / gpu_lease.TIGHT)
+        minimum = gpu_lease.minimum(lease, "compiled eager", rows, data, dtype)
         quarter = model_bytes(params_of(lease.s["speed"], lease.s), dtype) // 4
         cap.update(minimum=minimum, quarter_of_model_data=quarter, cap=max(int(minimum * gpu_lease.TIGHT), quarter))
     return cap["cap"]

@@ -36,6 +36,7 @@ from pscompile.files import remove_stale, write_atomic
 from pscompile.lazy import LazyEngine, built_engine
 from pscompile.runtime.checkpoint_state import full_state_from
 from pscompile.runtime.rng import rng_problems, rng_state, set_rng_state
+from pscompile.runtime.state import state_fault
 
 __all__ = ["save", "load", "consolidate"]
 
@@ -100,20 +101,15 @@ def _differences(meta: dict, engine, *, same_place: bool) -> list[str]:
     return out
 
 
-def _finite_master(name: str, t: torch.Tensor, block: int = 1 << 16) -> str | None:
-    """A master or Adam state holding inf or NaN, or an ``exp_avg_sq`` below 0 (checked in blocks:
+def _state_tensor_problem(name: str, t: torch.Tensor, block: int = 1 << 16) -> str | None:
+    """A master or Adam state of the file that ``state_fault`` refuses (checked in blocks:
     ``isfinite`` makes temporaries several times its input's size)."""
     kind = name.split(".")[0]
     if kind not in ("master", "exp_avg", "exp_avg_sq") or not t.is_floating_point():
         return None
-    chunk = name.split(".")[1] if "." in name else "?"
-    blocks = [t[i:i + block] for i in range(0, t.numel(), block)]
-    if not all(bool(torch.isfinite(b).all()) for b in blocks):
-        what = "the fp32 master" if kind == "master" else f"the Adam state {kind}"
-        return f"{name} ({what} of chunk {chunk}) holds inf or NaN"
-    if kind == "exp_avg_sq" and any(bool((b < 0).any()) for b in blocks):
-        return f"{name} (the Adam state exp_avg_sq of chunk {chunk}) holds negative values (a running mean of squares)"
-    return None
+    fault = state_fault(kind, (t[i:i + block] for i in range(0, t.numel(), block)))
+    what = "the fp32 master" if kind == "master" else f"the Adam state {kind}"
+    return None if fault is None else f"{name} ({what} of chunk {name.split('.')[1]}) {fault}"
 
 
 def _rng_of(reader: CheckpointReader) -> dict:
@@ -128,7 +124,7 @@ def _file_problems(reader: CheckpointReader, manifest: dict | None) -> list[str]
     if manifest is not None and (meta.get("id"), meta.get("step")) != (manifest["id"], manifest["step"]):
         out.append(f"{reader.path.name} belongs to checkpoint {meta.get('id')!r} at step {meta.get('step')!r}; the "
                    f"manifest committed {manifest['id']!r} at step {manifest['step']!r}")
-    return out + reader.verify(_finite_master)[1]
+    return out + reader.verify(_state_tensor_problem)[1]
 
 
 def _prepare(engine, files: list[Path], manifest: dict | None) -> tuple:

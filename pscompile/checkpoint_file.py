@@ -129,8 +129,8 @@ class CheckpointReader:
                     raise ValueError(f"the tensor {name!r} has {numel!r} elements")
                 records[name] = Record(name, _dtype(dtype), numel, offset)
                 offset += records[name].nbytes
-            for key, kind in (("meta", dict), ("state", dict), ("client", dict)):
-                if key in header and not isinstance(header[key], kind):
+            for key in ("meta", "state", "client"):
+                if key in header and not isinstance(header[key], dict):
                     raise TypeError(f"its {key!r} is a {type(header[key]).__name__}, not a JSON object")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise self._bad(f"has a corrupted header ({type(e).__name__}: {str(e)[:100]})") from e

@@ -120,9 +120,9 @@ def _writer_alive(temp_name: str) -> bool:
     if pid == os.getpid():
         return True
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)                 # (signal 0: only asks whether the process exists)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):
-        return True
+    except (OSError, OverflowError):    # (it exists but is not ours to signal)
+        pass
     return True

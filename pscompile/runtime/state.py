@@ -88,10 +88,8 @@ class EngineState:
                     out.append(f"state_dict[{key!r}][{f!r}] has shape {tuple(getattr(t, 'shape', ()))}, "
                                f"the model has {want}" if isinstance(t, torch.Tensor) and t.is_floating_point()
                                else f"state_dict[{key!r}][{f!r}]: a float tensor of shape {want} is needed")
-                elif not bool(torch.isfinite(t).all()):
-                    out.append(f"state_dict[{key!r}][{f!r}] holds inf or NaN")
-                elif key == "exp_avg_sq" and bool((t < 0).any()):
-                    out.append(f"state_dict['exp_avg_sq'][{f!r}] holds negative values (a running mean of squares)")
+                elif (fault := state_fault(key, [t])) is not None:
+                    out.append(f"state_dict[{key!r}][{f!r}] {fault}")
         return out
 
     def load_state_dict(self, sd: dict) -> None:
@@ -164,6 +162,17 @@ class EngineState:
             out[key] = full[entry.fqn].clone() if full is not None else self.store.gather("master", entry.fqn)
         self._count_outside_steps()
         return out
+
+
+def state_fault(kind: str, pieces) -> str | None:
+    """What is wrong with a master or Adam state (``kind``) given as ``pieces`` (the tensor, or its
+    blocks): inf or NaN anywhere, or an ``exp_avg_sq`` (a running mean of squares) below 0."""
+    pieces = list(pieces)
+    if not all(bool(torch.isfinite(b).all()) for b in pieces):
+        return "holds inf or NaN"
+    if kind == "exp_avg_sq" and any(bool((b < 0).any()) for b in pieces):
+        return "holds negative values (a running mean of squares)"
+    return None
 
 
 def _scalar_problems(sd: dict, *, loss_scaled: bool) -> list[str]:
