@@ -4,7 +4,7 @@ The architecture is described in docs/design.md of the repository.
 """
 
 from pscompile.api import compile, min_device_memory
-from pscompile.checkpoint import consolidate, load, save
+from pscompile.checkpoint.save_load import consolidate, load, save
 from pscompile.config import AdamW, Config, ParamGroup
 from pscompile.errors import BudgetError, ScheduleError
 from pscompile.hooks.states import TensorState

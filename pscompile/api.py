@@ -36,7 +36,7 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
     """
     optimizer, config = _check_arguments(model, optimizer, config)
     if batch is None:
-        from pscompile.checkpoint import load
+        from pscompile.checkpoint.save_load import load
         return LazyEngine(model, optimizer=optimizer, config=config, loss_fn=loss_fn, load=load,
                           build=lambda b: compile(model, b, optimizer=optimizer, config=config, loss_fn=loss_fn))
     problem = tensor_problem(batch)

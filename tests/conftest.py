@@ -246,7 +246,7 @@ def rewrite_checkpoint(src, dst, *, header=None, tensors=None) -> None:
     """Copy the pscompile checkpoint file ``src`` to ``dst`` with its header (``header(dict) ->
     dict``) or tensors (``tensors(dict) -> dict``) changed and its SHA-256 recomputed: a tampered
     file that passes its checksum."""
-    from pscompile.checkpoint_file import CheckpointReader, write_checkpoint
+    from pscompile.checkpoint.file_format import CheckpointReader, write_checkpoint
     with CheckpointReader(src) as r:
         head = {k: v for k, v in r.header.items() if k not in ("tensors", "format", "version")}
         ts = {name: r.read(name) for name in r.records}

@@ -293,7 +293,7 @@ def killed_save(rank: int, world: int, port: int, out_dir: str, moment: str) -> 
 
     Each rank keeps its state dict after each step (what a load must give back) and what the save
     raised on it."""
-    import pscompile.sharded_checkpoint as sharded
+    import pscompile.checkpoint.sharded as sharded
     join(rank, world, port, timeout_s=30.0)
     batch = split(make_batches("gpt", 1)[0], rank, world)
     engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("hooks"))
@@ -326,19 +326,21 @@ def killed_save(rank: int, world: int, port: int, out_dir: str, moment: str) -> 
     os._exit(0)
 
 
-def load_checkpoint(rank: int, world: int, port: int, out_dir: str, name: str) -> None:
-    """A fresh hooks engine per rank loads ``out_dir/name``; each saves its state dict after the
-    load, or what the load raised and its state dict before and after the attempt."""
+def load_checkpoint(rank: int, world: int, port: int, out_dir: str, names: str | list[str]) -> None:
+    """A fresh hooks engine per rank loads ``out_dir/name`` for each of ``names`` in turn (each
+    load refused, or the first accepted); each saves its state dict after the load, or what the
+    load raised and whether its state dict stayed as it was before the attempt."""
     join(rank, world, port)
     batch = split(make_batches("gpt", 1)[0], rank, world)
     engine = pscompile.compile(make_model("gpt"), batch, optimizer=HP, config=config("hooks"))
-    before = engine.state_dict()
-    try:
-        pscompile.load(engine, os.path.join(out_dir, name))
-        out = {"state": engine.state_dict(), "error": None}
-    except Exception as e:
-        out = {"error": f"{type(e).__name__}: {e}", "unchanged": _same(before, engine.state_dict())}
-    torch.save(out, os.path.join(out_dir, f"loaded-{name}-rank{rank}.pt"))
+    for name in [names] if isinstance(names, str) else names:
+        before = engine.state_dict()
+        try:
+            pscompile.load(engine, os.path.join(out_dir, name))
+            out = {"state": engine.state_dict(), "error": None}
+        except Exception as e:
+            out = {"error": f"{type(e).__name__}: {e}", "unchanged": _same(before, engine.state_dict())}
+        torch.save(out, os.path.join(out_dir, f"loaded-{name}-rank{rank}.pt"))
     leave()
 
 

@@ -19,6 +19,7 @@ import torch
 
 import ckpt_worker
 import pscompile
+from pscompile.compiled import trust
 from conftest import make_batches, make_model, rewrite_checkpoint, same_state, snapshot
 
 N = 3
@@ -264,8 +265,8 @@ def test_save_never_writes_through_a_planted_link_and_removes_what_a_killed_save
 
 def test_a_version_1_checkpoint_still_loads(tmp_path):
     """The format before streaming (a torch.save envelope around a torch.save payload) loads."""
-    from pscompile.checkpoint import _meta
-    from pscompile.checkpoint_legacy import envelope
+    from pscompile.checkpoint.save_load import _meta
+    from pscompile.checkpoint.legacy import envelope
     from pscompile.runtime.rng import rng_state
     engine, batch = _engine()
     engine.step(batch)
@@ -331,20 +332,29 @@ def test_measurements_in_a_checkpoint_are_planned_with_only_under_this_machines_
     def untag(h):
         del h["state"]["compiled"]["tag"]
         return h
+    def reseal(h):         # understated, and tagged with this user's key: the machine changed in
+        compiled = understate(h)["state"]["compiled"]          # a way the tag does not see
+        h["state"]["compiled"] = trust.seal({k: v for k, v in compiled.items() if k != "tag"}, first.device)
+        return h
     rewrite_checkpoint(tmp_path / "honest.ckpt", tmp_path / "understated.ckpt", header=understate)
     rewrite_checkpoint(tmp_path / "honest.ckpt", tmp_path / "untagged.ckpt", header=untag)
-    for name, key in (("honest", None), ("understated", None), ("untagged", None), ("honest", "other")):
+    rewrite_checkpoint(tmp_path / "honest.ckpt", tmp_path / "resealed.ckpt", header=reseal)
+    for name, key in (("honest", None), ("resealed", None), ("understated", None), ("untagged", None),
+                      ("honest", "other")):
         if key is not None:
             monkeypatch.setenv("PSCOMPILE_KEY_FILE", str(tmp_path / f"{key}.key"))
         resumed = engine()
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="pscompile"):
             pscompile.load(resumed, tmp_path / f"{name}.ckpt")
-        trusted = name == "honest" and key is None
+        trusted = name in ("honest", "resealed") and key is None
         assert any("measures again" in m for m in caplog.messages) != trusted, (name, key, caplog.messages)
         assert bool(resumed._measured or resumed._restored) == trusted, (name, key)
         got = []
-        for b in batches[2:]:
-            got.append(resumed.step(b))
-            assert resumed.stats.peak_device_bytes <= budget, (name, key)
+        with caplog.at_level(logging.INFO, logger="pscompile"):
+            for b in batches[2:]:        # every step within the budget, the first included: a run
+                got.append(resumed.step(b))   # planned with understated figures stops and runs again
+                assert resumed.stats.peak_device_bytes <= budget, (name, key)
         assert got == losses[2:], (name, key)
+        dropped = any("understate" in m for m in caplog.messages)
+        assert dropped == (name == "resealed"), (name, key, caplog.messages)

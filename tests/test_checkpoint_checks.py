@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pscompile
-from pscompile.checkpoint_file import CheckpointReader, write_checkpoint
+from pscompile.checkpoint.file_format import CheckpointReader, write_checkpoint
 from conftest import make_batches, make_model, rewrite_checkpoint
 
 GOOD = make_batches("gpt", 1)[0]
@@ -133,7 +133,7 @@ def test_only_the_temporaries_of_dead_writers_are_stale(tmp_path):
     import os
     import subprocess
     import sys
-    from pscompile.files import remove_stale
+    from pscompile.checkpoint.files import remove_stale
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     names = {"dead": f".x.ckpt.{int(dead.stdout)}.ab12.pscompile-tmp", "old": ".x.ckpt.ab12cd.pscompile-tmp",
              "mine": f".x.ckpt.{os.getpid()}.ef34.pscompile-tmp", "parent": f".x.ckpt.{os.getppid()}.gh56.pscompile-tmp"}

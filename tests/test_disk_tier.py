@@ -122,28 +122,37 @@ def test_bf16_with_states_on_disk_tracks_plain_pytorch(tmp_path):
     assert worst_tracking(engine, ref, initial)[0] <= tracking_tol(torch.bfloat16)
 
 
+@pytest.mark.parametrize("disk", [True, False], ids=["disk", "no-disk"])
 @pytest.mark.parametrize("mode", ["hooks", "compiled"])
-def test_an_engine_dropped_without_close_releases_its_threads_descriptors_and_file(tmp_path, mode):
-    """Garbage-collecting a disk-tier engine that was never closed ends its I/O and copy threads
-    and closes (and so frees) its unlinked disk file: no thread, descriptor or byte outlives it."""
+def test_an_engine_dropped_without_close_after_a_failure_is_collected(tmp_path, mode, disk):
+    """An engine never closed, dropped after a step that failed (its loss raised after the forward
+    built a graph) and a good one, is garbage-collected: its I/O and copy threads end and its
+    unlinked disk file is closed (and so freed); no thread, descriptor or byte outlives it. (Hooks
+    mode's saved-tensor hooks once made that graph a cycle through C++ the collector cannot see.)"""
     import gc
     import os
     import threading
+    import weakref
 
     def ours():
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("pscompile"))
 
     def fds():
         return set(os.listdir("/proc/self/fd"))
-    batches = make_batches("gpt", 1, batch=2, seq=32)
+    ids, targets = make_batches("gpt", 1, batch=2, seq=32)[0]
     gc.collect()                         # (what earlier tests left is not this engine's to release)
     threads, open_fds = ours(), fds()
-    engine = pscompile.compile(_model(), batches[0], optimizer=HP, config=_config(
-        mode, host_memory=5 << 20, disk_dir=str(tmp_path)))
-    engine.step(batches[0])
-    assert ours() != threads and len(fds() - open_fds) >= 1, "nothing to release: proves nothing"
+    tier = dict(host_memory=5 << 20, disk_dir=str(tmp_path)) if disk else {}
+    engine = pscompile.compile(_model(), (ids, targets), optimizer=HP, config=_config(mode, **tier))
+    with pytest.raises(IndexError):      # a target out of the vocabulary: the loss raises
+        engine.step((ids, torch.full_like(targets, -5)))
+    engine.step((ids, targets))
+    if disk:
+        assert ours() != threads and len(fds() - open_fds) >= 1, "nothing to release: proves nothing"
+    ref = weakref.ref(engine)
     del engine
     gc.collect()
+    assert ref() is None, "something still holds the dropped engine"
     assert ours() == threads and fds() <= open_fds
 
 

@@ -18,7 +18,7 @@ import torch
 
 from pscompile.cli.flags import add_flag, check_output
 from pscompile.config import Config
-from pscompile.files import write_atomic
+from pscompile.checkpoint.files import write_atomic
 from pscompile.models.gpt import GPTConfig
 from pscompile.planner import HARDWARE, hardware_preset, plan, search
 from pscompile.planner.search import DIMENSIONS

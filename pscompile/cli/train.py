@@ -30,7 +30,7 @@ from pscompile.config import AdamW, Config
 from pscompile.cli.data import Corpus
 from pscompile.cli.flags import check_output
 from pscompile.dist.launch import init_from_env
-from pscompile.files import write_atomic
+from pscompile.checkpoint.files import write_atomic
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
 from pscompile.kinds import Backend, Mode

@@ -160,6 +160,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._disk_acc = acc if isinstance(acc, DiskAccumulation) else None
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
                                   exact_windows=not sched.measured)
+        if key.capture in self._unproven and self.comm is None:   # stops at the first sample over
+            tracker.limit = self.budget                            # (``_distrust_restored``)
         comm_before = self._comm_bytes()
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()

@@ -16,6 +16,7 @@ from pscompile.compiled import trust
 from pscompile.compiled.keys import CaptureKey
 from pscompile.compiled.probe import Allocation
 from pscompile.memory.rates import Rates
+from pscompile.memory.tracker import OverBudget
 from pscompile.memory.tiers import Tier
 from pscompile.kinds import Activations
 
@@ -118,10 +119,11 @@ class CompiledState:
 
     def _prove_restored(self, runs: list) -> None:
         """The line behind the tag (``trust.py``): measurements loaded from a checkpoint are kept
-        once a run planned with them stays within the budget. A run over it shows they understate
-        what the graph takes on this machine now: they are dropped with a warning, and the
-        capture's next run measures again, as a fresh engine's first step does. (Under ZeRO the
-        ranks decide together: their plans must match.)"""
+        once a run planned with them stays within the budget. In one process such a run stops at
+        the first sample over it (its tracker's ``limit``; ``_distrust_restored`` then drops them
+        and the step runs again, measuring). Under ZeRO a run goes on, since the ranks must
+        decide together (their plans must match): a run over the budget drops them after the
+        step, and the capture's next run measures again, as a fresh engine's first step does."""
         for r in runs:
             cap = r.context.key.capture
             if cap not in self._unproven:
@@ -130,18 +132,31 @@ class CompiledState:
             over = self.budget is not None and r.tracker.peak_total > self.budget
             if self.comm is not None:
                 over = bool(self.comm.agree_max([int(over)])[0])
-            if not over:
-                continue
-            log.warning("pscompile: the measurements loaded from the checkpoint understate what %s takes (a step "
-                        "peaked at %d bytes, device_memory=%d): dropped; the next step measures again",
-                        cap.token[:80], r.tracker.peak_total, self.budget)
-            static = self._captures[cap].nonmodel
-            for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo):
-                measured.pop(cap, None)
-            self._node_by_node.discard(cap)
-            self._fit_optimizer_states(max(static))       # (the curve may leave less margin)
-            for key in [k for k in self._schedules if k.capture == cap]:
-                self._replan(key, static, measured=False)
+            if over:
+                self._drop_restored(cap, r.tracker.peak_total)
+
+    def _distrust_restored(self, error: OverBudget) -> bool:
+        """After a run planned with a checkpoint's measurements stopped over the budget (and was
+        undone): drop every capture's unproven measurements; whether there were any."""
+        caps = list(self._unproven)
+        for cap in caps:
+            self._unproven.discard(cap)
+            self._drop_restored(cap, error.total)
+        return bool(caps)
+
+    def _drop_restored(self, cap: CaptureKey, peak: int) -> None:
+        """Forget the measurements a checkpoint gave ``cap``: planned with the static estimate
+        until its next run measures again."""
+        log.warning("pscompile: the measurements loaded from the checkpoint understate what %s takes (a run "
+                    "reached %d bytes, device_memory=%d): dropped; the capture measures again",
+                    cap.token[:80], peak, self.budget)
+        static = self._captures[cap].nonmodel
+        for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo):
+            measured.pop(cap, None)
+        self._node_by_node.discard(cap)
+        self._fit_optimizer_states(max(static))       # (the curve may leave less margin)
+        for key in [k for k in self._schedules if k.capture == cap]:
+            self._replan(key, static, measured=False)
 
     def _abort_run(self, acc: list[torch.Tensor] | None) -> None:
         """After a failed run: no copy left running into memory the recovery frees, nothing in

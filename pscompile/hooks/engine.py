@@ -172,6 +172,8 @@ class HooksEngine(ParamHooks, ChunkEngine):
                 yield ps
         finally:
             self._pass = None
+            for saved in list(ps.saved):     # (a backward that ran has freed all of them)
+                saved.t = None
             for f, p in self.params.items():
                 p.data = self._dummy.expand(p.shape)
                 p.grad = None

@@ -54,6 +54,19 @@ class _SpanRef(_ViewRef):
         return self.of
 
 
+class _Saved:
+    """A non-parameter tensor an autograd node saved in a pass. Returned as the tensor itself, a
+    node saving its own output would hold that output, whose ``grad_fn`` is the node: a cycle
+    through C++ that the garbage collector cannot see, so a graph whose backward never ran (a
+    loss that raised) would keep its activations and the engine alive for good. The pass clears
+    every ``_Saved`` still alive when it ends, which breaks the cycle."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
 def _weak(method):
     """A hook that calls ``method`` while its object lives: hooks stored on the model's tensors
     and modules must not keep the engine (and all its chunks) alive."""
@@ -82,6 +95,7 @@ class PassState:
     span_bufs: dict[int, str] = field(default_factory=dict)      # gathered buffer ptr -> fqn (forward)
     grads_left: dict[int, int] = field(default_factory=dict)     # ZeRO: group -> gradients still to come
     bwd_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # re-gathered for this backward node
+    saved: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # the _Saved the graph still holds
 
 
 
@@ -147,18 +161,28 @@ class ParamHooks:
     # ================================================================ backward hooks
     def _pack(self, t: torch.Tensor):
         ps = self._pass
-        if ps is None or t.device != self.device:
+        if ps is None:
             return t
-        ptr = t.untyped_storage().data_ptr()
-        c = self.store.chunk_of_storage(ptr)
-        if c is not None:
-            return _ChunkRef.of_tensor(c, t)
-        fqn = ps.span_bufs.get(ptr)
-        if fqn is not None:     # keep no gathered copy alive until backward: gather again there
-            return _SpanRef.of_tensor(fqn, t)
-        return t
+        if t.device == self.device:
+            ptr = t.untyped_storage().data_ptr()
+            c = self.store.chunk_of_storage(ptr)
+            if c is not None:
+                return _ChunkRef.of_tensor(c, t)
+            fqn = ps.span_bufs.get(ptr)
+            if fqn is not None:     # keep no gathered copy alive until backward: gather again there
+                return _SpanRef.of_tensor(fqn, t)
+        if t.grad_fn is None:       # (a leaf or a constant: no cycle through its node)
+            return t
+        saved = _Saved(t)
+        ps.saved.add(saved)
+        return saved
 
     def _unpack(self, ref):
+        if isinstance(ref, _Saved):
+            if ref.t is None:
+                raise RuntimeError("hooks mode: a graph from a pass that has ended was run backward; call "
+                                   "engine.step, which runs the forward and its backward in one pass")
+            return ref.t
         if not isinstance(ref, (_ChunkRef, _SpanRef)):
             return ref
         ps = self._pass

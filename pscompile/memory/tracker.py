@@ -32,6 +32,14 @@ from torch.utils._pytree import tree_leaves
 _expired = torch.UntypedStorage._expired   # the C check behind StorageWeakRef.expired()
 
 
+class OverBudget(RuntimeError):
+    """A sample of a tracker with a ``limit`` went over it (the run stops at that operator)."""
+
+    def __init__(self, total: int, limit: int):
+        super().__init__(f"device bytes reached {total}, over the limit {limit}")
+        self.total, self.limit = total, limit
+
+
 class NonModelTracker(TorchDispatchMode):
     def __init__(self, device: torch.device, is_model_storage: Callable[[int], bool],
                  model_bytes: Callable[[], int], *, exact_windows: bool = False):
@@ -51,6 +59,7 @@ class NonModelTracker(TorchDispatchMode):
         self._paused = 0
         self._cuda = device.type == "cuda"
         self.external_bytes = 0       # CUDA: device bytes held outside this measurement (set once)
+        self.limit: int | None = None  # a sample over it raises ``OverBudget`` (a plan not yet proven)
         self._external_set = False
 
     # ---- bookkeeping -----------------------------------------------------------------------
@@ -102,6 +111,8 @@ class NonModelTracker(TorchDispatchMode):
         self.peak_nonmodel = max(self.peak_nonmodel, nonmodel)
         self.peak_model = max(self.peak_model, model)
         self.peak_total = max(self.peak_total, nonmodel + model)
+        if self.limit is not None and nonmodel + model > self.limit:
+            raise OverBudget(nonmodel + model, self.limit)
 
     def current(self) -> int:
         """Live non-model bytes now."""

@@ -1,30 +1,45 @@
 """What a checkpoint file streams, and loading it back chunk by chunk: a mixin of ``ChunkEngine``.
 
-The file (``checkpoint_file.py``) holds each chunk's optimizer state as it lives in the chunk store
+The file (``checkpoint/file_format.py``) holds each chunk's optimizer state as it lives in the chunk store
 (under ZeRO: this rank's shard of each group), named ``master.{c}``, ``exp_avg.{c}``,
 ``exp_avg_sq.{c}``, and in its header the state dict's scalars (step, parameter groups, loss scale,
 the mode's measurements), the chunk layout and, under ZeRO, the rank's place. A file of this
 engine's own layout (and rank) loads straight into the chunks; any other (another chunk size, or
 another world size: a checkpoint resharded) is read tensor by tensor into the one-process state
-dict and loaded with ``load_state_dict``, which takes it at any world size.
+dict and loaded with ``load_state_dict``, which takes it at any world size. A run planned with a
+checkpoint's measurements that stops over the budget runs again without them (``_proven``).
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from pscompile.checkpoint_file import CheckpointReader, TensorSource
+from pscompile.checkpoint.file_format import CheckpointReader, TensorSource
 from pscompile.dist import checkpoint as shard_ckpt
 from pscompile.dist.store import own_pieces
 from pscompile.kinds import Collectives
 from pscompile.memory.disk_states import LISTS
+from pscompile.memory.tracker import OverBudget
 
 
 class CheckpointState:
     """Mixin of ``ChunkEngine``: the checkpoint file's tensors and header, and loading them."""
+
+    def _proven(self, run: Callable[[], Any]) -> Any:
+        """``run()``; once more if it stopped over the budget (undone) because it was planned with
+        a checkpoint's measurements, which ``_distrust_restored`` then drops (compiled mode)."""
+        try:
+            return run()
+        except OverBudget as e:
+            if not self._distrust_restored(e):
+                raise
+            return run()
+
+    def _distrust_restored(self, error: OverBudget) -> bool:     # (hooks mode plans with none)
+        return False
 
     def _state_used(self) -> list[int]:
         """Per chunk (ZeRO: per group shard): how many of its leading elements hold parameters;

@@ -310,7 +310,8 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         with self.exclusive("evaluate"):
             self._check_open()
             self._check_batch(batch, None, "evaluate")
-            loss, self.eval_peak_device_bytes, self.eval_bytes_moved = self._evaluate(to_device(batch, self.device))
+            loss, self.eval_peak_device_bytes, self.eval_bytes_moved = self._proven(
+                lambda b=to_device(batch, self.device): self._evaluate(b))
             return self._global_mean(loss)
 
     def _evaluate(self, batch: Any) -> tuple[float, int, int]:
@@ -345,8 +346,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             problem = structure_error(self.batch_structure, b)
             if problem is not None:
                 raise TypeError(f"{call}(){which}: {problem}")
-            problem = tensor_problem(b)
-            if problem is not None:
+            if (problem := tensor_problem(b)) is not None:
                 raise ValueError(f"{call}(){which}: {problem}")
 
     def _check_open(self) -> None:
@@ -370,7 +370,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         ``(loss / k).backward()`` per micro-batch in plain PyTorch); the mean loss is returned.
         A failed step leaves the weights and optimizer states as they were."""
         with self.exclusive("step"):
-            return self._step(batch)
+            return self._proven(lambda: self._step(batch))
 
     def _step(self, batch: Any) -> float:
         """``step``, run alone. (Long on purpose where it is: the one step loop both modes share.)"""

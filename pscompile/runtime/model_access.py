@@ -76,7 +76,7 @@ class ModelAccess:
             from safetensors.torch import save
         except ImportError as e:
             raise ImportError("engine.export writes safetensors: pip install safetensors") from e
-        from pscompile.files import write_atomic
+        from pscompile.checkpoint.files import write_atomic
         state = self.full_state_dict()                     # (a collective under ZeRO)
         path = Path(path)
         if self.rank == 0:

@@ -5,10 +5,10 @@ ZeRO this rank's shards), the step count, the parameter groups, the loss scale a
 measured (``engine.checkpoint_header`` / ``checkpoint_tensors``), the random number generators
 (dropout draws the same numbers after a load) and metadata that must match (compute dtype,
 parameter names and shapes, the chunk layout). One process writes one file at ``path``
-(``checkpoint_file.py``: a JSON header, the tensors streamed chunk by chunk, a SHA-256 at the end)
+(``checkpoint/file_format.py``: a JSON header, the tensors streamed chunk by chunk, a SHA-256 at the end)
 through an exclusive temporary, fsync and rename (``files.py``), so a crash leaves the old
 checkpoint or the new one. Under ZeRO ``path`` is a folder that every rank writes into and rank 0
-commits with one atomic rename of its manifest (``sharded_checkpoint.py``).
+commits with one atomic rename of its manifest (``checkpoint/sharded.py``).
 
 ``load`` checks everything before it changes anything: the file's size and SHA-256 (a truncated or
 corrupted file is refused, naming it), its format, the metadata against the engine, the state's
@@ -17,7 +17,7 @@ finite and the generators' sizes; every difference is listed in one ``ValueError
 ranks then agree, and all load or none. A checkpoint of this engine's layout loads chunk by chunk
 straight from the file; one of another chunk size or world size (saved on 2 ranks and loaded on 1,
 or on 1 and loaded on 2) is read into the one-process state dict first. Version-1 files (a
-``torch.save`` envelope) still load (``checkpoint_legacy.py``).
+``torch.save`` envelope) still load (``checkpoint/legacy.py``).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from pscompile import checkpoint_legacy as legacy
-from pscompile import sharded_checkpoint as sharded
+from pscompile.checkpoint import legacy
+from pscompile.checkpoint import sharded
 from pscompile.dist import checkpoint as shard_ckpt
-from pscompile.checkpoint_file import CheckpointReader, is_checkpoint_file, write_checkpoint
-from pscompile.files import remove_stale, write_atomic
+from pscompile.checkpoint.file_format import CheckpointReader, is_checkpoint_file, write_checkpoint
+from pscompile.checkpoint.files import remove_stale, write_atomic
 from pscompile.lazy import LazyEngine, built_engine
 from pscompile.runtime.checkpoint_state import full_state_from
 from pscompile.runtime.rng import rng_problems, rng_state, set_rng_state

@@ -1,7 +1,7 @@
 """Checkpoints of format version 1, still read: a ``torch.save`` envelope around a ``torch.save``
 payload (``{"format", "version": 1, "sha256", "payload": <bytes>}``), one file per process, and
 under ZeRO a folder of such files with a version-1 manifest. Writing them is kept for tests that
-craft old or tampered files; ``pscompile.save`` writes version 3 (``checkpoint_file.py``)."""
+craft old or tampered files; ``pscompile.save`` writes version 3 (``checkpoint/file_format.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pscompile.checkpoint_file import VERSION as CURRENT
+from pscompile.checkpoint.file_format import VERSION as CURRENT
 
 FORMAT = "pscompile.checkpoint"
 VERSION = 1

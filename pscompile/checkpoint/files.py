@@ -66,7 +66,7 @@ def fsync_folder(folder: Path) -> None:
 def write_atomic(path: Path, content: Any) -> Digest:
     """Write ``content`` to ``path`` atomically; its digest. ``content``: bytes; a function that
     writes to the open file and returns the hex SHA-256 it computed itself (the digest is then its
-    size and that hash, e.g. ``checkpoint_file.write_checkpoint``'s); or any object, streamed with
+    size and that hash, e.g. ``file_format.write_checkpoint``'s); or any object, streamed with
     ``torch.save``. Nothing is left behind if the write fails."""
     path = Path(path)
     # (the writer's pid in the name: remove_stale leaves the temporaries of live writers alone)

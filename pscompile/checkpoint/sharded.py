@@ -4,7 +4,7 @@
       manifest.json                 the commit: format, version 3, world size, step, id, the
                                     folder of this checkpoint and every file's size and SHA-256
       step00000004-3f9c.../         one folder per save (its step and a fresh id)
-        rank0.pt  rank1.pt          each rank's checkpoint file (checkpoint_file.py), streamed
+        rank0.pt  rank1.pt          each rank's checkpoint file (file_format.py), streamed
 
 A save writes a *new* folder beside the committed one, so nothing the committed checkpoint reads is
 touched: every rank writes its file (exclusive temporary, fsync, rename), the ranks exchange their
@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from pscompile.files import remove_stale, write_atomic
+from pscompile.checkpoint.files import remove_stale, write_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "pscompile.checkpoint"
@@ -107,7 +107,7 @@ def committed_files(path: Path, manifest: dict) -> list[Path]:
 
 def check_file(file: Path, want: dict) -> Path:
     """``file`` if it has the size and the SHA-256 (written at its end) a manifest recorded;
-    ``checkpoint_file.CheckpointReader.verify`` then checks that hash against its bytes."""
+    ``file_format.CheckpointReader.verify`` then checks that hash against its bytes."""
     if not file.is_file():
         raise ValueError(f"pscompile.load: {file} is missing: the checkpoint is incomplete; nothing was loaded")
     size = file.stat().st_size
