@@ -149,35 +149,37 @@ def accumulate_eval(rank: int, world: int, port: int, out_dir: str, modes: list[
     leave()
 
 
-def resume(rank: int, world: int, port: int, out_dir: str, mode: str, load: str | None, steps: int) -> None:
-    """GPT under an evicting budget: load ``load`` (None: start fresh; "shard": this rank's file
-    of a 2-rank run; "full": the consolidated dict; "pscompile": the ``pscompile.save`` folder;
-    "psfolder": that folder on one rank; "psfile": a one-process ``pscompile.save`` file on two),
-    run ``steps`` steps, save the losses; a fresh run also saves every rank's state dict and a
-    ``pscompile.save`` checkpoint after its first ``steps // 2`` steps."""
+def resume(rank: int, world: int, port: int, out_dir: str, mode: str, loads: str | None | list, steps: int) -> None:
+    """GPT under an evicting budget, for each of ``loads`` in turn (one process start for all): a
+    fresh engine loads it (None: start fresh; "shard": this rank's file of a 2-rank run; "full":
+    the consolidated dict; "pscompile": the ``pscompile.save`` folder; "psfolder": that folder on
+    one rank; "psfile": a one-process ``pscompile.save`` file on two), runs ``steps`` steps, saves
+    the losses; a fresh run also saves every rank's state dict and a ``pscompile.save``
+    checkpoint after its first ``steps // 2`` steps."""
     join(rank, world, port)
     budget = tight_budget("gpt", mode, rank, world)
     batches = make_batches("gpt", steps, distinct=3)
-    engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP,
-                               config=config(mode, budget))
-    if load == "shard":
-        engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"), weights_only=True))
-    elif load == "full":
-        engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-full.pt"), weights_only=True))
-    elif load in ("pscompile", "psfolder"):             # psfolder: the 2-rank folder, on 1 rank
-        pscompile.load(engine, os.path.join(out_dir, f"psckpt-{mode}"))
-    elif load == "psfile":                               # a one-process file, on 2 ranks
-        pscompile.load(engine, os.path.join(out_dir, f"psfile-{mode}.ckpt"))
-    losses = []
-    for i, b in enumerate(batches):
-        if load is None and i == steps // 2:
-            torch.save(engine.state_dict(), os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"))
-            pscompile.save(engine, os.path.join(out_dir, f"psckpt-{mode}"))     # a folder: a file per rank
-        if load is not None and i < steps // 2:
-            continue
-        losses.append(engine.step(split(b, rank, world)))
-    torch.save(losses, os.path.join(out_dir, f"resume-{mode}-{load}-rank{rank}.pt"))
-    engine.close()
+    for load in loads if isinstance(loads, list) else [loads]:
+        engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP,
+                                   config=config(mode, budget))
+        if load == "shard":
+            engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"), weights_only=True))
+        elif load == "full":
+            engine.load_state_dict(torch.load(os.path.join(out_dir, f"ckpt-{mode}-full.pt"), weights_only=True))
+        elif load in ("pscompile", "psfolder"):             # psfolder: the 2-rank folder, on 1 rank
+            pscompile.load(engine, os.path.join(out_dir, f"psckpt-{mode}"))
+        elif load == "psfile":                               # a one-process file, on 2 ranks
+            pscompile.load(engine, os.path.join(out_dir, f"psfile-{mode}.ckpt"))
+        losses = []
+        for i, b in enumerate(batches):
+            if load is None and i == steps // 2:
+                torch.save(engine.state_dict(), os.path.join(out_dir, f"ckpt-{mode}-rank{rank}.pt"))
+                pscompile.save(engine, os.path.join(out_dir, f"psckpt-{mode}"))     # a folder: a file per rank
+            if load is not None and i < steps // 2:
+                continue
+            losses.append(engine.step(split(b, rank, world)))
+        torch.save(losses, os.path.join(out_dir, f"resume-{mode}-{load}-rank{rank}.pt"))
+        engine.close()
     leave()
 
 

@@ -3,11 +3,12 @@
 - ``pscompile.min_device_memory(model, batch, config)`` names a budget that ``compile`` accepts and
   trains with (peak within it), 1% below it is refused, and the error for a too-small budget names
   the same number the first time;
-- compiled mode: every budget from the minimum to twice it (5% steps, and 4 KiB steps just above
-  the minimum; ``bench/budgets.py`` sweeps in 1% steps) yields a schedule that verifies, planned from one capture with the layout the engine
-  picks at that budget (paged or keeping tensors whole: ``chunk_size="auto"``), with activations
-  recomputed and (a fast link) offloaded wherever the plan likes; a sample of budgets trains;
-- hooks mode: a sample of budgets above the minimum trains.
+- compiled mode: every budget from the minimum to twice it (10% steps, and 4 KiB steps just above
+  the minimum; ``bench/budgets.py`` sweeps in 1% steps and trains at each) yields a schedule that
+  verifies, planned from one capture with the layout the engine picks at that budget (paged or
+  keeping tensors whole: ``chunk_size="auto"``), with activations recomputed and (a fast link)
+  offloaded wherever the plan likes; it trains at the minimum and 1.3% above it;
+- hooks mode: the minimum and a budget above it train.
 
 The whole sweep (finer steps, more budgets trained, Inductor) is ``bench/budgets.py``.
 """
@@ -56,8 +57,8 @@ def test_the_minimum_is_named_the_first_time_and_accepted(arch, mode):
     model, batch = tiny_model(arch)
     with pytest.raises(pscompile.BudgetError):
         pscompile.compile(model, batch, config=_config(mode, int(minimum * 0.99)))
-    for budget in (minimum, int(minimum * 1.37)):
-        _train(arch, mode, budget)
+    for budget in (minimum, int(minimum * 1.37)) if mode == "hooks" else (minimum,):   # (compiled: and
+        _train(arch, mode, budget)                     # 1.3% above, below; every budget plans and verifies)
 
 
 # the activation planner's rates: None recomputes only; a fast link offloads wherever the host has room
@@ -75,7 +76,7 @@ def test_compiled_every_budget_from_the_minimum_verifies(arch, rates):
     def plan(budget: int):
         return sweep.plan(budget, rates=RATES[rates])
 
-    budgets = sorted({minimum + 4096 * k for k in range(8)} | {int(minimum * (1 + 0.05 * k)) for k in range(21)})
+    budgets = sorted({minimum + 4096 * k for k in range(6)} | {int(minimum * (1 + 0.1 * k)) for k in range(11)})
     if rates == "offload":       # the same range, a third as dense (the recompute sweep has the fine steps)
         budgets = budgets[::3] + [budgets[-1]]
     for budget in budgets:       # build_schedule runs verify_schedule: a broken schedule raises here

@@ -139,16 +139,10 @@ def test_a_two_rank_checkpoint_resumes_in_one_and_in_two_processes(tmp_path, mod
     fresh = torch.load(tmp_path / f"resume-{mode}-None-rank0.pt")
     shards = [tmp_path / f"ckpt-{mode}-rank{r}.pt" for r in range(WORLD)]
     torch.save(pscompile.consolidate(shards), tmp_path / f"ckpt-{mode}-full.pt")
-    spawn(dist_worker.resume, str(tmp_path), mode, "shard", steps)
-    again = torch.load(tmp_path / f"resume-{mode}-shard-rank0.pt")
-    assert again == fresh[steps // 2:], "two processes resumed from their shards"
     folder = tmp_path / f"psckpt-{mode}"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert sorted(p.name for p in folder.iterdir()) == sorted(["manifest.json", manifest["folder"]])
     assert sorted(p.name for p in (folder / manifest["folder"]).iterdir()) == ["rank0.pt", "rank1.pt"]
-    spawn(dist_worker.resume, str(tmp_path), mode, "pscompile", steps)
-    again = torch.load(tmp_path / f"resume-{mode}-pscompile-rank0.pt")
-    assert again == fresh[steps // 2:], "two processes resumed from pscompile.save"
     # resharded: one process loads the two-rank folder (the state consolidate gives), and saves it
     # as a one-process file that two ranks load again
     engine = pscompile.compile(make_model("gpt"), make_batches("gpt", 1)[0], optimizer=dist_worker.HP,
@@ -163,9 +157,15 @@ def test_a_two_rank_checkpoint_resumes_in_one_and_in_two_processes(tmp_path, mod
     folded = pscompile.consolidate(folder)                 # the folder itself, checked by its manifest
     for key in ("master", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(folded[key][f], full[key][f]) for f in full[key]), key
+    # two processes resume from their state dict shards and from pscompile.save's folder exactly;
+    # from the one-process file, and one process from the two-rank folder, within rounding
     # (the "full" load -- consolidate, then load_state_dict on one rank -- is what psfolder does inside)
+    spawn(dist_worker.resume, str(tmp_path), mode, ["shard", "pscompile", "psfile"], steps)
+    spawn(dist_worker.resume, str(tmp_path), mode, "psfolder", steps, world=1)
+    for load in ("shard", "pscompile"):
+        again = torch.load(tmp_path / f"resume-{mode}-{load}-rank0.pt")
+        assert again == fresh[steps // 2:], f"two processes resumed from {load}"
     for load, world in (("psfolder", 1), ("psfile", WORLD)):
-        spawn(dist_worker.resume, str(tmp_path), mode, load, steps, world=world)
         again = torch.load(tmp_path / f"resume-{mode}-{load}-rank0.pt")
         assert len(again) == steps - steps // 2
         for a, b in zip(again, fresh[steps // 2:]):

@@ -187,6 +187,12 @@ def test_fp16_dynamic_loss_scaling_skips_overflow_and_tracks_plain_pytorch():
         skipped += engine.stats.skipped
     assert skipped < 30 and engine.scaler.scale == ref.scaler.scale
     assert max_weight_diff(engine, ref) < 1e-2
+    good = engine.state_dict()                # a loss scale's state refused before anything changes
+    for field, value in (("loss_scale", float("nan")), ("loss_scale", True), ("loss_scale_good_steps", "7"),
+                         ("loss_scale_good_steps", -1)):
+        with pytest.raises(ValueError, match=f"state_dict\\['{field}'\\]"):
+            engine.load_state_dict({**sd0, field: value})
+        assert engine.scaler.scale == good["loss_scale"] and engine.state_dict()["step"] == good["step"]
 
 
 def test_output_forms_and_loss_fn():

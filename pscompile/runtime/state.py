@@ -182,8 +182,12 @@ def _scalar_problems(sd: dict, *, loss_scaled: bool) -> list[str]:
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
         out.append(f"state_dict['step']: the number of steps taken (an int >= 0 that fits int64) is needed, "
                    f"got {step!r}")
-    scale = sd.get("loss_scale", 1.0)
-    if loss_scaled and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
+    if not loss_scaled:
+        return out
+    scale, good = sd.get("loss_scale", 1.0), sd.get("loss_scale_good_steps", 0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         out.append(f"state_dict['loss_scale']: a finite positive number is needed, got {scale!r}")
+    if isinstance(good, bool) or not isinstance(good, int) or not 0 <= good < 2**63:
+        out.append(f"state_dict['loss_scale_good_steps']: an int >= 0 that fits int64 is needed, got {good!r}")
     return out
 
