@@ -35,15 +35,16 @@ class CompiledPlanning:
         so at a tight budget the whole one may fit where the paged one does not, and with room the
         paged one usually moves less. ``pipeline.engine_layout`` plans both on the first batch's
         capture (kept for the first schedule) and takes the one that moves the fewest bytes."""
-        self._first_capture: tuple[CaptureKey, AnalyzedGraph] | None = None
+        self._first_capture: tuple[CaptureKey, AnalyzedGraph, dict] | None = None
+        variants: dict[tuple, AnalyzedGraph] = {}      # its activation rewrites, made once (one serves every layout)
 
         def analyze() -> AnalyzedGraph:
             analyzed = capture_and_analyze(self.model, batch, params=mp.params, loss_fn=self.loss_fn,
                                            dtype=self.dtype, sources=self._sources)
-            self._first_capture = (self._key(batch, RunKind.TRAIN).capture, analyzed)
+            self._first_capture = (self._key(batch, RunKind.TRAIN).capture, analyzed, variants)
             return analyzed
         layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
-                                                    per_chunk=self.per_chunk)
+                                                    per_chunk=self.per_chunk, variants=variants)
         return layout
 
     def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
@@ -58,8 +59,9 @@ class CompiledPlanning:
         analyzed = self._captures.get(key.capture)
         if analyzed is None:
             first, self._first_capture = self._first_capture, None
+            variants = None
             if first is not None and first[0] == key.capture:      # captured to choose the layout
-                analyzed = regather(first[1], gather_bytes(self.layout, self.dtype))
+                analyzed, variants = regather(first[1], gather_bytes(self.layout, self.dtype)), first[2]
             else:
                 analyzed = capture_and_analyze(self.model, batch, params=self.params, loss_fn=self.loss_fn,
                                                dtype=self.dtype, backward=key.kind.backward,
@@ -69,7 +71,7 @@ class CompiledPlanning:
                                           slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                           device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
                                           rates=self.rates if self.config.activations == Activations.AUTO else None,
-                                          host_room=self.host_room)
+                                          host_room=self.host_room, variants=variants)
             self._captures[key.capture] = analyzed
         self._install_restored(key.capture)
         measured = self._measured.get(key.capture)

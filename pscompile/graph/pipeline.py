@@ -152,16 +152,18 @@ def layout_candidates(mp: ModelParams, config: Config, budget: int | None, *, wo
 
 
 def engine_layout(mp: ModelParams, config: Config, budget: int | None, *, analyze: Callable[[], AnalyzedGraph],
-                  world: int = 1, per_chunk: bool = False) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
+                  world: int = 1, per_chunk: bool = False, variants: dict[tuple, AnalyzedGraph] | None = None
+                  ) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
     """The layout the compiled engine uses at ``budget``: the only candidate of
     ``layout_candidates``, or the one ``pick_layout`` prefers after planning each on ``analyze()``
-    (the training capture, called only then)."""
+    (the training capture, called only then). ``variants``: the activation rewrites of that
+    capture, kept for the caller's own ``choose_activations`` on it."""
     layouts = layout_candidates(mp, config, budget, world=world, per_chunk=per_chunk)
     if len(layouts) == 1:
         return layouts[0], ()
     # every rank weighs rank 0's plans (per-chunk collectives move different bytes on each rank),
     # so all ranks of a ZeRO run pick one layout
-    return pick_layout(analyze(), layouts, config, budget=budget, world=world, rank=0)[:2]
+    return pick_layout(analyze(), layouts, config, budget=budget, world=world, rank=0, variants=variants)[:2]
 
 
 def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
