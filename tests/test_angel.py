@@ -106,7 +106,7 @@ def test_every_budget_from_the_minimum_verifies_with_angel(arch):
     config = pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=torch.float32, planner="angel")
     minimum = pscompile.min_device_memory(model, batch, config)
     sweep = BudgetSweep(model, batch, config)
-    for budget in sorted({minimum + 4096 * k for k in range(4)} | {int(minimum * (1 + 0.05 * k)) for k in range(21)}):
+    for budget in sorted({minimum + 4096 * k for k in range(4)} | {int(minimum * (1 + 0.1 * k)) for k in range(11)}):
         sched = sweep.plan(budget)
         assert sched.plan.policy == "angel" and sched.plan.peak_device_bytes <= budget
     with pytest.raises(pscompile.BudgetError):

@@ -232,7 +232,7 @@ def test_every_accumulation_budget_from_the_minimum_verifies(arch):
     minimum = pscompile.min_device_memory(model, batch, config)
     sweep = BudgetSweep(model, batch, config)
     overlapped = {}
-    for budget in sorted({minimum + 4096 * k for k in range(6)} | {int(minimum * (1 + 0.05 * k)) for k in range(21)}):
+    for budget in sorted({minimum + 4096 * k for k in range(6)} | {int(minimum * (1 + 0.1 * k)) for k in range(11)}):
         sched = sweep.plan(budget, kind=RunKind.ACCUM, measured=True)
         assert sched.plan.peak_device_bytes <= budget
         assert any(p.name == "overlap_grad_copies" for p in sched.passes)
