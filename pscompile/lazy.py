@@ -26,6 +26,7 @@ from typing import Any, Callable
 from torch import nn
 
 from pscompile.config import AdamW, Config
+from pscompile.profiling import Profiled
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.torch_optimizer import EngineOptimizer, updated_hps
 from pscompile.runtime.batching import LossFn, micro_batches
@@ -39,7 +40,7 @@ class NotBuilt(AttributeError):
     """An attribute of a lazily compiled engine that exists once its first step has run."""
 
 
-class LazyEngine:
+class LazyEngine(Profiled):
     """What ``pscompile.compile(model)`` returns: see the module's docstring."""
 
     def __init__(self, model: nn.Module, *, optimizer: AdamW, config: Config, loss_fn: LossFn | None,

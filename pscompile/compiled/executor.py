@@ -27,6 +27,7 @@ Regions receive their inputs boxed (the list is cleared) so an input dies inside
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
@@ -38,6 +39,9 @@ from pscompile.compiled.regions import Region, RegionCache, check_region_args
 from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import mem_op
 from pscompile.kinds import Backend
+from pscompile import profiling
+
+_NOTHING = contextlib.nullcontext()
 
 __all__ = ["Executor", "LoweringReport", "NodeObserver", "Step", "StepKind", "lower_regions"]
 
@@ -90,6 +94,7 @@ class Executor:
                  fold_stores: bool = False, cuts: frozenset[int] = frozenset(), solo: frozenset[int] = frozenset()):
         if split not in ("nodes", "regions"):
             raise ValueError(f"split={split!r}: expected 'nodes' or 'regions'")
+        self._range_names: dict = {}       # region index or memory node -> its profiler range's name
         if fold_stores and split != "regions":
             raise ValueError("fold_stores=True needs split='regions' (node by node, every store is a step "
                              "of its own)")
@@ -154,6 +159,7 @@ class Executor:
                                  f"{t.dtype}, the graph was lowered for {shape} {stride} {dtype}")
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
         check = self.check_inputs
+        ranges = self._ranges() if profiling.recording() else None    # named ranges for the profiler
         memo = self._views
         first_bwd = self._first_bwd_step if on_backward is not None else None
         for k, s in enumerate(self._program):
@@ -172,7 +178,10 @@ class Executor:
                     del env[a]
                 fn = r.fn if call_region is None else (
                     lambda a, r=r: call_region(r, self.is_compiled(r), a))
-                if around_region is not None:
+                if ranges is not None:
+                    with ranges(r), around_region(r) if around_region is not None else _NOTHING:
+                        outs = fn(args)
+                elif around_region is not None:
                     with around_region(r):
                         outs = fn(args)
                 else:
@@ -184,7 +193,7 @@ class Executor:
                 env.update(zip(r.outputs, outs))     # (a loop variable would keep the last one alive)
                 del outs
                 if held is not None:
-                    run_deferred(r, env, held)
+                    run_deferred(r, env, held, ranges)
                     del held
                 for o in s.dead:
                     del env[o]
@@ -193,7 +202,11 @@ class Executor:
             if kind is StepKind.MEM:
                 if observer is not None:
                     observer.before(n)
-                made = run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
+                if ranges is not None:
+                    with ranges(n):
+                        made = run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
+                else:
+                    made = run_memory(n, fx.node.map_arg(n.args, env.__getitem__))
                 if n.users:                       # an activation's offload or reload
                     env[n] = made
                 del made
@@ -227,6 +240,20 @@ class Executor:
                 del env[o]
         out = fx.node.map_arg(self.output_node.args[0], env.__getitem__)
         return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    def _ranges(self) -> Callable[[Region | fx.Node], ContextManager]:
+        """The profiler range of each region and memory node (``runtime/profiling.py``), named once."""
+        names = self._range_names
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+
+        def ranges(x: Region | fx.Node) -> ContextManager:
+            key = ("region", x.index) if isinstance(x, Region) else x
+            name = names.get(key)
+            if name is None:
+                name = names[key] = profiling.region_name(x.index, x.nodes, x.effects) if isinstance(x, Region) \
+                    else profiling.node_name(x)
+            return profiling.named(name, cuda)
+        return ranges
 
     def compiled_regions(self) -> list[Region]:
         """The regions run through the backend; the others run as eager graph code."""

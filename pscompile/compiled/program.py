@@ -11,10 +11,11 @@ reader. ``release_plan`` then marks each value's last reader.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import fx
@@ -31,6 +32,8 @@ aten = torch.ops.aten
 
 __all__ = ["LoweringReport", "Step", "StepKind", "attr", "by_regions", "first_backward", "is_compute_op", "per_node",
            "release_plan", "run_deferred"]
+
+_NOTHING = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -375,13 +378,16 @@ def _interleave(steps: list[Step], placeholders: list[fx.Node], eager_nodes: set
     return program
 
 
-def run_deferred(r: Region, env: dict[fx.Node, Any], held: dict[fx.Node, Any]) -> None:
-    """The stores a region's step runs after the region, in graph order."""
+def run_deferred(r: Region, env: dict[fx.Node, Any], held: dict[fx.Node, Any],
+                 ranges: Callable[[fx.Node], ContextManager] | None = None) -> None:
+    """The stores a region's step runs after the region, in graph order (each inside its profiler
+    range, ``ranges(node)``, while a profiler records)."""
     def value(a: fx.Node) -> Any:
         return env[a] if a in env else held[a]
 
     for n in r.deferred:
-        copy_grad_into(*fx.node.map_arg(n.args, value), **fx.node.map_arg(n.kwargs, value))
+        with ranges(n) if ranges is not None else _NOTHING:
+            copy_grad_into(*fx.node.map_arg(n.args, value), **fx.node.map_arg(n.kwargs, value))
 
 
 def attr(gm: fx.GraphModule, target: str) -> Any:

@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from pscompile import profiling
 from pscompile.memory.tiers import Link
 
 Direction = Literal["h2d", "d2h"]
@@ -191,7 +192,8 @@ class ThreadCopies(CopyEngine):
             # every earlier copy it follows is done, so running it here keeps the order
             fut: Future = self._landed
             try:
-                self.link.copy(dst, src, direction, activation, counted=counted)
+                with profiling.maybe(f"copy {direction} {node or ''} (inline)"):
+                    self.link.copy(dst, src, direction, activation, counted=counted)
             except BaseException as e:         # noqa: BLE001 -- raised where the caller waits
                 fut = Future()
                 fut.set_exception(e)
@@ -204,7 +206,7 @@ class ThreadCopies(CopyEngine):
         pool = self._pools.get(direction)
         if pool is None:
             pool = self._pools[direction] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pscompile-{direction}")
-        fut = pool.submit(self._copy, [dst, src, direction, activation, wait_for, counted])
+        fut = pool.submit(self._copy, [dst, src, direction, activation, wait_for, counted, node])
         if len(self._pending) >= 256:          # (a caller that never flushes: forget the copies that landed)
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         self._pending.append(fut)
@@ -212,11 +214,12 @@ class ThreadCopies(CopyEngine):
         return _FutureCopy(fut, node)
 
     def _copy(self, job: list) -> None:
-        dst, src, direction, activation, after, counted = job
+        dst, src, direction, activation, after, counted, node = job
         job.clear()
         if after is not None:
             after.result()            # what this copy reads or overwrites is written by that one
-        self.link.copy(dst, src, direction, activation, counted=counted)
+        with profiling.maybe(f"copy {direction} {node or ''}"):     # (this thread's lane in a trace)
+            self.link.copy(dst, src, direction, activation, counted=counted)
 
     def move(self, dst, src, direction, *, node=None) -> None:
         """Synchronous: runs here, after the copies of its direction still queued."""

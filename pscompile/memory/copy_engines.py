@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from pscompile.memory.copies import CopyEngine, ThreadCopies
+from pscompile.memory.copies import INLINE_COPY_BYTES, CopyEngine, ThreadCopies
 from pscompile.memory.cuda_copies import CudaCopies
 from pscompile.memory.strict_copies import StrictCopies
 from pscompile.memory.tiers import Link
@@ -21,11 +21,12 @@ def strict_requested(flag: bool) -> bool:
     return flag or os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def make_copy_engine(link: Link, device: torch.device, *, strict: bool = False, inline_bytes: int = 0,
-                     pinned: bool = True) -> CopyEngine:
+def make_copy_engine(link: Link, device: torch.device, *, strict: bool = False,
+                     inline_bytes: int = INLINE_COPY_BYTES, pinned: bool = True) -> CopyEngine:
     """The copy engine for ``device``. The environment variable is for CPU runs: a CUDA device keeps
-    its streams (``Config`` refuses ``strict_copies=True`` there); ``pinned`` (CUDA): its host
-    buffers are page-locked (``Config.pinned_host``)."""
+    its streams (``Config`` refuses ``strict_copies=True`` there); ``inline_bytes`` (CPU threads): the
+    copies small enough to run inline; ``pinned`` (CUDA): its host buffers are page-locked
+    (``Config.pinned_host``)."""
     if device.type == "cuda":
         return CudaCopies(link, device, pinned=pinned)
     if strict_requested(strict):

@@ -32,7 +32,6 @@ from pscompile.memory.disk import DiskQueue, SlotFile
 from pscompile.memory.disk_homes import DiskAccumulation, zero_accumulation
 from pscompile.memory.store import ChunkStore
 from pscompile.memory.layout import ChunkLayout
-from pscompile.memory.copies import INLINE_COPY_BYTES
 from pscompile.memory.copy_engines import make_copy_engine
 from pscompile.memory.tiers import Link, Traffic
 from pscompile.memory.tracker import NonModelTracker, warm_device_libraries
@@ -42,6 +41,7 @@ from pscompile.runtime.early_update import EarlyUpdates
 from pscompile.optim.groups import resolve_groups
 from pscompile.runtime.groups import GroupControl
 from pscompile.runtime.model_access import ModelAccess
+from pscompile.profiling import Profiled
 from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.runtime.batching import (LossFn, call_model, micro_batches, structure, structure_error,
                                        tensor_problem, to_device)
@@ -71,7 +71,7 @@ class MicroRun:
     ops: tuple[int, int] = (0, 0)  # compute operators run, and those inside compiled code (compiled mode)
 
 
-class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupControl, ModelAccess):
+class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupControl, ModelAccess, Profiled):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         self.config = config
@@ -155,8 +155,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
     def _make_store(self, config: Config) -> None:
         """The link, the copy engine and the chunk store (one process, or a ZeRO store)."""
         self.link = Link(config.link_bandwidth)   # every copy goes through self.copies (docs/design.md, "The copy contract")
-        self.copies = make_copy_engine(self.link, self.device, strict=config.strict_copies,
-                                       inline_bytes=INLINE_COPY_BYTES, pinned=config.pinned_host)
+        self.copies = make_copy_engine(self.link, self.device, strict=config.strict_copies, pinned=config.pinned_host)
         # bytes moved outside the steps (placing optimizer states, filling slots, the hooks trace,
         # undoing a failed step, state dicts): every byte between tiers is counted somewhere
         self.setup_traffic = Traffic()

@@ -19,6 +19,7 @@ from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.adamw import clip_coefficient, grad_norm, sum_of_squares
 from pscompile.optim.lock_free import UpdateJob
+from pscompile import profiling
 from pscompile.runtime.interrupts import deferred_interrupts
 
 
@@ -111,9 +112,10 @@ class ChunkUpdate:
         """On the early-update thread: chunk ``c``'s update from its gradient at home, as
         ``_update_chunk`` does it for a host home, into ``spare`` (``runtime/early_update.spare_home``)."""
         store = self.store
-        self.adam.update_chunk_out(spare[3], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                   tuple(spare[:3]), grad=store.grad_home(c), grad_factor=factor, frozen=frozen,
-                                   groups=groups)
+        with profiling.maybe(f"update chunk {c} (early)"):
+            self.adam.update_chunk_out(spare[3], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
+                                       tuple(spare[:3]), grad=store.grad_home(c), grad_factor=factor, frozen=frozen,
+                                       groups=groups)
 
     def _start_update(self, c: int, landed, written: set[str]) -> None:
         """An ``update`` node: chunk ``c``'s gradients are final at home once ``landed`` has."""
@@ -297,6 +299,7 @@ class ChunkUpdate:
         get gradients, in order; the next one is staged while this one updates)."""
         store = self.store
         with ExitStack() as stack:
+            stack.enter_context(profiling.maybe(f"update chunk {c}"))
             if store.os_tier[c] is not Tier.DEVICE:
                 stack.enter_context(tracker.paused())       # the update runs on the host
             buf = store.bring_to_os_tier(c)

@@ -61,3 +61,18 @@ def test_materialize_gives_the_model_its_current_weights_on_either_device(where)
     assert all(b.device.type == "cuda" for b in model.buffers()), "the buffers did not come back"
     engine.step(batches[1])
     engine.close()
+
+
+def test_a_profiled_cuda_step_shows_the_memory_nodes_and_the_copies_on_the_gpu(tmp_path):
+    """``engine.profile`` on CUDA: the memory nodes are ranges on the host's lane (NVTX too) and the
+    copies they issue are memcpy events on the GPU's copy streams."""
+    import json
+    batches = _batches(2)
+    budget = pscompile.min_device_memory(_model(), batches[0], _config()) + 2 * 4096 * 4 + (2 << 20)
+    engine = pscompile.compile(_model(), batches[0], config=_config(budget))
+    engine.step(batches[0])
+    engine.profile(tmp_path / "trace.json", batches[1], steps=1)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = [e.get("name", "") for e in events]
+    assert any(n.startswith("fetch chunk") for n in names) and any(n.startswith("region ") for n in names)
+    assert any(e.get("cat") == "gpu_memcpy" for e in events), "no copy on the GPU's lanes"
