@@ -19,6 +19,8 @@ threads unchanged (objects within 1%).
     python bench/soak.py [--steps 2000] [--quick] [--modes compiled hooks] [--markdown]
                          [--out bench/results/soak.json]
 
+``--quick`` (a smoke run): a 1-layer d=64 GPT, 200 steps unless ``--steps`` says otherwise.
+
 Float32, one torch thread. Exits 1 if a check fails.
 """
 
@@ -48,9 +50,13 @@ EVAL_EVERY = 100
 SAVE_EVERY = 500
 
 
-def make_model() -> GPT:
+FULL_MODEL = dict(n_layer=2, d_model=128)
+QUICK_MODEL = dict(n_layer=1, d_model=64)       # still evicts on every step at 1.1x its minimum
+
+
+def make_model(quick: bool = False) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=128, vocab_size=512, seq_len=64, dropout=0.1))
+    return GPT(GPTConfig(n_head=2, vocab_size=512, seq_len=64, dropout=0.1, **(QUICK_MODEL if quick else FULL_MODEL)))
 
 
 def batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,11 +96,11 @@ def slope_per_1000(xs: list[int], ys: list[int]) -> float:
     return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-def soak(mode: str, steps: int) -> dict:
+def soak(mode: str, steps: int, quick: bool = False) -> dict:
     data = batches()
-    least = pscompile.min_device_memory(make_model(), data[0], config(mode, None))
+    least = pscompile.min_device_memory(make_model(quick), data[0], config(mode, None))
     budget = int(least * 1.1)
-    engine = pscompile.compile(make_model(), data[0], config=config(mode, budget))
+    engine = pscompile.compile(make_model(quick), data[0], config=config(mode, budget))
     warmup = max(SAMPLE_EVERY, steps // 10)
     samples, violations, losses = [], [], []
     steady_bytes = None
@@ -160,18 +166,18 @@ def soak(mode: str, steps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--quick", action="store_true", help="200 steps (a smoke run)")
+    p.add_argument("--steps", type=int, default=None, help="default 2000 (--quick: 200)")
+    p.add_argument("--quick", action="store_true", help="a 1-layer d=64 GPT, 200 steps by default (a smoke run)")
     p.add_argument("--modes", nargs="+", default=["compiled", "hooks"], choices=["compiled", "hooks"])
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    steps = 200 if args.quick else args.steps
+    steps = args.steps or (200 if args.quick else 2000)
     results = []
     for mode in args.modes:
         print(f"soak: {mode} mode, {steps} steps ...", flush=True)
-        results.append(soak(mode, steps))
+        results.append(soak(mode, steps, args.quick))
     fmt = "github" if args.markdown else "simple"
     rows = [[r["mode"], r["steps"], f"{r['step_ms']:.1f}", format_bytes(r["budget"]), r["evictions_per_step"],
              f"{r['rss_first'] / MiB:.1f} -> {r['rss_last'] / MiB:.1f} MiB",

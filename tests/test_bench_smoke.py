@@ -329,11 +329,12 @@ def test_activations_quick(tmp_path):
 
 
 def test_soak_short_run(tmp_path):
-    """bench/soak.py in hooks mode for 150 steps: every step within budget, evicting, moving what it
-    should; the step-end occupancy and the threads the same at every sample (RSS is reported, not
-    held to flatness in so short a run)."""
+    """bench/soak.py --quick (its 1-layer GPT) in hooks mode for 150 steps (the fewest that give two
+    samples after the warm-up): every step within budget, evicting, moving what it should; the
+    step-end occupancy and the threads the same at every sample (RSS is reported, not held to
+    flatness in so short a run)."""
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "soak.py"), "--steps", "150", "--modes", "hooks",
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "soak.py"), "--quick", "--steps", "150", "--modes", "hooks",
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
