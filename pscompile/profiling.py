@@ -66,15 +66,12 @@ def node_name(n: fx.Node) -> str:
 
 def region_name(index: int, nodes: list[fx.Node], effects: list[fx.Node] = ()) -> str:
     """``region 7 (h.0.attn .. h.0.mlp)``: the region and the modules whose parameters it reads
-    (the first and the last, in order), or the model line of its first node where the capture kept
-    one; then the stores into device slots it runs inside (``effects``), by node name:
-    ``+ store_grad_3, store_grad_4`` (a copy within device memory, no range of its own)."""
-    from pscompile.compiled.listing import _short_trace
+    (the first and the last, in order); then the stores into device slots it runs inside
+    (``effects``), by node name: ``+ store_grad_3, store_grad_4`` (no range of their own)."""
     from pscompile.graph.meta import get
     params = [get(n, "param") or (get(n, "page") or (None,))[0] for n in nodes]
     modules = list(dict.fromkeys(p.rpartition(".")[0] or p for p in params if p))
-    where = (f" ({modules[0]})" if len(modules) == 1 else f" ({modules[0]} .. {modules[-1]})" if modules else
-             next((f" ({_short_trace(n.meta['stack_trace'])})" for n in nodes if n.meta.get("stack_trace")), ""))
+    where = f" ({modules[0]})" if len(modules) == 1 else f" ({modules[0]} .. {modules[-1]})" if modules else ""
     stores = f" + {', '.join(n.name for n in effects)}" if effects else ""
     return f"region {index}{where}{stores}"
 
@@ -95,7 +92,7 @@ def profile(engine: Any, path: str | os.PathLike, batch: Any, *, steps: int = 2)
     if steps < 1:
         raise ValueError(f"profile: steps={steps}; give at least one step")
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if engine.device.type == "cuda":
+    if engine.config.torch_device.type == "cuda":      # (a lazy engine is not built yet: its config)
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
     losses = []

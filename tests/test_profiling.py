@@ -65,6 +65,17 @@ def test_a_profiled_step_shows_every_memory_node_its_copies_and_the_waits(tmp_pa
     assert 0 < waited < step["dur"]
 
 
+def test_a_lazy_engine_profiles_from_its_first_step(tmp_path):
+    """``compile(model)`` without a batch: ``profile`` builds it at its first step, like ``step``."""
+    batch = make_batches("gpt", 1)[0]
+    engine = pscompile.compile(make_model("gpt"), config=pscompile.Config(
+        mode="compiled", backend="eager", device="cpu", dtype=torch.float32))
+    assert len(engine.profile(tmp_path / "lazy.json", batch, steps=2)) == 2
+    names = {e["name"] for e in json.loads((tmp_path / "lazy.json").read_text())["traceEvents"]}
+    assert "pscompile step 1" in names and any(n.startswith("region ") for n in names)    # (the first
+    # step measures node by node; the second runs regions)
+
+
 def test_no_range_is_made_while_nothing_records(monkeypatch):
     engine, batch = _engine()
     made = []
