@@ -27,7 +27,7 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 from torch import fx
 
-_NOTHING = contextlib.nullcontext()
+NOTHING = contextlib.nullcontext()      # (reusable: a nullcontext keeps no state)
 
 
 def recording() -> bool:
@@ -47,7 +47,7 @@ def named(name: str, cuda: bool = False) -> ContextManager:
 
 def maybe(name: str, cuda: bool = False) -> ContextManager:
     """``named(name)`` while a profiler records; otherwise a context that does nothing."""
-    return named(name, cuda) if recording() else _NOTHING
+    return named(name, cuda) if recording() else NOTHING
 
 
 def node_name(n: fx.Node) -> str:
@@ -68,9 +68,10 @@ def region_name(index: int, nodes: list[fx.Node], effects: list[fx.Node] = ()) -
     """``region 7 (h.0.attn .. h.0.mlp)``: the region and the modules whose parameters it reads
     (the first and the last, in order); then the stores into device slots it runs inside
     (``effects``), by node name: ``+ store_grad_3, store_grad_4`` (no range of their own)."""
+    from pscompile.compiled.listing import _module_of
     from pscompile.graph.meta import get
     params = [get(n, "param") or (get(n, "page") or (None,))[0] for n in nodes]
-    modules = list(dict.fromkeys(p.rpartition(".")[0] or p for p in params if p))
+    modules = list(dict.fromkeys(_module_of(p) for p in params if p))
     where = f" ({modules[0]})" if len(modules) == 1 else f" ({modules[0]} .. {modules[-1]})" if modules else ""
     stores = f" + {', '.join(n.name for n in effects)}" if effects else ""
     return f"region {index}{where}{stores}"

@@ -27,7 +27,6 @@ Regions receive their inputs boxed (the list is cleared) so an input dies inside
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
@@ -40,8 +39,7 @@ from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import mem_op
 from pscompile.kinds import Backend
 from pscompile import profiling
-
-_NOTHING = contextlib.nullcontext()
+from pscompile.profiling import NOTHING as _NOTHING
 
 __all__ = ["Executor", "LoweringReport", "NodeObserver", "Step", "StepKind", "lower_regions"]
 
@@ -242,7 +240,7 @@ class Executor:
         return tuple(out) if isinstance(out, (list, tuple)) else (out,)
 
     def _ranges(self) -> Callable[[Region | fx.Node], ContextManager]:
-        """The profiler range of each region and memory node (``runtime/profiling.py``), named once."""
+        """The profiler range of each region and memory node (``pscompile/profiling.py``), named once."""
         names = self._range_names
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 

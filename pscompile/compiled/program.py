@@ -11,7 +11,6 @@ reader. ``release_plan`` then marks each value's last reader.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import time
 from dataclasses import dataclass, field
@@ -27,13 +26,12 @@ from pscompile.compiled.regions import (Region, RegionCache, TensorMeta, buffer_
 from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import copy_grad_into, folds_into_region, is_memory_node, runs_as_transfer
 from pscompile.kinds import Backend, Phase, StrEnum
+from pscompile.profiling import NOTHING as _NOTHING
 
 aten = torch.ops.aten
 
 __all__ = ["LoweringReport", "Step", "StepKind", "attr", "by_regions", "first_backward", "is_compute_op", "per_node",
            "release_plan", "run_deferred"]
-
-_NOTHING = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
