@@ -13,6 +13,12 @@ scheduler's state and the data position, from which ``--resume`` goes on exactly
 TensorBoard when it is installed, else to ``metrics.csv``; progress goes to the ``logging`` module
 (``--log-level INFO`` shows pscompile's plan summaries too). The trained model is saved with
 ``save_pretrained`` at the end.
+
+This script is its own loop on purpose: it shows what the engine offers a loop written by hand
+(``engine.step``, ``engine.optimizer`` under a scheduler, ``materialize``, ``pscompile.save``
+with the data position). With the Hugging Face ``Trainer``, the same run is
+``pscompile.integrations.transformers.PscompileTrainer`` in place of ``Trainer`` (the README's
+block; docs/hugging-face.md maps every ``TrainingArguments`` field).
 """
 
 from __future__ import annotations

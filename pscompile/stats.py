@@ -42,6 +42,9 @@ class StepStats:
     # regions); hooks mode and backend="eager": compiled_ops is 0
     compute_ops: int = 0
     compiled_ops: int = 0
+    # the gradients' global 2-norm before clipping, unscaled (what torch.nn.utils.clip_grad_norm_
+    # returns; inf or NaN for a skipped step); None where the step made no update
+    grad_norm: float | None = None
 
     @property
     def compiled_share(self) -> float:

@@ -191,7 +191,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self.adam = ChunkAdamW(list(self.groups.hps),
                                kernels=HostKernels(config.optimizer_kernel, config.optimizer_threads))
         self.early = EarlyUpdates(self.adam, self.store, update=self._early_update)
-        self._clipped_last = False            # the last step's gradients were clipped (no guess this step)
+        self._clipped_last, self._norm = False, None   # the last step was clipped (no guess this step); its norm
 
     def _count_outside_steps(self) -> None:
         """Finish the disk tier's transfers (written back, staging buffers returned; not while a
@@ -444,7 +444,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             offload_bytes=sum(r.traffic.offload_bytes for r in runs),
             reload_bytes=sum(r.traffic.reload_bytes for r in runs),
             allocator_peak_bytes=self._allocator_peak(runs), peak_host_bytes=self.store.host_meter.peak,
-            compute_ops=sum(r.ops[0] for r in runs), compiled_ops=sum(r.ops[1] for r in runs))
+            compute_ops=sum(r.ops[0] for r in runs), compiled_ops=sum(r.ops[1] for r in runs), grad_norm=self._norm)
         return self.stats.loss
 
     def _allocator_peak(self, runs: list) -> int | None:

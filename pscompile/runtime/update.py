@@ -258,6 +258,7 @@ class ChunkUpdate:
             sq = self.comm.sum(sq)
         inv_scale = 1.0 / scale
         total_norm = (sq ** 0.5) * inv_scale
+        self._norm = total_norm            # (StepStats.grad_norm)
         found_inf = not (sq < float("inf"))     # also catches NaN
         if found_inf:
             if self.scaler is None and not self.config.skip_nonfinite:
