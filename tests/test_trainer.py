@@ -25,11 +25,11 @@ TOL = 1e-5
 MODES = ("compiled", "hooks")
 
 
-def gpt2(seed: int = 0):
+def gpt2(seed: int = 0, dropout: float = 0.0):
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64, use_cache=False,
-        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
 
 
 class Windows(torch.utils.data.Dataset):
@@ -79,9 +79,9 @@ def config(mode: str, budget=None) -> pscompile.Config:
     return pscompile.Config(device="cpu", dtype=torch.float32, backend="eager", mode=mode, device_memory=budget)
 
 
-def budget_for(mode: str) -> int:
+def budget_for(mode: str, dropout: float = 0.0) -> int:
     batch = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, SEQ, dtype=torch.long)}
-    return int(1.1 * pscompile.min_device_memory(gpt2(), batch, config(mode)))
+    return int(1.1 * pscompile.min_device_memory(gpt2(dropout=dropout), batch, config(mode)))
 
 
 def pscompile_trainer(mode: str, out, model=None, budget=None, **overrides) -> tuple[PscompileTrainer, Record]:
@@ -208,3 +208,30 @@ def test_the_flags_choose_the_dtype_of_a_default_config(tmp_path):
         trainer = PscompileTrainer(model=gpt2(), args=arguments(tmp_path, **flags),
                                    pscompile_config=pscompile.Config(backend="eager", device_memory="1MiB"))
         assert trainer.engine.config.dtype == dtype and trainer.engine.config.device == "cpu"
+
+
+def masking_collator(items: list[dict]) -> dict:
+    """Stacks the windows and hides 10% of the input tokens at random, drawing from torch's
+    generator as ``DataCollatorForLanguageModeling`` does."""
+    batch = transformers.default_data_collator(items)
+    hide = torch.rand(batch["input_ids"].shape) < 0.1
+    return {**batch, "input_ids": batch["input_ids"].masked_fill(hide, 0)}
+
+
+def test_resume_at_an_epoch_boundary_with_dropout_and_a_random_collator(tmp_path):
+    """The Trainer restores the generators at the epoch's start, then the collator draws: the first
+    step's dropout must see the generator after those draws, as the uninterrupted run's did (the
+    engine's own checkpoint load, at that step, must not restore them again)."""
+    def run(out, model, **kw):
+        record = Record()
+        trainer = PscompileTrainer(model=model, args=arguments(out, max_steps=4, save_steps=2, **kw),
+                                   train_dataset=Windows(8, 1), data_collator=masking_collator,
+                                   callbacks=[record], pscompile_config=config("compiled", budget_for("compiled", 0.1)))
+        return trainer, record
+    trainer, whole = run(tmp_path / "whole", gpt2(dropout=0.1))
+    trainer.train()
+    resumed, again = run(tmp_path / "again", gpt2(seed=7, dropout=0.1))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert [s for s, *_ in again.logs] == [3, 4] and again.logs == whole.logs[2:]
+    trainer.engine.close()
+    resumed.engine.close()

@@ -48,6 +48,7 @@ except ImportError as e:                   # (accelerate too: the Trainer needs 
 import pscompile
 from pscompile.config import AdamW, Config
 from pscompile.runtime.batching import LossFn
+from pscompile.runtime.rng import rng_state, set_rng_state
 
 CHECKPOINT = "pscompile.ckpt"          # pscompile's state, in each Trainer checkpoint folder
 SCHEDULER = "scheduler.pt"             # the Trainer's own name for its scheduler's state
@@ -152,6 +153,7 @@ class PscompileTrainer(Trainer):
         self.engine = pscompile.compile(model, optimizer=adamw_from(args, model, self.get_decay_parameter_names(model)),
                                         config=config, loss_fn=loss_fn)
         self._micro: list = []             # the micro-batches of the accumulation under way
+        self._resuming = False             # a checkpoint waits for the engine's build (first step)
 
     # ---- what pscompile does instead of the Trainer --------------------------------------------
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
@@ -178,8 +180,20 @@ class PscompileTrainer(Trainer):
         micro, self._micro = self._micro, []
         micro = [self._with_items(b, num_items_in_batch, len(micro)) for b in micro]
         self.model.train()
+        if self._resuming:
+            self._build_keeping_rng(micro[0])
         loss = self.engine.step(micro if len(micro) > 1 else micro[0])
         return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
+
+    def _build_keeping_rng(self, batch: Any) -> None:
+        """Build the engine, which loads the checkpoint the resume named, without its restoring
+        the random number generators: the Trainer restored them itself (``rng_state.pth``) when
+        its loop reached the saved position, and whatever drew from them since must stay drawn."""
+        device = torch.device(self.engine.config.device)
+        state = rng_state(device)
+        self.engine.ensure_built(batch)
+        set_rng_state(device, state)
+        self._resuming = False
 
     def _with_items(self, batch: Any, num_items, k: int) -> Any:
         """``batch`` with the Trainer's token count for the model's loss (divided by ``k``: the
@@ -239,6 +253,7 @@ class PscompileTrainer(Trainer):
         if checkpoint is None:
             return
         pscompile.load(self.engine, _state_file(checkpoint))     # (checked now, loaded at the first step)
+        self._resuming = self.engine.built is None
         scheduler = Path(checkpoint) / SCHEDULER
         if scheduler.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
