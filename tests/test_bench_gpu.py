@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from inprocess import in_process, load_script
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
 
 
@@ -14,8 +16,7 @@ def test_gpu_acceptance_dry_run(tmp_path):
     """bench/gpu.py, the GPU acceptance run, end to end on the CPU with tiny shapes (--dry-run): every
     section present, parity rows track plain PyTorch under a budget that evicts, peaks within it."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "gpu.py"), "--dry-run", "--markdown", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = in_process(lambda: load_script(BENCH).main(["--dry-run", "--markdown", "--out", str(out)]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["meta"]["dry_run"] and not res["failures"]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from inprocess import in_process, load_script
+from pscompile.cli.main import main as cli_main
 from pscompile.optim.native_kernel import unavailable_reason
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "foundation.py"
@@ -74,9 +76,16 @@ def test_foundation_quick(tmp_path):
     assert "| " in proc.stdout     # --markdown printed GitHub tables
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    path = Path(__file__).resolve().parents[1] / "bench" / script
-    proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
+def _run(script: str, *args: str, timeout: int = 600, fresh: bool = False):
+    """``bench/<script> args``, which must exit 0: in this process (its ``main(args)``, output
+    captured), or with ``fresh`` in a new interpreter (for benches that measure a fresh process,
+    start their own or set process-wide state). A new interpreter costs ~7 s here before any work
+    (importing torch, warming dynamo): ~15 benches in-process save about a minute and a half of CI."""
+    path = BENCH.parent / script
+    if fresh:
+        proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = in_process(lambda: load_script(path).main(list(args)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -107,9 +116,8 @@ def test_compare_quick(tmp_path):
     compiled mode moved at least the lower bound the script computes independently of the planner
     (with no more Belady fetches in the bound than the plan made)."""
     out = tmp_path / "compare.json"
-    proc = subprocess.run([sys.executable, "-m", "pscompile", "bench", "--quick", "--planners", "belady,angel",
-                           "--steps", "3", "--warmup", "1", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    proc = in_process(lambda: cli_main(["bench", "--quick", "--planners", "belady,angel", "--steps", "3",
+                                         "--warmup", "1", "--out", str(out)]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compiled eager" in proc.stdout and "hooks" in proc.stdout
     res = json.loads(out.read_text())
@@ -166,9 +174,7 @@ def test_planners_quick(tmp_path):
     """bench/planners.py --quick: both planners' schedules at three budgets of GPT and BERT were
     made and verified (the script raises otherwise), and each row has both planners' traffic."""
     out = tmp_path / "planners.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "planners.py"), "--quick", "--markdown", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run("planners.py", "--quick", "--markdown", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert sorted((r["arch"], r["factor"]) for r in rows) == sorted((a, f) for a in ("gpt", "bert")
                                                                     for f in (1.0, 1.25, 2.0))
@@ -183,9 +189,7 @@ def test_transfer_bound_quick(tmp_path):
     the v100 preset, within each batch's tight budget, moving bytes whenever there is a budget, and
     each row's link time and slowdown are what its numbers say."""
     out = tmp_path / "tb.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "transfer_bound.py"), "--quick", "--markdown",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run("transfer_bound.py", "--quick", "--markdown", "--out", str(out))
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert len(rows) == 2 * 2 * 3
@@ -312,9 +316,7 @@ def test_activations_quick(tmp_path):
     """bench/activations.py at tiny sizes: keep is refused at the budget, every other policy trains
     within it, moves as many activation bytes back as out, and "auto" recomputes over the slow link."""
     out = tmp_path / "a.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "activations.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run("activations.py", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
     for r in res["rows"]:
         if r["policy"] == "keep":
@@ -348,9 +350,7 @@ def test_disk_quick(tmp_path):
     step (the update thread's disk I/O behind the next forward and backward) moving the same disk
     bytes."""
     out = tmp_path / "disk.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "disk.py"), "--quick", "--dir", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run("disk.py", "--quick", "--dir", str(tmp_path), "--out", str(out))
     res = json.loads(out.read_text())
     assert res["same_losses"] and [(r["prefetch"], r["lock_free"]) for r in res["results"]] == [
         (False, False), (True, False), (True, True)]
@@ -372,9 +372,7 @@ def test_beyond_ram_quick(tmp_path):
     it needs is stated before training, each step's peak host bytes stay within host_memory, and
     the folder is left empty."""
     out = tmp_path / "br.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "beyond_ram.py"), "--quick", "--dir", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run("beyond_ram.py", "--quick", "--dir", str(tmp_path), "--out", str(out))
     res = json.loads(out.read_text())
     assert res["model_data_bytes"] >= 3 * (res["device_memory"] + res["host_memory"]) and res["param_disk_chunks"] > 0
     assert len(res["steps"]) == 3 and all(r["loss"] == r["loss"] for r in res["steps"])
@@ -417,7 +415,7 @@ def test_first_step_quick(tmp_path):
     """bench/first_step.py --quick --backend eager: every system ran its first and second step in a
     fresh process with its own empty Inductor cache, and they start from the same loss."""
     out = tmp_path / "first_step.json"
-    _run("first_step.py", "--quick", "--backend", "eager", "--out", str(out))
+    _run("first_step.py", "--quick", "--backend", "eager", "--out", str(out), fresh=True)
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert [r["system"] for r in rows] == ["plain torch.compile", "pscompile compiled, no budget",
@@ -467,7 +465,7 @@ def test_host_adamw_quick(tmp_path):
     """bench/host_adamw.py --quick: every candidate at 1 and 2 threads in fp32 and bf16, each ending
     where torch's fused AdamW ends (same steps, same gradients), against a measured bound."""
     out = tmp_path / "host_adamw.json"
-    proc = _run("host_adamw.py", "--quick", "--markdown", "--huge-pages", "--out", str(out))
+    proc = _run("host_adamw.py", "--quick", "--markdown", "--huge-pages", "--out", str(out), fresh=True)
     res = json.loads(out.read_text())
     assert res["huge_pages"] is True
     rows = res["rows"]

@@ -45,7 +45,8 @@ def _budget(mode: str, dtype: str) -> int:
 def test_save_then_load_in_a_new_process_resumes_bit_for_bit(tmp_path, mode, dtype):
     budget = _budget(mode, dtype)
     ckpt = tmp_path / "run.ckpt"
-    _spawn(mode, dtype, budget, 123, range(2 * N), str(tmp_path / "whole.pt"), save=str(ckpt), save_after=N)
+    # the uninterrupted run, which saves after N steps, here; the resumed one in a new process
+    ckpt_worker.run(mode, dtype, budget, 123, range(2 * N), str(tmp_path / "whole.pt"), save=str(ckpt), save_after=N)
     _spawn(mode, dtype, budget, 999, range(N, 2 * N), str(tmp_path / "second.pt"), load=str(ckpt))
     whole, second = (torch.load(tmp_path / f, weights_only=False) for f in ("whole.pt", "second.pt"))
     assert second["losses"] == whole["losses"][N:], (second["losses"], whole["losses"][N:])   # dropout included

@@ -1,5 +1,6 @@
 """The byte-level corpus (pscompile.cli.data) and ``python -m pscompile train`` (fast: ~20 s)."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -11,13 +12,16 @@ from pscompile.cli.main import build_parser, main
 from pscompile.cli.train import TrainSettings, run_train
 from pscompile.cli.data import Corpus, fallback_text
 from conftest import free_port
+from inprocess import in_process
 
 TINY_RUN = ["--model", "gpt-tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--no-progress"]
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "pscompile", "train", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
+    """``python -m pscompile train args`` in ``cwd``: its exit code and output, run in this process
+    (the console script and ``python -m`` start a new one in the tests below and in test_readme)."""
+    with contextlib.chdir(cwd):
+        return in_process(lambda: main(["train", *args]))
 
 
 # ------------------------------------------------------------------ corpus

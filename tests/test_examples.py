@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from inprocess import in_process, load_script
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY = ["--d-model", "64", "--n-layer", "2", "--n-head", "2", "--seq-len", "32", "--batch-size", "2",
         "--warmup", "2", "--corpus-bytes", "200000", "--csv", "--save-every", "3", "--eval-every", "3",
@@ -53,7 +55,10 @@ def test_finetune_hf_trains_samples_saves_and_resumes_exactly(tmp_path):
     back), and every step's rate is the schedule's."""
     transformers = pytest.importorskip("transformers")
     run = tmp_path / "run"
-    _run(str(EXAMPLES / "finetune_hf.py"), "--out", str(run), "--stop-after", "4", *TINY)
+    # the interrupted run here (a new interpreter costs ~7 s), the resumed one as a user runs it
+    first = in_process(lambda: load_script(EXAMPLES / "finetune_hf.py").main(["--out", str(run), "--stop-after", "4",
+                                                                             *TINY]))
+    assert first.returncode == 0, first.stderr[-3000:]
     proc = _run(str(EXAMPLES / "finetune_hf.py"), "--out", str(run), "--resume", *TINY)
     assert "resuming at step 3" in proc.stderr
     assert "val loss" in proc.stderr and "sample:" in proc.stderr

@@ -3,12 +3,13 @@ ZeRO-3 offload and plain torch.compile. The command runs end to end on the CPU (
 verdicts, peaks and loss checks are tested on rows made here, so a wrong row cannot pass."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from inprocess import in_process, load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 if str(BENCH) not in sys.path:
@@ -25,8 +26,8 @@ def _lines(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("peers") / "peers.jsonl"
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--peers", "--dry-run", "--out", str(out),
-                           "--wheels", str(out.parent / "none")], capture_output=True, text=True, timeout=400)
+    proc = in_process(lambda: load_script(BENCH / "gpu.py").main(["--peers", "--dry-run", "--out", str(out),
+                                                                  "--wheels", str(out.parent / "none")]))
     return proc, _lines(out)
 
 
