@@ -116,17 +116,17 @@ def disk_rate(nbytes: int, folder: str) -> dict:
     return {"write_s": write, "read_s": read}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="about 24 MiB of state instead of 1.2 GB")
     ap.add_argument("--out", default=None, help="where to write the JSON (default bench/results/checkpoint.json)")
     ap.add_argument("--worker", nargs=5, metavar=("OP", "WIDTH", "LAYERS", "CHUNK", "FOLDER"), help=argparse.SUPPRESS)
     # (an OP of "pscompile.save (states on disk)" is one argument: the parent passes a list)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker:
         op, width, layers, chunk, folder = args.worker
         print(json.dumps(worker(op, int(width), int(layers), int(chunk), folder)))
-        return
+        return 0
     width, layers, chunk = (512, 8, 1 << 18) if args.quick else (4096, 6, 4 << 20)
     rows = []
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as folder:
@@ -156,7 +156,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"quick": args.quick, "width": width, "layers": layers, "chunk_size": chunk,
                                "rows": rows, "disk": disk}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,7 +21,10 @@ import torch
 
 
 def load_script(path: Path):
-    """The script at ``path`` as a module (its ``if __name__ == "__main__"`` block does not run)."""
+    """The script at ``path`` as a module (its ``if __name__ == "__main__"`` block does not run),
+    with its folder first on ``sys.path`` as ``python script.py`` puts it (call it inside
+    ``in_process``, which restores ``sys.path``)."""
+    sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module            # (its dataclasses look their module up there)

@@ -22,9 +22,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "foundation.py"
 
 def test_foundation_quick(tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--markdown", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run("foundation.py", "--quick", "--markdown", "--out", str(out))   # (its rungs: new processes)
     res = json.loads(out.read_text())
     assert {"meta", "hooks_vs_plain", "largest_under_budget", "adamw_throughput"} <= set(res)
     assert res["meta"]["dtype"] == "float32"
@@ -293,10 +291,7 @@ def test_capacity_quick(tmp_path):
     budgets, recomputation reaches deeper than keeping everything (keep's first failure is a
     budget error), and every rung it calls trained stayed within the budget."""
     out = tmp_path / "c.json"
-    proc = subprocess.run([sys.executable, str(BENCH.parent / "capacity.py"), "--quick", "--systems",
-                           "compiled-keep,compiled-auto", "--out", str(out)],
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run("capacity.py", "--quick", "--systems", "compiled-keep,compiled-auto", "--out", str(out))
     res = json.loads(out.read_text())
     rows = {r["system"]: r for r in res["s1"]["rows"]}
     assert rows["compiled-auto"]["n_layer"] > rows["compiled-keep"]["n_layer"] >= 1
@@ -445,10 +440,7 @@ def test_checkpoint_quick_streams_within_one_chunk(tmp_path):
     optimizer states on the disk tier they stream through its one-chunk cache: at most two chunks'
     state, never a second copy of the state."""
     out = tmp_path / "c.json"
-    bench = Path(__file__).resolve().parents[1] / "bench" / "checkpoint.py"
-    proc = subprocess.run([sys.executable, str(bench), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run("checkpoint.py", "--quick", "--out", str(out))       # (each row: a new process)
     rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
     for op in ("pscompile.save", "pscompile.load"):
         r = rows[op]
@@ -465,7 +457,8 @@ def test_host_adamw_quick(tmp_path):
     """bench/host_adamw.py --quick: every candidate at 1 and 2 threads in fp32 and bf16, each ending
     where torch's fused AdamW ends (same steps, same gradients), against a measured bound."""
     out = tmp_path / "host_adamw.json"
-    proc = _run("host_adamw.py", "--quick", "--markdown", "--huge-pages", "--out", str(out), fresh=True)
+    proc = _run("host_adamw.py", "--quick", "--markdown", "--huge-pages", "--out", str(out))   # (a process per
+                                                                                            # thread count)
     res = json.loads(out.read_text())
     assert res["huge_pages"] is True
     rows = res["rows"]
