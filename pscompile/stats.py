@@ -42,8 +42,8 @@ class StepStats:
     # regions); hooks mode and backend="eager": compiled_ops is 0
     compute_ops: int = 0
     compiled_ops: int = 0
-    # the gradients' global 2-norm before clipping, unscaled (what torch.nn.utils.clip_grad_norm_
-    # returns; inf or NaN for a skipped step); None where the step made no update
+    # the gradients' global 2-norm before clipping, unscaled, over every rank under ZeRO (what
+    # torch.nn.utils.clip_grad_norm_ returns; inf or NaN for a float16 step skipped on overflow)
     grad_norm: float | None = None
 
     @property

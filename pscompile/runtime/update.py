@@ -63,6 +63,7 @@ class ChunkUpdate:
         store, n = self.store, self.layout.num_chunks
         has_grad = [store.owns(c) and any(e.fqn in written for e, _ in self.layout.chunk_members(c))
                     for c in range(n)]
+        self._norm = None                    # (this step's, from _unscale_and_clip)
         if self.updater is not None:
             return self._queue_update(written, scale, tracker, has_grad, before_update, grads)
         try:
