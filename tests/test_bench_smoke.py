@@ -78,7 +78,7 @@ def _run(script: str, *args: str, timeout: int = 600, fresh: bool = False):
     """``bench/<script> args``, which must exit 0: in this process (its ``main(args)``, output
     captured), or with ``fresh`` in a new interpreter (for benches that measure a fresh process,
     start their own or set process-wide state). A new interpreter costs ~7 s here before any work
-    (importing torch, warming dynamo): ~15 benches in-process save about a minute and a half of CI."""
+    (importing torch, warming dynamo), which an in-process run does not pay."""
     path = BENCH.parent / script
     if fresh:
         proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
