@@ -121,6 +121,11 @@ class Config:
     # (nothing to pin at start; the driver stages each copy, and a device -> host copy holds the
     # host until it lands). On by default until the lent GPU's A/B row decides (docs/gpu.md)
     pinned_host: bool = True
+    # compiled mode: batches whose sizes change. None (torch.compile's automatic dynamic): from a
+    # batch family's second distinct shape on, the sizes that differ are symbolic, and one capture
+    # and one plan, made for the largest size seen, serve every size up to it (docs/dynamic-shapes.md).
+    # False: every shape gets its own capture and plan
+    dynamic: bool | None = None
 
     def __post_init__(self):
         dev = self._check_device()
@@ -231,6 +236,10 @@ class Config:
             raise ValueError(f"skip_nonfinite={self.skip_nonfinite!r} must be True or False")
         if not isinstance(self.overlap_update, bool):
             raise ValueError(f"overlap_update={self.overlap_update!r} must be True or False")
+        if self.dynamic is not None and self.dynamic is not False:
+            raise ValueError(f"dynamic={self.dynamic!r}: use None (the sizes that change become symbolic from their "
+                             "second value, as torch.compile's automatic dynamic) or False (a plan per shape); "
+                             "dynamic=True (every size symbolic from the first batch) is not supported")
         if not isinstance(self.pinned_host, bool):
             raise ValueError(f"pinned_host={self.pinned_host!r} must be True or False")
         if not isinstance(self.lock_free, bool):

@@ -36,19 +36,21 @@ from pscompile.compiled.moves import MemoryMoves
 from pscompile.compiled.planning import CompiledPlanning
 from pscompile.compiled.state import CompiledState
 from pscompile.compiled.probe import Probe
+from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.ops import activation_move, is_memory_node, mem_op
 from pscompile.graph.minimum import minimum_budget
+from pscompile.graph.capture import CapturedGraph
 from pscompile.graph.pipeline import AnalyzedGraph, Scheduled
 from pscompile.kinds import Backend, MemKind, RunKind
 from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.passes.plan_residency import ResidencyPlan
-from pscompile.runtime.batching import LossFn, to_device
+from pscompile.runtime.batching import LossFn, signature, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.units import format_bytes
 
@@ -94,6 +96,9 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
                 raise ValueError(f"backend='inductor' needs torch._inductor.standalone_compile, which torch "
                                  f"{torch.__version__} lacks (pscompile is tested with torch 2.13); use "
                                  "backend='eager' or a newer torch")
+        self._ranges = ShapeRanges(config.dynamic is not False)      # batches whose sizes change
+        self._symbolic: dict[CaptureKey, CapturedGraph | None] = {}  # a range's symbolic capture (None: failed)
+        self._range_planned: dict[CaptureKey, tuple[int, ...]] = {}  # the bound a range's capture is planned for
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         self._captures: dict[CaptureKey, AnalyzedGraph] = {}
         self._measured: dict[CaptureKey, tuple[int, ...]] = {}    # measured non-model curve per capture
@@ -102,7 +107,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._last_key: ScheduleKey | None = None
         self._init_moves()
         self._os_placed = False
-        self._check_moved: tuple[Scheduled, Any] | None = None   # a run whose bytes are checked after its update
+        self._check_moved: tuple[Scheduled, Any, bool] | None = None   # a run whose bytes are checked after its update
         self._init_lowering()
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
         self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
@@ -166,7 +171,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()
         executor = self._executor_for(key, sched)
-        observer = _NodeMemory(tracker) if not sched.measured else None
+        observer = _NodeMemory(tracker) if not sched.measured and self._measures_range(key, batch) else None
         t_bwd: list[float] = []
         extra = self._region_extra.get(sched.gm, {})
 
@@ -249,10 +254,11 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             self._abort_run(acc)
             raise
         traffic = self.link.reset()
+        ranged = ShapeRanges.is_ranged(key.batch)
         if overlapping:                      # writebacks may still be landing: ``_update`` checks the bytes
-            self._check_moved = (sched, traffic)
+            self._check_moved = (sched, traffic, ranged)
         else:
-            self._check_traffic(sched, traffic, acc)
+            self._check_traffic(sched, traffic, acc, ranged=ranged)
         self._check_comm(sched, comm_before, acc)
         t_end = time.perf_counter()
         t_back = t_bwd[0] if t_bwd else t_end
@@ -263,6 +269,11 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         compiled_ops = executor.compiled_ops - (probe.eager_ops if probe is not None else 0)
         return MicroRun(value, tracker, traffic, t_back - t_start, t_end - t_back,
                         frozenset(self._written), record, (executor.ops, compiled_ops))
+
+    def _measures_range(self, key: ScheduleKey, batch: Any) -> bool:
+        """A run's node-by-node measurement replaces the plan's estimate only where it measured the
+        bound (a shorter batch of a range needs less; its peak is still checked, every step)."""
+        return not ShapeRanges.is_ranged(key.batch) or self._ranges.at_bound(key.batch, signature(batch))
 
     def _graph_inputs(self, sched: Scheduled, batch: Any, acc: list[torch.Tensor] | None, loss_scale: float,
                       tracker: NonModelTracker) -> list:
@@ -342,11 +353,11 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             self._ahead = []
         check, self._check_moved = self._check_moved, None
         if check is not None:
-            run_sched, traffic = check
+            run_sched, traffic, ranged = check
             tail = self.link.traffic                  # this step's bytes since the run's were read
             both = dataclasses.replace(traffic, h2d_bytes=traffic.h2d_bytes + tail.h2d_bytes,
                                        d2h_bytes=traffic.d2h_bytes + tail.d2h_bytes)
-            self._check_traffic(run_sched, both, None)
+            self._check_traffic(run_sched, both, None, ranged=ranged)
         return skipped
 
     def _norm_source(self, c: int, frozen: list) -> torch.Tensor | None:

@@ -36,6 +36,7 @@ from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.probe import (Allocation, Probe, Snapshot, made_bytes, measure, over_plan, region_peaks,
                                       room_of, warn_fallback)
 from pscompile.compiled.program import is_compute_op
+from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.regions import RegionCache, region_source
 from pscompile.graph.meta import get
 from pscompile.kinds import Backend
@@ -121,11 +122,15 @@ class RegionLowering:
         Every region with an operator is compiled (``min_fusible=0``): under a budget, memory nodes
         cut many regions of one or two operators, and run as eager code they were most of the
         step's operators (docs/inductor.md)."""
-        eager = self.config.backend == Backend.EAGER
+        # a range's schedule runs its regions as eager graph code: Inductor's are compiled for the sizes
+        # they were measured on (docs/dynamic-shapes.md)
+        backend = Backend.EAGER if ShapeRanges.is_ranged(key.batch) else self.config.backend
+        eager = backend == Backend.EAGER
         cap = key.capture
-        return Executor(sched.gm, split="regions" if regions else "nodes", backend=self.config.backend,
+        return Executor(sched.gm, split="regions" if regions else "nodes", backend=backend,
                         cache=self._region_cache, lift_params=not eager, fold_stores=regions, min_fusible=0,
-                        cuts=frozenset(self._cuts.get(cap, ())), solo=frozenset(self._solo.get(cap, ())))
+                        cuts=frozenset(self._cuts.get(cap, ())), solo=frozenset(self._solo.get(cap, ())),
+                        any_sizes=ShapeRanges.is_ranged(key.batch))
 
     def _probe_or_check(self, key: ScheduleKey, sched: Scheduled, ex: Executor) -> Executor:
         """A new region executor: probed in its first run if it has compiled regions (what is live

@@ -12,7 +12,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_flatten
+
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
+from pscompile.compiled.ranges import ShapeRanges
+from pscompile.errors import BudgetError
+from pscompile.graph.analysis import analyze_at_bound
+from pscompile.graph.capture import CapturedGraph, capture_joint
+from pscompile.graph.dynamic import monotone
+from pscompile.runtime.batching import signature
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, capture_and_analyze, choose_activations,
                                       PlanRequest, engine_layout, gather_bytes, plan_at_budget, regather)
 from pscompile.kinds import Activations, RunKind
@@ -48,15 +57,41 @@ class CompiledPlanning:
         return layout
 
     def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
-        return ScheduleKey.of(batch, kind, self.model.training)
+        """The key ``batch`` runs under: its signature, or the ranged one its family shares once
+        its sizes changed (``compiled/ranges.py``)."""
+        return ScheduleKey(RunKind(kind), self.model.training, self._ranges.key(signature(batch)))
 
     def _schedule_for(self, batch: Any, kind: RunKind) -> Scheduled:
         """The (cold) schedule of ``batch`` for ``kind``; captured and planned on first use."""
         key = self._key(batch, kind)
+        if ShapeRanges.is_ranged(key.batch):
+            if not self._admitted(key, batch):
+                return self._schedule_for(batch, kind)      # refused: now keyed by its own signature
+            self._replan_range(key)
+            try:
+                return self._planned_for(key, batch)
+            except BudgetError as e:     # the range's bound needs more than this budget: a plan per shape
+                log.info("pscompile: sizes %s run under a plan of their own: the range's bound does not fit (%s)",
+                         signature(batch)[1:], str(e)[:300])
+                self._symbolic[key.capture] = None
+                self._captures.pop(key.capture, None)
+                self._ranges.refuse(signature(batch))
+                return self._schedule_for(batch, kind)
+        return self._planned_for(key, batch)
+
+    def _planned_for(self, key: ScheduleKey, batch: Any) -> Scheduled:
+        """``key``'s schedule, captured (for ``batch``) and planned on first use."""
+        kind = key.kind
         sched = self._schedules.get(key)
         if sched is not None:
             return sched
         analyzed = self._captures.get(key.capture)
+        if analyzed is None and ShapeRanges.is_ranged(key.batch):
+            bound = self._range_planned[key.capture] = self._ranges.bound(key.batch)
+            analyzed = analyze_at_bound(self._symbolic[key.capture], bound,
+                                        gathers=gather_bytes(self.layout, self.dtype))
+            analyzed = self._choose_activations(analyzed, None)
+            self._captures[key.capture] = analyzed
         if analyzed is None:
             first, self._first_capture = self._first_capture, None
             variants = None
@@ -67,12 +102,7 @@ class CompiledPlanning:
                                                dtype=self.dtype, backward=key.kind.backward,
                                                gathers=gather_bytes(self.layout, self.dtype),
                                                sources=self._sources)
-            analyzed = choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
-                                          slot_bytes=self.store.param_chunk_bytes, world=self.world,
-                                          device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
-                                          rates=self.rates if self.config.activations == Activations.AUTO else None,
-                                          host_room=self.host_room, variants=variants)
-            self._captures[key.capture] = analyzed
+            analyzed = self._captures[key.capture] = self._choose_activations(analyzed, variants)
         self._install_restored(key.capture)
         measured = self._measured.get(key.capture)
         nonmodel = measured if measured is not None else analyzed.nonmodel
@@ -80,6 +110,70 @@ class CompiledPlanning:
         sched = self._plan(analyzed, nonmodel, kind=key.kind, measured=measured is not None)
         self._schedules[key] = sched
         return sched
+
+    def _choose_activations(self, analyzed: AnalyzedGraph, variants: dict | None) -> AnalyzedGraph:
+        return choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
+                                  slot_bytes=self.store.param_chunk_bytes, world=self.world,
+                                  device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
+                                  rates=self.rates if self.config.activations == Activations.AUTO else None,
+                                  host_room=self.host_room, variants=variants)
+
+    def _admitted(self, key: ScheduleKey, batch: Any) -> bool:
+        """Whether the range's symbolic capture (made now if it is the first) runs ``batch``: it
+        traced (a model may refuse symbolic sizes), kept every dynamic size a symbol, its memory
+        grows with the sizes (``dynamic.monotone``) and its shape guards hold for ``batch``. A
+        batch refused is keyed by its own signature from then on, with an INFO line saying why."""
+        sym = self._symbolic.get(key.capture)
+        why = None
+        if sym is None and key.capture not in self._symbolic:
+            sym, why = self._capture_range(key, batch)
+            self._symbolic[key.capture] = sym
+        if sym is not None and why is None:
+            offset = sym.num_params + len(sym.buffer_fqns)
+            if not sym.symbolic.admits([t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)], offset):
+                why = "its shape guards (" + ", ".join(str(g.expr) for g in sym.symbolic.shape_env.guards) + ") refuse it"
+        elif sym is None and why is None:
+            why = "the symbolic capture failed before"
+        if why is None:
+            return True
+        log.info("pscompile: sizes %s run under a plan of their own: %s", signature(batch)[1:], why)
+        self._ranges.refuse(signature(batch))
+        return False
+
+    def _capture_range(self, key: ScheduleKey, batch: Any) -> tuple[CapturedGraph | None, str | None]:
+        dims = self._ranges.dims(key.batch)
+        try:
+            sym = capture_joint(self.model, batch, params=dict(self.params), loss_fn=self.loss_fn,
+                                param_dtype=self.dtype, backward=key.kind.backward,
+                                loss_scale=self.dtype == torch.float16, sources=self._sources, dynamic=dims)
+        except Exception as e:  # noqa: BLE001 - the model's code may need plain sizes: a plan per shape then
+            return None, f"the capture with symbolic sizes failed ({type(e).__name__}: {str(e)[:200]})"
+        offset = sym.num_params + len(sym.buffer_fqns)
+        if not sym.symbolic.still_symbolic(offset):
+            return None, "tracing specialized a size that changes (" + ", ".join(
+                str(g.expr) for g in sym.symbolic.shape_env.guards) + ")"
+        grows = monotone(sym.gm, offset, dims)
+        if grows is not None:
+            return None, f"the memory of node {grows} is not shown to grow with the sizes"
+        log.info("pscompile: sizes change at %s: one symbolic capture serves them (%s)",
+                 ", ".join(f"batch tensor {i} dim {d}" for i, d in dims), sym.summary)
+        return sym, None
+
+    def _replan_range(self, key: ScheduleKey) -> None:
+        """A ranged batch above the bound its capture was planned for: every schedule of that
+        capture is made again for the new bound (the symbolic capture stays)."""
+        planned = self._range_planned.get(key.capture)
+        bound = self._ranges.bound(key.batch)
+        if planned is None or planned == bound:
+            return
+        log.info("pscompile: a batch above the planned sizes %s: planning again for %s", list(planned), list(bound))
+        for other in [k for k in self._schedules if k.capture == key.capture]:
+            self._forget(self._schedules.pop(other))
+            warm = self._warm.pop(other, None)
+            if warm is not None:
+                self._forget(warm)
+        for table in (self._captures, self._measured, self._node_curves, self._range_planned):
+            table.pop(key.capture, None)
 
     def _device_memory(self) -> DeviceMemory:
         """The device as the pipeline sees it now."""

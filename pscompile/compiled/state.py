@@ -186,13 +186,20 @@ class CompiledState:
             raise RuntimeError(f"executor: all-gathered/reduce-scattered {comm} bytes, the schedule planned "
                                f"{(sched.plan.allgather_bytes, sched.plan.reduce_scatter_bytes)}")
 
-    def _check_traffic(self, sched: Scheduled, traffic, acc: list[torch.Tensor] | None) -> None:
+    def _check_traffic(self, sched: Scheduled, traffic, acc: list[torch.Tensor] | None, *,
+                       ranged: bool = False) -> None:
         """The bytes a run moved (a training run: with the fetches it issued for the next step,
         which its plan counts) must be the bytes its schedule planned; otherwise the run is undone
-        and this raises."""
+        and this raises. ``ranged`` (a schedule planned for a range's upper bound): the chunks' bytes
+        are checked exactly, the activations' offloaded and reloaded bytes to be equal and within
+        the bound's."""
         moved = (traffic.h2d_bytes, traffic.d2h_bytes)
-        planned = (sched.plan.h2d_bytes + sched.offload_bytes, sched.plan.d2h_bytes + sched.offload_bytes)
-        if moved != planned or traffic.offload_bytes != sched.offload_bytes or traffic.reload_bytes != sched.offload_bytes:
+        offload = sched.offload_bytes
+        if ranged and traffic.offload_bytes == traffic.reload_bytes <= offload:
+            offload = traffic.offload_bytes      # a range's activations are planned at the bound: below it,
+        #                                          the same storages move, smaller; the chunks' bytes are exact
+        planned = (sched.plan.h2d_bytes + offload, sched.plan.d2h_bytes + offload)
+        if moved != planned or traffic.offload_bytes != offload or traffic.reload_bytes != offload:
             self._recover(restore=acc is None)
             raise RuntimeError(f"executor: moved h2d/d2h {moved} bytes (activations: {traffic.offload_bytes} offloaded, "
                                f"{traffic.reload_bytes} reloaded), the schedule planned {planned} "

@@ -19,6 +19,7 @@ import torch
 from torch import fx, nn
 
 from pscompile.graph.capture import CapturedGraph, capture_joint
+from pscompile.graph.dynamic import at_bound
 from pscompile.kinds import RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.passes.annotate_params import ParamUses, annotate_params
@@ -128,6 +129,21 @@ def capture_and_analyze(model: nn.Module, batch: Any, *, params: Mapping[str, nn
                                                 loss_scale=dtype == torch.float16, sources=sources),
                           lambda c: c.summary)
     return _analyze(captured, passes, gathers=gathers)
+
+
+def analyze_at_bound(captured: CapturedGraph, bound: tuple[int, ...], *,
+                     gathers: Mapping[str, int] | None = None) -> AnalyzedGraph:
+    """A symbolic capture (``capture_joint(dynamic=...)``) analyzed at the range's upper bound: its
+    graph (the same code, which runs any size) with the fake values of ``bound``
+    (``dynamic.at_bound``), then the analyses every capture gets."""
+    sym = captured.symbolic
+    assert sym is not None, "analyze_at_bound takes a capture made with dynamic sizes"
+    offset = captured.num_params + len(captured.buffer_fqns)
+    passes = _Passes()
+    concrete = passes.run("at_bound", lambda: replace(captured, gm=at_bound(captured.gm,
+                                                                            sym.concrete_inputs(offset, bound))),
+                          lambda c: f"at_bound: the fake values of sizes {list(bound)}")
+    return _analyze(concrete, passes, gathers=gathers)
 
 
 def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPlan | None = None,

@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from pscompile.graph import dynamic as symbolic
 from pscompile.graph import meta as graph_meta
 from pscompile.graph.checkpoints import fold_recomputation
 from pscompile.runtime.batching import LossFn, extract_loss
@@ -80,6 +81,7 @@ class CapturedGraph:
     capture_s: float                  # seconds taken by the capture
     param_dtype: torch.dtype | None = None   # dtype the parameters were captured in (None: their own)
     backward: bool = True             # False: forward and loss only (evaluation), output (loss,)
+    symbolic: symbolic.SymbolicCapture | None = None   # traced with dynamic sizes (graph/dynamic.py)
 
     @property
     def num_params(self) -> int:
@@ -119,7 +121,8 @@ class CapturedGraph:
         out: list[torch.Tensor] = []
         for i, (leaf, want) in enumerate(zip(leaves, self.batch_spec.leaves)):
             if want[0] == "tensor":
-                if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != want[1] or leaf.dtype != want[2]:
+                if not isinstance(leaf, torch.Tensor) or leaf.dtype != want[2] or leaf.dim() != len(want[1]) or any(
+                        w is not None and w != s for w, s in zip(want[1], leaf.shape)):
                     got = (f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, torch.Tensor)
                            else type(leaf).__name__)
                     raise ValueError(f"batch leaf {i} is {got}, but the graph was captured for "
@@ -134,7 +137,7 @@ class CapturedGraph:
 def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Parameter],
                   loss_fn: LossFn | None = None, param_dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None, backward: bool = True,
-                  loss_scale: bool = False, sources: bool = False) -> CapturedGraph:
+                  loss_scale: bool = False, sources: bool = False, dynamic: symbolic.Dims = ()) -> CapturedGraph:
     """Trace ``loss = loss_fn(model(batch))`` and the gradients of all trainable parameters.
 
     With ``backward=False`` only the forward and the loss are traced (for evaluation): the graph
@@ -151,7 +154,9 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     scaled exactly as ``(loss * s).backward()`` scales them; it still returns the unscaled loss.
     ``sources``: record the model source line of every forward node (``source_line(node)``,
     ``file.py:12 in fn: code``) for messages about compiled regions; it makes the capture slower
-    (about 2x on small models).
+    (about 2x on small models). ``dynamic``: (tensor leaf, dimension) pairs traced as symbols
+    (``graph/dynamic.py``), through autograd (``torch.func.grad`` specializes a linear layer's
+    sizes); the graph's fake values are then symbolic (``dynamic.at_bound`` makes them plain).
 
     Long on purpose: the steps of one trace (parameter views, the joint loss-and-gradients function,
     the traced graph's outputs named and checked) share one fake mode and the parameters' fake values.
@@ -183,7 +188,9 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     batch_names: list[str] = []
     for path, leaf in path_leaves:
         if isinstance(leaf, torch.Tensor):
-            spec_leaves.append(("tensor", tuple(leaf.shape), leaf.dtype))
+            t = sum(1 for x in spec_leaves if x[0] == "tensor")       # a dynamic size is None here
+            spec_leaves.append(("tensor", tuple(None if (t, d) in dynamic else s for d, s in enumerate(leaf.shape)),
+                                leaf.dtype))
             batch_names.append("in_" + (_ident(keystr(path)) if path else "0"))
         else:
             spec_leaves.append(("const", leaf))
@@ -196,12 +203,15 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
     def dtype_of(p: torch.Tensor) -> torch.dtype:
         return param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)   # plain tensor attributes become constants
+    # plain tensor attributes become constants
+    mode = symbolic.symbolic_mode() if dynamic else FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fake_params = [torch.empty(p.shape, dtype=dtype_of(p), device=device) for p in params.values()]
         fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
-        fake_batch = [torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
-                      for _, leaf in path_leaves if isinstance(leaf, torch.Tensor)]
+    tensor_leaves = [leaf for _, leaf in path_leaves if isinstance(leaf, torch.Tensor)]
+    fake_batch = [symbolic.symbolic_leaf(mode, leaf.shape, leaf.dtype, device, {d for j, d in dynamic if j == i})
+                  for i, leaf in enumerate(tensor_leaves)]
+    with mode:
         if loss_scale and backward:
             fake_batch.append(torch.empty((), dtype=torch.float32, device=device))
             batch_names = [*batch_names, "loss_scale"]
@@ -246,25 +256,32 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
         grads, (_, loss) = torch.func.grad_and_value(scaled_loss_of, has_aux=True)(trainable, frozen_vals, b_vals)
         return (loss, *(grads[f] for f in grad_fqns))
 
-    route = "functorch"
+    def trace() -> fx.GraphModule:
+        with torch.random.fork_rng(devices=[]), _compiling_flag():
+            return make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", record_stack_traces=sources)(
+                *fake_params, *fake_buffers, *fake_batch)
+
+    def through_autograd() -> list[torch.Tensor]:
+        with mode:
+            return [p.detach().requires_grad_(f in grad_fqns) if p.is_floating_point() else p
+                    for f, p in zip(param_fqns, fake_params)]
+
+    route = "autograd" if dynamic and backward else "functorch"
+    if route == "autograd":
+        fake_params = through_autograd()
     try:
         try:
-            with torch.random.fork_rng(devices=[]), _compiling_flag():
-                traced = make_fx(joint, tracing_mode="fake", record_stack_traces=sources)(
-                    *fake_params, *fake_buffers, *fake_batch)
+            traced = trace()
         except RuntimeError as e:
-            if not any(m in str(e) for m in _NEEDS_AUTOGRAD):
+            if route == "autograd" or not any(m in str(e) for m in _NEEDS_AUTOGRAD):
                 raise
             # the model checkpoints itself (or otherwise needs autograd, not torch.func): trace
             # through autograd, which replays checkpointed regions in the backward, then fold the
             # replays back into the forward
             route = "autograd"
-            with mode:
-                fake_params = [p.detach().requires_grad_(f in grad_fqns) if p.is_floating_point() else p
-                               for f, p in zip(param_fqns, fake_params)]
-            with torch.random.fork_rng(devices=[]), _compiling_flag():
-                traced = make_fx(joint, tracing_mode="fake", record_stack_traces=sources)(
-                    *fake_params, *fake_buffers, *fake_batch)
+            fake_params = through_autograd()
+            traced = trace()
+        if route == "autograd":
             fold_recomputation(traced)
     except _LossError as e:
         raise e.error from None   # extract_loss's own message already says what would work
@@ -278,8 +295,12 @@ def capture_joint(model: nn.Module, batch: Any, *, params: dict[str, nn.Paramete
                   + batch_names)
     if sources:
         _keep_sources(gm)
+    sym = None
+    if dynamic:
+        sym = symbolic.SymbolicCapture(tuple(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"),
+                                       mode.shape_env, tuple(dynamic))
     captured = CapturedGraph(gm, param_fqns, grad_fqns, buffer_fqns, batch_spec,
-                             time.perf_counter() - t0, param_dtype, backward)
+                             time.perf_counter() - t0, param_dtype, backward, sym)
     log.info(captured.summary)
     return captured
 
