@@ -122,7 +122,11 @@ class CompiledPlanning:
         """Whether the range's symbolic capture (made now if it is the first) runs ``batch``: it
         traced (a model may refuse symbolic sizes), kept every dynamic size a symbol, its memory
         grows with the sizes (``dynamic.monotone``) and its shape guards hold for ``batch``. A
-        batch refused is keyed by its own signature from then on, with an INFO line saying why."""
+        batch refused is keyed by its own signature from then on, with an INFO line saying why; one
+        admitted is not checked again (evaluating the guards costs milliseconds, a step)."""
+        sig = signature(batch)
+        if self._ranges.admitted(sig):
+            return True
         sym = self._symbolic.get(key.capture)
         why = None
         if sym is None and key.capture not in self._symbolic:
@@ -133,11 +137,12 @@ class CompiledPlanning:
             if not sym.symbolic.admits([t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)], offset):
                 why = "its shape guards (" + ", ".join(str(g.expr) for g in sym.symbolic.shape_env.guards) + ") refuse it"
         elif sym is None and why is None:
-            why = "the symbolic capture failed before"
+            why = "the range was refused before (an INFO line above says why)"
         if why is None:
+            self._ranges.admit(sig)
             return True
-        log.info("pscompile: sizes %s run under a plan of their own: %s", signature(batch)[1:], why)
-        self._ranges.refuse(signature(batch))
+        log.info("pscompile: sizes %s run under a plan of their own: %s", sig[1:], why)
+        self._ranges.refuse(sig)
         return False
 
     def _capture_range(self, key: ScheduleKey, batch: Any) -> tuple[CapturedGraph | None, str | None]:
