@@ -168,6 +168,22 @@ def test_no_budget_quick(tmp_path):
     assert "/ torch.compile" in proc.stdout
 
 
+def test_dynamic_shapes_quick(tmp_path):
+    """bench/dynamic_shapes.py --quick: ten lengths through plain PyTorch, hooks mode and compiled
+    mode (eager), every pscompile step within its budget (the script exits 1 otherwise), losses
+    matching plain PyTorch's, compiled mode capturing twice, and the per-length table complete."""
+    out = tmp_path / "ds.json"
+    proc = _run("dynamic_shapes.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = {r["system"]: r for r in res["rows"]}
+    assert set(rows) == {"plain PyTorch", "hooks", "compiled eager"}
+    assert rows["compiled eager"]["captures"] == 2 and rows["compiled eager"]["within_budget"]
+    assert all(r["max_dloss"] < 1e-4 and len(r["step_s"]) == 10 for r in rows.values())
+    assert [p["length"] for p in res["per_length"]] == list(res["lengths"])
+    assert all(p["ranged_s"] > 0 and p["fixed_s"] > 0 and p["ranged_h2d"] > 0 for p in res["per_length"])
+    assert "fixed-length step ms" in proc.stdout
+
+
 def test_planners_quick(tmp_path):
     """bench/planners.py --quick: both planners' schedules at three budgets of GPT and BERT were
     made and verified (the script raises otherwise), and each row has both planners' traffic."""

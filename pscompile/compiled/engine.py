@@ -50,7 +50,7 @@ from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.passes.plan_residency import ResidencyPlan
-from pscompile.runtime.batching import LossFn, signature, to_device
+from pscompile.runtime.batching import LossFn, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.units import format_bytes
 
@@ -171,7 +171,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()
         executor = self._executor_for(key, sched)
-        observer = _NodeMemory(tracker) if not sched.measured and self._measures_range(key, batch) else None
+        observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
         extra = self._region_extra.get(sched.gm, {})
 
@@ -269,11 +269,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         compiled_ops = executor.compiled_ops - (probe.eager_ops if probe is not None else 0)
         return MicroRun(value, tracker, traffic, t_back - t_start, t_end - t_back,
                         frozenset(self._written), record, (executor.ops, compiled_ops))
-
-    def _measures_range(self, key: ScheduleKey, batch: Any) -> bool:
-        """A run's node-by-node measurement replaces the plan's estimate only where it measured the
-        bound (a shorter batch of a range needs less; its peak is still checked, every step)."""
-        return not ShapeRanges.is_ranged(key.batch) or self._ranges.at_bound(key.batch, signature(batch))
 
     def _graph_inputs(self, sched: Scheduled, batch: Any, acc: list[torch.Tensor] | None, loss_scale: float,
                       tracker: NonModelTracker) -> list:
@@ -420,13 +415,15 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
     def _remeasure(self, key: ScheduleKey, samples: dict[int, int]) -> None:
         """Replace the static non-model estimate by the measured one and plan again (every
         schedule of the same capture: train and accumulation share it). A range's capture keeps the
-        larger of the two at every node: a measurement at the bound fell short of what a shorter
-        batch needed on Hugging Face's GPT-2 (846,340 bytes against a budget of 813,431 planned from it)."""
+        larger of the two at every node: the estimate is made at the bound and shown to grow with
+        the sizes, and a measurement at one length only adds what the estimate missed (alone, one at
+        the bound fell short of a shorter batch's needs on Hugging Face's GPT-2: 846,340 bytes
+        against a budget of 813,431 planned from it)."""
         cap = key.capture
         static = self._captures[cap].nonmodel     # kept where nothing runs: placeholders, output,
         measured = tuple(samples.get(i, est) for i, est in enumerate(static))   # parameter views
-        if ShapeRanges.is_ranged(key.batch):    # the estimate is what is proven to grow with the sizes: a
-            measured = tuple(map(max, measured, static))   # measurement at the bound only adds to it
+        if ShapeRanges.is_ranged(key.batch):    # the estimate at the bound is what grows with the sizes:
+            measured = tuple(map(max, measured, static))   # a measurement (at any length) only adds to it
         if self.comm is not None:          # every rank plans from the same curve: the same collectives
             measured = self.comm.agree_max(measured)
         self._measured[cap] = self._node_curves[cap] = measured

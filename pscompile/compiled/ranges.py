@@ -63,7 +63,3 @@ class ShapeRanges:
 
     def bound(self, key_sig: tuple) -> tuple[int, ...]:
         return self._bound[key_sig]
-
-    def at_bound(self, key_sig: tuple, sig: tuple) -> bool:
-        """Whether ``sig`` has the range's upper bound at every dynamic dimension."""
-        return dynamic.sizes_of(sig, self.dims(key_sig)) == self._bound[key_sig]
