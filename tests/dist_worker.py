@@ -412,3 +412,26 @@ def device_homes(rank: int, world: int, port: int, out_dir: str, cases: list[tup
                    os.path.join(out_dir, f"homes-{mode}-{collectives}-rank{rank}.pt"))
         engine.close()
     leave()
+
+
+def lengths(rank: int, world: int, port: int, out_dir: str, modes: list[str]) -> None:
+    """Each mode: steps whose length changes from step to step, the same on both ranks (trains),
+    then a step where the ranks' lengths differ (refused on every rank, naming each rank's shapes,
+    before anything changes), then the engine trains on."""
+    join(rank, world, port)
+    for mode in modes:
+        batches = [tuple(t[:, :n] for t in make_batches("gpt", 1)[0]) for n in (64, 40, 56)]
+        engine = pscompile.compile(make_model("gpt"), optimizer=HP, config=config(mode, None))
+        losses = [engine.step(split(b, rank, world)) for b in batches]
+        before = engine.full_state_dict()
+        try:
+            engine.step(split(batches[rank], rank, world))      # rank 0: length 64, rank 1: length 40
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        unchanged = all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
+        losses.append(engine.step(split(batches[0], rank, world)))
+        torch.save({"losses": losses, "refused": refused, "unchanged": unchanged},
+                   os.path.join(out_dir, f"lengths-{mode}-rank{rank}.pt"))
+        engine.close()
+    leave()

@@ -299,3 +299,23 @@ def test_the_disk_tier_under_zero_each_rank_its_own_file(tmp_path):
                 assert rel(ours, plain) <= 1e-5, (mode, collectives, r, ours, plain)
             assert weight_error(run["full"], ref) <= 1e-5, (mode, collectives)
             assert all(torch.equal(a, b) for a, b in zip(run["master"], run["again"]))
+
+
+def test_lengths_that_change_train_and_ranks_with_different_lengths_are_refused(tmp_path):
+    """Both modes: lengths that change from step to step, the same on both ranks, track plain
+    PyTorch; a step where rank 0 passes length 64 and rank 1 length 40 is refused on both ranks with
+    each rank's shapes named (not a wait until the group's timeout), nothing changed, and training
+    goes on."""
+    modes = ["compiled", "hooks"]
+    spawn(dist_worker.lengths, str(tmp_path), modes)
+    full = make_batches("gpt", 1)[0]
+    batches = [tuple(t[:, :n] for t in full) for n in (64, 40, 56, 64)]
+    ref_losses, _ = reference("gpt", batches)
+    for mode in modes:
+        for r in range(WORLD):
+            run = torch.load(tmp_path / f"lengths-{mode}-rank{r}.pt", weights_only=False)
+            assert run["refused"] is not None and "rank 0: [(((2, 64)" in run["refused"] \
+                and "rank 1: [(((2, 40)" in run["refused"], run["refused"]
+            assert run["unchanged"], (mode, r)
+            for ours, plain in zip(run["losses"], ref_losses):
+                assert rel(ours, plain) <= 1e-5, (mode, r, ours, plain)

@@ -100,6 +100,9 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._symbolic: dict[CaptureKey, CapturedGraph | None] = {}  # a range's symbolic capture (None: failed)
         self._range_planned: dict[CaptureKey, tuple[int, ...]] = {}  # the bound a range's capture is planned for
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
+        # ZeRO: ranks that decided ranges alone (each sees its own lengths) could plan different
+        # collectives; every shape keeps its own schedule there (docs/dynamic-shapes.md)
+        self._ranges.enabled = self._ranges.enabled and self.world == 1
         self._captures: dict[CaptureKey, AnalyzedGraph] = {}
         self._measured: dict[CaptureKey, tuple[int, ...]] = {}    # measured non-model curve per capture
         self._schedules: dict[ScheduleKey, Scheduled] = {}
