@@ -37,22 +37,22 @@ def signature(batch: Any) -> tuple:
         (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
 
 
-def ranks_shape_problem(batches: list, comm) -> str | None:
-    """Under ZeRO (``comm``, a ``dist.comm.Comm``): why the ranks' (micro-)batches of this step
-    differ in shape, naming each rank's, or None when they agree. Each rank plans and runs the shapes
-    it sees, so ranks with different shapes would issue different collectives and wait on each
-    other until the group's timeout. One all-reduce of two integers (a digest of the shapes) when
-    they agree; every rank takes the same path."""
+def check_ranks_agree(batches: list, comm, call: str = "step") -> None:
+    """Under ZeRO (``comm``, a ``dist.comm.Comm``): a ``ValueError`` on every rank, naming each
+    rank's shapes, when the ranks' (micro-)batches of this step differ in shape. Each rank plans and
+    runs the shapes it sees, so ranks with different shapes would issue different collectives and
+    wait on each other until the group's timeout. One all-reduce of two integers (a digest of the
+    shapes) when they agree; every rank takes the same path."""
     shapes = [signature(b)[1:] for b in batches]
     mine = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "big")
     high, low = comm.agree_max([mine, -mine])
     if high == -low:
-        return None
+        return
     everyone = comm.gather_objects(shapes)
-    return ("under ZeRO every rank must pass batches of the same shapes in a step (each rank plans the "
-            "shapes it sees, and the ranks' collectives must match); got "
-            + "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-            + ". Pad every rank's batch to one length: a fixed max_length, or the longest over the ranks")
+    raise ValueError(f"{call}(): under ZeRO every rank must pass batches of the same shapes in a step (each rank "
+                     "plans the shapes it sees, and the ranks' collectives must match); got "
+                     + "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
+                     + ". Pad every rank's batch to one length: a fixed max_length, or the longest over the ranks")
 
 
 def structure(batch: Any) -> tuple[tuple[str, str], ...]:

@@ -43,7 +43,7 @@ from pscompile.runtime.groups import GroupControl
 from pscompile.runtime.model_access import ModelAccess
 from pscompile.profiling import Profiled
 from pscompile.optim.lock_free import LockFreeUpdater
-from pscompile.runtime.batching import (LossFn, call_model, micro_batches, ranks_shape_problem, structure,
+from pscompile.runtime.batching import (LossFn, call_model, micro_batches, check_ranks_agree, structure,
                                         structure_error, tensor_problem, to_device)
 from pscompile.runtime.materialize import check_meta, materialize_module
 from pscompile.runtime.rng import rng_state, set_rng_state
@@ -339,18 +339,15 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _check_batch(self, batch: Any, micro: list | None, call: str = "step") -> None:
         """A ``TypeError`` naming the argument when ``batch`` (or a micro-batch) is not of the form
-        the engine was compiled for, a ``ValueError`` when ZeRO's ranks pass different shapes; before
-        anything runs, so nothing changes."""
-        for i, b in enumerate([batch] if micro is None else micro):
+        compiled for, a ``ValueError`` when ZeRO's ranks' shapes differ; before anything changes."""
+        for i, b in enumerate(batches := [batch] if micro is None else micro):
             which = "" if micro is None else f" (micro-batch {i})"
-            problem = structure_error(self.batch_structure, b)
-            if problem is not None:
+            if (problem := structure_error(self.batch_structure, b)) is not None:
                 raise TypeError(f"{call}(){which}: {problem}")
             if (problem := tensor_problem(b)) is not None:
                 raise ValueError(f"{call}(){which}: {problem}")
-        if self.comm is not None and (problem := ranks_shape_problem([batch] if micro is None else micro,
-                                                                      self.comm)) is not None:
-            raise ValueError(f"{call}(): {problem}")
+        if self.comm is not None:
+            check_ranks_agree(batches, self.comm, call)
 
     def _check_open(self) -> None:
         if self.closed:
