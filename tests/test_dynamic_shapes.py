@@ -126,11 +126,12 @@ def test_evaluation_of_changing_lengths_shares_one_plan(minimum, caplog):
     ref = model()
     with caplog.at_level(logging.INFO, logger="pscompile"):
         engine.step(batch(64, 0))
-        got = [engine.evaluate(batch(n, i)) for i, n in enumerate([64, 33, 17, 50])]
+        engine.step(batch(40, 1))       # a training range; evaluation meets its admitted length first
+        got = [engine.evaluate(batch(n, i)) for i, n in enumerate([40, 33, 17, 64])]
     forward = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capture_forward:")]
-    assert len(forward) == 2, forward
+    assert len(forward) == 1, forward     # the sizes already vary: one symbolic forward capture
     with engine.materialize(), torch.no_grad():
-        want = [ref.__class__.forward(engine.model, *batch(n, i)).item() for i, n in enumerate([64, 33, 17, 50])]
+        want = [ref.__class__.forward(engine.model, *batch(n, i)).item() for i, n in enumerate([40, 33, 17, 64])]
     assert got == pytest.approx(want, abs=2e-5)
     engine.close()
 

@@ -125,7 +125,7 @@ class CompiledPlanning:
         batch refused is keyed by its own signature from then on, with an INFO line saying why; one
         admitted is not checked again (evaluating the guards costs milliseconds, a step)."""
         sig = signature(batch)
-        if self._ranges.admitted(sig):
+        if self._ranges.admitted(key.capture, sig):
             return True
         sym = self._symbolic.get(key.capture)
         why = None
@@ -139,7 +139,7 @@ class CompiledPlanning:
         elif sym is None and why is None:
             why = "the range was refused before (an INFO line above says why)"
         if why is None:
-            self._ranges.admit(sig)
+            self._ranges.admit(key.capture, sig)
             return True
         log.info("pscompile: sizes %s run under a plan of their own: %s", sig[1:], why)
         self._ranges.refuse(sig)

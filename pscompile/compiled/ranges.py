@@ -21,7 +21,7 @@ class ShapeRanges:
         self._dims: dict[tuple, dynamic.Dims] = {}    # family -> its dynamic dimensions
         self._bound: dict[tuple, tuple[int, ...]] = {}   # ranged signature -> its upper bound
         self._refused: set[tuple] = set()             # signatures the symbolic capture does not admit
-        self._admitted: set[tuple] = set()            # signatures its shape guards admitted (checked once)
+        self._admitted: set[tuple] = set()            # (capture, signature) pairs whose guards held (checked once)
 
     def key(self, sig: tuple) -> tuple:
         """The signature ``sig`` is planned under: itself, or its family's ranged signature (which
@@ -45,12 +45,13 @@ class ShapeRanges:
     def refuse(self, sig: tuple) -> None:
         self._refused.add(sig)
 
-    def admit(self, sig: tuple) -> None:
-        """``sig`` passed its range's shape guards: they depend on sizes only, so it always will."""
-        self._admitted.add(sig)
+    def admit(self, capture, sig: tuple) -> None:
+        """``sig`` passed the shape guards of ``capture`` (a training and an evaluation capture have
+        their own): they depend on sizes only, so it always will."""
+        self._admitted.add((capture, sig))
 
-    def admitted(self, sig: tuple) -> bool:
-        return sig in self._admitted
+    def admitted(self, capture, sig: tuple) -> bool:
+        return (capture, sig) in self._admitted
 
     @staticmethod
     def is_ranged(key_sig: tuple) -> bool:
