@@ -84,13 +84,15 @@ class Executor:
       caller does their bookkeeping.
     - ``cuts``, ``solo``: captured node indices where a region also ends, and operators that run
       alone as eager code (regions cut to fit the budget: ``program.by_regions``).
+    - ``any_sizes``: a range's schedule: the graph's inputs change sizes from run to run (not checked);
+      ``symbolic``: its nodes' symbolic values, for regions compiled once for every size.
     """
 
     def __init__(self, gm: fx.GraphModule, *, split: str = "regions", backend: str = "inductor",
                  cache: RegionCache | None = None, lift_params: bool = True, min_fusible: int = 2,
                  check_inputs: bool = False, device: torch.device | str | None = None,
                  fold_stores: bool = False, cuts: frozenset[int] = frozenset(), solo: frozenset[int] = frozenset(),
-                 any_sizes: bool = False):
+                 any_sizes: bool = False, symbolic: Sequence[Any] | None = None):
         if split not in ("nodes", "regions"):
             raise ValueError(f"split={split!r}: expected 'nodes' or 'regions'")
         self._range_names: dict = {}       # region index or memory node -> its profiler range's name
@@ -112,8 +114,8 @@ class Executor:
         else:
             program, self.regions, self.report, self._input_checks = by_regions(
                 gm, backend=backend, cache=self.cache, lift_params=lift_params, min_fusible=min_fusible,
-                device=device, fold=fold_stores, cuts=cuts, solo=solo)
-        if any_sizes:          # a range's schedule (eager regions): its inputs' sizes change from run to run
+                device=device, fold=fold_stores, cuts=cuts, solo=solo, symbolic=symbolic)
+        if any_sizes:
             self._input_checks = ()
         release_plan(program, self.output_node)
         for s in program:     # inputs whose memory dies in the region: the environment lets go of them before

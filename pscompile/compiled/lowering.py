@@ -15,7 +15,10 @@
   does not fit run alone as eager code, one by one, which the plan holds by construction (it was
   planned with their node-by-node measurement);
 - a region that cannot be compiled, fails on its real inputs or would receive another layout runs
-  as eager code from then on (``_fall_back``).
+  as eager code from then on (``_fall_back``);
+- a range's schedule (``compiled/ranges.py``) has its regions compiled once for symbolic sizes
+  (``compiled/inductor.py``): its first run at each new batch shape checks their layouts
+  (``_check_sizes``), and its probing run measures them at the range's bound.
 
 The engine calls ``_init_lowering`` in its constructor, ``_executor_for`` to run a schedule,
 ``_settle_probe`` after a probing run, ``_lower`` after planning, and ``_forget_lowering`` for a
@@ -32,12 +35,14 @@ import torch
 from torch import fx
 
 from pscompile.compiled.executor import Executor
+from pscompile.compiled.inductor import grown
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.probe import (Allocation, Probe, Snapshot, made_bytes, measure, over_plan, region_peaks,
                                       room_of, warn_fallback)
 from pscompile.compiled.program import is_compute_op
 from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.regions import RegionCache, region_source
+from pscompile.graph.dynamic import symbolic_values
 from pscompile.graph.meta import get
 from pscompile.kinds import Backend
 
@@ -88,10 +93,13 @@ class RegionLowering:
         # region key -> bytes its measurement would need beyond the room between steps (not measured:
         # its regions are cut like those that do not fit the plan)
         self._unmeasured: dict[str, int] = {}
+        self._symvals: dict[fx.GraphModule, list | None] = {}   # a range's schedule -> its nodes' symbolic values
+        self._sizes_run: dict[fx.GraphModule, set[tuple]] = {}  # and the batch signatures it ran (checked)
 
     def _forget_lowering(self, gm: fx.GraphModule) -> None:
         """Drop what was made for the schedule of ``gm`` (it is being replaced)."""
-        for made in (self._executors, self._region_extra, self._probing, self._tails, self._gm_rounds):
+        for made in (self._executors, self._region_extra, self._probing, self._tails, self._gm_rounds, self._symvals,
+                     self._sizes_run):
             made.pop(gm, None)
         self._unlearned.discard(gm)
 
@@ -122,15 +130,32 @@ class RegionLowering:
         Every region with an operator is compiled (``min_fusible=0``): under a budget, memory nodes
         cut many regions of one or two operators, and run as eager code they were most of the
         step's operators (docs/inductor.md)."""
-        # a range's schedule runs its regions as eager graph code: Inductor's are compiled for the sizes
-        # they were measured on (docs/dynamic-shapes.md)
-        backend = Backend.EAGER if ShapeRanges.is_ranged(key.batch) else self.config.backend
+        ranged = ShapeRanges.is_ranged(key.batch)
+        symbolic = self._symbolic_values(key, sched) if ranged and regions else None
+        backend = Backend.EAGER if ranged and symbolic is None else self.config.backend
         eager = backend == Backend.EAGER
         cap = key.capture
         return Executor(sched.gm, split="regions" if regions else "nodes", backend=backend,
                         cache=self._region_cache, lift_params=not eager, fold_stores=regions, min_fusible=0,
                         cuts=frozenset(self._cuts.get(cap, ())), solo=frozenset(self._solo.get(cap, ())),
-                        any_sizes=ShapeRanges.is_ranged(key.batch))
+                        any_sizes=ranged, symbolic=symbolic)
+
+    def _symbolic_values(self, key: ScheduleKey, sched: Scheduled) -> list | None:
+        """A range's schedule: the symbolic value of each of its nodes (``dynamic.symbolic_values``),
+        for regions compiled once for every length; None with the eager backend, or if the schedule
+        cannot be propagated with symbolic sizes (its regions then run as eager graph code)."""
+        if self.config.backend == Backend.EAGER:
+            return None
+        if sched.gm not in self._symvals:
+            captured = self._symbolic.get(key.capture)
+            try:
+                tail = captured.symbolic.inputs[captured.num_params:]
+                self._symvals[sched.gm] = symbolic_values(sched.gm, tail, self.device)
+            except Exception as e:  # noqa: BLE001 - eager regions then, as for the eager backend
+                log.info("pscompile: the range's regions run as eager graph code: its schedule did not propagate "
+                         "with symbolic sizes (%s: %s)", type(e).__name__, str(e)[:200])
+                self._symvals[sched.gm] = None
+        return self._symvals[sched.gm]
 
     def _probe_or_check(self, key: ScheduleKey, sched: Scheduled, ex: Executor) -> Executor:
         """A new region executor: probed in its first run if it has compiled regions (what is live
@@ -234,7 +259,8 @@ class RegionLowering:
         if not probe.saved:
             return {}, {}, {}
         self._settle()
-        saved, unfit = self._measurable(probe)
+        saved, unfit = self._measurable(Probe(probe.known, True, saved={   # a range's: measured at the bound
+            k: (r, grown(r, snaps, Snapshot)) for k, (r, snaps) in probe.saved.items()}))
         found = measure(saved, self.device)
         if tracker is not None:
             tracker.note(found.footprint, self._model_bytes())
@@ -276,7 +302,10 @@ class RegionLowering:
         ex = self._executors.get(sched.gm)
         if not probe.eager_all or ex is None or ex.split != "regions":
             return
-        self._check_regions(key, sched, ex, probe.learned, probe.starts)
+        if ShapeRanges.is_ranged(key.batch):   # measured at one length: a range is checked at its bound (its
+            self._check_regions(key, sched, ex, {}, None)   # compiled regions measured there, the rest
+        else:                                               # by the node-by-node curve, made at least the bound's)
+            self._check_regions(key, sched, ex, probe.learned, probe.starts)
         self._lower(key)
 
     def _fall_back(self, region_key: str, r, stage: str, why: str) -> None:
@@ -290,6 +319,17 @@ class RegionLowering:
                 for r in changed:
                     known.pop(r.index, None)
                 self._unlearned.add(gm)
+
+    def _check_sizes(self, key: ScheduleKey, sched: Scheduled, ex: Executor, sizes: tuple) -> None:
+        """A range's compiled regions run on new sizes (``sizes``, the batch's signature): the run
+        checks the layout of every compiled region's inputs first (``Probe`` without ``eager_all``;
+        a region given another layout than its symbols say runs as eager code from then on)."""
+        if not ShapeRanges.is_ranged(key.batch) or not ex.compiled_regions() or sched.gm in self._probing:
+            return
+        seen = self._sizes_run.setdefault(sched.gm, set())
+        if sizes not in seen:
+            seen.add(sizes)
+            self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=False)
 
     def _lower(self, key: ScheduleKey) -> None:
         """Make the executor of ``key``'s schedule now (its regions compiled), not inside the next step."""

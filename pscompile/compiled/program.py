@@ -14,14 +14,16 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import fx
 
 from pscompile.compiled.probe import warn_fallback
+from pscompile.compiled.inductor import SymbolicMeta, compile_inductor
+from pscompile.graph.dynamic import has_symbols
 from pscompile.compiled.regions import (Region, RegionCache, TensorMeta, buffer_aliases, buffer_placeholders,
-                                        compile_inductor, eval_chain, fusible_ops, graph_device, is_view_op,
+                                        eval_chain, fusible_ops, graph_device, is_view_op,
                                         lifted_views, region_key, written_inputs)
 from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import copy_grad_into, folds_into_region, is_memory_node, runs_as_transfer
@@ -122,7 +124,7 @@ def per_node(gm: fx.GraphModule) -> list[Step]:
 
 def by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_params: bool, min_fusible: int,
                device: torch.device | str | None, fold: bool = False, cuts: frozenset[int] = frozenset(),
-               solo: frozenset[int] = frozenset()):
+               solo: frozenset[int] = frozenset(), symbolic: Sequence[Any] | None = None):
     """Regions between memory nodes, compiled through ``cache``; parameter views as eval steps
     right before their first reader. ``fold``: memory nodes that ``folds_into_region`` do not cut
     the graph; they are listed in their region's ``effects``. With ``backend="eager"`` the region
@@ -132,8 +134,10 @@ def by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_par
     of the region reads the bytes a store overwrites; the gradient only lives until the region's
     end instead of until its store. ``cuts``: captured node indices (``src_index``) where a region
     ends before the node although no memory node is there (a region cut to fit the budget);
-    ``solo``: nodes that run alone, as eager code (an operator that fits no other way). Returns
-    (program, regions, report, input checks)."""
+    ``solo``: nodes that run alone, as eager code (an operator that fits no other way).
+    ``symbolic``: a range's schedule, the symbolic value of each node (``dynamic.symbolic_values``):
+    region inputs whose sizes are symbols are described by ``SymbolicMeta``s and compiled once for
+    every length (``compiled/inductor.py``). Returns (program, regions, report, input checks)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -147,7 +151,8 @@ def by_regions(gm: fx.GraphModule, *, backend: str, cache: RegionCache, lift_par
     evals = {n for n in nodes if n in aliases and n not in lifted
              and any(u.op == "output" or is_memory_node(u) for u in n.users)}
     input_checks = _describe_inputs(gm, cut.regions, lifted, placeholders,
-                                    device if device is not None else graph_device(nodes))
+                                    device if device is not None else graph_device(nodes),
+                                    dict(zip(nodes, symbolic)) if symbolic is not None else None)
     compiled = _compile(cut.regions, backend, cache)
     program = _interleave(cut.steps, placeholders, lifted | evals | aliases, output_node)
     report = LoweringReport(
@@ -278,7 +283,8 @@ def _on_host(a: fx.Node, device: torch.device) -> bool:
 
 
 def _describe_inputs(gm: fx.GraphModule, regions: list[Region], lifted: set[fx.Node],
-                     placeholders: list[fx.Node], device: torch.device | str) -> tuple:
+                     placeholders: list[fx.Node], device: torch.device | str,
+                     symbolic: dict[fx.Node, Any] | None = None) -> tuple:
     """Each region's input layouts (exact strides and storage offsets of lifted parameter views)
     and structural key; returns what the graph's tensor inputs that compiled regions read must look
     like (they specialise on it; inputs only memory ops touch, host chunks and accumulation
@@ -301,8 +307,13 @@ def _describe_inputs(gm: fx.GraphModule, regions: list[Region], lifted: set[fx.N
                     meta_env[a] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
         return meta_env[a]
 
+    def described(a: fx.Node) -> Any:
+        bound = TensorMeta.of(meta_value(a), device)
+        sym = symbolic.get(a) if symbolic is not None and a not in lifted else None
+        return SymbolicMeta(sym, bound) if has_symbols(sym) else bound
+
     for r in regions:
-        r.input_metas = [TensorMeta.of(meta_value(a), device) for a in r.inputs]
+        r.input_metas = [described(a) for a in r.inputs]
         r.key = region_key(r.graph, r.input_metas)
     read = {a for r in regions for a in r.inputs}
     return tuple((i, n.name, tuple(v.shape), tuple(v.stride()), v.dtype)

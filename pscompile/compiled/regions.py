@@ -29,7 +29,8 @@ nodes replaced by positions, constants, and the shape/stride/dtype/device/alignm
 input) to the compiled callable; identical transformer layers compile once, and a cache shared
 between executors keeps compiled regions when a schedule is planned again.
 
-Compilation uses ``torch._inductor.standalone_compile(gm, inputs,
+Compilation (``compiled/inductor.py``, which also compiles a range's regions for symbolic sizes) uses
+``torch._inductor.standalone_compile(gm, inputs,
 dynamic_shapes="from_example_inputs")`` with ``fallback_random=True`` (random ops call ATen, so a
 compiled region draws the same dropout mask as eager from the same seed). The inputs are *fake*
 tensors with exactly the layout the region will receive (``TensorMeta.fake``): compiling reads
@@ -60,7 +61,7 @@ from pscompile.graph.capture import source_line
 from pscompile.graph.ops import is_memory_node
 
 __all__ = ["INDUCTOR_PATCHES", "RegionCache", "Region", "TensorMeta", "region_key", "buffer_placeholders",
-           "buffer_aliases", "lifted_views", "fusible_ops", "compile_inductor", "eager_fn", "graph_device",
+           "buffer_aliases", "lifted_views", "fusible_ops", "boxed_inner", "eager_fn", "graph_device",
            "eval_chain", "check_region_args", "layout_mismatch", "region_source", "written_inputs", "first_line"]
 
 aten = torch.ops.aten
@@ -271,7 +272,7 @@ class TensorMeta:
 def _sig(v: Any) -> tuple:
     if isinstance(v, torch.Tensor):
         v = TensorMeta.of(v, v.device)
-    if isinstance(v, TensorMeta):
+    if isinstance(v, TensorMeta) or hasattr(v, "exprs"):     # (a SymbolicMeta: compiled/inductor.py)
         return v.sig()
     return ("C", type(v).__name__, repr(v))
 
@@ -384,17 +385,6 @@ def boxed_inner(fn: Callable) -> Callable[[list], Sequence[Any]]:
     return call
 
 
-def compile_inductor(graph: fx.Graph, metas: Sequence[Any]) -> Callable[[list], Sequence[Any]]:
-    """Inductor's code for a region graph, for inputs of exactly the layouts ``metas`` (fake
-    tensors: no value is read; each in its own storage)."""
-    gm = fx.GraphModule({}, copy.deepcopy(graph))
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [m.fake(mode) if isinstance(m, TensorMeta) else m for m in metas]
-    art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs",
-                                             options={"config_patches": dict(INDUCTOR_PATCHES)})
-    return boxed_inner(art)
-
-
 def written_inputs(graph: fx.Graph) -> frozenset[int]:
     """Positions of the placeholders that ``graph`` writes in place (directly or through a view)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -464,8 +454,15 @@ def layout_mismatch(r: Region, args: Sequence[Any]) -> str | None:
     another input (it was compiled for separate storages: a write through one would change what
     the code reads through the other); None when they all match. Read-only inputs may share a
     storage (two parameters of one chunk)."""
+    values = None
     for a, m, v in zip(r.inputs, r.input_metas, args):
-        if isinstance(m, TensorMeta):
+        if hasattr(m, "exprs"):       # a SymbolicMeta (a range's region: compiled/inductor.py)
+            if values is None:
+                values = m.bind(r.input_metas, args)
+            problem = m.mismatch(v, values)
+            if problem is not None:
+                return f"region {r.index} ({region_source(r)}) receives node {a.name} as {problem}"
+        elif isinstance(m, TensorMeta):
             problem = m.mismatch(v)
             if problem is not None:
                 return f"region {r.index} ({region_source(r)}) receives node {a.name} as {problem}"
