@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from pscompile.config import AdamW, Config
@@ -15,6 +17,8 @@ from pscompile.runtime.batching import LossFn, tensor_problem, to_device
 from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
 from pscompile.kinds import Collectives, Mode
+
+log = logging.getLogger("pscompile")
 
 # Probes of hooks mode's minimum before giving up (each probe is one traced forward + backward).
 _MAX_PROBES = 8
@@ -83,7 +87,15 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     ``host_memory`` smaller than the model it includes the chunks that must live on the device.
     Hooks mode traces one forward and backward per chunk size it tries. With ``chunk_size="auto"``
     the chunk size depends on the budget (at most an eighth of it), so both search for the least
-    budget whose own layout fits in it."""
+    budget whose own layout fits in it.
+
+    With sizes named up front (``Config(dynamic=...)`` with ``pscompile.Dim``s) compiled mode
+    answers for the range: the least budget at which the range's symbolic capture, planned at every
+    Dim's ``max``, fits; ``batch`` only shows the structure (its sizes must lie within the Dims).
+    Where the engine would refuse that capture (a model that needs plain sizes: its INFO line says
+    why), every shape gets a plan of its own, and the answer falls back, with a WARNING, to the
+    minimum of one batch at the Dims' maxima (as plain captures of each shape). Hooks mode and ZeRO
+    answer for ``batch`` as given."""
     optimizer, config = _check_arguments(model, optimizer, config)
     return _least_budget(model, batch, optimizer, config, loss_fn)[0]
 
@@ -110,7 +122,7 @@ def _compiled_minimum(model: nn.Module, batch: Any, config: Config, loss_fn: Los
     world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
     per_chunk = config.collectives == Collectives.PER_CHUNK
     mp = collect_params(model, call_model, batch)
-    analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, loss_fn=loss_fn)
+    analyzed = _analyzed(model, batch, mp.params, config, loss_fn, world)
     leasts: dict[int, int] = {}             # chunk size -> least budget of its layout
     variants: dict = {}                      # activation rewrites, shared by every layout
 
@@ -134,6 +146,37 @@ def _compiled_minimum(model: nn.Module, batch: Any, config: Config, loss_fn: Los
         budget = need
     raise BudgetError(f"no budget found in {_MAX_PROBES} probes for compiled mode with chunk_size='auto' (last "
                       f"tried {budget} bytes); give chunk_size explicitly")
+
+
+def _analyzed(model: nn.Module, batch: Any, params: dict, config: Config, loss_fn: LossFn | None, world: int):
+    """What ``_compiled_minimum`` plans on: the batch's capture, or with sizes named up front
+    (``pscompile/dims.py``) the range's symbolic capture analyzed at the Dims' maxima, as the engine
+    plans it (``compiled/planning.py``); where that capture is refused, a capture of the batch at
+    the maxima."""
+    from pscompile.dims import DynamicShapes
+    from pscompile.graph.analysis import analyze_at_bound, capture_and_analyze, guards_refuse_bound, range_refusal
+    from pscompile.graph.capture import capture_joint
+    spec = config.dynamic
+    if not isinstance(spec, DynamicShapes) or world > 1:
+        return capture_and_analyze(model, batch, params=params, dtype=config.dtype, loss_fn=loss_fn)
+    declared = spec.resolve(batch)
+    try:
+        captured = capture_joint(model, batch, params=dict(params), loss_fn=loss_fn, param_dtype=config.dtype,
+                                 loss_scale=config.dtype == torch.float16, dynamic=declared.dims)
+        why = range_refusal(captured)
+    except Exception as e:  # noqa: BLE001 - the engine refuses the range alike (a plan per shape)
+        why = f"the capture with symbolic sizes failed ({type(e).__name__}: {str(e)[:200]})"
+    if why is None:
+        refusing = guards_refuse_bound(captured, declared.maxes)
+        if refusing is not None:
+            log.warning("pscompile: min_device_memory: the maxima %s of Config.dynamic break the model's traced shape "
+                        "guards (%s): this answer is for sizes no batch of the range runs; lower the Dims' max",
+                        list(declared.maxes), refusing)
+        return analyze_at_bound(captured, declared.maxes)
+    log.warning("pscompile: min_device_memory: the range Config.dynamic names is refused (%s); each shape gets a "
+                "plan of its own, so this is the minimum of one batch at the maxima %s", why, list(declared.maxes))
+    return capture_and_analyze(model, declared.at_max(batch), params=params,
+                               dtype=config.dtype, loss_fn=loss_fn)
 
 
 def _hooks_minimum(model: nn.Module, batch: Any, optimizer: AdamW, config: Config, loss_fn: LossFn | None, *,

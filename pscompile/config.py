@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from pscompile.dims import DynamicShapes
 from pscompile.kinds import Activations, Backend, Collectives, HostKernel, Mode, Policy, StrEnum
 from pscompile.memory.rates import LINK_PRESETS, calibrated_link
 from pscompile.units import parse_rate, parse_size
@@ -124,8 +125,10 @@ class Config:
     # compiled mode: batches whose sizes change. None (torch.compile's automatic dynamic): from a
     # batch family's second distinct shape on, the sizes that differ are symbolic, and one capture
     # and one plan, made for the largest size seen, serve every size up to it (docs/dynamic-shapes.md).
-    # False: every shape gets its own capture and plan
-    dynamic: bool | None = None
+    # False: every shape gets its own capture and plan. Sizes named up front, as torch.export's
+    # dynamic_shapes: a pytree with the batch's structure whose leaves are None or {dim: pscompile.Dim}
+    # (e.g. ({1: seq}, {1: seq})): ranged from the first batch, planned at each Dim's max (pscompile/dims.py)
+    dynamic: bool | None | DynamicShapes | Any = None
 
     def __post_init__(self):
         dev = self._check_device()
@@ -236,10 +239,13 @@ class Config:
             raise ValueError(f"skip_nonfinite={self.skip_nonfinite!r} must be True or False")
         if not isinstance(self.overlap_update, bool):
             raise ValueError(f"overlap_update={self.overlap_update!r} must be True or False")
-        if self.dynamic is not None and self.dynamic is not False:
+        if self.dynamic is True:
             raise ValueError(f"dynamic={self.dynamic!r}: use None (the sizes that change become symbolic from their "
                              "second value, as torch.compile's automatic dynamic) or False (a plan per shape); "
-                             "dynamic=True (every size symbolic from the first batch) is not supported")
+                             "dynamic=True (every size symbolic from the first batch) is not supported; to name the sizes that "
+                             "change up front, give a spec such as ({1: pscompile.Dim('seq', max=512)}, None)")
+        if self.dynamic is not None and self.dynamic is not False:
+            self._set("dynamic", DynamicShapes.from_spec(self.dynamic))
         if not isinstance(self.pinned_host, bool):
             raise ValueError(f"pinned_host={self.pinned_host!r} must be True or False")
         if not isinstance(self.lock_free, bool):

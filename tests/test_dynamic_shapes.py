@@ -52,6 +52,13 @@ def train(batches, config: pscompile.Config, caplog):
     return engine, ref, rows
 
 
+def assert_tracks(engine, ref, rows, budget: int) -> None:
+    """Every step's loss tracks plain PyTorch's within the budget, and so do the final weights."""
+    for loss, want, peak in rows:
+        assert loss == pytest.approx(want, abs=2e-5) and peak <= budget
+    assert max_weight_diff(engine, ref) < 1e-5
+
+
 def captures(caplog) -> int:
     return sum(1 for r in caplog.records if r.getMessage().startswith("capture_joint:"))
 
@@ -97,9 +104,7 @@ def test_a_batch_longer_than_the_bound_plans_once_more(caplog):
     again = [r.getMessage() for r in caplog.records if "planning again" in r.getMessage()]
     assert len(again) == 1 and "[40, 40]" in again[0] and "[60, 60]" in again[0], again
     assert captures(caplog) == 2
-    for loss, want, peak in rows:
-        assert loss == pytest.approx(want, abs=2e-5) and peak <= budget
-    assert max_weight_diff(engine, ref) < 1e-5
+    assert_tracks(engine, ref, rows, budget)
     engine.close()
 
 
@@ -139,3 +144,40 @@ def test_evaluation_of_changing_lengths_shares_one_plan(minimum, caplog):
 def test_dynamic_true_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"dynamic=True.*None.*False"):
         pscompile.Config(dynamic=True)
+
+
+def test_accumulation_over_micro_batches_of_different_lengths(minimum, caplog):
+    """engine.step([b1, b2, b3]) with three lengths per update: one range serves every micro-batch,
+    and the update matches plain PyTorch's accumulated (loss / k).backward()."""
+    budget = int(minimum * 1.15)
+    steps = [[batch(n, 10 * i + k) for k, n in enumerate(lengths)]
+             for i, lengths in enumerate([(60, 41, 23), (33, 60, 17), (48, 29, 52)])]
+    engine, ref, rows = train(steps, base(device_memory=budget), caplog)
+    for loss, want, peak in rows:
+        assert loss == pytest.approx(want, abs=2e-5) and peak <= budget
+    assert max_weight_diff(engine, ref) < 1e-4       # (three gradients summed in another order: fp32 parity)
+    assert captures(caplog) == 2, "the first length, then one symbolic capture for the range"
+    engine.close()
+
+
+def test_a_resumed_engine_plans_the_same_range_from_its_first_batch(tmp_path, caplog):
+    """A checkpoint records the ranges: the resumed engine's first batch runs under the saved
+    range's plan (one symbolic capture, no plan for its own shape) and tracks the uninterrupted run."""
+    config = base(device_memory=int(pscompile.min_device_memory(model(), batch(64, 0), base()) * 1.3))
+    first = pscompile.compile(model(), optimizer=HP, config=config)
+    for i, n in enumerate([64, 40, 52]):
+        first.step(batch(n, i))
+    pscompile.save(first, tmp_path / "range.ckpt")
+    later = [batch(n, 10 + i) for i, n in enumerate([33, 64, 21])]
+    expected = [first.step(b) for b in later]
+    resumed = pscompile.compile(model(), optimizer=HP, config=config)
+    pscompile.load(resumed, tmp_path / "range.ckpt")
+    with caplog.at_level(logging.INFO, logger="pscompile"):
+        got = [resumed.step(b) for b in later]
+    assert got == pytest.approx(expected, abs=1e-6)
+    made = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capture_joint:")]
+    assert len(made) == 2, made      # the layout's choice (the engine is made at its first step), the range's
+    assert sum("one symbolic capture serves them" in r.getMessage() for r in caplog.records) == 1
+    assert not any("planning again" in r.getMessage() for r in caplog.records)
+    first.close()
+    resumed.close()

@@ -31,7 +31,7 @@ README = (ROOT / "README.md").read_text()
 # the docs pages whose Python blocks run after the README's, in this order (later pages use what
 # earlier ones defined); design.md's API listing is ```text
 DOCS = ["training.md", "compiled-mode.md", "hugging-face.md", "planner.md", "disk-tier.md", "lock-free.md",
-        "profiling.md"]
+        "profiling.md", "dynamic-shapes.md"]
 
 
 def _fenced(text: str = README) -> list[tuple[str, str]]:

@@ -50,7 +50,7 @@ from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.passes.plan_residency import ResidencyPlan
-from pscompile.runtime.batching import LossFn, to_device
+from pscompile.runtime.batching import LossFn, micro_batches, signature, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.units import format_bytes
 
@@ -100,9 +100,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._symbolic: dict[CaptureKey, CapturedGraph | None] = {}  # a range's symbolic capture (None: failed)
         self._range_planned: dict[CaptureKey, tuple[int, ...]] = {}  # the bound a range's capture is planned for
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
-        # ZeRO: ranks that decided ranges alone (each sees its own lengths) could plan different
-        # collectives; every shape keeps its own schedule there (docs/dynamic-shapes.md)
-        self._ranges.enabled = self._ranges.enabled and self.world == 1
+        if self.world > 1:    # ZeRO: the ranges see only the sizes the ranks agree on (``_check_batch``),
+            self._ranges = ShapeRanges(self._ranges.enabled)      # not a rank's own first batch
         self._captures: dict[CaptureKey, AnalyzedGraph] = {}
         self._measured: dict[CaptureKey, tuple[int, ...]] = {}    # measured non-model curve per capture
         self._schedules: dict[ScheduleKey, Scheduled] = {}
@@ -122,6 +121,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._rates: Rates | None = None
         try:
             try:
+                if self.comm is not None:
+                    self._check_batch(batch, micro_batches(batch), "compile")
                 self._schedule_for(to_device(batch, self.device), RunKind.TRAIN)
             except BudgetError as e:
                 if not self.min_device_homes:
@@ -174,6 +175,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()
         executor = self._executor_for(key, sched)
+        self._check_sizes(key, sched, executor, signature(batch))
         observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
         extra = self._region_extra.get(sched.gm, {})

@@ -18,12 +18,13 @@ from torch.utils._pytree import tree_flatten
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.ranges import ShapeRanges
 from pscompile.errors import BudgetError
-from pscompile.graph.analysis import analyze_at_bound
+from pscompile.dims import Declared, DynamicShapes
+from pscompile.graph.analysis import analyze_at_bound, guards_refuse_bound, range_refusal
 from pscompile.graph.capture import CapturedGraph, capture_joint
-from pscompile.graph.dynamic import monotone
-from pscompile.runtime.batching import signature
+from pscompile.runtime.batching import digest, signature
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, capture_and_analyze, choose_activations,
-                                      PlanRequest, engine_layout, gather_bytes, plan_at_budget, regather)
+                                      PlanRequest, engine_layout, gather_bytes, layout_candidates, plan_at_budget,
+                                      regather)
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
@@ -48,18 +49,57 @@ class CompiledPlanning:
         variants: dict[tuple, AnalyzedGraph] = {}      # its activation rewrites, made once (one serves every layout)
 
         def analyze() -> AnalyzedGraph:
+            key = self._key(batch, RunKind.TRAIN)
+            if ShapeRanges.is_ranged(key.batch):      # sizes named up front: the range's capture, at its bound
+                ranged = self._range_analysis(key, batch, mp.params)
+                if ranged is not None:
+                    return ranged
             analyzed = capture_and_analyze(self.model, batch, params=mp.params, loss_fn=self.loss_fn,
                                            dtype=self.dtype, sources=self._sources)
-            self._first_capture = (self._key(batch, RunKind.TRAIN).capture, analyzed, variants)
+            self._first_capture = (ScheduleKey(RunKind.TRAIN, self.model.training, signature(batch)).capture,
+                                   analyzed, variants)
             return analyzed
         layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
                                                     per_chunk=self.per_chunk, variants=variants)
-        return layout
+        return self._agreed_layout(mp, layout)
+
+    def _agreed_layout(self, mp: ModelParams, layout: ChunkLayout) -> ChunkLayout:
+        """ZeRO: one layout on every rank. Each weighs the candidates on its own first batch, and
+        ranks whose first batches differ in size may prefer others (chunks of other sizes: the
+        collectives no longer match); all take the largest chunk any rank picked (of the candidates,
+        the same on every rank: the budget is agreed), as ``pick_layout`` prefers larger chunks."""
+        if self.comm is None:
+            return layout
+        size = self.comm.agree_max([layout.chunk_size])[0]
+        if size == layout.chunk_size:
+            return layout
+        return next(c for c in layout_candidates(mp, self.config, self.budget, world=self.world,
+                                                 per_chunk=self.per_chunk) if c.chunk_size == size)
 
     def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
         """The key ``batch`` runs under: its signature, or the ranged one its family shares once
         its sizes changed (``compiled/ranges.py``)."""
-        return ScheduleKey(RunKind(kind), self.model.training, self._ranges.key(signature(batch)))
+        sig = signature(batch)
+        self._declare(batch, sig)
+        return ScheduleKey(RunKind(kind), self.model.training, self._ranges.key(sig))
+
+    def _declare(self, batch: Any, sig: tuple) -> None:
+        """``Config.dynamic``'s sizes named up front (``pscompile/dims.py``), resolved at a family's
+        first batch. A spec that does not fit the engine's first batch raises ValueError; a later
+        family of another structure (an evaluation batch without labels) keeps automatic dynamic."""
+        spec = self.config.dynamic
+        if not isinstance(spec, DynamicShapes) or self.world > 1 or not self._ranges.enabled \
+                or self._ranges.declared(sig):
+            return
+        try:
+            declared = spec.resolve(batch)
+        except ValueError as e:
+            if not self._ranges.declared():
+                raise
+            log.info("pscompile: sizes %s are not described by Config.dynamic (%s): automatic dynamic for them",
+                     sig[1:], e)
+            declared = Declared((), ())
+        self._ranges.declare(sig, declared)
 
     def _schedule_for(self, batch: Any, kind: RunKind) -> Scheduled:
         """The (cold) schedule of ``batch`` for ``kind``; captured and planned on first use."""
@@ -75,6 +115,7 @@ class CompiledPlanning:
                          signature(batch)[1:], str(e)[:300])
                 self._symbolic[key.capture] = None
                 self._captures.pop(key.capture, None)
+                self._zero_fallback(f"the range's bound does not fit ({str(e)[:300]})", e)
                 self._ranges.refuse(signature(batch))
                 return self._schedule_for(batch, kind)
         return self._planned_for(key, batch)
@@ -125,19 +166,9 @@ class CompiledPlanning:
         batch refused is keyed by its own signature from then on, with an INFO line saying why; one
         admitted is not checked again (evaluating the guards costs milliseconds, a step)."""
         sig = signature(batch)
-        if self._ranges.admitted(key.capture, sig):
-            return True
-        sym = self._symbolic.get(key.capture)
-        why = None
-        if sym is None and key.capture not in self._symbolic:
-            sym, why = self._capture_range(key, batch)
-            self._symbolic[key.capture] = sym
-        if sym is not None and why is None:
-            offset = sym.num_params + len(sym.buffer_fqns)
-            if not sym.symbolic.admits([t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)], offset):
-                why = "its shape guards (" + ", ".join(str(g.expr) for g in sym.symbolic.shape_env.guards) + ") refuse it"
-        elif sym is None and why is None:
-            why = "the range was refused before (an INFO line above says why)"
+        why = None if self._ranges.admitted(key.capture, sig) else self._refusal(key, batch)
+        if self.comm is not None:
+            why = self._agreed_refusal(key, why)
         if why is None:
             self._ranges.admit(key.capture, sig)
             return True
@@ -145,23 +176,88 @@ class CompiledPlanning:
         self._ranges.refuse(sig)
         return False
 
-    def _capture_range(self, key: ScheduleKey, batch: Any) -> tuple[CapturedGraph | None, str | None]:
+    def _refusal(self, key: ScheduleKey, batch: Any) -> str | None:
+        """Why the range's symbolic capture (made now if it is the first) does not run ``batch``,
+        or None when it does (``_admitted``)."""
+        sym = self._symbolic.get(key.capture)
+        if sym is None and key.capture not in self._symbolic:
+            sym, why = self._capture_range(key, batch)
+            self._symbolic[key.capture] = sym
+            if why is not None:
+                return why
+        if sym is None:
+            return "the range was refused before (an INFO line above says why)"
+        offset = sym.num_params + len(sym.buffer_fqns)
+        if not sym.symbolic.admits([t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)], offset):
+            return "its shape guards (" + ", ".join(str(g.expr) for g in sym.symbolic.shape_env.guards) + ") refuse it"
+        return None
+
+    def _agreed_refusal(self, key: ScheduleKey, why: str | None) -> str | None:
+        """ZeRO: the admission every rank takes (``_admitted``), so all plan the same. One all-reduce
+        per ranged run (every rank reaches it in the same step: the ranges are fed agreed sizes only),
+        of any rank's refusal and a digest of each rank's symbolic graph (each captured on its own
+        batch: a graph that differs, a size traced into it, would plan other collectives). A refusal
+        holds on every rank for the range from then on. Ranks whose sizes differ this step then
+        cannot fall back to a plan per shape (``_zero_fallback``)."""
+        sym = self._symbolic.get(key.capture)
+        code = digest(sym.gm.code) if sym is not None else 0
+        refused, high, low = self.comm.agree_max([int(why is not None or sym is None), code, -code])
+        if not refused and high == -low:
+            return None
+        why = why or ("another rank's symbolic capture refused its batch" if refused else
+                      "the ranks' symbolic captures differ (each traced its own batch)")
+        self._symbolic[key.capture] = None
+        self._captures.pop(key.capture, None)
+        self._zero_fallback(why, None)
+        return why
+
+    def _zero_fallback(self, why: str, cause: BaseException | None) -> None:
+        """ZeRO, a range refused (``why``): a plan per shape serves only a step whose ranks pass the
+        same shapes; else a ``ValueError`` on every rank (they agree on all it depends on)."""
+        agreed = getattr(self, "_agreed", None) if self.comm is not None else None
+        if agreed is None or agreed.uniform:
+            return
+        raise ValueError(f"under ZeRO the ranks' batches differ in size this step (from {list(agreed.low)} to "
+                         f"{list(agreed.high)}), and the one symbolic capture that would serve them all is refused: "
+                         f"{why}. Pad every rank's batch to one length (a fixed max_length, or the longest over "
+                         "the ranks), or make the sizes the model's code reads traceable") from cause
+
+    def _check_batch(self, batch: Any, micro: list | None, call: str = "step") -> None:
+        """``ChunkEngine._check_batch``; ZeRO: the sizes the ranks agreed on feed the ranges
+        (``ShapeRanges.agree``) before any key is made from this rank's own batch."""
+        super()._check_batch(batch, micro, call)
+        if self.comm is not None:
+            for low, high in zip(self._agreed.low, self._agreed.high):
+                self._ranges.agree(low, high)
+
+    def _range_analysis(self, key: ScheduleKey, batch: Any, params) -> AnalyzedGraph | None:
+        """A declared range's capture analyzed at its bound, for choosing the layout before the
+        engine has its parameters (None, with an INFO line, when the symbolic capture is refused)."""
+        sym, why = self._capture_range(key, batch, params)
+        self._symbolic[key.capture] = sym
+        if sym is None:
+            log.info("pscompile: sizes %s run under a plan of their own: %s", signature(batch)[1:], why)
+            return None
+        return analyze_at_bound(sym, self._ranges.bound(key.batch))
+
+    def _capture_range(self, key: ScheduleKey, batch: Any, params=None) -> tuple[CapturedGraph | None, str | None]:
         dims = self._ranges.dims(key.batch)
         try:
-            sym = capture_joint(self.model, batch, params=dict(self.params), loss_fn=self.loss_fn,
-                                param_dtype=self.dtype, backward=key.kind.backward,
+            sym = capture_joint(self.model, batch, params=dict(self.params if params is None else params),
+                                loss_fn=self.loss_fn, param_dtype=self.dtype, backward=key.kind.backward,
                                 loss_scale=self.dtype == torch.float16, sources=self._sources, dynamic=dims)
         except Exception as e:  # noqa: BLE001 - the model's code may need plain sizes: a plan per shape then
             return None, f"the capture with symbolic sizes failed ({type(e).__name__}: {str(e)[:200]})"
-        offset = sym.num_params + len(sym.buffer_fqns)
-        if not sym.symbolic.still_symbolic(offset):
-            return None, "tracing specialized a size that changes (" + ", ".join(
-                str(g.expr) for g in sym.symbolic.shape_env.guards) + ")"
-        grows = monotone(sym.gm, offset, dims)
-        if grows is not None:
-            return None, f"the memory of node {grows} is not shown to grow with the sizes"
+        why = range_refusal(sym)
+        if why is not None:
+            return None, why
         log.info("pscompile: sizes change at %s: one symbolic capture serves them (%s)",
                  ", ".join(f"batch tensor {i} dim {d}" for i, d in dims), sym.summary)
+        refusing = guards_refuse_bound(sym, self._ranges.bound(key.batch))
+        if refusing is not None and self._ranges.declared(signature(batch)):
+            log.warning("pscompile: the range's bound %s breaks the model's traced shape guards (%s): a Dim's max "
+                        "(Config.dynamic) above what the model runs plans room no batch uses; lower it",
+                        list(self._ranges.bound(key.batch)), refusing)
         return sym, None
 
     def _replan_range(self, key: ScheduleKey) -> None:
@@ -171,7 +267,12 @@ class CompiledPlanning:
         bound = self._ranges.bound(key.batch)
         if planned is None or planned == bound:
             return
-        log.info("pscompile: a batch above the planned sizes %s: planning again for %s", list(planned), list(bound))
+        over = self._ranges.over_declared(key.batch)
+        if over:
+            log.warning("pscompile: a batch above the sizes named up front, %s: planning again for %s (a larger "
+                        "max plans for it from the first batch)", "; ".join(over), list(bound))
+        else:
+            log.info("pscompile: a batch above the planned sizes %s: planning again for %s", list(planned), list(bound))
         for other in [k for k in self._schedules if k.capture == key.capture]:
             self._forget(self._schedules.pop(other))
             warm = self._warm.pop(other, None)

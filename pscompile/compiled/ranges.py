@@ -11,6 +11,7 @@ raises it (the engine plans again, once). A signature the symbolic capture's gua
 
 from __future__ import annotations
 
+from pscompile.dims import Declared
 from pscompile.graph import dynamic
 
 
@@ -22,6 +23,8 @@ class ShapeRanges:
         self._bound: dict[tuple, tuple[int, ...]] = {}   # ranged signature -> its upper bound
         self._refused: set[tuple] = set()             # signatures the symbolic capture does not admit
         self._admitted: set[tuple] = set()            # (capture, signature) pairs whose guards held (checked once)
+        self._declared: dict[tuple, Declared] = {}     # family -> the sizes Config.dynamic named up front
+        self._saved: dict[str, dict] = {}             # repr(family) -> its range in a loaded checkpoint
 
     def key(self, sig: tuple) -> tuple:
         """The signature ``sig`` is planned under: itself, or its family's ranged signature (which
@@ -29,18 +32,37 @@ class ShapeRanges:
         if not self.enabled or sig in self._refused:
             return sig
         fam = dynamic.family(sig)
+        self._install(fam, sig)
         first = self._first.setdefault(fam, sig)
         dims = tuple(sorted(set(self._dims.get(fam, ())) | set(dynamic.differing(first, sig))))
         if not dims:
             return sig
         if dims != self._dims.get(fam):
             self._dims[fam] = dims
-            self._bound.setdefault(dynamic.ranged(sig, dims), dynamic.sizes_of(first, dims))
+            self._bound.setdefault(dynamic.ranged(sig, dims), self._first_bound(fam, first, dims))
         key = dynamic.ranged(sig, dims)
         sizes = dynamic.sizes_of(sig, dims)
         old = self._bound.get(key, sizes)
         self._bound[key] = tuple(max(a, b) for a, b in zip(old, sizes))
         return key
+
+    def agree(self, low: tuple, high: tuple) -> None:
+        """ZeRO: a step whose ranks' signatures of one (micro-)batch lie between ``low`` and
+        ``high`` (the smallest and the largest size over the ranks at every dimension, the same on
+        every rank: ``batching.RanksShapes``). The dimensions where they differ are dynamic at once,
+        and the range's bound covers ``high``: fed only these, every rank's ranges evolve alike,
+        and each rank's own signature then maps to the same key (``key``) and bound."""
+        if not self.enabled or high in self._refused:
+            return
+        fam = dynamic.family(high)
+        self._install(fam, high)
+        first = self._first.setdefault(fam, high)
+        dims = tuple(sorted(set(self._dims.get(fam, ())) | set(dynamic.differing(low, high))
+                            | set(dynamic.differing(first, high))))
+        if dims and dims != self._dims.get(fam):     # (the bound from ``high``: ranks' firsts may differ)
+            self._dims[fam] = dims
+            self._bound.setdefault(dynamic.ranged(high, dims), self._first_bound(fam, high, dims))
+        self.key(high)
 
     def refuse(self, sig: tuple) -> None:
         self._refused.add(sig)
@@ -64,3 +86,65 @@ class ShapeRanges:
 
     def bound(self, key_sig: tuple) -> tuple[int, ...]:
         return self._bound[key_sig]
+
+    # sizes named up front (Config.dynamic's Dims, pscompile/dims.py)
+
+    def declare(self, sig: tuple, declared: Declared) -> None:
+        """``sig``'s family (``sig`` its first batch) is ranged from now on over ``declared.dims``
+        (and any dims that differ later), its bound starting at the Dims' maxima."""
+        fam = dynamic.family(sig)
+        if not self.enabled or fam in self._declared:
+            return
+        self._install(fam, sig)
+        self._declared[fam] = declared
+        if not declared.dims:       # a family the spec does not describe: automatic dynamic
+            return
+        self._first.setdefault(fam, sig)
+        self._dims[fam] = dims = tuple(sorted(set(self._dims.get(fam, ())) | set(declared.dims)))
+        self._bound.setdefault(dynamic.ranged(sig, dims), self._first_bound(fam, self._first[fam], dims))
+
+    def declared(self, sig: tuple | None = None) -> bool:
+        """Whether ``sig``'s family was declared (``declare``); without ``sig``, whether any was."""
+        return bool(self._declared) if sig is None else dynamic.family(sig) in self._declared
+
+    def _first_bound(self, fam: tuple, first: tuple, dims: dynamic.Dims) -> tuple[int, ...]:
+        """A new range's bound: the first signature's sizes, a declared Dim's max where larger."""
+        named = dict(zip(self._declared[fam].dims, self._declared[fam].maxes)) if fam in self._declared else {}
+        return tuple(max(s, named.get(p, 0)) for p, s in zip(dims, dynamic.sizes_of(first, dims)))
+
+    def over_declared(self, key_sig: tuple) -> list[str]:
+        """The declared Dims a ranged signature's bound is above: 'Dim(...) (batch tensor i dim d: size)'."""
+        fam = dynamic.family(key_sig)
+        if fam not in self._declared or key_sig not in self._bound:
+            return []
+        named = dict(zip(self._declared[fam].dims, self._declared[fam].named))
+        return [f"{named[p]} (batch tensor {p[0]} dim {p[1]}: {size})"
+                for p, size in zip(self.dims(key_sig), self._bound[key_sig]) if p in named and size > named[p].max]
+
+    # a checkpoint's part (compiled/state.py): a resumed engine plans its ranges from its first batch
+
+    def state(self) -> dict:
+        """Per family that has a range (keyed by its ``repr``): the first signature's tensor shapes,
+        the dynamic dimensions and the bound."""
+        out = {}
+        for fam, dims in self._dims.items():
+            first = self._first[fam]
+            bound = self._bound.get(dynamic.ranged(first, dims))
+            if bound is not None:
+                out[repr(fam)] = {"first": [list(shape) for shape in dynamic.tensor_shapes(first)],
+                                  "dims": [list(p) for p in dims], "bound": list(bound)}
+        return out
+
+    def restore(self, state: dict) -> None:
+        """A loaded checkpoint's ``state``: each family's range is taken up at its first batch."""
+        self._saved = {str(k): v for k, v in state.items() if isinstance(v, dict)}
+
+    def _install(self, fam: tuple, sig: tuple) -> None:
+        """The saved range of ``fam`` (``sig`` its first batch since the checkpoint was loaded)."""
+        entry = self._saved.pop(repr(fam), None) if fam not in self._dims else None
+        if entry is None:
+            return
+        first = dynamic.with_shapes(sig, [tuple(int(x) for x in shape) for shape in entry["first"]])
+        dims = tuple((int(i), int(d)) for i, d in entry["dims"])
+        self._first[fam], self._dims[fam] = first, dims
+        self._bound[dynamic.ranged(first, dims)] = tuple(int(b) for b in entry["bound"])

@@ -1,8 +1,8 @@
 """What compiled mode adds to a checkpoint, and how a failed run is undone: a mixin of ``CompiledEngine``.
 
 A checkpoint carries compiled mode's measurements (the non-model curve of every capture, the
-optimizer-state placement, the measured rates and region allocations) so a resumed engine plans and
-lowers exactly as the saved one did from its first step (docs/design.md, section 11).
+optimizer-state placement, the measured rates and region allocations, the ranges of batch sizes it
+plans for) so a resumed engine plans and lowers exactly as the saved one did from its first step (docs/design.md, section 11).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class CompiledState:
         regions = {"allocs": {k: [a.peak, a.excess] for k, a in self._allocs.items()},
                    "fallbacks": self._region_cache.failures(self.config.backend)}
         measurements = {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
-                        "rates": rates, "regions": regions,
+                        "rates": rates, "regions": regions, "ranges": self._ranges.state(),
                         "os_device": [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]}
         return {"compiled": trust.seal(measurements, self.device)}
 
@@ -66,6 +66,7 @@ class CompiledState:
         if not trusted:
             return                         # another budget or layout, or untrusted: measured anew
         self._restored = dict(saved["captures"])
+        self._ranges.restore(saved.get("ranges") or {})     # its batch ranges: planned from the first batch
         regions = saved.get("regions") or {}
         for k, (peak, excess) in regions.get("allocs", {}).items():   # what its compiled regions allocate
             self._allocs.setdefault(str(k), Allocation(int(peak), int(excess)))

@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 from pscompile.graph.capture import CapturedGraph, capture_joint
-from pscompile.graph.dynamic import at_bound
+from pscompile.graph.dynamic import at_bound, monotone
 from pscompile.kinds import RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.passes.annotate_params import ParamUses, annotate_params
@@ -144,6 +144,31 @@ def analyze_at_bound(captured: CapturedGraph, bound: tuple[int, ...], *,
                                                                             sym.concrete_inputs(offset, bound))),
                           lambda c: f"at_bound: the fake values of sizes {list(bound)}")
     return _analyze(concrete, passes, gathers=gathers)
+
+
+def range_refusal(captured: CapturedGraph) -> str | None:
+    """Why a symbolic capture (``capture_joint(dynamic=...)``) cannot serve its range, or None: tracing
+    specialized a size that changes, or a tensor's memory is not shown to grow with the sizes
+    (``dynamic.monotone``: then the plan at the bound would not hold below it)."""
+    sym = captured.symbolic
+    offset = captured.num_params + len(captured.buffer_fqns)
+    if not sym.still_symbolic(offset):
+        return "tracing specialized a size that changes (" + ", ".join(str(g.expr) for g in sym.shape_env.guards) + ")"
+    grows = monotone(captured.gm, offset, sym.dims)
+    if grows is not None:
+        return f"the memory of node {grows} is not shown to grow with the sizes"
+    return None
+
+
+def guards_refuse_bound(captured: CapturedGraph, bound: tuple[int, ...]) -> str | None:
+    """The shape guards of a symbolic capture, when batches at ``bound`` break them (a model's
+    ``assert T <= seq_len`` below a Dim's max): a plan at that bound keeps room no batch of the range
+    uses, and batches that large get plans of their own. None when the bound is admitted."""
+    sym = captured.symbolic
+    offset = captured.num_params + len(captured.buffer_fqns)
+    if sym.admits(sym.concrete_inputs(offset, bound)[offset:], offset):
+        return None
+    return ", ".join(str(g.expr) for g in sym.shape_env.guards)
 
 
 def _analyze(captured: CapturedGraph, passes: _Passes, activations: ActivationPlan | None = None,
