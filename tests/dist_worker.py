@@ -414,24 +414,45 @@ def device_homes(rank: int, world: int, port: int, out_dir: str, cases: list[tup
     leave()
 
 
+# each rank's lengths, step by step: they differ every step; in the last, rank 0's was seen before and
+# rank 1's is new (hooks mode: had the ranks kept plans per own shape, rank 1 alone would trace it)
+RANK_LENGTHS = ((24, 17, 30, 17), (19, 24, 12, 30))
+
+
+def rank_batch(full, length: int, rank: int, world: int):
+    """Rank ``rank``'s rows of ``full``, cut to ``length`` tokens."""
+    return split(tuple(t[:, :length] for t in full), rank, world)
+
+
 def lengths(rank: int, world: int, port: int, out_dir: str, modes: list[str]) -> None:
-    """Each mode: steps whose length changes from step to step, the same on both ranks (trains),
-    then a step where the ranks' lengths differ (refused on every rank, naming each rank's shapes,
-    before anything changes), then the engine trains on."""
-    join(rank, world, port)
+    """Each mode, under a budget that evicts (this model's sharded minimum at the longest length
+    plus one gathered group): steps where the ranks' lengths differ (``RANK_LENGTHS``) train; then a
+    step where rank 1's tensors have one more dimension is refused on every rank, naming each
+    rank's batches, before anything changes, and the engine trains on."""
+    join(rank, world, port, timeout_s=60.0)
+    full = make_batches("gpt", 1)[0]
     for mode in modes:
-        batches = [tuple(t[:, :n] for t in make_batches("gpt", 1)[0]) for n in (64, 40, 56)]
-        engine = pscompile.compile(make_model("gpt"), optimizer=HP, config=config(mode, None))
-        losses = [engine.step(split(b, rank, world)) for b in batches]
+        longest = rank_batch(full, max(max(n) for n in RANK_LENGTHS), rank, world)
+        least = pscompile.compile(make_model("gpt"), longest, optimizer=HP, config=config(mode))
+        least.step(longest)
+        budget = least.min_device_memory + least.store.param_chunk_bytes
+        least.close()
+        engine = pscompile.compile(make_model("gpt"), optimizer=HP, config=config(mode, budget))
+        losses, stats = [], []
+        for n in RANK_LENGTHS[rank]:
+            losses.append(engine.step(rank_batch(full, n, rank, world)))
+            stats.append(engine.stats.as_dict())
         before = engine.full_state_dict()
+        odd = rank_batch(full, 16, rank, world)
         try:
-            engine.step(split(batches[rank], rank, world))      # rank 0: length 64, rank 1: length 40
+            engine.step(odd if rank == 0 else tuple(t[None] for t in odd))
             refused = None
         except ValueError as e:
             refused = str(e)
         unchanged = all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
-        losses.append(engine.step(split(batches[0], rank, world)))
-        torch.save({"losses": losses, "refused": refused, "unchanged": unchanged},
-                   os.path.join(out_dir, f"lengths-{mode}-rank{rank}.pt"))
+        losses.append(engine.step(rank_batch(full, 16, rank, world)))
+        symbolic = None if mode == "hooks" else sum(s is not None for s in engine.built._symbolic.values())
+        torch.save({"losses": losses, "stats": stats, "budget": budget, "refused": refused, "unchanged": unchanged,
+                    "symbolic": symbolic}, os.path.join(out_dir, f"lengths-{mode}-rank{rank}.pt"))
         engine.close()
     leave()

@@ -301,21 +301,30 @@ def test_the_disk_tier_under_zero_each_rank_its_own_file(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(run["master"], run["again"]))
 
 
-def test_lengths_that_change_train_and_ranks_with_different_lengths_are_refused(tmp_path):
-    """Both modes: lengths that change from step to step, the same on both ranks, track plain
-    PyTorch; a step where rank 0 passes length 64 and rank 1 length 40 is refused on both ranks with
-    each rank's shapes named (not a wait until the group's timeout), nothing changed, and training
-    goes on."""
+def test_ranks_with_different_lengths_in_a_step_train_and_other_ranks_are_refused(tmp_path):
+    """Both modes, under a budget that evicts: rank 0 passes lengths 24, 17, 30, 17 and rank 1 19,
+    24, 12, 30 in the same steps. They train (no wait on each other: the collectives match) and track plain
+    PyTorch accumulating both ranks' batches; every step keeps its budget; compiled mode serves every
+    length with one symbolic capture. A step whose tensors differ in rank (number of dimensions)
+    across the ranks is refused on both with each rank's batches named, nothing changed, and training goes on."""
     modes = ["compiled", "hooks"]
     spawn(dist_worker.lengths, str(tmp_path), modes)
     full = make_batches("gpt", 1)[0]
-    batches = [tuple(t[:, :n] for t in full) for n in (64, 40, 56, 64)]
-    ref_losses, _ = reference("gpt", batches)
+    steps = [[dist_worker.rank_batch(full, n, r, WORLD) for r, n in enumerate(ns)]
+             for ns in [*zip(*dist_worker.RANK_LENGTHS), (16, 16)]]
+    ref = ReferenceTrainer(make_model("gpt"), optimizer=dist_worker.HP, dtype=torch.float32)
+    ref_losses = [ref.step(parts) for parts in steps]
     for mode in modes:
         for r in range(WORLD):
             run = torch.load(tmp_path / f"lengths-{mode}-rank{r}.pt", weights_only=False)
-            assert run["refused"] is not None and "rank 0: [(((2, 64)" in run["refused"] \
-                and "rank 1: [(((2, 40)" in run["refused"], run["refused"]
+            assert run["refused"] is not None and "rank 0: [(((2, 16), torch.int64)" in run["refused"] \
+                and "rank 1: [(((1, 2, 16), torch.int64)" in run["refused"], run["refused"]
             assert run["unchanged"], (mode, r)
-            for ours, plain in zip(run["losses"], ref_losses):
-                assert rel(ours, plain) <= 1e-5, (mode, r, ours, plain)
+            for i, (ours, plain) in enumerate(zip(run["losses"], ref_losses, strict=True)):
+                assert rel(ours, plain) <= 1e-5, (mode, r, i, ours, plain)
+            for i, s in enumerate(run["stats"]):
+                assert s["peak_device_bytes"] <= run["budget"], (mode, r, i, s["peak_device_bytes"], run["budget"])
+                assert s["num_evictions"] > 0, (mode, r, i)
+            assert mode == "hooks" or run["symbolic"] == 1, (mode, r, run["symbolic"])
+
+

@@ -42,7 +42,7 @@ from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT
 from pscompile.runtime.rng import rng_state, set_rng_state
-from pscompile.runtime.batching import LossFn, extract_loss, signature, to_device
+from pscompile.runtime.batching import LossFn, check_ranks_agree, extract_loss, signature, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.runtime.order import direct_params
 from pscompile.stats import StepStats
@@ -70,7 +70,8 @@ class HooksEngine(ParamHooks, ChunkEngine):
         self._plans: dict[tuple, AccessPlan] = {}    # ... + optimizer moments for the current placement
         self._eval_plans: dict[tuple, AccessPlan] = {}  # forward-only moments, per batch signature
         self.stats: StepStats | None = None
-        try:
+        try:      # ZeRO: the ranks' first batches may differ in size; their plan is traced together
+            self._agreed = check_ranks_agree([batch], self.comm, "compile") if self.comm is not None else None
             self._plan_for(batch)
         except BaseException:
             self.close()          # a failed compile hands the model its weights back
@@ -214,7 +215,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
         return value
 
     def _evaluate(self, batch: Any) -> tuple[float, int, int]:
-        key = signature(batch)
+        key = self._plan_key(batch)
         plan = self._eval_plans.get(key)
         if plan is None:
             plan = self._trace(batch, train=False)
@@ -228,8 +229,18 @@ class HooksEngine(ParamHooks, ChunkEngine):
         traffic = self.link.reset()
         return value, ps.tracker.peak_total, traffic.h2d_bytes + traffic.d2h_bytes
 
-    def _plan_for(self, batch: Any) -> AccessPlan:
-        sig = signature(batch)
+    def _plan_key(self, batch: Any, i: int = 0) -> tuple:
+        """What the plan of (micro-)batch ``i`` is kept under: its signature, or under ZeRO with
+        ranks whose sizes differ this step, one key for the step's shapes on all ranks
+        (``RanksShapes.plan_key``). Every rank then traces a new one in the same step, and replays
+        the same decisions from the same (agreed) peaks: a plan per rank's own shape, its peaks
+        agreed with whatever another rank traced then, evicted (and so all-gathered) differently
+        from the other ranks' plans, and the ranks' collectives no longer matched."""
+        agreed = getattr(self, "_agreed", None)
+        return signature(batch) if agreed is None else agreed.plan_key(signature(batch), i)
+
+    def _plan_for(self, batch: Any, sig: tuple | None = None) -> AccessPlan:
+        sig = self._plan_key(batch) if sig is None else sig
         if sig not in self._plans:
             self._traces[sig] = self._trace(batch)
             try:
@@ -241,7 +252,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
                 raise
             moments = self._traces[sig].moments
             log.info("pscompile: traced a step of batch %s: %d moments, non-model peak %s; evicting by farthest "
-                     "next use under device_memory=%s", sig, len(moments),
+                     "next use under device_memory=%s", signature(batch), len(moments),
                      format_bytes(max((m.nonmodel_peak for m in moments), default=0)),
                      "unlimited" if self.budget is None else format_bytes(self.budget))
         return self._plans[sig]
@@ -331,11 +342,12 @@ class HooksEngine(ParamHooks, ChunkEngine):
 
     # ================================================================ the step (ChunkEngine.step)
     def _prepare_step(self, batches: list, *, accumulate: bool) -> None:
+        self._step_keys = {id(b): self._plan_key(b, i) for i, b in enumerate(batches)}
         for b in batches:          # a new batch shape is traced before anything runs
-            self._plan_for(b)
+            self._plan_for(b, self._step_keys[id(b)])
 
     def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
-        plan = self._plans[signature(batch)]
+        plan = self._plans[self._step_keys[id(batch)]]
         ps = PassState(tracing=False, tracker=self._new_tracker(batch, tracing=False), plan=plan, acc=acc,
                    grads_left=self._grad_counts())
         if self.disk_prefetch:                # the disk homes' read-ahead

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,22 +38,81 @@ def signature(batch: Any) -> tuple:
         (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
 
 
-def check_ranks_agree(batches: list, comm, call: str = "step") -> None:
-    """Under ZeRO (``comm``, a ``dist.comm.Comm``): a ``ValueError`` on every rank, naming each
-    rank's shapes, when the ranks' (micro-)batches of this step differ in shape. Each rank plans and
-    runs the shapes it sees, so ranks with different shapes would issue different collectives and
-    wait on each other until the group's timeout. One all-reduce of two integers (a digest of the
-    shapes) when they agree; every rank takes the same path."""
-    shapes = [signature(b)[1:] for b in batches]
-    mine = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:7], "big")
-    high, low = comm.agree_max([mine, -mine])
-    if high == -low:
-        return
-    everyone = comm.gather_objects(shapes)
-    raise ValueError(f"{call}(): under ZeRO every rank must pass batches of the same shapes in a step (each rank "
-                     "plans the shapes it sees, and the ranks' collectives must match); got "
+_SIZES = 128     # sizes each rank sends per step (``check_ranks_agree``); any beyond must agree exactly
+
+
+@dataclass(frozen=True)
+class RanksShapes:
+    """What the ranks of a ZeRO step agreed on (``check_ranks_agree``): they pass batches of one
+    family (structure, dtypes and ranks of every tensor, the number of micro-batches), whose sizes
+    may differ. ``low`` and ``high`` hold, per (micro-)batch, this rank's signature with every size
+    replaced by the smallest and the largest over the ranks (the same on every rank); ``ranks``
+    each rank's digest of its shapes, in rank order, which names the step's shapes on all ranks."""
+
+    low: tuple[tuple, ...]
+    high: tuple[tuple, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def uniform(self) -> bool:
+        """Every rank passes the same shapes this step."""
+        return len(set(self.ranks)) == 1
+
+    def plan_key(self, sig: tuple, i: int) -> tuple:
+        """What a plan made for (micro-)batch ``i`` of signature ``sig`` is kept under, the same
+        decision on every rank: its signature when the ranks' shapes agree; else the signature
+        with ``i`` and every rank's shapes, whose plan is traced on all ranks together (hooks mode:
+        a plan's memory peaks are the maximum over the ranks that traced it)."""
+        return sig if self.uniform else (sig, i, self.ranks)
+
+
+def digest(obj: Any) -> int:
+    """A non-negative 56-bit digest of ``repr(obj)`` (compared with one all-reduce of maxima)."""
+    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:7], "big")
+
+
+def _sizes(sig: tuple) -> list[int]:
+    return [s for leaf in sig[1:] if isinstance(leaf, tuple) for s in leaf[0]]
+
+
+def _family(sig: tuple) -> tuple:
+    """``sig`` without its sizes: structure, each tensor's rank and dtype, other leaves' values."""
+    return (sig[0],) + tuple((len(leaf[0]), leaf[1]) if isinstance(leaf, tuple) else leaf for leaf in sig[1:])
+
+
+def _with_sizes(sig: tuple, sizes) -> tuple:
+    """``sig`` with its sizes taken, in order, from the iterator ``sizes``."""
+    return (sig[0],) + tuple((tuple(next(sizes) for _ in leaf[0]), leaf[1]) if isinstance(leaf, tuple) else leaf
+                             for leaf in sig[1:])
+
+
+def check_ranks_agree(batches: list, comm, call: str = "step") -> RanksShapes:
+    """Under ZeRO (``comm``, a ``dist.comm.Comm``): what the ranks' (micro-)batches of this step
+    agree on (``RanksShapes``), or a ``ValueError`` on every rank, naming each rank's shapes, when
+    they differ in more than sizes (structure, dtypes, ranks, the number of micro-batches). Sizes
+    may differ: the modes plan from the agreed ones, so every rank issues the same collectives.
+    One all-reduce (of maxima) of a fixed length on every rank, whatever the batches: a digest of
+    the family (and of any sizes past the first ``_SIZES``, which must agree), the sizes and their
+    negations (maxima and minima), and each rank's digest of its shapes in its own slot."""
+    sigs = [signature(b) for b in batches]
+    sizes = [s for sig in sigs for s in _sizes(sig)]
+    kept, pad = sizes[:_SIZES], [0] * max(0, _SIZES - len(sizes))
+    family = digest(([_family(sig) for sig in sigs], sizes[_SIZES:]))
+    mine = [0] * comm.world
+    mine[comm.rank] = digest([sig[1:] for sig in sigs])
+    agreed = comm.agree_max([family, -family, *kept, *pad, *(-s for s in kept), *pad, *mine])
+    if agreed[0] == -agreed[1]:
+        high, low = agreed[2:2 + len(kept)], agreed[2 + _SIZES:2 + _SIZES + len(kept)]
+        rest = sizes[_SIZES:]
+        his, los = iter(list(high) + rest), iter([-s for s in low] + rest)
+        return RanksShapes(tuple(_with_sizes(sig, los) for sig in sigs), tuple(_with_sizes(sig, his) for sig in sigs),
+                           tuple(agreed[2 + 2 * _SIZES:]))
+    everyone = comm.gather_objects([sig[1:] for sig in sigs])
+    raise ValueError(f"{call}(): under ZeRO every rank must pass batches of one form in a step: the same structure, "
+                     "number of micro-batches, and dtype and number of dimensions of every tensor (sizes may "
+                     "differ: the ranks plan from the largest); got "
                      + "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-                     + ". Pad every rank's batch to one length: a fixed max_length, or the longest over the ranks")
+                     + ". Give every rank batches of the same form")
 
 
 def structure(batch: Any) -> tuple[tuple[str, str], ...]:

@@ -339,15 +339,15 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _check_batch(self, batch: Any, micro: list | None, call: str = "step") -> None:
         """A ``TypeError`` naming the argument when ``batch`` (or a micro-batch) is not of the form
-        compiled for, a ``ValueError`` when ZeRO's ranks' shapes differ; before anything changes."""
+        compiled for, a ``ValueError`` when ZeRO's ranks' batches differ in more than sizes; before anything
+        changes. ZeRO: what the ranks agreed on is ``self._agreed`` (``batching.RanksShapes``)."""
         for i, b in enumerate(batches := [batch] if micro is None else micro):
             which = "" if micro is None else f" (micro-batch {i})"
             if (problem := structure_error(self.batch_structure, b)) is not None:
                 raise TypeError(f"{call}(){which}: {problem}")
             if (problem := tensor_problem(b)) is not None:
                 raise ValueError(f"{call}(){which}: {problem}")
-        if self.comm is not None:
-            check_ranks_agree(batches, self.comm, call)
+        self._agreed = check_ranks_agree(batches, self.comm, call) if self.comm is not None else None
 
     def _check_open(self) -> None:
         if self.closed:
