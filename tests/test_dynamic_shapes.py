@@ -46,6 +46,7 @@ def train(batches, config: pscompile.Config, caplog):
     engine = pscompile.compile(model(), optimizer=HP, config=config)
     rows = []
     with caplog.at_level(logging.INFO, logger="pscompile"):
+        caplog.clear()      # (only this block's records: another test may have left the logger at INFO)
         for b in batches:
             loss = engine.step(b)
             rows.append((loss, ref.step(b), engine.stats.peak_device_bytes))
@@ -130,6 +131,7 @@ def test_evaluation_of_changing_lengths_shares_one_plan(minimum, caplog):
     engine = pscompile.compile(model(), optimizer=HP, config=base(device_memory=minimum))
     ref = model()
     with caplog.at_level(logging.INFO, logger="pscompile"):
+        caplog.clear()      # (only this block's records: another test may have left the logger at INFO)
         engine.step(batch(64, 0))
         engine.step(batch(40, 1))       # a training range; evaluation meets its admitted length first
         got = [engine.evaluate(batch(n, i)) for i, n in enumerate([40, 33, 17, 64])]
@@ -173,6 +175,7 @@ def test_a_resumed_engine_plans_the_same_range_from_its_first_batch(tmp_path, ca
     resumed = pscompile.compile(model(), optimizer=HP, config=config)
     pscompile.load(resumed, tmp_path / "range.ckpt")
     with caplog.at_level(logging.INFO, logger="pscompile"):
+        caplog.clear()      # (only this block's records: another test may have left the logger at INFO)
         got = [resumed.step(b) for b in later]
     assert got == pytest.approx(expected, abs=1e-6)
     made = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capture_joint:")]
