@@ -50,7 +50,7 @@ from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.passes.plan_residency import ResidencyPlan
-from pscompile.runtime.batching import LossFn, micro_batches, signature, to_device
+from pscompile.runtime.batching import LossFn, micro_batches, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.units import format_bytes
 
@@ -175,7 +175,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()
         executor = self._executor_for(key, sched)
-        self._check_sizes(key, sched, executor, signature(batch))
+        self._check_sizes(key, sched, executor, batch)
         observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
         extra = self._region_extra.get(sched.gm, {})

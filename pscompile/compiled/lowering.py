@@ -44,6 +44,7 @@ from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.regions import RegionCache, region_source
 from pscompile.graph.dynamic import symbolic_values
 from pscompile.graph.meta import get
+from pscompile.runtime.batching import signature
 from pscompile.kinds import Backend
 
 log = logging.getLogger("pscompile.compiled")
@@ -259,24 +260,24 @@ class RegionLowering:
         if not probe.saved:
             return {}, {}, {}
         self._settle()
-        saved, unfit = self._measurable(Probe(probe.known, True, saved={   # a range's: measured at the bound
-            k: (r, grown(r, snaps, Snapshot)) for k, (r, snaps) in probe.saved.items()}))
+        saved, unfit = self._measurable({k: (r, grown(r, snaps, Snapshot))     # a range's: at the bound
+                                         for k, (r, snaps) in probe.saved.items()})
         found = measure(saved, self.device)
         if tracker is not None:
             tracker.note(found.footprint, self._model_bytes())
         return found.allocs, found.failed, unfit
 
-    def _measurable(self, probe: Probe) -> tuple[dict, dict]:
-        """The saved regions whose measurement fits the budget now: the copies of their inputs plus
+    def _measurable(self, probe_saved: dict) -> tuple[dict, dict]:
+        """The saved regions (``Probe.saved``) whose measurement fits the budget now: the copies of their inputs plus
         every value their graph makes (``probe.made_bytes``: the most their code can allocate)
         beside the chunks on the device; the others (a region that reads a large parameter
         holds a copy of it there, beside the chunk itself in a real run: Mixtral's stacked experts)
         are not measured (key -> (region, bytes over)): they are cut like regions that do not fit."""
         if self.budget is None:
-            return probe.saved, {}
+            return probe_saved, {}
         room = self.budget - self._model_bytes()
         saved, unfit = {}, {}
-        for key, (r, snaps) in probe.saved.items():
+        for key, (r, snaps) in probe_saved.items():
             need = sum(s.nbytes for s in snaps if isinstance(s, Snapshot)) + made_bytes(r)
             if need > room:
                 unfit[key] = (r, need - room)
@@ -320,13 +321,14 @@ class RegionLowering:
                     known.pop(r.index, None)
                 self._unlearned.add(gm)
 
-    def _check_sizes(self, key: ScheduleKey, sched: Scheduled, ex: Executor, sizes: tuple) -> None:
-        """A range's compiled regions run on new sizes (``sizes``, the batch's signature): the run
+    def _check_sizes(self, key: ScheduleKey, sched: Scheduled, ex: Executor, batch) -> None:
+        """A range's compiled regions run on new sizes (``batch``'s signature): the run
         checks the layout of every compiled region's inputs first (``Probe`` without ``eager_all``;
         a region given another layout than its symbols say runs as eager code from then on)."""
         if not ShapeRanges.is_ranged(key.batch) or not ex.compiled_regions() or sched.gm in self._probing:
             return
         seen = self._sizes_run.setdefault(sched.gm, set())
+        sizes = signature(batch)
         if sizes not in seen:
             seen.add(sizes)
             self._probing[sched.gm] = Probe(self._allocs.__contains__, eager_all=False)

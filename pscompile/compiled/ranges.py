@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pscompile.dims import Declared
 from pscompile.graph import dynamic
+from pscompile.runtime.batching import with_sizes
 
 
 class ShapeRanges:
@@ -144,7 +145,7 @@ class ShapeRanges:
         entry = self._saved.pop(repr(fam), None) if fam not in self._dims else None
         if entry is None:
             return
-        first = dynamic.with_shapes(sig, [tuple(int(x) for x in shape) for shape in entry["first"]])
+        first = with_sizes(sig, iter(int(x) for shape in entry["first"] for x in shape))
         dims = tuple((int(i), int(d)) for i, d in entry["dims"])
         self._first[fam], self._dims[fam] = first, dims
         self._bound[dynamic.ranged(first, dims)] = tuple(int(b) for b in entry["bound"])

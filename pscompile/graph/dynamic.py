@@ -28,14 +28,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from pscompile.runtime.batching import family  # noqa: F401 - a family's members share a schedule here
+
 Dims = tuple[tuple[int, int], ...]      # (tensor leaf index, dimension) pairs, sorted
-
-
-def family(sig: tuple) -> tuple:
-    """What members of a family share: ``runtime.batching.signature`` with each tensor's sizes
-    replaced by its rank."""
-    spec, *leaves = sig
-    return (spec,) + tuple((len(x[0]), x[1]) if isinstance(x, tuple) else x for x in leaves)
 
 
 def tensor_shapes(sig: tuple) -> list[tuple[int | None, ...]]:
@@ -56,18 +51,6 @@ def ranged(sig: tuple, dims: Dims) -> tuple:
     for x in leaves:
         if isinstance(x, tuple):
             x = (tuple(None if (t, d) in dims else s for d, s in enumerate(x[0])), x[1])
-            t += 1
-        out.append(x)
-    return tuple(out)
-
-
-def with_shapes(sig: tuple, shapes: Sequence[tuple[int, ...]]) -> tuple:
-    """``sig`` with its tensor leaves' shapes replaced by ``shapes`` (a member of its family)."""
-    spec, *leaves = sig
-    out, t = [spec], 0
-    for x in leaves:
-        if isinstance(x, tuple):
-            x = (tuple(shapes[t]), x[1])
             t += 1
         out.append(x)
     return tuple(out)

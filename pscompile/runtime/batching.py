@@ -75,12 +75,13 @@ def _sizes(sig: tuple) -> list[int]:
     return [s for leaf in sig[1:] if isinstance(leaf, tuple) for s in leaf[0]]
 
 
-def _family(sig: tuple) -> tuple:
-    """``sig`` without its sizes: structure, each tensor's rank and dtype, other leaves' values."""
+def family(sig: tuple) -> tuple:
+    """``sig`` without its sizes: structure, each tensor's rank and dtype, other leaves' values
+    (what the members of a batch family share: ``graph.dynamic``, ``compiled/ranges.py``)."""
     return (sig[0],) + tuple((len(leaf[0]), leaf[1]) if isinstance(leaf, tuple) else leaf for leaf in sig[1:])
 
 
-def _with_sizes(sig: tuple, sizes) -> tuple:
+def with_sizes(sig: tuple, sizes) -> tuple:
     """``sig`` with its sizes taken, in order, from the iterator ``sizes``."""
     return (sig[0],) + tuple((tuple(next(sizes) for _ in leaf[0]), leaf[1]) if isinstance(leaf, tuple) else leaf
                              for leaf in sig[1:])
@@ -97,15 +98,15 @@ def check_ranks_agree(batches: list, comm, call: str = "step") -> RanksShapes:
     sigs = [signature(b) for b in batches]
     sizes = [s for sig in sigs for s in _sizes(sig)]
     kept, pad = sizes[:_SIZES], [0] * max(0, _SIZES - len(sizes))
-    family = digest(([_family(sig) for sig in sigs], sizes[_SIZES:]))
+    form = digest(([family(sig) for sig in sigs], sizes[_SIZES:]))
     mine = [0] * comm.world
     mine[comm.rank] = digest([sig[1:] for sig in sigs])
-    agreed = comm.agree_max([family, -family, *kept, *pad, *(-s for s in kept), *pad, *mine])
+    agreed = comm.agree_max([form, -form, *kept, *pad, *(-s for s in kept), *pad, *mine])
     if agreed[0] == -agreed[1]:
         high, low = agreed[2:2 + len(kept)], agreed[2 + _SIZES:2 + _SIZES + len(kept)]
         rest = sizes[_SIZES:]
         his, los = iter(list(high) + rest), iter([-s for s in low] + rest)
-        return RanksShapes(tuple(_with_sizes(sig, los) for sig in sigs), tuple(_with_sizes(sig, his) for sig in sigs),
+        return RanksShapes(tuple(with_sizes(sig, los) for sig in sigs), tuple(with_sizes(sig, his) for sig in sigs),
                            tuple(agreed[2 + 2 * _SIZES:]))
     everyone = comm.gather_objects([sig[1:] for sig in sigs])
     raise ValueError(f"{call}(): under ZeRO every rank must pass batches of one form in a step: the same structure, "
