@@ -314,7 +314,9 @@ def test_frozen_parameters_stay_frozen():
                                config=pscompile.Config(**dict(CFG, chunk_size=512)))
     for _ in range(2):
         engine.step((x, y))
-    assert torch.equal(engine.state_dict()["master"]["fc.bias"], b0)
+    assert torch.equal(engine.full_state_dict()["fc.bias"], b0)
+    assert "fc.bias" not in engine.state_dict()["master"]     # (a frozen parameter has no optimizer state)
+    assert engine.layout.is_frozen(engine.layout.entry("fc.bias").chunks[0])
     assert not model.fc.bias.requires_grad
 
 

@@ -28,7 +28,7 @@ from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, ca
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
-from pscompile.optim.placement import update_overlaps_next_step
+from pscompile.optim.placement import first_state_chunks, update_overlaps_next_step
 from pscompile.runtime.params import ModelParams
 from pscompile.units import format_bytes
 
@@ -338,7 +338,7 @@ class CompiledPlanning:
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
             return
-        self._place_states(set(range(count)))
+        self._place_states(set(first_state_chunks(self.layout, count)))
         self._os_placed = True
 
     def _place_states(self, on_device: set[int]) -> None:

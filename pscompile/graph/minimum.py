@@ -30,7 +30,7 @@ from pscompile.graph.analysis import (
 from pscompile.kinds import Activations, Collectives
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates
-from pscompile.memory.model_bytes import ModelBytes, owned_elements
+from pscompile.memory.model_bytes import ModelBytes, owned_chunks, state_chunks
 from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import (
     ActivationPlan,
@@ -67,7 +67,7 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     reads = node_reads(analyzed.captured, layout, hold_grads=analyzed.grad_store_points if world > 1 else None)
     windows = node_windows(analyzed.captured, nonmodel)
     best = Minimum(0, 0, 0, slot_bytes, 0)
-    homes = set(range(device_homes))
+    homes = set(state_chunks(layout)[:device_homes])     # (the first trainable chunks)
     for i, (chunks, w) in enumerate(zip(reads, windows)):
         chunks = set(chunks) | homes
         need = len(chunks) * slot_bytes + w + device_homes * state_bytes
@@ -258,13 +258,16 @@ def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *
     mb = ModelBytes(config.dtype.itemsize)
     slot_bytes, state_bytes = mb.param_chunk(layout.chunk_size), mb.state_chunk(layout.chunk_size)
     disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
+    frozen = mb.host_bytes(layout, layout.frozen_chunks)    # (frozen chunks are never homed on the device)
     homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
-        num_chunks=layout.num_chunks, chunk_bytes=mb.chunk(layout.chunk_size), host_budget=config.host_memory)
+        num_chunks=len(state_chunks(layout)), chunk_bytes=mb.chunk(layout.chunk_size),
+        host_budget=max(0, config.host_memory - frozen))
     host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
     n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
-    owned = owned_elements(n, cs, rank=rank, world=world, per_chunk=config.collectives == Collectives.PER_CHUNK,
-                           device_homes=homes)
-    room = max(0, host - owned * mb.per_element)
+    per_chunk = config.collectives == Collectives.PER_CHUNK
+    owned = owned_chunks(n, rank=rank, world=world, per_chunk=per_chunk)
+    on_host = [c for c in owned if c not in set(state_chunks(layout, owned)[:homes])]
+    room = max(0, host - mb.host_bytes(layout, on_host, cs if per_chunk or world == 1 else cs // world))
     if disk and room == 0:
         room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,
                                         staging_chunks=STAGED_SETS, host_budget=host)[1])

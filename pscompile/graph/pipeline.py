@@ -60,9 +60,9 @@ from pscompile.graph.minimum import (
 )
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
-from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, state_chunks
 from pscompile.memory.rates import Rates, measure_rates
-from pscompile.optim.placement import device_state_chunks
+from pscompile.optim.placement import device_state_chunks, first_state_chunks
 from pscompile.graph.schedule_passes import (
     SCHEDULE_PASSES,
     PlanRequest,
@@ -269,7 +269,7 @@ def _zero_homes(layout: ChunkLayout, request: PlanRequest) -> tuple[frozenset[in
     """ZeRO: the groups (per chunk: owned chunks) whose shard ``request.device_homes`` puts on
     the device, and their bytes there (fp32 master, Adam states, gradient buffer)."""
     owned = [c for c in range(layout.num_chunks) if not request.per_chunk or c % request.world == request.rank]
-    homes = frozenset(owned[:request.device_homes])
+    homes = frozenset(state_chunks(layout, owned)[:request.device_homes])
     unit = layout.chunk_size if request.per_chunk else layout.chunk_size // request.world
     return homes, len(homes) * unit * (STATE_BYTES + GRAD_BYTES)
 
@@ -283,11 +283,11 @@ def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: 
         homes, nbytes = _zero_homes(layout, request)
         return DeviceMemory(request.budget, slot_bytes, frozenset(), nbytes, world=request.world, rank=request.rank,
                             per_chunk=request.per_chunk, device_shards=homes)
-    count = device_state_chunks(budget=request.budget, peak_nonmodel=peak_nonmodel, num_chunks=layout.num_chunks,
+    count = device_state_chunks(budget=request.budget, peak_nonmodel=peak_nonmodel, num_chunks=len(state_chunks(layout)),
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
                                 state_chunk_bytes=state_bytes) if request.device_states else 0
     count = max(count, request.device_homes)
     n = layout.num_chunks
-    return DeviceMemory(request.budget, slot_bytes, frozenset(range(count)), count * state_bytes,
+    return DeviceMemory(request.budget, slot_bytes, first_state_chunks(layout, count), count * state_bytes,
                         world=request.world, rank=request.rank, per_chunk=request.per_chunk,
                         param_disk=frozenset(range(n - request.param_disk_chunks, n)))

@@ -40,7 +40,7 @@ from pscompile.hooks.states import ChunkPlacement, TensorState, chunk_placement
 from pscompile.kinds import MomentKind
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
-from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT
+from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT, first_state_chunks
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.batching import LossFn, check_ranks_agree, extract_loss, signature, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
@@ -288,7 +288,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
         """Device-aware placement (``pscompile.optim.placement``) for the largest non-model peak of
         every traced batch shape; rebuilds the plans with the optimizer's moments."""
         peak = max((t.peak_nonmodel for t in self._traces.values()), default=0)
-        self.store.place_optimizer_states(range(self._device_state_count(peak)))
+        self.store.place_optimizer_states(first_state_chunks(self.layout, self._device_state_count(peak)))
         self._count_outside_steps()
         opt = self._optimizer_moments()
         self._plans = {sig: AccessPlan(t.moments + opt) for sig, t in self._traces.items()}

@@ -6,6 +6,12 @@ tensor larger than a chunk fills the current chunk and continues into the follow
 (ANGEL-PTM's pages), so the chunk size is not bounded by the largest tensor. The same layout is
 used by the four chunk lists (compute-dtype params, fp32 master, exp_avg, exp_avg_sq), so a
 parameter has the same chunk id and offset in each of them.
+
+Frozen parameters (``requires_grad=False``: a LoRA run's base weights) are packed into chunks of
+their own, in the same first-use order: two packing streams, the chunk ids handed out as either
+stream opens a chunk. A frozen chunk holds its compute-dtype copy and nothing else; a trainable
+chunk's optimizer states cover its **state extent**, the elements up to the end of its last
+trainable piece (the last trainable chunk is often mostly padding: its states are not).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     numel: int
     pieces: tuple[Piece, ...]
+    trainable: bool = True                # False: requires_grad=False, in a frozen chunk
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -84,9 +91,40 @@ class ChunkLayout:
                 return e
         return None
 
+    @cached_property
+    def _extents(self) -> tuple[int, ...]:
+        ext = [0] * self.num_chunks
+        for e in self.entries:
+            if e.trainable:
+                for p in e.pieces:
+                    ext[p.chunk] = max(ext[p.chunk], p.chunk_offset + p.numel)
+        return tuple(ext)
+
+    def state_extent(self, chunk: int) -> int:
+        """Elements of ``chunk`` that have optimizer states (a master, Adam's moments): up to the
+        end of its last trainable piece; 0 for a frozen chunk."""
+        return self._extents[chunk]
+
+    def is_frozen(self, chunk: int) -> bool:
+        """``chunk`` holds frozen parameters only: its compute-dtype copy is all it has."""
+        return self._extents[chunk] == 0
+
+    @cached_property
+    def frozen_chunks(self) -> frozenset[int]:
+        return frozenset(c for c in range(self.num_chunks) if self._extents[c] == 0)
+
+    @property
+    def state_numel(self) -> int:
+        """Elements with optimizer states, over every chunk."""
+        return sum(self._extents)
+
     @property
     def total_numel(self) -> int:
         return sum(e.numel for e in self.entries)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(e.numel for e in self.entries if e.trainable)
 
     @property
     def capacity_numel(self) -> int:
@@ -98,39 +136,57 @@ class ChunkLayout:
         return self.total_numel / self.capacity_numel if self.capacity_numel else 1.0
 
     def describe(self) -> str:
+        frozen = len(self.frozen_chunks)
+        split = (f" ({self.num_chunks - frozen} trainable, {frozen} frozen: "
+                 f"{self.trainable_numel:,} params train)") if frozen else ""
         return (f"{len(self.entries)} tensors, {self.total_numel:,} params in {self.num_chunks} chunks of "
-                f"{self.chunk_size:,} elements ({self.utilisation:.1%} utilised)")
+                f"{self.chunk_size:,} elements{split} ({self.utilisation:.1%} utilised)")
 
 
-def _pack(numels: Sequence[int], chunk_size: int) -> tuple[list[tuple[Piece, ...]], int]:
+def _pack(numels: Sequence[int], chunk_size: int,
+          streams: Sequence[int] | None = None) -> tuple[list[tuple[Piece, ...]], int]:
+    """Pack in order; ``streams`` (one key per tensor) packs each key's tensors into chunks of their
+    own, the chunk ids handed out in the order the chunks are opened."""
     pieces_per_tensor: list[tuple[Piece, ...]] = []
-    chunk, off = 0, 0
-    for numel in numels:
+    count = 0
+    state: dict[int, list[int]] = {}         # stream -> [current chunk, offset in it]
+
+    def new_chunk() -> int:
+        nonlocal count
+        count += 1
+        return count - 1
+
+    for i, numel in enumerate(numels):
+        key = 0 if streams is None else streams[i]
+        cur = state.get(key)
+        if cur is None:
+            cur = state[key] = [new_chunk(), 0]
         if numel <= chunk_size:
-            if off + numel > chunk_size:
-                chunk, off = chunk + 1, 0
-            pieces_per_tensor.append((Piece(chunk, off, 0, numel),))
-            off += numel
+            if cur[1] + numel > chunk_size:
+                cur[:] = [new_chunk(), 0]
+            pieces_per_tensor.append((Piece(cur[0], cur[1], 0, numel),))
+            cur[1] += numel
         else:
-            if off == chunk_size:
-                chunk, off = chunk + 1, 0
+            if cur[1] == chunk_size:
+                cur[:] = [new_chunk(), 0]
             pieces, done = [], 0
             while done < numel:
-                take = min(numel - done, chunk_size - off)
-                pieces.append(Piece(chunk, off, done, take))
+                take = min(numel - done, chunk_size - cur[1])
+                pieces.append(Piece(cur[0], cur[1], done, take))
                 done += take
-                off += take
-                if off == chunk_size and done < numel:
-                    chunk, off = chunk + 1, 0
+                cur[1] += take
+                if cur[1] == chunk_size and done < numel:
+                    cur[:] = [new_chunk(), 0]
             pieces_per_tensor.append(tuple(pieces))
-    return pieces_per_tensor, (chunk + 1 if numels else 0)
+    return pieces_per_tensor, count
 
 
 def build_layout(tensors: Iterable[tuple[str, tuple[int, ...]]], chunk_size: int,
-                 aliases: Mapping[str, str] | None = None) -> ChunkLayout:
+                 aliases: Mapping[str, str] | None = None, frozen: Iterable[str] = ()) -> ChunkLayout:
     """Pack ``(fqn, shape)`` pairs in the given order into chunks of ``chunk_size`` elements.
 
-    ``aliases`` maps tied parameter names to the canonical name that is packed.
+    ``aliases`` maps tied parameter names to the canonical name that is packed; ``frozen`` names
+    the parameters that do not train (packed into chunks of their own).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be a positive number of elements")
@@ -141,15 +197,17 @@ def build_layout(tensors: Iterable[tuple[str, tuple[int, ...]]], chunk_size: int
         for s in shape:
             n *= int(s)
         numels.append(n)
-    pieces, num_chunks = _pack(numels, chunk_size)
-    entries = tuple(TensorEntry(fqn, tuple(int(s) for s in shape), n, p)
+    frozen = frozenset(frozen)
+    streams = [int(fqn in frozen) for fqn, _ in tensors]
+    pieces, num_chunks = _pack(numels, chunk_size, streams if frozen else None)
+    entries = tuple(TensorEntry(fqn, tuple(int(s) for s in shape), n, p, fqn not in frozen)
                     for (fqn, shape), n, p in zip(tensors, numels, pieces))
     return ChunkLayout(chunk_size, entries, num_chunks, tuple(sorted((aliases or {}).items())))
 
 
-def padding_waste(numels: Sequence[int], chunk_size: int) -> int:
+def padding_waste(numels: Sequence[int], chunk_size: int, streams: Sequence[int] | None = None) -> int:
     """Elements of padding when ``numels`` are packed into chunks of ``chunk_size``."""
-    _, num_chunks = _pack(numels, chunk_size)
+    _, num_chunks = _pack(numels, chunk_size, streams)
     return num_chunks * chunk_size - sum(numels)
 
 
@@ -163,7 +221,8 @@ class ChunkSizeChoice:
 
 def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = None,
                       min_chunks: int = 4, step: int = 1024, max_candidates: int = 512,
-                      keep_tensors_whole: bool = False) -> ChunkSizeChoice:
+                      keep_tensors_whole: bool = False,
+                      streams: Sequence[int] | None = None) -> ChunkSizeChoice:
     """Find the chunk size with the least padding waste (PatrickStar's chunk-size search).
 
     Candidates run from half the upper bound to the upper bound in ``step`` elements. The upper
@@ -173,7 +232,8 @@ def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = Non
     Ties go to the larger chunk (fewer, larger transfers). At most ``max_candidates`` sizes are
     tried (the step grows in multiples of ``step`` for very large models). With
     ``keep_tensors_whole`` no tensor may span chunks: candidates run from the largest tensor to
-    1.5 times it, whatever the bounds above.
+    1.5 times it, whatever the bounds above. ``streams``: as ``build_layout`` packs frozen and
+    trainable tensors apart (one key per tensor).
     """
     total = sum(numels)
     if total == 0:
@@ -192,9 +252,9 @@ def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = Non
     count = 0
     for size in range(lo, hi + 1, step):
         count += 1
-        key = (padding_waste(numels, size), -size)
+        key = (padding_waste(numels, size, streams), -size)
         if best is None or key < best:
             best = key
     size = -best[1]
-    _, n = _pack(numels, size)
+    _, n = _pack(numels, size, streams)
     return ChunkSizeChoice(size, n, total / (n * size), count)

@@ -6,13 +6,19 @@ and its optimizer states, an fp32 master and Adam's two moments (``STATE_BYTES``
 of ``chunk_size`` elements is one of each. Lock-free updating (``Config(lock_free=True)``) adds on
 the host a second compute-dtype copy (the next parameters, written by the update thread) and
 ``staleness + 1`` fp32 gradient buffer sets.
+
+A frozen chunk (``ChunkLayout.is_frozen``) is its compute-dtype copy alone, and a trainable chunk's
+states cover its state extent (``ChunkLayout.state_extent``): ``host_bytes`` counts both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
+
+from pscompile.memory.layout import ChunkLayout
 
 # fp32 master + exp_avg + exp_avg_sq, per element
 STATE_BYTES = 3 * 4
@@ -51,6 +57,33 @@ class ModelBytes:
         if not lock_free:
             return self.per_element
         return self.per_element + self.param_bytes + GRAD_BYTES * (staleness + 1)
+
+    def host_bytes(self, layout: ChunkLayout, chunks: Iterable[int], home_numel: int | None = None, *,
+                   lock_free: bool = False, staleness: int = 1) -> int:
+        """Host bytes of ``chunks``' homes (``home_numel`` elements each: a rank's shard under ZeRO
+        by group): every one's compute-dtype copy, and a trainable one's optimizer states over its
+        state extent (a whole shard under ZeRO); lock-free updating adds, for trainable chunks, the
+        next parameters' copy and the gradient buffer sets."""
+        home = layout.chunk_size if home_numel is None else home_numel
+        total = 0
+        for c in chunks:
+            extent = layout.state_extent(c)
+            states = 0 if extent == 0 else extent if home == layout.chunk_size else home
+            total += home * self.param_bytes + states * STATE_BYTES
+            if lock_free and extent:
+                total += home * (self.param_bytes + GRAD_BYTES * (staleness + 1))
+        return total
+
+
+def owned_chunks(num_chunks: int, *, rank: int = 0, world: int = 1, per_chunk: bool = False) -> list[int]:
+    """The chunks one rank keeps homes for: with ZeRO per chunk those dealt to it in turn, else
+    every chunk (by group: its shard of each)."""
+    return [c for c in range(num_chunks) if not (per_chunk and world > 1) or c % world == rank]
+
+
+def state_chunks(layout: ChunkLayout, chunks: Iterable[int] | None = None) -> list[int]:
+    """Of ``chunks`` (default: all), in order, those with optimizer states (not frozen)."""
+    return [c for c in (range(layout.num_chunks) if chunks is None else chunks) if not layout.is_frozen(c)]
 
 
 def owned_elements(num_chunks: int, chunk_size: int, *, rank: int = 0, world: int = 1, per_chunk: bool = False,

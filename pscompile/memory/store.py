@@ -18,6 +18,11 @@ fp32 master (the same values, so one buffer), and its gradients go home into a b
 (``grad_home``) instead of over the parameters: the update writes the new parameters where it
 writes the new master and leaves no cast to copy back. Host bytes are the same (16 B/param).
 
+Frozen chunks (``ChunkLayout.is_frozen``: parameters with ``requires_grad=False``) hold their
+compute-dtype copy only: no master, no moments, no gradient; their home is the host (or the disk),
+fetched like any chunk and never written back. A trainable chunk's states cover its state extent
+(``state_numel``), not the padding after its last trainable piece.
+
 Every copy between tiers goes through the copy engine (``memory/copies.py``) and is counted by the ``Link``.
 """
 
@@ -54,7 +59,9 @@ class ChunkStore:
         whose compute-dtype home is there too (``memory/disk_homes.py``). ``master_is_param`` (float32
         only): host-homed chunks share one buffer for their param chunk and master. ``copies``: the
         copy engine its moves go through (default: the CPU's, over ``link``)."""
-        if not params_on_disk <= os_on_disk:
+        frozen = layout.frozen_chunks
+        os_on_device, os_on_disk = os_on_device - frozen, os_on_disk - frozen     # (nothing to place)
+        if not params_on_disk <= os_on_disk | frozen:
             raise ValueError("a chunk whose parameters live on disk keeps its optimizer states there too")
         if master_is_param and dtype != torch.float32:
             raise ValueError(f"master_is_param needs float32 chunks, not {dtype}")
@@ -96,9 +103,9 @@ class ChunkStore:
                     lst.append(torch.empty(0))
                 continue
             pool = self.dev_os_pool if self.os_tier[c] is Tier.DEVICE else self.host_os_pool
-            self.master.append(pool.acquire(zero=True))
-            self.exp_avg.append(pool.acquire(zero=True))
-            self.exp_avg_sq.append(pool.acquire(zero=True))
+            numel = self.state_numel(c)
+            for lst in (self.master, self.exp_avg, self.exp_avg_sq):
+                lst.append(pool.acquire(zero=True, numel=numel) if numel else torch.empty(0))
         self._slot_chunk: dict[int, int] = {}   # device buffer storage ptr -> chunk id
         self._attached: set[int] = set()        # chunks whose device buffer belongs to the caller
         self.master_is_param = master_is_param
@@ -106,6 +113,18 @@ class ChunkStore:
         self._home_copy: set[int] = set()    # shared chunks whose gradient buffer is their home copy now
         for c in range(n):
             self._share_master(c)
+
+    def state_numel(self, c: int) -> int:
+        """Elements of chunk ``c``'s master and moments here: its state extent (0: a frozen chunk,
+        or one another rank owns); a ZeRO shard keeps its whole shard for a trainable chunk."""
+        extent = self.layout.state_extent(c)
+        if c not in self.homes or extent == 0:
+            return 0
+        return extent if self.home_numel == self.layout.chunk_size else self.home_numel
+
+    def frozen(self, c: int) -> bool:
+        """Chunk ``c`` holds frozen parameters only (no states, no gradient, never written back)."""
+        return self.layout.is_frozen(c)
 
     # ---- one buffer for the param chunk and the master (fp32) ------------------------------
     def shares_master(self, c: int) -> bool:
@@ -115,9 +134,9 @@ class ChunkStore:
     def _share_master(self, c: int) -> None:
         """Make the host param chunk the master (where the store shares them and ``c`` is host-homed)."""
         if not self.master_is_param or self.os_tier[c] is not Tier.HOST or c not in self.homes \
-                or self.shares_master(c):
+                or self.shares_master(c) or self.frozen(c):
             return
-        self.host_param[c].copy_(self.master[c])      # (equal already: the param chunk is its cast)
+        self.host_param[c][:self.master[c].numel()].copy_(self.master[c])   # (equal already: its cast)
         self.host_os_pool.release(self.master[c])
         self.master[c] = self.host_param[c]
         self._grad_home[c] = self.host_param_pool.acquire(zero=True)
@@ -128,8 +147,9 @@ class ChunkStore:
             return
         self._home_copy.discard(c)
         self.host_param_pool.release(self._grad_home.pop(c))
-        self.master[c] = self.host_os_pool.acquire()
-        self.master[c].copy_(self.host_param[c])
+        numel = self.exp_avg[c].numel()
+        self.master[c] = self.host_os_pool.acquire(numel=numel)
+        self.master[c].copy_(self.host_param[c][:numel])
 
     def disk_homed(self, c: int) -> bool:
         """Chunk ``c``'s compute-dtype home is on disk: reached through ``open_home``."""
@@ -192,7 +212,7 @@ class ChunkStore:
         device, the rest on the host. Moves happen here only (placement time, not in a step)."""
         on_device = set(on_device)
         for c in range(self.layout.num_chunks):
-            want = Tier.DEVICE if c in on_device else Tier.HOST
+            want = Tier.DEVICE if c in on_device and not self.frozen(c) else Tier.HOST
             if self.os_tier[c] is want or self.os_tier[c] is Tier.DISK:    # disk homes stay
                 continue
             self._unshare_master(c)
@@ -200,7 +220,7 @@ class ChunkStore:
             src_pool, dst_pool = ((self.host_os_pool, self.dev_os_pool) if want is Tier.DEVICE
                                   else (self.dev_os_pool, self.host_os_pool))
             for lst in (self.master, self.exp_avg, self.exp_avg_sq):
-                buf = dst_pool.acquire()
+                buf = dst_pool.acquire(numel=lst[c].numel())
                 self.copies.move(buf, lst[c], "h2d" if want is Tier.DEVICE else "d2h")
                 src_pool.release(lst[c])
                 lst[c] = buf
@@ -209,8 +229,8 @@ class ChunkStore:
                 self.host_param_pool.release(self.host_param[c])
                 self.host_param[c] = torch.empty(0, dtype=self.dtype)
             else:                                # a host home again, from the master that came over
-                self.host_param[c] = self.host_param_pool.acquire()
-                self.host_param[c].copy_(self.master[c])
+                self.host_param[c] = self.host_param_pool.acquire(zero=True)
+                self.host_param[c][:self.master[c].numel()].copy_(self.master[c])
                 self._share_master(c)
 
     # ---- filling -------------------------------------------------------------------------
@@ -224,6 +244,10 @@ class ChunkStore:
             flat = value.detach().reshape(-1)
             for p in e.pieces:
                 src = flat[p.tensor_offset:p.tensor_offset + p.numel]
+                touched.add(p.chunk)
+                if self.frozen(p.chunk):            # no master: the compute-dtype copy is the weight
+                    self._write_frozen(p.chunk, p.chunk_offset, src)
+                    continue
                 master = self._states(p.chunk, write=True)[0][p.chunk_offset:p.chunk_offset + p.numel]
                 if self.device_homed(p.chunk):      # straight to its home on the device
                     self.copies.move(master, src, "h2d")
@@ -235,15 +259,23 @@ class ChunkStore:
                     master.copy_(src)
                     if not self.shares_master(p.chunk):
                         self.host_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(master)
-                touched.add(p.chunk)
         for c in touched:
             self.drop(c)
         if flush:
             self.flush_disk()
 
+    def _write_frozen(self, c: int, offset: int, src: torch.Tensor) -> None:
+        """Frozen chunk ``c``'s weights at ``offset``, cast to the compute dtype, in its home."""
+        if self.disk_homed(c):
+            self.param_disk.open(c)[offset:offset + src.numel()].copy_(src)
+            self.param_disk.close(c, dirty=True)
+        else:
+            self.host_param[c][offset:offset + src.numel()].copy_(src)
+
     def state_shape(self, c: int) -> tuple[int, ...]:
-        """The shape of chunk ``c``'s master and Adam states here (``(0,)``: another rank owns it)."""
-        return (self.home_numel,) if c in self.homes else (0,)
+        """The shape of chunk ``c``'s master and Adam states here (``(0,)``: another rank owns it,
+        or it is frozen)."""
+        return (self.state_numel(c),)
 
     def _states(self, c: int, *, write: bool = False) -> list[torch.Tensor]:
         """Chunk ``c``'s master, exp_avg and exp_avg_sq buffers, a disk home's through its cache
@@ -281,7 +313,9 @@ class ChunkStore:
     def _fill(self, c: int, buf: torch.Tensor) -> bool:
         """Put chunk ``c``'s parameters into the device buffer ``buf``; True if they came over."""
         if self.device_homed(c):
-            buf.copy_(self.master[c])
+            n = self.master[c].numel()
+            buf[:n].copy_(self.master[c])
+            buf[n:].zero_()
             return False
         self.copies.move(buf, self.fetch_source(c), "h2d")
         self.close_home(c)
@@ -445,21 +479,29 @@ class ChunkStore:
     def restore_from_master(self, c: int) -> None:
         """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""
         self._home_copy.discard(c)
+        if self.frozen(c):                 # (no gradient ever lands in it: its home is untouched)
+            self.drop(c)
+            return
         if self.os_tier[c] is Tier.DEVICE and self.resident(c):
-            self.dev_param[c].copy_(self.master[c])
+            self.dev_param[c][:self.master[c].numel()].copy_(self.master[c])
             self.dirty[c] = True
             return
         self.drop(c)
         if self.disk_homed(c):
             master = self._states(c)[0]
-            self.param_disk.open(c, read=False).copy_(master)
+            self.param_disk.open(c, read=master.numel() < self.home_numel)[:master.numel()].copy_(master)
             self.close_home(c, dirty=True)
         elif self.os_tier[c] is not Tier.DEVICE and not self.shares_master(c):   # (shared: never overwritten;
-            self.host_param[c].copy_(self._states(c)[0])                       # device-homed: made when needed)
+            master = self._states(c)[0]                                         # device-homed: made when needed)
+            self.host_param[c][:master.numel()].copy_(master)
 
     def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
         """A CPU fp32 (or compute dtype for ``which='param'``) copy of one tensor from a chunk list."""
         e = self.layout.entry(fqn)
+        if not e.trainable:
+            if which not in ("master", "param"):
+                raise KeyError(f"{fqn!r} is frozen (requires_grad=False): it has no {which}")
+            return self._frozen_weight(e, torch.float32 if which == "master" else self.dtype)
         out = torch.empty(e.numel, dtype=self.dtype if which == "param" else torch.float32)
         for p in e.pieces:
             opened = which == "param" and self.disk_homed(p.chunk) and not self.resident(p.chunk)
@@ -472,6 +514,16 @@ class ChunkStore:
                 dst.copy_(piece)
             if opened:
                 self.close_home(p.chunk)
+        return out.view(e.shape)
+
+    def _frozen_weight(self, e, dtype: torch.dtype) -> torch.Tensor:
+        """A frozen parameter's weight, read from its home (never written after loading, so the
+        home is its truth and no device copy in flight is touched)."""
+        out = torch.empty(e.numel, dtype=dtype)
+        for p in e.pieces:
+            src = self.param_disk.open(p.chunk) if self.disk_homed(p.chunk) else self.host_param[p.chunk]
+            out[p.tensor_offset:p.tensor_offset + p.numel].copy_(src[p.chunk_offset:p.chunk_offset + p.numel])
+            self.close_home(p.chunk)
         return out.view(e.shape)
 
     def _on_device(self, which: BufferKind, c: int) -> bool:

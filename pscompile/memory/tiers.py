@@ -47,7 +47,9 @@ class SlotPool:
     A released buffer goes back to the allocator (on CUDA the caching allocator keeps chunk-sized
     blocks for reuse), so the memory a pool holds is exactly its buffers in use, and memory the
     plan gives to activations after an eviction really is free. Only pinned host buffers (slow to
-    pin) wait in a free list for reuse.
+    pin) wait in a free list for reuse. ``acquire(numel=...)`` hands out a shorter buffer (a
+    trainable chunk's optimizer states cover its state extent only), counted at its own bytes and
+    never kept for reuse.
     """
 
     def __init__(self, tier: Tier, device: torch.device, dtype: torch.dtype, chunk_size: int,
@@ -65,8 +67,12 @@ class SlotPool:
         self._ptrs: set[int] = set()
         self.slot_bytes = chunk_size * torch.empty((), dtype=dtype).element_size()
         self.meter = meter           # counts this pool's buffers in use (host pools)
+        self._short: dict[int, int] = {}   # storage ptr -> bytes of a buffer shorter than a slot
+        self._short_bytes = 0
 
-    def acquire(self, zero: bool = False) -> torch.Tensor:
+    def acquire(self, zero: bool = False, numel: int | None = None) -> torch.Tensor:
+        if numel is not None and numel != self.chunk_size:
+            return self._acquire_short(numel, zero)
         if self._free:
             buf = self._free.pop()
         else:
@@ -83,8 +89,27 @@ class SlotPool:
             self.meter.add(self.slot_bytes)
         return buf
 
+    def _acquire_short(self, numel: int, zero: bool) -> torch.Tensor:
+        if not 0 < numel < self.chunk_size:
+            raise ValueError(f"a buffer of {numel} elements from a pool of {self.chunk_size}-element slots")
+        buf = (torch.zeros if zero else torch.empty)(numel, dtype=self.dtype, device=self.device)
+        if self.pin:
+            buf = buf.pin_memory()
+        nbytes = numel * buf.element_size()
+        self._short[buf.untyped_storage().data_ptr()] = nbytes
+        self._short_bytes += nbytes
+        if self.meter is not None:
+            self.meter.add(nbytes)
+        return buf
+
     def release(self, buf: torch.Tensor) -> None:
         ptr = buf.untyped_storage().data_ptr()
+        short = self._short.pop(ptr, None)
+        if short is not None:
+            self._short_bytes -= short
+            if self.meter is not None:
+                self.meter.add(-short)
+            return
         assert ptr in self._ptrs, "buffer does not belong to this pool"
         self.in_use -= 1
         if self.meter is not None:
@@ -95,11 +120,11 @@ class SlotPool:
             self._ptrs.discard(ptr)
 
     def owns(self, storage_ptr: int) -> bool:
-        return storage_ptr in self._ptrs
+        return storage_ptr in self._ptrs or storage_ptr in self._short
 
     @property
     def bytes_in_use(self) -> int:
-        return self.in_use * self.slot_bytes
+        return self.in_use * self.slot_bytes + self._short_bytes
 
 
 @dataclass

@@ -156,6 +156,7 @@ class ChunkAdamW:
         """
         hps = self.hps if hps is None else hps
         src = param if grad is None else grad               # the gradient, in its own dtype
+        param, master, src = _to_extent(exp_avg.numel(), param, master, src)
         saved = [(o, n, master[o:o + n].clone(), exp_avg[o:o + n].clone(), exp_avg_sq[o:o + n].clone())
                  for o, n in frozen]
         step = [self._step_tensor(master.device)]
@@ -218,7 +219,8 @@ class ChunkAdamW:
         moments are left as they were, so the update can be dropped (``runtime/early_update.py``).
         The same bits as ``update_chunk``; it runs beside the compute (``background``)."""
         groups_ = [(len(self.hps) - 1, None)] if groups is None else groups
-        mo, eo, vo = states_out
+        param_out, master, grad = _to_extent(exp_avg.numel(), param_out, master, grad)
+        mo, eo, vo = _to_extent(exp_avg.numel(), *states_out)
         # the kernel exactly where ``update_chunk`` would use it: the same bits
         if (self.kernels is not None and len(groups_) == 1 and groups_[0][1] is None
                 and self.kernels.wanted(master, grad, param_out, grad_factor)):
@@ -261,6 +263,12 @@ class ChunkAdamW:
         self.step_count = int(sd["step"])
         for t in self._step_tensors.values():
             t.fill_(self.step_count)
+
+
+def _to_extent(n: int, *bufs: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Chunk-sized buffers cut to a chunk's state extent (its states cover only the elements up
+    to its last trainable piece: ``ChunkLayout.state_extent``); the padding after it is left alone."""
+    return [b if b is None or b.numel() <= n else b[:n] for b in bufs]
 
 
 def is_finite(x: float) -> bool:

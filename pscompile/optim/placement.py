@@ -5,12 +5,14 @@ States that fit in the device's margin live there for the whole run: the margin 
 minus every parameter chunk (all may be resident at once) minus the larger of the largest
 non-model peak and the temporaries of one chunk's update. Chunks 0..k-1 get the device places
 (the first chunks in first-use order); the rest update on the host. An unlimited budget keeps
-every chunk's states on the device.
+every chunk's states on the device. Frozen chunks have no states: only trainable chunks count, and
+"the first k" are the first k trainable ones (``first_state_chunks``).
 """
 
 from __future__ import annotations
 
-from pscompile.memory.model_bytes import STATE_BYTES
+from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.model_bytes import STATE_BYTES, state_chunks
 
 # Bytes of device temporaries one chunk update needs, per element: the fp32 upcast of the
 # gradient plus the fp32 temporary of the norm.
@@ -25,6 +27,12 @@ def device_state_chunks(*, budget: int | None, peak_nonmodel: int, num_chunks: i
     temp = UPDATE_TEMP_BYTES_PER_ELEMENT * chunk_size
     margin = budget - max(peak_nonmodel, temp) - num_chunks * param_chunk_bytes
     return max(0, min(num_chunks, margin // state_chunk_bytes))
+
+
+def first_state_chunks(layout: ChunkLayout, count: int) -> frozenset[int]:
+    """The chunks whose optimizer states the first ``count`` device places take: the first
+    ``count`` trainable chunks."""
+    return frozenset(state_chunks(layout)[:count])
 
 
 def host_shortfall_chunks(*, num_chunks: int, chunk_bytes: int, host_budget: int) -> int:

@@ -54,8 +54,9 @@ def spare_home(store, c: int) -> list[torch.Tensor | None]:
     """Buffers to update host chunk ``c`` of ``store`` into out of place: master, moments and
     (unless the master is the param chunk) a param chunk, from the pools its own come from."""
     shared = store.shares_master(c)
-    master = (store.host_param_pool if shared else store.host_os_pool).acquire()
-    return [master, store.host_os_pool.acquire(), store.host_os_pool.acquire(),
+    n = store.exp_avg[c].numel()          # (the chunk's state extent)
+    master = store.host_param_pool.acquire() if shared else store.host_os_pool.acquire(numel=n)
+    return [master, store.host_os_pool.acquire(numel=n), store.host_os_pool.acquire(numel=n),
             None if shared else store.host_param_pool.acquire()]
 
 

@@ -139,15 +139,15 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # lock-free updating: the update thread and the gradient buffer sets it reads
         self.updater = (LockFreeUpdater(staleness=config.staleness, run=self._run_update_job,
                                         publish=self._publish_update,
-                                        sets=[[torch.zeros(self.store.home_numel, dtype=torch.float32)
-                                               for _ in range(self.layout.num_chunks)]
+                                        sets=[[torch.zeros(self.store.home_numel if self.store.state_numel(c) else 0)
+                                               for c in range(self.layout.num_chunks)]
                                               for _ in range(config.staleness + 1)])
                         if config.lock_free else None)
         if self.updater is not None:      # (its gradient buffer sets are host model data)
-            self.store.host_meter.add((config.staleness + 1) * self.layout.num_chunks * self.store.home_numel * 4)
-        # lock-free: the update thread casts new masters here; publishing swaps them in
-        self._next_params = ([self.store.host_param_pool.acquire() for _ in range(self.layout.num_chunks)]
-                             if config.lock_free else [])
+            self.store.host_meter.add(sum(b.numel() * 4 for s in self.updater.sets for b in s))
+        # lock-free: the update thread casts new masters here (trainable chunks); publishing swaps them in
+        self._next_params = ([self.store.host_param_pool.acquire() if self.store.state_numel(c) else torch.empty(0)
+                              for c in range(self.layout.num_chunks)] if config.lock_free else [])
         self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
         self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
         self._lock, self._busy = threading.Lock(), ""   # one call at a time (``exclusive``)
@@ -207,7 +207,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         if self.store.acc_disk is not None:         # (parameters on disk: so are these, staged as used)
             return DiskAccumulation(self.store.acc_disk, self.layout.num_chunks)
         if self._acc is None:
-            self._acc = [torch.zeros(self.store.home_numel if self.store.owns(c) else 0, dtype=torch.float32)
+            self._acc = [torch.zeros(self.store.home_numel if self.store.state_numel(c) else 0, dtype=torch.float32)
                          for c in range(self.layout.num_chunks)]
             self.store.host_meter.add(sum(a.numel() * 4 for a in self._acc))
         return self._acc

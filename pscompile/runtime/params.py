@@ -102,14 +102,16 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
     and "auto" searches the group size (what the device holds at once) and rounds it up to a
     multiple of ``world``."""
     numels = [p.numel() for p in mp.params.values()]
+    frozen = [f for f, p in mp.params.items() if not p.requires_grad]
+    streams = [int(not p.requires_grad) for p in mp.params.values()] if frozen else None
     cs = config.chunk_size
     elsize = torch.empty((), dtype=config.dtype).element_size()
     if cs == "auto":
         cap = None if budget is None else max(1024, budget // (elsize * fraction))
         host = _host_cap(config, elsize) if host_staging else None
         cap = host if cap is None else cap if host is None else min(cap, host)
-        cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=not pages).chunk_size
+        cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=not pages, streams=streams).chunk_size
         cs = -(-cs // world) * world
     else:
         cs = cs * world
-    return build_layout(((f, tuple(p.shape)) for f, p in mp.params.items()), cs, mp.aliases)
+    return build_layout(((f, tuple(p.shape)) for f, p in mp.params.items()), cs, mp.aliases, frozen)

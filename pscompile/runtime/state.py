@@ -42,14 +42,19 @@ class EngineState:
         if self.comm is not None:
             return shard_ckpt.shard_state_dict(self.store, self.layout, rank=self.rank, world=self.world,
                                                extra=self._scalar_state())
+        trained = self._trained()
         sd = {
-            "master": {f: self.store.gather("master", f) for f in self.params},
-            "exp_avg": {f: self.store.gather("exp_avg", f) for f in self.params},
-            "exp_avg_sq": {f: self.store.gather("exp_avg_sq", f) for f in self.params},
+            "master": {f: self.store.gather("master", f) for f in trained},
+            "exp_avg": {f: self.store.gather("exp_avg", f) for f in trained},
+            "exp_avg_sq": {f: self.store.gather("exp_avg_sq", f) for f in trained},
             **self._scalar_state(),
         }
         self._count_outside_steps()
         return sd
+
+    def _trained(self) -> list[str]:
+        """The parameters that train (a frozen one has no master or Adam states to save)."""
+        return [f for f in self.params if self.layout.entry(f).trainable]
 
     def scalar_problems(self, state: Any) -> list[str]:
         """What keeps a checkpoint's scalars (step, loss scale, parameter groups) from loading."""
@@ -79,10 +84,14 @@ class EngineState:
             if not isinstance(part, dict):
                 out.append(f"state_dict[{key!r}]: a dict of parameter name -> tensor is needed")
                 continue
-            missing = set(self.params) - set(part)
+            trained = set(self._trained())
+            missing, frozen = trained - set(part), (set(self.params) - trained) & set(part)
             if missing:
                 out.append(f"state_dict[{key!r}] lacks parameters {sorted(missing)[:3]}")
-            for f in sorted(set(self.params) & set(part)):
+            if frozen and key != "master":
+                out.append(f"state_dict[{key!r}] has Adam states for {sorted(frozen)[:3]}, frozen in this model "
+                           "(requires_grad=False): freeze the same parameters as the run that saved it")
+            for f in sorted(trained & set(part)):
                 t, want = part[f], tuple(self.params[f].shape)
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point():
                     out.append(f"state_dict[{key!r}][{f!r}] has shape {tuple(getattr(t, 'shape', ()))}, "
@@ -107,7 +116,7 @@ class EngineState:
             shard_ckpt.load_shard(self.store, self.layout, sd, rank=self.rank, world=self.world)
         else:
             for key in ("master", "exp_avg", "exp_avg_sq"):
-                for f in self.params:
+                for f in self._trained():
                     self.store.scatter(key, f, sd[key][f])
         self._undo_all()       # param chunks = master cast to the compute dtype
         self._count_outside_steps()

@@ -16,7 +16,7 @@ from pscompile.config import Config, available_host_bytes
 from pscompile.errors import BudgetError
 from pscompile.memory.disk_homes import ACC_BUFFERS, HOME_BUFFERS, disk_staging_bytes
 from pscompile.memory.disk_states import STAGED_SETS
-from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_elements
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_chunks, state_chunks
 from pscompile.optim.placement import device_state_chunks, host_shortfall_chunks, host_state_chunks
 from pscompile.units import format_bytes
 
@@ -30,7 +30,7 @@ class HostTiers:
         where updates must run on the host (ZeRO, lock-free), and at least the chunks the host
         cannot hold."""
         count = 0 if self.states_on_host_only else device_state_chunks(
-            budget=self.budget, peak_nonmodel=peak_nonmodel, num_chunks=self.layout.num_chunks,
+            budget=self.budget, peak_nonmodel=peak_nonmodel, num_chunks=len(state_chunks(self.layout)),
             chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
             state_chunk_bytes=self.store.os_chunk_bytes)
         return max(count, self.min_device_homes)
@@ -43,10 +43,10 @@ class HostTiers:
         mb = ModelBytes.of(self.dtype)
         elsize = mb.param_bytes
         host_budget = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
-        owned = owned_elements(self.layout.num_chunks, self.layout.chunk_size, rank=self.rank, world=self.world,
-                               per_chunk=self.per_chunk)
+        owned = owned_chunks(self.layout.num_chunks, rank=self.rank, world=self.world, per_chunk=self.per_chunk)
         grad_sets = config.staleness + 1 if config.lock_free else 0
-        host_need = owned * mb.host_per_element(lock_free=config.lock_free, staleness=config.staleness)
+        host_need = mb.host_bytes(self.layout, owned, self.home_numel, lock_free=config.lock_free,
+                                  staleness=config.staleness)
         # Chunks the host cannot hold live on the device (their optimizer states with them): the
         # first ``min_device_homes`` chunks this rank keeps homes for (``device_homes``) at least,
         # whatever the placement rule says
@@ -73,9 +73,12 @@ class HostTiers:
         or the first chunks it owns) live on the device, as many as the host cannot hold; each
         takes its optimizer states there (and under ZeRO an fp32 gradient buffer: the shard's
         compute-dtype copy is the master's cast). Raises when the device budget cannot take them."""
-        owned = [c for c in range(self.layout.num_chunks) if not self.per_chunk or c % self.world == self.rank]
+        owned = owned_chunks(self.layout.num_chunks, rank=self.rank, world=self.world, per_chunk=self.per_chunk)
+        frozen_need = mb.host_bytes(self.layout, [c for c in owned if self.layout.is_frozen(c)], self.home_numel)
+        owned = state_chunks(self.layout, owned)        # (a frozen chunk has no states to home there)
         unit = self.home_numel
         chunk_need = mb.chunk(unit)
+        host_budget = max(0, host_budget - frozen_need)
         self.min_device_homes = host_shortfall_chunks(num_chunks=len(owned), chunk_bytes=chunk_need,
                                                       host_budget=host_budget)
         self.device_homes = frozenset(owned[:self.min_device_homes])
@@ -131,7 +134,7 @@ class HostTiers:
                 f"tier's staging buffers ({format_bytes(fixed)}: {n} chunks x {per_chunk} bytes/param, plus "
                 f"{STAGED_SETS} chunks of optimizer states); give host_memory >= {fixed}")
         self.host_room = room
-        return frozenset(owned[on_host:])
+        return frozenset(state_chunks(self.layout, owned)[on_host:])     # (a frozen chunk has no states)
 
     def _param_disk_homes(self, host_budget: int, elsize: int, owned: list[int]) -> frozenset[int]:
         """The host cannot hold every compute-dtype chunk: every optimizer state lives on disk, and
