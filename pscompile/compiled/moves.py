@@ -75,7 +75,7 @@ class MemoryMoves:
                 continue                           # a warm start: the previous run left it there
             if self._slot_chunk.get(k) != c:
                 self._allocate_slot(k)
-                self._slots[k].copy_(self.store.master[c])   # device-homed: the cast of its master
+                self.store.cast_master_into(c, self._slots[k])   # device-homed: the cast of its master
                 self.store.attach(c, self._slots[k])
                 self._slot_chunk[k] = c
         self._count_outside_steps()

@@ -328,9 +328,10 @@ class HooksEngine(ParamHooks, ChunkEngine):
         return "hooks mode"
 
     def _describe_lines(self) -> list[str]:
-        n = self.layout.num_chunks
+        n, frozen = self.layout.num_chunks, len(self.layout.frozen_chunks)
         on_dev = sum(t is Tier.DEVICE for t in self.store.os_tier)
-        return [f"optimizer states: {on_dev}/{n} chunks on the device, {n - on_dev} on the host",
+        none = f" ({frozen} frozen chunks have none)" if frozen else ""
+        return [f"optimizer states: {on_dev}/{n - frozen} chunks on the device, {n - frozen - on_dev} on the host{none}",
                 self.describe_tiers()]
 
     @property

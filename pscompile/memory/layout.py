@@ -233,7 +233,8 @@ def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = Non
     tried (the step grows in multiples of ``step`` for very large models). With
     ``keep_tensors_whole`` no tensor may span chunks: candidates run from the largest tensor to
     1.5 times it, whatever the bounds above. ``streams``: as ``build_layout`` packs frozen and
-    trainable tensors apart (one key per tensor).
+    trainable tensors apart (one key per tensor); with both kinds, candidates start at an eighth
+    of the upper bound.
     """
     total = sum(numels)
     if total == 0:
@@ -243,7 +244,9 @@ def search_chunk_size(numels: Sequence[int], *, max_chunk_size: int | None = Non
     if max_chunk_size is not None:
         hi = min(hi, max_chunk_size)
     hi = max(step, -(-hi // step) * step)
-    lo = max(step, (hi // 2) // step * step)
+    # frozen and trainable tensors packed apart: the trainable stream's last chunk is mostly
+    # padding in a LoRA run (its host copy is a whole chunk), so smaller chunks are weighed too
+    lo = max(step, (hi // (8 if streams is not None and len(set(streams)) > 1 else 2)) // step * step)
     if keep_tensors_whole:
         lo = -(-max(numels) // step) * step
         hi = lo + (lo // 2) // step * step

@@ -313,13 +313,18 @@ class ChunkStore:
     def _fill(self, c: int, buf: torch.Tensor) -> bool:
         """Put chunk ``c``'s parameters into the device buffer ``buf``; True if they came over."""
         if self.device_homed(c):
-            n = self.master[c].numel()
-            buf[:n].copy_(self.master[c])
-            buf[n:].zero_()
+            self.cast_master_into(c, buf)
             return False
         self.copies.move(buf, self.fetch_source(c), "h2d")
         self.close_home(c)
         return True
+
+    def cast_master_into(self, c: int, buf: torch.Tensor) -> None:
+        """A device-homed chunk's param chunk: the cast of its master (over its state extent; the
+        padding after it zero)."""
+        n = self.master[c].numel()
+        buf[:n].copy_(self.master[c])
+        buf[n:].zero_()
 
     def evict(self, c: int) -> None:
         """Give up the device copy of ``c``, copying it home first only if it is dirty (a

@@ -51,7 +51,7 @@ from pscompile.runtime.checkpoint_state import CheckpointState
 from pscompile.runtime.state import EngineState
 from pscompile.runtime.tiers import HostTiers
 from pscompile.runtime.update import ChunkUpdate
-from pscompile.runtime.params import ModelParams, choose_layout, collect_params
+from pscompile.runtime.params import ModelParams, check_frozen, choose_layout, collect_params
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
 from pscompile.kinds import Collectives
@@ -124,8 +124,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self._make_update(config)
         self._make_optimizer()             # engine.optimizer: the groups for torch's LR schedulers
         self._chunk_groups_cache: dict[int, list] = {}
-        self.scaler = (LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval)
-                       if self.dtype == torch.float16 else None)
+        self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval) if self.dtype == torch.float16 else None
         self._move_buffers()
         self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
         self.stats = None
@@ -270,7 +269,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         chunks that live there, fp32 master, Adam states and compute-dtype chunk; ``host`` -- the
         host homes. Copies of host chunks cached on the device are not counted (they are copies)."""
         homed = sum(self.store.device_homed(c) for c in range(self.layout.num_chunks))
-        return {"device": homed * (self.store.param_chunk_bytes + self.store.os_chunk_bytes),
+        return {"device": homed * self.store.param_chunk_bytes + self.store.dev_os_pool.bytes_in_use,
                 "host": self.store.host_model_bytes()}
 
     def describe_tiers(self) -> str:
@@ -354,6 +353,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             raise RuntimeError("this engine was closed")
         if self._broken is not None:
             raise RuntimeError(self._broken)
+        check_frozen(self.layout, self.params)
 
     def __enter__(self):
         return self

@@ -42,6 +42,19 @@ def check_model(model: nn.Module) -> None:
                          "compute device in Config(device=...)")
 
 
+def check_frozen(layout: ChunkLayout, params: dict[str, nn.Parameter]) -> None:
+    """Refuse a run after a parameter was frozen or unfrozen since ``compile``: the layout put
+    frozen parameters in chunks of their own, without optimizer states."""
+    changed = [f for f, p in params.items() if p.requires_grad != layout.entry(f).trainable]
+    if changed:
+        now = "trainable" if params[changed[0]].requires_grad else "frozen"
+        raise RuntimeError(
+            f"{len(changed)} parameter(s) changed requires_grad after pscompile.compile ({changed[0]!r} is {now} now, "
+            f"{'trainable' if now == 'frozen' else 'frozen'} when compiled); pscompile lays frozen parameters out in "
+            "chunks of their own, without master weights or Adam states, when it compiles: set requires_grad back, "
+            "or close() this engine (the model gets its weights back) and compile the model again")
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """Every distinct parameter once, under its canonical (first) name, in first-use order."""
