@@ -312,7 +312,7 @@ class ChunkUpdate:
             if grads is not None:
                 grad = _acc_of(grads, c)
                 if store.os_tier[c] is Tier.DEVICE:       # the accumulated gradient comes over
-                    host, grad = grad, torch.empty_like(store.master[c])
+                    host, grad = grad[:store.master[c].numel()], torch.empty_like(store.master[c])
                     # waited on the host: the host zeroes (or refills) grads[c] once the step ends
                     self.copies.submit(grad, host, "h2d").wait_host()
             if store.shares_master(c):          # the new master is the new param chunk: no cast back
