@@ -43,7 +43,10 @@ def _train_and_check(mode, device_memory, host_memory, steps=3):
     n = engine.layout.num_chunks
     homed = sum(engine.store.device_homed(c) for c in range(n))
     data = engine.model_data()             # every chunk counted once, on its home tier
-    assert data["device"] + data["host"] == n * (engine.store.param_chunk_bytes + engine.store.os_chunk_bytes)
+    cs, layout = engine.layout.chunk_size, engine.layout    # fp32: a host chunk's master is its param chunk,
+    assert data["device"] + data["host"] == sum(             # its gradient has a home of its own
+        4 * cs + 12 * layout.state_extent(c) if engine.store.device_homed(c) else 8 * cs + 8 * layout.state_extent(c)
+        for c in range(n))
     assert data["host"] <= host_memory and f"{homed}/{n} chunks live on the device" in engine.describe()
     ours = engine.state_dict()["master"]
     theirs = ref.master_state()

@@ -99,7 +99,7 @@ def test_scheduled_graph_runs_as_plain_fx():
     sched = engine.schedule
     slots = [torch.empty_like(s) for s in engine._slots[:sched.plan.num_slots]]
     for c, k in sched.plan.initial:
-        slots[k].copy_(engine.store.master[c])      # device-homed: the cast of its master
+        engine.store.cast_master_into(c, slots[k])      # device-homed: the cast of its master
     hosts = [h.clone() for h in engine.store.host_param]
     (loss,) = sched.gm(*slots, *hosts, *sched.captured.flatten_batch(b))
     assert float(loss) == pytest.approx(engine.step(b), rel=1e-6)

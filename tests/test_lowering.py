@@ -54,7 +54,7 @@ def graph_inputs(engine) -> list[torch.Tensor]:
     sched = engine.schedule
     slots = [torch.empty_like(s) for s in engine._slots[:sched.plan.num_slots]]
     for c, k in sched.plan.initial:      # device-homed chunks: the cast of their master
-        slots[k].copy_(engine.store.master[c])
+        engine.store.cast_master_into(c, slots[k])
     hosts = [h.clone() for h in engine.store.host_param]
     b = make_batches("gpt", 1)[0]
     return [*slots, *hosts, *[engine._buffer(f) for f in sched.captured.buffer_fqns],

@@ -18,12 +18,11 @@ def _engine(mode: str, budget=None):
 
 
 def test_compiled_placement_bytes_are_counted():
-    """Unlimited budget: every chunk's optimizer states move to the device (3 fp32 buffers), exactly
-    those bytes are counted, host to device; its parameter chunk, now homed on the device, is cast
-    from the master there and crosses nothing (its host copy is given back)."""
+    """Unlimited budget: every chunk's optimizer states move to the device (3 fp32 buffers over its
+    state extent), exactly those bytes are counted, host to device; its parameter chunk, now homed
+    on the device, is cast from the master there and crosses nothing (its host copy is given back)."""
     engine, _ = _engine("compiled")
-    n, cs = engine.layout.num_chunks, engine.layout.chunk_size
-    assert engine.setup_traffic.h2d_bytes == n * 3 * cs * 4
+    assert engine.setup_traffic.h2d_bytes == 3 * 4 * engine.layout.state_numel
     assert engine.store.host_model_bytes() == 0
     assert engine.setup_traffic.d2h_bytes == 0
 

@@ -68,9 +68,12 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     windows = node_windows(analyzed.captured, nonmodel)
     best = Minimum(0, 0, 0, slot_bytes, 0)
     homes = set(state_chunks(layout)[:device_homes])     # (the first trainable chunks)
+    # their states: over each one's state extent (ZeRO: whole shards, ``state_bytes`` each)
+    states = device_homes * state_bytes if world > 1 else \
+        sum(map(layout.state_extent, homes)) * state_bytes // layout.chunk_size
     for i, (chunks, w) in enumerate(zip(reads, windows)):
         chunks = set(chunks) | homes
-        need = len(chunks) * slot_bytes + w + device_homes * state_bytes
+        need = len(chunks) * slot_bytes + w + states
         if need > best.nbytes:
             best = Minimum(need, i, len(chunks), slot_bytes, w)
     return best

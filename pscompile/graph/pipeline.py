@@ -288,6 +288,7 @@ def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: 
                                 state_chunk_bytes=state_bytes) if request.device_states else 0
     count = max(count, request.device_homes)
     n = layout.num_chunks
-    return DeviceMemory(request.budget, slot_bytes, first_state_chunks(layout, count), count * state_bytes,
+    on_device = first_state_chunks(layout, count)
+    return DeviceMemory(request.budget, slot_bytes, on_device, STATE_BYTES * sum(map(layout.state_extent, on_device)),
                         world=request.world, rank=request.rank, per_chunk=request.per_chunk,
                         param_disk=frozenset(range(n - request.param_disk_chunks, n)))

@@ -28,25 +28,23 @@ Every copy between tiers goes through the copy engine (``memory/copies.py``) and
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
 
 import torch
 
 from pscompile.memory.disk import DiskQueue
 from pscompile.memory.disk_homes import ACC_BUFFERS, DiskHomes
-from pscompile.memory.disk_states import LISTS, DiskStates
+from pscompile.memory.disk_states import DiskStates
 from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.store_values import BufferKind, StoreValues  # noqa: F401 -- (BufferKind: callers import it here)
 from pscompile.memory.copies import CopyEngine, ThreadCopies
 from pscompile.memory.tiers import HostMeter, Link, SlotPool, Tier
 
 _HOST = torch.device("cpu")
 
 
-# which of a chunk's buffers: its compute-dtype parameters, or one of its fp32 optimizer lists
-BufferKind = Literal["param", "master", "exp_avg", "exp_avg_sq"]
 
 
-class ChunkStore:
+class ChunkStore(StoreValues):
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
                  os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
                  homes: frozenset[int] | None = None, os_on_disk: frozenset[int] = frozenset(),
@@ -232,45 +230,6 @@ class ChunkStore:
                 self.host_param[c] = self.host_param_pool.acquire(zero=True)
                 self.host_param[c][:self.master[c].numel()].copy_(self.master[c])
                 self._share_master(c)
-
-    # ---- filling -------------------------------------------------------------------------
-    def load_params(self, params: Mapping[str, torch.Tensor], *, flush: bool = True) -> None:
-        """Copy parameter values (any float dtype) into the fp32 master chunks and the
-        compute-dtype chunks (the cast of the master); ``flush``: write the disk tier's caches
-        back (False while filling module by module: once at the end, not once per module)."""
-        touched = set()
-        for fqn, value in params.items():
-            e = self.layout.entry(fqn)
-            flat = value.detach().reshape(-1)
-            for p in e.pieces:
-                src = flat[p.tensor_offset:p.tensor_offset + p.numel]
-                touched.add(p.chunk)
-                if self.frozen(p.chunk):            # no master: the compute-dtype copy is the weight
-                    self._write_frozen(p.chunk, p.chunk_offset, src)
-                    continue
-                master = self._states(p.chunk, write=True)[0][p.chunk_offset:p.chunk_offset + p.numel]
-                if self.device_homed(p.chunk):      # straight to its home on the device
-                    self.copies.move(master, src, "h2d")
-                elif self.disk_homed(p.chunk):
-                    master.copy_(src)
-                    self.param_disk.open(p.chunk)[p.chunk_offset:p.chunk_offset + p.numel].copy_(master)
-                    self.param_disk.close(p.chunk, dirty=True)
-                else:
-                    master.copy_(src)
-                    if not self.shares_master(p.chunk):
-                        self.host_param[p.chunk][p.chunk_offset:p.chunk_offset + p.numel].copy_(master)
-        for c in touched:
-            self.drop(c)
-        if flush:
-            self.flush_disk()
-
-    def _write_frozen(self, c: int, offset: int, src: torch.Tensor) -> None:
-        """Frozen chunk ``c``'s weights at ``offset``, cast to the compute dtype, in its home."""
-        if self.disk_homed(c):
-            self.param_disk.open(c)[offset:offset + src.numel()].copy_(src)
-            self.param_disk.close(c, dirty=True)
-        else:
-            self.host_param[c][offset:offset + src.numel()].copy_(src)
 
     def state_shape(self, c: int) -> tuple[int, ...]:
         """The shape of chunk ``c``'s master and Adam states here (``(0,)``: another rank owns it,
@@ -499,49 +458,3 @@ class ChunkStore:
         elif self.os_tier[c] is not Tier.DEVICE and not self.shares_master(c):   # (shared: never overwritten;
             master = self._states(c)[0]                                         # device-homed: made when needed)
             self.host_param[c][:master.numel()].copy_(master)
-
-    def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
-        """A CPU fp32 (or compute dtype for ``which='param'``) copy of one tensor from a chunk list."""
-        e = self.layout.entry(fqn)
-        if not e.trainable:
-            if which not in ("master", "param"):
-                raise KeyError(f"{fqn!r} is frozen (requires_grad=False): it has no {which}")
-            return self._frozen_weight(e, torch.float32 if which == "master" else self.dtype)
-        out = torch.empty(e.numel, dtype=self.dtype if which == "param" else torch.float32)
-        for p in e.pieces:
-            opened = which == "param" and self.disk_homed(p.chunk) and not self.resident(p.chunk)
-            src = (self.param_disk.open(p.chunk) if opened else self.current(p.chunk) if which == "param"
-                   else self._states(p.chunk)[LISTS.index(which)])
-            dst, piece = out[p.tensor_offset:p.tensor_offset + p.numel], src[p.chunk_offset:p.chunk_offset + p.numel]
-            if src.device != dst.device or self._on_device(which, p.chunk):
-                self.copies.move(dst, piece, "d2h")          # a device tier's bytes cross to the host
-            else:
-                dst.copy_(piece)
-            if opened:
-                self.close_home(p.chunk)
-        return out.view(e.shape)
-
-    def _frozen_weight(self, e, dtype: torch.dtype) -> torch.Tensor:
-        """A frozen parameter's weight, read from its home (never written after loading, so the
-        home is its truth and no device copy in flight is touched)."""
-        out = torch.empty(e.numel, dtype=dtype)
-        for p in e.pieces:
-            src = self.param_disk.open(p.chunk) if self.disk_homed(p.chunk) else self.host_param[p.chunk]
-            out[p.tensor_offset:p.tensor_offset + p.numel].copy_(src[p.chunk_offset:p.chunk_offset + p.numel])
-            self.close_home(p.chunk)
-        return out.view(e.shape)
-
-    def _on_device(self, which: BufferKind, c: int) -> bool:
-        return self.resident(c) if which == "param" else self.os_tier[c] is Tier.DEVICE
-
-    def scatter(self, which: BufferKind, fqn: str, value: torch.Tensor) -> None:
-        """Write one tensor into an optimizer-state chunk list (used by load_state_dict)."""
-        e = self.layout.entry(fqn)
-        flat = value.detach().reshape(-1)
-        for p in e.pieces:
-            dst = self._states(p.chunk, write=True)[LISTS.index(which)][p.chunk_offset:p.chunk_offset + p.numel]
-            piece = flat[p.tensor_offset:p.tensor_offset + p.numel]
-            if self.os_tier[p.chunk] is Tier.DEVICE:
-                self.copies.move(dst, piece, "h2d")
-            else:
-                dst.copy_(piece)

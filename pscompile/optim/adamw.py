@@ -220,7 +220,7 @@ class ChunkAdamW:
         The same bits as ``update_chunk``; it runs beside the compute (``background``)."""
         groups_ = [(len(self.hps) - 1, None)] if groups is None else groups
         param_out, master, grad = _to_extent(exp_avg.numel(), param_out, master, grad)
-        mo, eo, vo = _to_extent(exp_avg.numel(), *states_out)
+        mo, eo, vo = (b[:exp_avg.numel()] for b in states_out)
         # the kernel exactly where ``update_chunk`` would use it: the same bits
         if (self.kernels is not None and len(groups_) == 1 and groups_[0][1] is None
                 and self.kernels.wanted(master, grad, param_out, grad_factor)):
@@ -265,10 +265,14 @@ class ChunkAdamW:
             t.fill_(self.step_count)
 
 
-def _to_extent(n: int, *bufs: torch.Tensor | None) -> list[torch.Tensor | None]:
+def _to_extent(n: int, param: torch.Tensor | None, *bufs: torch.Tensor | None) -> list[torch.Tensor | None]:
     """Chunk-sized buffers cut to a chunk's state extent (its states cover only the elements up
-    to its last trainable piece: ``ChunkLayout.state_extent``); the padding after it is left alone."""
-    return [b if b is None or b.numel() <= n else b[:n] for b in bufs]
+    to its last trainable piece: ``ChunkLayout.state_extent``). The new parameters' padding after
+    it is zeroed (``param`` may be a fresh buffer; a fetch carries the padding to the device, where
+    the gradient norm reads whole chunks)."""
+    if param is not None and param.numel() > n:
+        param[n:].zero_()
+    return [b if b is None or b.numel() <= n else b[:n] for b in (param, *bufs)]
 
 
 def is_finite(x: float) -> bool:
