@@ -34,6 +34,7 @@ from pscompile.dist import checkpoint as shard_ckpt
 from pscompile.checkpoint.file_format import CheckpointReader, is_checkpoint_file, write_checkpoint
 from pscompile.checkpoint.files import remove_stale, write_atomic
 from pscompile.lazy import LazyEngine, built_engine
+from pscompile.runtime import frozen_base
 from pscompile.runtime.checkpoint_state import full_state_from
 from pscompile.runtime.rng import rng_problems, rng_state, set_rng_state
 from pscompile.runtime.state import state_fault
@@ -47,10 +48,10 @@ def _meta(engine) -> dict:
             "world_size": engine.world, "rank": engine.rank,
             "params": {f: list(p.shape) for f, p in engine.params.items()},
             "chunk_size": engine.layout.chunk_size, "num_chunks": engine.layout.num_chunks,
-            "step": engine.adam.step_count, "torch": str(torch.__version__)}
+            "step": engine.adam.step_count, "torch": str(torch.__version__), "frozen": frozen_base.record(engine)}
 
 
-def _writer(engine, client_state: dict, ckpt_id: str | None = None):
+def _writer(engine, client_state: dict, ckpt_id: str | None = None, frozen_weights: bool = False):
     """The function that streams ``engine``'s checkpoint into an open file (returns its hash)."""
     engine._check_open()
     rng = rng_state(engine.device)
@@ -58,24 +59,30 @@ def _writer(engine, client_state: dict, ckpt_id: str | None = None):
               **engine.checkpoint_header()}
     tensors = [(f"rng.{k}", t.dtype, t.numel(), (lambda t=t: t)) for k, t in sorted(rng.items())]
     tensors += engine.checkpoint_tensors()
+    tensors += frozen_base.tensors(engine) if frozen_weights else []
     return lambda f: write_checkpoint(f, header, tensors)
 
 
-def save(engine, path: str | os.PathLike, *, client_state: dict | None = None) -> Path:
+def save(engine, path: str | os.PathLike, *, client_state: dict | None = None, frozen_weights: bool = False) -> Path:
     """Write ``engine``'s checkpoint to ``path`` (one process: a file; ZeRO: a folder committed by
     its manifest; a collective, every rank calls it). Returns the path written.
 
     ``client_state``: the training script's own state, saved with the engine's and returned by
     ``load`` (a scheduler's ``state_dict()``, the data position): a dict of what JSON holds
-    (numbers, strings, booleans, None, lists and dicts with string keys)."""
+    (numbers, strings, booleans, None, lists and dicts with string keys).
+
+    Frozen parameters (``requires_grad=False``: a LoRA run's base) are not saved: the file records
+    their names, shapes, dtype and a digest of their bytes, and ``load`` checks the engine's base is
+    the same. ``frozen_weights=True`` saves them too, and ``load`` then puts them back."""
     path = Path(path)
     client_state = json_state(client_state, "pscompile.save: client_state")
     engine = built_engine(engine, "pscompile.save")
     with engine.exclusive("save"):
         if engine.world > 1:
-            return sharded.save_sharded(engine, path, lambda ckpt_id: _writer(engine, client_state, ckpt_id))
+            return sharded.save_sharded(engine, path,
+                                        lambda ckpt_id: _writer(engine, client_state, ckpt_id, frozen_weights))
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, _writer(engine, client_state))
+        write_atomic(path, _writer(engine, client_state, frozen_weights=frozen_weights))
         remove_stale(path.parent, path.name)          # what a killed save of this file left
         return path
 
@@ -140,6 +147,8 @@ def _prepare(engine, files: list[Path], manifest: dict | None) -> tuple:
                 readers.append(first if f == first.path else CheckpointReader(f))
         problems = [p for r in readers for p in _file_problems(r, manifest)]
         problems += _differences(readers[0].header["meta"], engine, same_place=direct)
+        problems += frozen_base.problems(readers[0].header["meta"].get("frozen"), engine, same_place=direct,
+                                         weights=frozen_base.saved_weights(readers[0].header))
         problems += rng_problems(engine.device, _rng_of(readers[0]))
         if problems:                    # (another model: no state to read)
             return direct, None, readers, problems
@@ -196,6 +205,8 @@ def _load(engine, path: Path) -> dict:
                                                               "; nothing was loaded"))
         if direct:
             engine.load_checkpoint_tensors(readers[0])
+            if frozen_base.saved_weights(readers[0].header):
+                frozen_base.load(engine, readers[0])
         else:
             engine.load_state_dict(state)
         set_rng_state(engine.device, _rng_of(readers[0]))

@@ -31,16 +31,18 @@ _LISTS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def layout_record(layout: ChunkLayout) -> dict:
+    """The layout as JSON: each entry ``[fqn, shape, pieces]``, and ``False`` after a frozen one's."""
     return {"chunk_size": layout.chunk_size, "num_chunks": layout.num_chunks,
             "entries": [[e.fqn, list(e.shape), [[p.chunk, p.chunk_offset, p.tensor_offset, p.numel]
-                                                for p in e.pieces]] for e in layout.entries]}
+                                                for p in e.pieces]] + ([] if e.trainable else [False])
+                        for e in layout.entries]}
 
 
 def _layout_of(record: dict) -> ChunkLayout:
     entries = []
-    for fqn, shape, pieces in record["entries"]:
+    for fqn, shape, pieces, *trainable in record["entries"]:
         ps = tuple(Piece(*map(int, p)) for p in pieces)
-        entries.append(TensorEntry(fqn, tuple(shape), sum(p.numel for p in ps), ps))
+        entries.append(TensorEntry(fqn, tuple(shape), sum(p.numel for p in ps), ps, bool(trainable[0]) if trainable else True))
     return ChunkLayout(int(record["chunk_size"]), tuple(entries), int(record["num_chunks"]))
 
 
@@ -132,7 +134,7 @@ def consolidate(shards: Iterable[Any]) -> dict:
     per_chunk = world if sds[0].get("collectives") == Collectives.PER_CHUNK else 0
     shard = layout.chunk_size // world
     out: dict = {key: {} for key in _LISTS}
-    for e in layout.entries:
+    for e in (e for e in layout.entries if e.trainable):      # (a frozen parameter has no state)
         for key in _LISTS:
             flat = torch.empty(e.numel, dtype=torch.float32)
             for r in range(world):
@@ -153,12 +155,18 @@ def full_groups(store, comm) -> list[torch.Tensor]:
     if _per_chunk(store):
         out = []
         for c in range(n):
-            buf = store._states(c)[0].clone() if store.owns(c) else torch.empty(store.shard)
+            buf = _weights(store, c).clone() if store.owns(c) else torch.empty(store.shard)
             comm.broadcast_plain(buf, store.owner(c))
             out.append(buf)
         return out
-    mine = torch.cat([store._states(c)[0] for c in range(n)]) if n else torch.empty(0)
+    mine = torch.cat([_weights(store, c) for c in range(n)]) if n else torch.empty(0)
     everyone = torch.empty(comm.world * mine.numel(), dtype=torch.float32)
     comm.all_gather_flat(everyone, mine)
     parts = everyone.view(comm.world, n, store.shard)
     return [parts[:, g].reshape(-1) for g in range(n)]
+
+
+def _weights(store, c: int) -> torch.Tensor:
+    """This rank's part of chunk ``c``'s weights in fp32: its master, or a frozen chunk's
+    compute-dtype home (it has no master)."""
+    return store.host_param[c].float() if store.frozen(c) else store._states(c)[0]

@@ -244,7 +244,8 @@ class ChunkStore(StoreValues):
         bufs = self.disk.buffers(c)
         if write:
             self.disk.mark_dirty(c)
-        return bufs
+        n = self.state_numel(c)               # (a disk slot is a whole chunk; the states, its extent)
+        return [b[:n] for b in bufs]
 
     # ---- residency -----------------------------------------------------------------------
     def resident(self, c: int) -> bool:

@@ -42,11 +42,11 @@ class CheckpointState:
         return False
 
     def _state_used(self) -> list[int]:
-        """Per chunk (ZeRO: per group shard): how many of its leading elements hold parameters;
-        the rest is padding, which a checkpoint neither writes nor reads."""
+        """Per chunk (ZeRO: per group shard): how many of its leading elements hold trainable
+        parameters; the rest is padding (or frozen: no states), which a checkpoint neither writes nor reads."""
         used = [0] * len(self.store.master)
         per_chunk = self.world if hasattr(self.store, "owner") else 0
-        for e in self.layout.entries:
+        for e in (e for e in self.layout.entries if e.trainable):
             for g, so, _, n in own_pieces(e, self.store.home_numel, self.rank, per_chunk_world=per_chunk):
                 used[g] = max(used[g], so + n)
         return used
@@ -59,7 +59,7 @@ class CheckpointState:
         if self._broken is not None:
             raise RuntimeError(self._broken)
         return [(f"{key}.{c}", torch.float32, n, partial(self._state_on_host, c, i, n))
-                for c, n in enumerate(self._state_used()) for i, key in enumerate(LISTS)]
+                for c, n in enumerate(self._state_used()) if n for i, key in enumerate(LISTS)]
 
     def _state_on_host(self, c: int, i: int, n: int) -> torch.Tensor:
         t = self.store._states(c)[i][:n]
@@ -84,8 +84,8 @@ class CheckpointState:
     def fits_directly(self, header: dict) -> bool:
         """The file was written by an engine of this layout and this rank's place: it loads
         chunk by chunk (else ``full_state_from`` reads it into a state dict)."""
-        ours = [(f"{key}.{c}", n) for c, n in enumerate(self._state_used()) for key in LISTS]
-        theirs = [(n, k) for n, _, k in header.get("tensors", []) if not n.startswith("rng.")]
+        ours = [(f"{key}.{c}", n) for c, n in enumerate(self._state_used()) if n for key in LISTS]
+        theirs = [(n, k) for n, _, k in header.get("tensors", []) if not n.startswith(("rng.", "frozen."))]
         return header.get("layout") == shard_ckpt.layout_record(self.layout) and \
             header.get("shard") == self._shard_place() and ours == theirs
 
@@ -97,6 +97,8 @@ class CheckpointState:
         if self.updater is not None:        # what the queued updates would change is loaded over
             self.updater.discard()
         for c, n in enumerate(self._state_used()):
+            if not n:
+                continue
             bufs = self.store._states(c, write=True)
             for i, key in enumerate(LISTS):
                 dst = bufs[i]
@@ -125,7 +127,7 @@ def full_state_from(readers: Sequence[CheckpointReader]) -> dict:
     per_chunk = world if shard and shard["collectives"] == str(Collectives.PER_CHUNK) else 0
     size = layout.chunk_size if per_chunk or world == 1 else layout.chunk_size // world
     out: dict = {key: {} for key in LISTS}
-    for e in layout.entries:
+    for e in (e for e in layout.entries if e.trainable):      # (a frozen parameter has no state)
         for key in LISTS:
             flat = torch.empty(e.numel, dtype=torch.float32)
             for r in range(world):
