@@ -233,3 +233,22 @@ def test_the_issue_llama_lora_host_bytes_are_within_a_tenth_of_its_bf16_base_and
     model_data = sum(engine.model_data().values())       # (the adapters' chunk may live on the device)
     assert model_data <= 1.1 * (2 * base + 14 * trainable), (model_data, 2 * base + 14 * trainable)
     engine.close()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "compiled"])
+@pytest.mark.parametrize("how", ["accumulation", "lock-free"])
+def test_accumulation_and_lock_free_updating_with_frozen_weights(mode, how):
+    batches = make_batches("gpt", 4)
+    kw = {"lock_free": True, "staleness": 1} if how == "lock-free" else {}
+    minimum = pscompile.min_device_memory(build("lora"), batches[0], config(mode, torch.float32, **kw))
+    engine = pscompile.compile(build("lora"), batches[0], optimizer=HP,
+                               config=config(mode, torch.float32, int(1.15 * minimum), **kw))
+    ref = ReferenceTrainer(build("lora"), optimizer=HP, dtype=torch.float32, staleness=1 if kw else 0)
+    steps = [batches[:2], batches[2:]] if how == "accumulation" else batches
+    for s in steps:
+        assert engine.step(s) == pytest.approx(ref.step(s), rel=1e-5)
+    if kw:
+        ref.flush()
+    ours, theirs = engine.state_dict()["master"], ref.master_state()
+    assert all((ours[k] - theirs[k]).abs().max().item() <= 1e-5 for k in ours)
+    engine.close()
