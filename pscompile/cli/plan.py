@@ -20,7 +20,7 @@ from pscompile.cli.flags import add_flag, check_output
 from pscompile.config import Config
 from pscompile.checkpoint.files import write_atomic
 from pscompile.models.gpt import GPTConfig
-from pscompile.planner import HARDWARE, hardware_preset, plan, search
+from pscompile.planner import HARDWARE, LoRA, hardware_preset, plan, search
 from pscompile.planner.search import DIMENSIONS
 from pscompile.units import parse_size
 
@@ -66,6 +66,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest depth (layers), width (hidden, steps of 256) or batch that fits")
     p.add_argument("--min-tflops", metavar="X", type=float, default=0.0,
                    help="with --search: also require this estimated TFLOP/s per GPU (default 0)")
+    p.add_argument("--lora-rank", metavar="R", type=int, default=0,
+                   help="plan a LoRA fine-tune: the base frozen (its compute-dtype bytes only), rank-R adapters "
+                        "on --lora-targets (default 0: every parameter trains)")
+    p.add_argument("--lora-targets", metavar="NAMES", default="c_attn",
+                   help="with --lora-rank: the projections to adapt, comma-separated (default c_attn: q, k and v)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report(s) as JSON to PATH")
 
 
@@ -77,8 +82,9 @@ def plan_command(args: argparse.Namespace) -> int:
     config = Config(device="cpu", dtype=_DTYPES[args.dtype], activations=args.activations, chunk_size=chunk)
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.hidden, vocab_size=args.vocab,
                     seq_len=args.seq)
+    lora = LoRA(args.lora_rank, tuple(t for t in args.lora_targets.split(",") if t)) if args.lora_rank else None
     if args.search is None:
-        report = plan(cfg, (args.batch, args.seq), hardware=hw, config=config)
+        report = plan(cfg, (args.batch, args.seq), hardware=hw, config=config, lora=lora)
         print(report.format())
         out = report.as_dict()
     else:
@@ -87,7 +93,7 @@ def plan_command(args: argparse.Namespace) -> int:
                   f"{'fits' if r.fits else 'does not fit'}, {r.tflops_per_gpu:.1f} TFLOP/s per GPU "
                   f"({r.plan_s:.0f} s)", flush=True)
         res = search(cfg, (args.batch, args.seq), dimension=args.search, hardware=hw, config=config,
-                     min_tflops=args.min_tflops, on_plan=progress)
+                     min_tflops=args.min_tflops, on_plan=progress, lora=lora)
         if res.report is None:
             print(f"not even the smallest {args.search} fits on {hw.describe()}")
         else:

@@ -23,13 +23,14 @@ from pscompile.config import Config
 from pscompile.errors import BudgetError
 from pscompile.graph.pipeline import PlanRequest, choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
-from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_elements
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_chunks, owned_elements
 from pscompile.memory.disk_homes import disk_staging_bytes
 from pscompile.memory.disk_states import STAGED_SETS
 from pscompile.optim.placement import host_shortfall_chunks, host_state_chunks, update_overlaps_next_step
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.planner.cost import Cost, estimate, graph_flops
 from pscompile.planner.hardware import Hardware, hardware_preset
+from pscompile.planner.lora import LoRA, add_lora
 from pscompile.planner.report import Baseline, PlanReport
 from pscompile.units import format_bytes
 from pscompile.kinds import Activations, Collectives, MemKind
@@ -74,13 +75,16 @@ def _config(config: Config | None, hw: Hardware) -> Config:
 
 
 def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str = "yard",
-         config: Config | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> PlanReport:
+         config: Config | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         lora: LoRA | None = None) -> PlanReport:
     """Plan ``model`` on ``batch`` (per GPU) for ``hardware`` (a ``Hardware`` or a preset name of
     ``planner.hardware.HARDWARE``) as compiled mode would, with ``config``'s dtype, chunk size,
     activation policy, planner and collectives (its device, budgets and link are the hardware's).
     ``model``: an ``nn.Module`` (build it under ``torch.device("meta")``) with an example batch,
     or a ``GPTConfig`` with the batch shape ``(batch, seq)``. Never raises for a model that does
-    not fit: the report says where it overflows.
+    not fit: the report says where it overflows. ``lora``: plan a LoRA run (``planner/lora.py``:
+    the base frozen, adapters on the named projections); frozen parameters count at their
+    compute-dtype bytes.
 
     Long on purpose: it is the planner's one sequence (layout, host and disk tiers, schedule, cost,
     report) and reads top to bottom as the report does.
@@ -88,6 +92,8 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     t0 = time.perf_counter()
     hw = hardware_preset(hardware) if isinstance(hardware, str) else hardware
     module, batch, name, batch_desc = _resolve(model, batch)
+    if lora is not None:
+        module, name = add_lora(module, lora), f"{name}, LoRA r={lora.rank} on {', '.join(lora.targets)}"
     cfg = _config(config, hw)
     world = hw.gpus
     per_chunk = cfg.collectives == Collectives.PER_CHUNK and world > 1
@@ -101,10 +107,13 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
 
     # the host and disk tiers, as the engine places them (runtime/tiers.py)
     owned = owned_elements(layout.num_chunks, layout.chunk_size, world=world, per_chunk=per_chunk)
-    host_need = owned * mb.per_element
-    disk_budget = (hw.disk or 0) // world
     home = layout.chunk_size // world if world > 1 and not per_chunk else layout.chunk_size
-    tier = _disk_tier(hw, home, owned, elsize, disk_budget, world=world)
+    mine = owned_chunks(layout.num_chunks, world=world, per_chunk=per_chunk)
+    host_need = mb.host_bytes(layout, mine, home)       # (frozen chunks: their compute-dtype copy only)
+    trained = sum(layout.state_extent(c) if home == layout.chunk_size else home
+                  for c in mine if not layout.is_frozen(c))      # elements the optimizer updates
+    disk_budget = (hw.disk or 0) // world
+    tier = _disk_tier(hw, home, owned, elsize, disk_budget, world=world, host_need=host_need)
     disk_bytes, overflow = tier.disk_bytes, tier.overflow
     host_room = max(0, hw.host_budget - host_need) if not tier.param_chunks else tier.host_room
 
@@ -132,7 +141,7 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     # the static partition, from the same capture (every activation segment recomputed)
     rec = choose_activations(analyzed, layout, policy=Activations.RECOMPUTE, budget=None, slot_bytes=slot)
     baseline = Baseline(device_bytes=params * elsize + max(rec.nonmodel),
-                        host_bytes=params * BASELINE_HOST_BYTES_PER_PARAM,
+                        host_bytes=layout.trainable_numel * BASELINE_HOST_BYTES_PER_PARAM,
                         device_budget=hw.device_budget, host_budget=hw.cpu_memory)
 
     common = dict(model=name, hardware=hw.describe(), params=params, gpus=world, batch=batch_desc,
@@ -152,7 +161,7 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
                           plan_s=time.perf_counter() - t0, **common)
     p = scheduled.plan
     # (every state on disk when the parameters are: the engine moves none of them to the device)
-    device_states = 0 if tier.param_chunks else len(scheduled.os_device) * layout.chunk_size
+    device_states = 0 if tier.param_chunks else sum(map(layout.state_extent, scheduled.os_device))
     if world > 1:                 # ZeRO: the shards homed on the GPU (states and a gradient buffer)
         device_states = tier.device_homes * home
     disk_io = tier.io_bytes(p.actions, layout.num_chunks)
@@ -160,10 +169,10 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     # the update's disk I/O runs behind the host optimizer, the parameters' reads and writes
     # behind the forward and backward (each part takes at least its disk time)
     update_s = tier.update_io_bytes * hw.gpus / hw.disk_bandwidth
-    first = _behind_disk(estimate(scheduled, hw, model_flops=model_flops, host_params=owned - device_states,
+    first = _behind_disk(estimate(scheduled, hw, model_flops=model_flops, host_params=trained - device_states,
                                   device_params=device_states, disk_s=update_s), disk_s - update_s)
     cost = first if steady is None else _behind_disk(estimate(
-        steady, hw, model_flops=model_flops, disk_s=update_s, host_params=owned - device_states,
+        steady, hw, model_flops=model_flops, disk_s=update_s, host_params=trained - device_states,
         device_params=device_states), disk_s - update_s)
     acts = scheduled.activations.describe() if scheduled.activations is not None else "activations kept"
     return PlanReport(fits=not overflow, overflow="; ".join(overflow),
@@ -218,14 +227,15 @@ def _behind_disk(cost: Cost, disk_s: float) -> Cost:
     return replace(cost, forward_backward_s=max(cost.forward_backward_s, disk_s))
 
 
-def _disk_tier(hw: Hardware, home: int, owned: int, elsize: int, disk_budget: int, *, world: int = 1) -> DiskTier:
+def _disk_tier(hw: Hardware, home: int, owned: int, elsize: int, disk_budget: int, *, world: int = 1,
+               host_need: int | None = None) -> DiskTier:
     """The engine's rule (``runtime/tiers.py``): without a disk, the first chunks the host cannot
     hold are homed on the GPU (``device_homes``). With one, the host keeps every compute-dtype
     chunk, the staging buffers and as many chunks' states as fit, the last chunks' states go to
     disk; and on one GPU, when the host cannot hold even the compute-dtype chunks, every state goes
     to disk and so do the last chunks' parameters (``HOME_BUFFERS`` compute-dtype chunks staged)."""
     mb_per = elsize + STATE_BYTES
-    if owned * mb_per <= hw.host_budget:
+    if (owned * mb_per if host_need is None else host_need) <= hw.host_budget:
         return DiskTier(0, [])
     chunks = -(-owned // home)
     if hw.disk is None:      # the chunks the host cannot hold live on the GPU (the plan says if it can)

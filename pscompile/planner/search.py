@@ -16,6 +16,7 @@ from typing import Callable
 from pscompile.config import Config
 from pscompile.models.gpt import GPTConfig
 from pscompile.planner.hardware import Hardware
+from pscompile.planner.lora import LoRA
 from pscompile.planner.plan import plan
 from pscompile.planner.report import PlanReport
 
@@ -45,10 +46,12 @@ def _build(cfg: GPTConfig, batch: tuple[int, int], dimension: str, v: int) -> tu
 
 def search(cfg: GPTConfig, batch: tuple[int, int], *, dimension: str, hardware: Hardware | str,
            config: Config | None = None, min_tflops: float = 0.0, baseline: bool = False,
-           upper: int = 1 << 12, on_plan: Callable[[int, PlanReport], None] | None = None) -> SearchResult:
+           upper: int = 1 << 12, on_plan: Callable[[int, PlanReport], None] | None = None,
+           lora: LoRA | None = None) -> SearchResult:
     """The largest value of ``dimension`` ("depth": ``n_layer``; "width": ``d_model / WIDTH_STEP``;
     "batch": the batch size) for which ``plan`` fits (``baseline``: the
-    static partition fits) at ``min_tflops`` or more, searched up to ``upper``."""
+    static partition fits) at ``min_tflops`` or more, searched up to ``upper`` (``lora``: a LoRA run
+    of each size, ``planner/lora.py``)."""
     if dimension not in DIMENSIONS:
         raise ValueError(f"dimension={dimension!r}; use one of {DIMENSIONS}")
     tried: list[tuple[int, bool]] = []
@@ -56,7 +59,7 @@ def search(cfg: GPTConfig, batch: tuple[int, int], *, dimension: str, hardware: 
 
     def ok(v: int) -> bool:
         c, b = _build(cfg, batch, dimension, v)
-        r = plan(c, b, hardware=hardware, config=config)
+        r = plan(c, b, hardware=hardware, config=config, lora=lora)
         reports[v] = r
         if on_plan is not None:
             on_plan(v, r)
