@@ -500,3 +500,19 @@ def test_overlap_update_quick(tmp_path):
     assert after["early_chunks"] == after["update_nodes"] == 0
     assert 0 < during["early_chunks"] <= during["update_nodes"] <= during["chunks"]
     assert during["peak_host"] > after["peak_host"]            # the spare buffers
+
+
+def test_lora_quick(tmp_path):
+    """bench/lora.py --quick: LoRA beside full fine-tuning; the LoRA run's model data within 1.1x of
+    its bf16 base + 14 B per trainable parameter, its minimum no larger than full training's, its
+    checkpoint a small fraction of full training's, every system's step timed."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    proc = _run("lora.py", "--quick", "--out", str(out))
+    full, lora = json.loads(out.read_text())["rows"]
+    assert lora["trainable"] == 28_672 and full["trainable"] == full["params"]
+    assert lora["compiled_model_data"] <= 1.1 * lora["target_host_bytes"]
+    assert all(lora[f"{m}_min_device_memory"] <= full[f"{m}_min_device_memory"] for m in ("hooks", "compiled"))
+    assert lora["checkpoint_bytes"] < 0.02 * full["checkpoint_bytes"]
+    assert lora["compiled_fetches_per_step"] > 0 and all(v > 0 for v in lora["step_ms"].values())
+    assert "hooks / compiled step vs plain" in proc.stdout
