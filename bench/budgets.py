@@ -188,8 +188,7 @@ def train(arch: str, mode: str, budget: int, factor: float, backend: str = "eage
                 error = f"step {len(losses)}: measured peak {peaks[-1]} > budget {budget}"
                 break
         if backend == "inductor":
-            regions = not engine._node_by_node and any(
-                ex.split == "regions" and ex.compiled_regions() for ex in engine._executors.values())
+            regions = any(ex.split == "program" for ex in engine._executors.values())
     except Exception as e:                              # noqa: BLE001
         error = describe(e)
     finally:

@@ -97,7 +97,8 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> 
             times.append(_step(ind, batch, budget, peaks, losses))
             shares.append(ind.stats.compiled_share)
             eager_times.append(_step(eag, batch, budget, eager_peaks))
-        cut_count = (sum(map(len, ind._cuts.values())), sum(map(len, ind._solo.values())))
+        cut_count = (ind._program_rounds.get(next(iter(ind._captures)), 0) if ind._captures else 0,
+                     len(ind._eager_programs))
     except Exception as e:                              # noqa: BLE001 -- a failed cell is reported, not fatal
         error = f"{type(e).__name__}: {str(e)[:400]}"
         first = eager_first = float("nan")

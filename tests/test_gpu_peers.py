@@ -62,7 +62,7 @@ def test_the_dry_run_holds_every_system_to_one_cap(dry_run):
     parts = capped[0]["cap_parts"]
     assert cap == max(int(parts["minimum"] * 1.15), parts["quarter_of_model_data"])
     for r in capped:
-        if r["system"] == gpu_peers.FSDP2:
+        if r["system"] in (gpu_peers.FSDP2, gpu_peers.DEEPSPEED):      # (DeepSpeed: where it is installed)
             assert r["cap"] == cap and r["cap_enforced"] is False       # the CPU has no allocator limit
         else:
             assert r["budget"] == cap and r["over_budget_bytes"] == 0 and r["peak_max"] <= cap

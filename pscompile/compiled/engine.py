@@ -9,9 +9,9 @@ Planning is ``pscompile.graph.pipeline`` (see there and docs/design.md for the p
 Schedules are kept per ``ScheduleKey`` (run kind, train()/eval(), batch signature). The first run
 of a schedule measures the non-model memory of every node (the executor runs node by node with
 an observer); the schedules of that capture are then planned again with the measured curve, and
-with ``backend="inductor"`` later runs execute compute regions compiled by Inductor (the first run
-of each such executor checks what its compiled regions receive and, for regions not measured yet,
-runs them as eager code and keeps their real inputs to measure them on: ``compiled/probe.py``). Memory nodes
+with ``backend="inductor"`` later runs execute one program Inductor compiled from the whole schedule,
+memory nodes inside, checked against Inductor's own buffer plan before it runs
+(``compiled/lowering.py`` tells a schedule's life, ``compiled/whole.py`` the program). Memory nodes
 always run in ``compiled/moves.py`` (``_run_memory_node``), through the copy engine, and the bytes a
 run moved must equal the bytes its plan promised; what a checkpoint carries of compiled mode is
 ``compiled/state.py``. The optimizer runs after the graph, chunk by chunk, where
@@ -31,11 +31,10 @@ import torch
 from torch import fx, nn
 
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.lowering import RegionLowering
+from pscompile.compiled.lowering import ScheduleLowering
 from pscompile.compiled.moves import MemoryMoves
 from pscompile.compiled.planning import CompiledPlanning
 from pscompile.compiled.state import CompiledState
-from pscompile.compiled.probe import Probe
 from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
@@ -85,17 +84,18 @@ class _RunRecord:
     key: ScheduleKey
     scheduled: Scheduled
     samples: dict[int, int] | None      # measured non-model bytes per captured node (measuring run)
-    probe: Probe | None = None          # a probing run's (its compiled regions are measured after the step)
 
 
-class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledState, ChunkEngine):
+class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledState, ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         if config.backend == Backend.INDUCTOR:
-            if not hasattr(importlib.import_module("torch._inductor"), "standalone_compile"):
-                raise ValueError(f"backend='inductor' needs torch._inductor.standalone_compile, which torch "
-                                 f"{torch.__version__} lacks (pscompile is tested with torch 2.13); use "
-                                 "backend='eager' or a newer torch")
+            try:
+                importlib.import_module("torch._inductor.fx_passes.control_dependencies")
+            except ImportError:
+                raise ValueError(f"backend='inductor' needs Inductor's control_deps (torch._inductor.fx_passes."
+                                 f"control_dependencies), which torch {torch.__version__} lacks (pscompile is "
+                                 "tested with torch 2.13); use backend='eager' or a newer torch") from None
         self._ranges = ShapeRanges(config.dynamic is not False)      # batches whose sizes change
         self._symbolic: dict[CaptureKey, CapturedGraph | None] = {}  # a range's symbolic capture (None: failed)
         self._range_planned: dict[CaptureKey, tuple[int, ...]] = {}  # the bound a range's capture is planned for
@@ -107,6 +107,7 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._schedules: dict[ScheduleKey, Scheduled] = {}
         self._warm: dict[ScheduleKey, Scheduled] = {}             # warm variants (accum, eval)
         self._last_key: ScheduleKey | None = None
+        self._last_run: Scheduled | None = None        # the schedule the last step ran (cold or warm)
         self._init_moves()
         self._os_placed = False
         self._check_moved: tuple[Scheduled, Any, bool] | None = None   # a run whose bytes are checked after its update
@@ -175,22 +176,17 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()
         executor = self._executor_for(key, sched)
-        self._check_sizes(key, sched, executor, batch)
         observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
         extra = self._region_extra.get(sched.gm, {})
 
-        # node by node, the tracker sees every operator (a dispatch mode); regions are sampled at
-        # every step boundary instead: live storages plus what each region allocates inside, so steps
-        # after measurement pay no per-operator cost. A compiled region's inside is measured once, on
-        # the real inputs a probing run kept (``probe.measure``); an eager region's by the tracker in
-        # the executor's first run, which samples every operator (exact windows) and records each
-        # region's rise above its start. A probing run runs every region as eager code and learns all.
-        probe = self._probing.get(sched.gm) if executor.split == "regions" else None
-        learning = executor.split == "regions" and (sched.gm in self._unlearned or (
-            probe is not None and probe.eager_all))
+        # node by node, the tracker sees every operator (a dispatch mode); eager regions are sampled
+        # at every step boundary instead: live storages plus what each region allocates inside (learned
+        # by the tracker in the executor's first run, which samples every operator and records each
+        # region's rise above its start); a compiled program at its memory nodes, with Inductor's
+        # buffer plan (``compiled/whole.py``). Steps after measurement pay no per-operator cost.
+        learning = executor.split == "regions" and sched.gm in self._unlearned
         learned: dict[int, int] = {}
-        starts: dict[int, int] = {}       # non-model bytes live at each region's start
         if learning:
             tracker.exact_windows = True
 
@@ -200,7 +196,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             start = tracker.window_peak
             yield
             learned[r.index] = max(learned.get(r.index, 0), tracker.window_peak - start)
-            starts[r.index] = max(starts.get(r.index, 0), start)
 
         def around_region(r) -> contextlib.AbstractContextManager:   # what the tracker cannot see inside
             for n in r.effects:
@@ -212,8 +207,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
 
         dispatching = executor.split == "nodes" or self._sample_every_op or learning
         pause = tracker.paused if dispatching else contextlib.nullcontext
-        if probe is not None:
-            probe.quiet = pause          # its host copies of region inputs are not device memory
         overlapping = sched.kind is RunKind.TRAIN and self._overlaps_update and acc is None
         tail = self._tail(sched) if overlapping else frozenset()
 
@@ -226,7 +219,8 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
                 else:
                     made = self._move_activation(moves, args, node=n.name)
             if moves is not None and moves.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
-                tracker.add_tensor(made)                 # back on the device (the host copy is not)
+                if executor.split != "program":          # (there: one of Inductor's buffers, counted by them)
+                    tracker.add_tensor(made)             # back on the device (the host copy is not)
             elif not dispatching and moves is None and not mem.kind.arrives:
                 return made       # no device memory was taken: the total cannot have risen here
             tracker.sample_now()
@@ -236,23 +230,20 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             tracker.add_tensors(values)
 
         try:
-            with tracker if dispatching else contextlib.nullcontext():
-                (loss,) = executor.run(inputs, run_memory, observer=observer,
-                                       on_outputs=count if executor.split == "regions" else None,
-                                       on_backward=lambda: t_bwd.append(time.perf_counter()),
-                                       around_region=around_region if executor.split == "regions" else None,
-                                       call_region=probe.call if probe is not None else None)
+            if executor.split == "program":     # one compiled program: Inductor's buffers are sampled
+                (loss,) = executor.run(inputs, run_memory, sample=tracker.sample_with,    # at its memory nodes
+                                       on_backward=lambda: t_bwd.append(time.perf_counter()))
+            else:
+                with tracker if dispatching else contextlib.nullcontext():
+                    (loss,) = executor.run(inputs, run_memory, observer=observer,
+                                           on_outputs=count if executor.split == "regions" else None,
+                                           on_backward=lambda: t_bwd.append(time.perf_counter()),
+                                           around_region=around_region if executor.split == "regions" else None)
             if not self._deferred:
                 self.copies.flush()
-            if probe is not None and probe.eager_all:   # settled after the step (``_settle_probe``)
-                for i, v in learned.items():
-                    probe.learned[i] = max(probe.learned.get(i, 0), v)
-                    probe.starts[i] = max(probe.starts.get(i, 0), starts[i])
-            elif learning:                   # (a failed run learns nothing: its next run measures again)
+            if learning:                     # (a failed run learns nothing: its next run measures again)
                 extra.update(learned)
                 self._unlearned.discard(sched.gm)
-            if probe is not None and not probe.eager_all:    # only checked layouts: settled now
-                self._settle_probe(key, sched, probe)
             self._reading.clear()
             self._homing.clear()
         except BaseException:
@@ -267,13 +258,11 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         self._check_comm(sched, comm_before, acc)
         t_end = time.perf_counter()
         t_back = t_bwd[0] if t_bwd else t_end
-        record = _RunRecord(key, sched, observer.samples if observer is not None else None,
-                            probe if probe is not None and probe.eager_all else None)
+        record = _RunRecord(key, sched, observer.samples if observer is not None else None)
         value = float(loss.detach().float())
         self.copies.sync_compute()    # (reading the loss waited for compute already)
-        compiled_ops = executor.compiled_ops - (probe.eager_ops if probe is not None else 0)
         return MicroRun(value, tracker, traffic, t_back - t_start, t_end - t_back,
-                        frozenset(self._written), record, (executor.ops, compiled_ops))
+                        frozenset(self._written), record, (executor.ops, executor.compiled_ops))
 
     def _graph_inputs(self, sched: Scheduled, batch: Any, acc: list[torch.Tensor] | None, loss_scale: float,
                       tracker: NonModelTracker) -> list:
@@ -392,9 +381,6 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
         super()._undo_all(only)
 
     def _after_step(self, batches: list, runs: list[MicroRun], *, accumulate: bool) -> None:
-        for r in runs:
-            if r.context.probe is not None:
-                self._settle_probe(r.context.key, r.context.scheduled, r.context.probe, r.tracker)
         self._prove_restored(runs)
         measured: dict[CaptureKey, _RunRecord] = {}
         for r in runs:
@@ -404,13 +390,12 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
             self._remeasure(rec.key, rec.samples)
         self.last_plan = runs[-1].context.scheduled.plan
         self._last_key = runs[-1].context.key
+        self._last_run = runs[-1].context.scheduled
 
     def _evaluate(self, batch: Any) -> tuple[float, int, int]:
         key, sched = self._runnable(batch, RunKind.EVAL)
         with torch.no_grad():
             run = self._run_graph(key, sched, batch, None)
-        if run.context.probe is not None:
-            self._settle_probe(key, sched, run.context.probe, run.tracker)
         self._prove_restored([run])
         if run.context.samples is not None:
             self._remeasure(key, run.context.samples)
@@ -461,11 +446,13 @@ class CompiledEngine(CompiledPlanning, RegionLowering, MemoryMoves, CompiledStat
 
     @property
     def schedule(self) -> Schedule:
-        """The training schedule most recently run by ``step`` (else the latest one planned):
+        """The training schedule most recently run by ``step`` (its warm variant when that ran; else
+        the latest one planned):
         ``print`` it, ``.table()``, ``.save(folder)``. ``schedule_of(batch, kind)`` gives any other,
         e.g. the evaluation schedule."""
         key = self._last_key if self._last_key in self._schedules else next(reversed(self._schedules))
-        return self._as_schedule(self._schedules[key])
+        ran = self._last_run if self._last_run in (self._schedules[key], self._warm.get(key)) else None
+        return self._as_schedule(ran or self._schedules[key])
 
     def schedule_of(self, batch: Any, kind: str = "train") -> Schedule:
         """The schedule for ``batch``: kind "train", "accum" (one micro-batch of gradient

@@ -7,9 +7,10 @@ One executor serves every way compiled mode runs a schedule. It turns the schedu
                       engine, and the warm-up step that measures each node's non-model bytes
                       through an observer);
     split="regions"   the graph is cut at its memory nodes into compute regions
-                      (``regions.py``), each compiled once by Inductor (or wrapped eagerly with
-                      ``backend="eager"``); parameter views are made by the executor right
-                      before the region that reads them.
+                      (``regions.py``), each run as eager graph code (compiled eager: the
+                      ``backend="eager"`` engine, and the fallback of ``compiled/lowering.py``).
+
+A schedule compiled by Inductor as one program runs in ``compiled/whole.py`` instead.
 
 In both, a memory node is never run as an op: the executor calls ``run_memory(node, args)`` with
 its evaluated arguments, and the engine performs the copy on its transfer queue and counts it.
@@ -33,21 +34,14 @@ import torch
 from torch import fx
 
 from pscompile.compiled.program import (LoweringReport, Step, StepKind, attr, by_regions, first_backward,
-                                        is_compute_op, per_node, release_plan, run_deferred)
-from pscompile.compiled.regions import Region, RegionCache, check_region_args
+                                        is_compute_op, per_node, release_plan)
+from pscompile.compiled.regions import Region
 from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import mem_op
-from pscompile.kinds import Backend
 from pscompile import profiling
 from pscompile.profiling import NOTHING as _NOTHING
 
-__all__ = ["Executor", "LoweringReport", "NodeObserver", "Step", "StepKind", "lower_regions"]
-
-
-def _same_but_unit_strides(t: torch.Tensor, shape, stride) -> bool:
-    """``t`` has ``shape`` and ``stride`` except in dimensions of size 1 (a ``(1, T)`` row sliced
-    from a wider batch: torch calls it contiguous, and its first stride is the wider row's)."""
-    return t.shape == shape and all(a == b for a, b, n in zip(t.stride(), stride, shape) if n > 1)
+__all__ = ["Executor", "LoweringReport", "NodeObserver", "Step", "StepKind"]
 
 
 def _slot_view(a: fx.Node) -> bool:
@@ -69,54 +63,31 @@ class NodeObserver(Protocol):
 class Executor:
     """Runs one scheduled graph (see the module doc).
 
-    - ``split``: "nodes" (each compute node a step, eager) or "regions" (compute regions).
-    - ``backend``: regions only: "inductor" compiles them, "eager" runs the same split uncompiled.
-    - ``cache``: a RegionCache to share (default: a new one).
-    - ``lift_params``: parameter views are region inputs (reuse across layers; see regions.py).
-    - ``min_fusible``: regions with fewer ops Inductor could generate code for run eagerly.
-    - ``check_inputs``: also check every region input's shape/stride/dtype at run time (debug;
-      the graph's own inputs are always checked with regions).
-    - ``device``: where slot/host buffers live (default: the device of the graph's values).
+    - ``split``: "nodes" (each compute node a step) or "regions" (eager compute regions).
     - ``fold_stores``: the ``store_grad`` nodes into device slots (``folds_into_region``) do not
-      cut the graph into regions: ``backend="eager"`` regions run them themselves, in graph order;
-      compiled regions leave them to the executor, which runs them right after the region
-      (``program.by_regions``). Each region lists them in ``effects``; ``around_region`` is where the
-      caller does their bookkeeping.
-    - ``cuts``, ``solo``: captured node indices where a region also ends, and operators that run
-      alone as eager code (regions cut to fit the budget: ``program.by_regions``).
-    - ``any_sizes``: a range's schedule: the graph's inputs change sizes from run to run (not checked);
-      ``symbolic``: its nodes' symbolic values, for regions compiled once for every size.
+      cut the graph into regions: the regions run them themselves, in graph order. Each region
+      lists them in ``effects``; ``around_region`` is where the caller does their bookkeeping.
+    - ``any_sizes``: a range's schedule (the graph's inputs change sizes from run to run).
     """
 
-    def __init__(self, gm: fx.GraphModule, *, split: str = "regions", backend: str = "inductor",
-                 cache: RegionCache | None = None, lift_params: bool = True, min_fusible: int = 2,
-                 check_inputs: bool = False, device: torch.device | str | None = None,
-                 fold_stores: bool = False, cuts: frozenset[int] = frozenset(), solo: frozenset[int] = frozenset(),
-                 any_sizes: bool = False, symbolic: Sequence[Any] | None = None):
+    def __init__(self, gm: fx.GraphModule, *, split: str = "regions", fold_stores: bool = False,
+                 any_sizes: bool = False):
         if split not in ("nodes", "regions"):
             raise ValueError(f"split={split!r}: expected 'nodes' or 'regions'")
         self._range_names: dict = {}       # region index or memory node -> its profiler range's name
         if fold_stores and split != "regions":
             raise ValueError("fold_stores=True needs split='regions' (node by node, every store is a step "
                              "of its own)")
-        if backend not in tuple(Backend):
-            raise ValueError(f"backend={backend!r}: expected one of {tuple(b.value for b in Backend)}")
         self.gm = gm
         self.split = split
-        self.backend = backend if split == "regions" else "eager"
-        self.cache = cache if cache is not None else RegionCache()
-        self.check_inputs = check_inputs
+        self.any_sizes = any_sizes
         nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.output_node = next(n for n in reversed(nodes) if n.op == "output")
         if split == "nodes":
-            program, self.regions, self.report, self._input_checks = per_node(gm), [], None, ()
+            program, self.regions, self.report = per_node(gm), [], None
         else:
-            program, self.regions, self.report, self._input_checks = by_regions(
-                gm, backend=backend, cache=self.cache, lift_params=lift_params, min_fusible=min_fusible,
-                device=device, fold=fold_stores, cuts=cuts, solo=solo, symbolic=symbolic)
-        if any_sizes:
-            self._input_checks = ()
+            program, self.regions, self.report = by_regions(gm, fold=fold_stores)
         release_plan(program, self.output_node)
         for s in program:     # inputs whose memory dies in the region: the environment lets go of them before
             if s.kind is StepKind.REGION:      # the call, and they are no view of a slot (model memory)
@@ -124,10 +95,10 @@ class Executor:
                 s.region.frees = frozenset(i for i, a in enumerate(s.region.inputs) if a in free
                                            and a.op != "get_attr" and not _slot_view(a))
         self._program = program
-        # compute operators a run runs (outside regions: evaluated nodes), and those in compiled code
+        # compute operators a run runs (outside regions: evaluated nodes); none of them compiled
         self.ops = sum(s.region.ops if s.kind is StepKind.REGION else int(s.kind is StepKind.EVAL and is_compute_op(s.node))
                        for s in program)
-        self.compiled_ops = sum(s.region.ops for s in program if s.kind is StepKind.REGION and self.is_compiled(s.region))
+        self.compiled_ops = 0
         self._views: dict[fx.Node, tuple[list, Any]] = {}   # memo steps: (arguments, the view made of them)
         first_bwd = first_backward(nodes)
         self._first_bwd_step = next(
@@ -138,30 +109,18 @@ class Executor:
     def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], Any], *,
             on_outputs: Callable[[Sequence[Any]], None] | None = None, observer: NodeObserver | None = None,
             on_backward: Callable[[], None] | None = None,
-            around_region: Callable[[Region], ContextManager] | None = None,
-            call_region: Callable[[Region, bool, list], Sequence[Any]] | None = None) -> tuple:
+            around_region: Callable[[Region], ContextManager] | None = None) -> tuple:
         """Run the graph. ``on_outputs(values)`` sees each region's outputs and each evaluated
-        node's value as they appear (storages allocated inside compiled code bypass Python dispatch); ``observer`` sees every node of
-        ``split="nodes"``; ``on_backward()`` is called once, when the first backward step starts;
-        ``around_region(region)`` is a context entered around each region's call;
-        ``call_region(region, compiled, args)``, if given, calls each region instead of
-        ``region.fn(args)`` (``compiled``: the region's ``fn`` is compiled code; ``probe.Probe``).
+        node's value as they appear; ``observer`` sees every node of ``split="nodes"``;
+        ``on_backward()`` is called once, when the first backward step starts;
+        ``around_region(region)`` is a context entered around each region's call.
 
         Long on purpose: the executor's hot loop, inlined (a call per step costs on every step of every
         run).
         """
         if len(inputs) != len(self.placeholders):
             raise ValueError(f"executor: {len(inputs)} inputs for {len(self.placeholders)} placeholders")
-        for i, name, shape, stride, dtype in self._input_checks:
-            t = inputs[i]
-            if t.stride() != stride and _same_but_unit_strides(t, shape, stride):
-                inputs = list(inputs)    # (a size-1 dimension's stride addresses nothing: the same tensor)
-                inputs[i] = t = t.as_strided(shape, stride)
-            if t.shape != shape or t.stride() != stride or t.dtype != dtype:
-                raise ValueError(f"executor: input {i} ({name}) is {tuple(t.shape)} {t.stride()} "
-                                 f"{t.dtype}, the graph was lowered for {shape} {stride} {dtype}")
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
-        check = self.check_inputs
         ranges = self._ranges() if profiling.recording() else None    # named ranges for the profiler
         memo = self._views
         first_bwd = self._first_bwd_step if on_backward is not None else None
@@ -174,13 +133,9 @@ class Executor:
             if kind is StepKind.REGION:
                 r = s.region
                 args = [env[a] for a in r.inputs]
-                if check:
-                    check_region_args(r, args)
-                held = dict(zip(r.held, map(env.__getitem__, r.held))) if r.deferred else None
                 for a in s.free:                    # the region holds the only reference now
                     del env[a]
-                fn = r.fn if call_region is None else (
-                    lambda a, r=r: call_region(r, self.is_compiled(r), a))
+                fn = r.fn
                 if ranges is not None:
                     with ranges(r), around_region(r) if around_region is not None else _NOTHING:
                         outs = fn(args)
@@ -195,9 +150,6 @@ class Executor:
                     on_outputs(outs)
                 env.update(zip(r.outputs, outs))     # (a loop variable would keep the last one alive)
                 del outs
-                if held is not None:
-                    run_deferred(r, env, held, ranges)
-                    del held
                 for o in s.dead:
                     del env[o]
                 continue
@@ -258,43 +210,18 @@ class Executor:
             return profiling.named(name, cuda)
         return ranges
 
-    def compiled_regions(self) -> list[Region]:
-        """The regions run through the backend; the others run as eager graph code."""
-        return [r for r in self.regions if self.is_compiled(r)]
-
-    def is_compiled(self, r: Region) -> bool:
-        """Region ``r`` runs compiled code (not eager graph code)."""
-        return r.compute and self.backend != Backend.EAGER and r.fallback is None
-
-    def fall_back(self, key: str, reason: str) -> list[Region]:
-        """Regions of structural key ``key`` run as eager graph code from now on; returns them."""
-        changed = [r for r in self.compiled_regions() if r.key == key]
-        for r in changed:
-            r.fallback, r.fn = reason, r.eager()
-            self.compiled_ops -= r.ops
-        return changed
-
     def describe(self) -> str:
         """One line per step: region sizes and keys, memory nodes, evaluated nodes."""
         lines = []
         for s in self._program:
             if s.kind is StepKind.REGION:
                 r = s.region
-                how = "eager" if (self.backend == Backend.EAGER or not r.compute) else \
-                    "fallback" if r.fallback is not None else self.backend
                 lines.append(f"region {r.index:3d} {len(r.nodes):4d} nodes  in {len(r.inputs):2d} out "
-                             f"{len(r.outputs):2d}  {how:8s} {r.key[:10]}"
-                             + (f"  then {len(r.deferred)} stores into slots" if r.deferred else ""))
+                             f"{len(r.outputs):2d}  eager" + (f"  with {len(r.effects)} stores into slots"
+                                                             if r.effects else ""))
             elif s.kind is StepKind.MEM:
                 mem = mem_op(s.node)
                 lines.append(f"  mem  {mem.describe() if mem is not None else s.node.format_node()}")
             elif s.kind is StepKind.EVAL:
                 lines.append(f"  eval {s.node.format_node()}")
         return "\n".join(lines)
-
-
-def lower_regions(gm: fx.GraphModule, *, backend: str = "inductor", cache: RegionCache | None = None,
-                  lift_params: bool = True, min_fusible: int = 2) -> Executor:
-    """Split ``gm`` at its memory nodes and compile each distinct compute region once."""
-    return Executor(gm, split="regions", backend=backend, cache=cache, lift_params=lift_params,
-                    min_fusible=min_fusible)

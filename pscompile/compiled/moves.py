@@ -320,6 +320,30 @@ class MemoryMoves:
         self._slot_chunk[slot] = c
         tracker.sample_now()
 
+    def _warm_start(self, plan: ResidencyPlan) -> None:
+        """Fetch the chunks ``plan`` (a warm schedule's) starts with into their slots, outside any run
+        (the link counts them as setup traffic, ``_count_outside_steps``), after ``_settle``: the
+        chunks a previous run of the loop would have left there. A chunk the plan waits for (it
+        starts in flight: the previous step fetched it ahead) lands at that ``wait``."""
+        first: dict[int, MemKind] = {}
+        for a in plan.actions:
+            if a.slot is not None:
+                first.setdefault(a.slot, a.kind)
+        for c, k in plan.initial:
+            if self._slot_chunk.get(k) == c:
+                continue
+            self._allocate_slot(k)
+            self.link.count(self.store.param_chunk_bytes, "h2d")     # (now: before the run, setup traffic)
+            fut = self.copies.submit(self._slots[k], self.store.fetch_source(c), "h2d", counted=True,
+                                     after=self._homing.get(c), node=f"(warm start: chunk {c})")
+            self.store.close_home(c, copy=fut)
+            self.store.attach(c, self._slots[k])
+            self._slot_chunk[k] = c
+            if first.get(k) == MemKind.WAIT:
+                self._in_flight[k] = fut
+            else:
+                fut.wait()
+
     def _abandon_in_flight(self) -> None:
         """After a failed run, collectives may still be running (a broken process group times out
         the queued ones one by one) and write into their slots: such a slot is not freed but

@@ -366,22 +366,30 @@ class CompiledPlanning:
         """Drop what was made for a schedule that is being replaced."""
         self._forget_lowering(sched.gm)
 
+    def _warm_of(self, key: ScheduleKey) -> Scheduled | None:
+        """The warm variant of ``key``'s measured schedule (planned now if needed), None if it has
+        none: the schedule a loop's steady runs take (``_runnable``)."""
+        cold, warm = self._schedules[key], self._warm.get(key)
+        if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
+            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=cold.kind,
+                                                measured=True, start=dict(cold.plan.final))
+        elif warm is None and cold.measured and cold.lookahead is not None and cold.lookahead.fetches:
+            # a training step that starts with the chunks the previous one fetched for it
+            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=cold.kind,
+                                                measured=True, start=dict(cold.lookahead.fetches))
+        return warm
+
     def _runnable(self, batch: Any, kind: RunKind) -> tuple[ScheduleKey, Scheduled]:
         """The schedule to run now: the warm variant when the chunks resident now are the ones it
         starts from (the previous run of this loop left them), else the cold one, after dropping
         leftover chunks (clean: no bytes move)."""
         cold = self._schedule_for(batch, kind)
         key = self._key(batch, kind)
-        warm = self._warm.get(key)
-        if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
-            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=kind,
-                                                measured=True, start=dict(cold.plan.final))
-        elif warm is None and cold.measured and cold.lookahead is not None and cold.lookahead.fetches:
-            # a training step that starts with the chunks the previous one fetched for it
-            start = dict(cold.lookahead.fetches)
-            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=kind,
-                                                measured=True, start=start)
+        warm = self._warm_of(key)
         if warm is not None and self._residency() == dict(warm.plan.initial):
             return key, warm
         self._settle()
+        if warm is not None and self.world == 1 and self._wants_program(key, warm):
+            self._warm_start(warm.plan)     # one program per loop: every run takes the warm schedule
+            return key, warm
         return key, cold

@@ -1,7 +1,8 @@
 """What compiled mode adds to a checkpoint, and how a failed run is undone: a mixin of ``CompiledEngine``.
 
 A checkpoint carries compiled mode's measurements (the non-model curve of every capture, the
-optimizer-state placement, the measured rates and region allocations, the ranges of batch sizes it
+optimizer-state placement, the measured rates, its re-plans for Inductor's buffers and the
+captures it runs as compiled eager, the ranges of batch sizes it
 plans for) so a resumed engine plans and lowers exactly as the saved one did from its first step (docs/design.md, section 11).
 """
 
@@ -14,7 +15,6 @@ import torch
 
 from pscompile.compiled import trust
 from pscompile.compiled.keys import CaptureKey
-from pscompile.compiled.probe import Allocation
 from pscompile.memory.rates import Rates
 from pscompile.memory.tracker import OverBudget
 from pscompile.memory.tiers import Tier
@@ -38,19 +38,18 @@ class CompiledState:
 
     def _mode_state(self) -> dict:
         """What this engine measured (per capture: the non-model curve it plans with, the one
-        measured node by node, its region re-plans) and where the optimizer states live. A resumed
-        engine plans, cuts and compiles exactly the regions this one runs, instead of measuring
-        again in an eager run whose kernels round differently from Inductor's."""
+        measured node by node, its re-plans for Inductor's buffers, whether it runs as compiled eager)
+        and where the optimizer states live. A resumed engine plans and compiles exactly the program
+        this one runs, instead of measuring again in an eager run whose kernels round differently
+        from Inductor's."""
         captures = {cap.token: {"static": list(self._captures[cap].nonmodel), "measured": list(curve),
                                 "node": list(self._node_curves.get(cap, curve)),
-                                "rounds": self._region_rounds.get(cap, 0), "node_by_node": cap in self._node_by_node,
-                                "cuts": sorted(self._cuts.get(cap, ())), "solo": sorted(self._solo.get(cap, ()))}
+                                "program_rounds": self._program_rounds.get(cap, 0),
+                                "eager": self._eager_programs.get(cap)}
                     for cap, curve in self._measured.items() if cap in self._captures}
         rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
-        regions = {"allocs": {k: [a.peak, a.excess] for k, a in self._allocs.items()},
-                   "fallbacks": self._region_cache.failures(self.config.backend)}
         measurements = {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
-                        "rates": rates, "regions": regions, "ranges": self._ranges.state(),
+                        "rates": rates, "ranges": self._ranges.state(),
                         "os_device": [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]}
         return {"compiled": trust.seal(measurements, self.device)}
 
@@ -67,11 +66,6 @@ class CompiledState:
             return                         # another budget or layout, or untrusted: measured anew
         self._restored = dict(saved["captures"])
         self._ranges.restore(saved.get("ranges") or {})     # its batch ranges: planned from the first batch
-        regions = saved.get("regions") or {}
-        for k, (peak, excess) in regions.get("allocs", {}).items():   # what its compiled regions allocate
-            self._allocs.setdefault(str(k), Allocation(int(peak), int(excess)))
-        for k, why in regions.get("fallbacks", {}).items():           # and those it ran as eager code
-            self._region_cache.fail((self.config.backend, str(k)), str(why))
         rates = saved.get("rates")
         if rates is not None and self.config.activations == Activations.AUTO and Rates(*rates) != self._rates:
             # the rates the saved run chose its activations with (a measurement on a busy machine
@@ -94,9 +88,8 @@ class CompiledState:
             if warm is not None:
                 self._forget(warm)
         del self._captures[cap]
-        for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo):
+        for measured in (self._measured, self._node_curves, self._program_rounds, self._eager_programs):
             measured.pop(cap, None)
-        self._node_by_node.discard(cap)
         self._unproven.discard(cap)
 
     def _install_restored(self, cap: CaptureKey) -> None:
@@ -109,11 +102,9 @@ class CompiledState:
         self._unproven.add(cap)
         self._measured[cap] = tuple(entry["measured"])
         self._node_curves[cap] = tuple(entry["node"])
-        self._region_rounds[cap] = int(entry["rounds"])
-        self._cuts[cap] = {int(i) for i in entry.get("cuts", ())}
-        self._solo[cap] = {int(i) for i in entry.get("solo", ())}
-        if entry["node_by_node"]:
-            self._node_by_node.add(cap)
+        self._program_rounds[cap] = int(entry.get("program_rounds", 0))
+        if entry.get("eager"):              # (what ran as compiled eager runs so again: the same code)
+            self._eager_programs[cap] = str(entry["eager"])
         for key in list(self._schedules):
             if key.capture == cap:
                 self._replan(key, self._measured[cap], measured=True)
@@ -152,9 +143,8 @@ class CompiledState:
                     "reached %d bytes, device_memory=%d): dropped; the capture measures again",
                     cap.token[:80], peak, self.budget)
         static = self._captures[cap].nonmodel
-        for measured in (self._measured, self._node_curves, self._region_rounds, self._cuts, self._solo):
+        for measured in (self._measured, self._node_curves, self._program_rounds, self._eager_programs):
             measured.pop(cap, None)
-        self._node_by_node.discard(cap)
         self._fit_optimizer_states(max(static))       # (the curve may leave less margin)
         for key in [k for k in self._schedules if k.capture == cap]:
             self._replan(key, static, measured=False)

@@ -164,39 +164,3 @@ def _nonneg_poly(expr: sympy.Expr) -> bool:
     except sympy.PolynomialError:
         return False
     return all(c >= 0 for c in poly.coeffs())
-
-
-
-def symbolic_values(gm: fx.GraphModule, tail: Sequence[torch.Tensor], device: torch.device) -> list:
-    """The symbolic fake value of every node of ``gm`` (a schedule of a symbolic capture, planned
-    at the bound), in node order. The last ``len(tail)`` placeholders (the buffers and the batch)
-    take ``tail``, the capture's symbolic fake inputs; the others (slots, host chunks) fake tensors
-    of their own plain sizes on ``device``. Nothing of ``gm`` changes (a copy is propagated)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    copy = fx.GraphModule(gm, graph)
-    mode = next(t.fake_mode for t in tail if hasattr(t, "fake_mode"))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    args = []
-    for i, p in enumerate(placeholders):
-        k = i - (len(placeholders) - len(tail))
-        if k >= 0:
-            args.append(tail[k])
-            continue
-        v = p.meta["val"]
-        with mode:
-            args.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device))
-    with torch.random.fork_rng(devices=[]):
-        FakeTensorProp(copy, mode).propagate_dont_convert_inputs(*args)
-    return [n.meta.get("val") for n in copy.graph.nodes]
-
-
-def has_symbols(v) -> bool:
-    """Whether a fake value (a tensor, a SymInt, or a tuple of them) has a size that is a symbol."""
-    if isinstance(v, (tuple, list)):
-        return any(has_symbols(x) for x in v)
-    if isinstance(v, torch.SymInt):
-        return _free(v)
-    if isinstance(v, torch.Tensor):
-        return any(isinstance(s, torch.SymInt) and _free(s) for s in (*v.shape, *v.stride()))
-    return False

@@ -59,8 +59,12 @@ the tiers, and the bytes it moves. The executor counts what actually moves again
 
 from __future__ import annotations
 
+import functools
+import inspect
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -68,8 +72,44 @@ from torch import Tensor
 from pscompile.graph.meta import get as get_meta
 from pscompile.kinds import MemKind
 
+# The engine that performs memory ops called from compiled code (``memory_runner``): scoped to one
+# call of a compiled program, like a dispatch mode, and empty otherwise (the ops then run as above).
+_RUNNER: ContextVar[Optional[Callable[..., Any]]] = ContextVar("pscompile_memory_runner", default=None)
+
+
+@contextmanager
+def memory_runner(call: Callable[..., Any]):
+    """Inside, every ``pscompile::`` memory op calls ``call(op, args)`` instead of its own body
+    (``compiled/whole.py``: the compiled program's memory nodes go to the engine)."""
+    token = _RUNNER.set(call)
+    try:
+        yield
+    finally:
+        _RUNNER.reset(token)
+
+
+def _routed(op_name: str):
+    """Decorator: the op's body runs only when no runner is set; else the runner performs it."""
+    def wrap(fn):
+        sig = inspect.signature(fn)
+
+        def body(*args, **kwargs):
+            run = _RUNNER.get()
+            if run is None:
+                return fn(*args, **kwargs)
+            if kwargs:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args = bound.args
+            return run(getattr(torch.ops.pscompile, op_name).default, args)
+        functools.update_wrapper(body, fn)
+        body.__signature__ = sig
+        return body
+    return wrap
+
 
 @torch.library.custom_op("pscompile::fetch", mutates_args=("slot",))
+@_routed("fetch")
 def fetch(slot: Tensor, host: Tensor) -> None:
     slot.copy_(host)
 
@@ -80,6 +120,7 @@ def _(slot, host):
 
 
 @torch.library.custom_op("pscompile::writeback", mutates_args=("host",))
+@_routed("writeback")
 def writeback(host: Tensor, slot: Tensor) -> None:
     host.copy_(slot)
 
@@ -90,6 +131,7 @@ def _(host, slot):
 
 
 @torch.library.custom_op("pscompile::disk_read", mutates_args=())
+@_routed("disk_read")
 def disk_read(host: Tensor) -> None:
     return None               # (eager: the host chunk is the home; the engine reads a disk home ahead)
 
@@ -100,6 +142,7 @@ def _(host):
 
 
 @torch.library.custom_op("pscompile::update", mutates_args=())
+@_routed("update")
 def update(host: Tensor) -> None:
     return None               # (eager: the engine starts the chunk's update on its host thread)
 
@@ -110,6 +153,7 @@ def _(host):
 
 
 @torch.library.custom_op("pscompile::drop", mutates_args=())
+@_routed("drop")
 def drop(slot: Tensor) -> None:
     return None
 
@@ -160,6 +204,7 @@ def copy_grad_into(dest: Tensor, grad: Tensor, offset: int, start: int = 0, nume
 
 
 @torch.library.custom_op("pscompile::store_grad", mutates_args=("dest",))
+@_routed("store_grad")
 def store_grad(dest: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
     copy_grad_into(dest, grad, offset, start, numel)
 
@@ -170,6 +215,7 @@ def _(dest, grad, offset, start=0, numel=-1):
 
 
 @torch.library.custom_op("pscompile::wait", mutates_args=())
+@_routed("wait")
 def wait(slot: Tensor) -> None:
     return None
 
@@ -180,6 +226,7 @@ def _(slot):
 
 
 @torch.library.custom_op("pscompile::wait_grad", mutates_args=())
+@_routed("wait_grad")
 def wait_grad(grad: Tensor) -> None:
     """The copy of ``grad`` an asynchronous accumulate_grad started has landed (the executor
     waits); as an argument, the gradient stays alive until here."""
@@ -192,6 +239,7 @@ def _(grad):
 
 
 @torch.library.custom_op("pscompile::accumulate_grad", mutates_args=("acc",))
+@_routed("accumulate_grad")
 def accumulate_grad(acc: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
     _into(acc, grad, offset, start, numel, "add_")
 
@@ -212,6 +260,7 @@ def _distributed(world: int) -> bool:
 
 
 @torch.library.custom_op("pscompile::allgather", mutates_args=("slot",))
+@_routed("allgather")
 def allgather(slot: Tensor, host: Tensor, rank: int, world: int) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     _shard(slot, rank, world).copy_(host)
@@ -226,6 +275,7 @@ def _(slot, host, rank, world):
 
 
 @torch.library.custom_op("pscompile::release_remote", mutates_args=())
+@_routed("release_remote")
 def release_remote(slot: Tensor) -> None:
     return None
 
@@ -236,6 +286,7 @@ def _(slot):
 
 
 @torch.library.custom_op("pscompile::reduce_scatter", mutates_args=("dest", "slot"))
+@_routed("reduce_scatter")
 def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     mine = _shard(slot, rank, world).clone()
@@ -254,6 +305,7 @@ def _(dest, slot, rank, world, accumulate):
 
 
 @torch.library.custom_op("pscompile::broadcast", mutates_args=("slot",))
+@_routed("broadcast")
 def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     if rank == owner:
@@ -269,6 +321,7 @@ def _(slot, host, owner, rank):
 
 
 @torch.library.custom_op("pscompile::reduce", mutates_args=("dest", "slot"))
+@_routed("reduce")
 def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     import torch.distributed as dist
@@ -284,6 +337,7 @@ def _(dest, slot, owner, rank, accumulate):
 
 
 @torch.library.custom_op("pscompile::offload", mutates_args=())
+@_routed("offload")
 def offload(value: Tensor) -> Tensor:
     host = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
     return host.copy_(value)
@@ -295,6 +349,7 @@ def _(value):
 
 
 @torch.library.custom_op("pscompile::reload", mutates_args=())
+@_routed("reload")
 def reload(host: Tensor, device: torch.device) -> Tensor:
     value = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
     return value.copy_(host)
@@ -306,6 +361,7 @@ def _(host, device):
 
 
 @torch.library.custom_op("pscompile::wait_copy", mutates_args=())
+@_routed("wait_copy")
 def wait_copy(copy: Tensor, source: Optional[Tensor] = None) -> None:
     return None
 

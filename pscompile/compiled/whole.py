@@ -1,0 +1,319 @@
+"""One compiled program per schedule: Inductor compiles the whole scheduled graph, memory nodes inside.
+
+``WholeProgram(gm, device)`` lowers a scheduled graph (``graph/pipeline.py``) in three steps:
+
+1. **Retrace** it with Inductor's decompositions, on fake inputs made from its placeholders'
+   metadata, without functionalizing it: the memory nodes stay calls of the ``pscompile::`` custom
+   ops on the real slot and host buffers (functionalized, Inductor would write clones of the slots).
+2. **Pin the order** (``order_edges``) with Inductor's ``control_deps``: each memory node comes after
+   the memory node before it and after every value computed before it and still used after it
+   (values Inductor would otherwise compute lazily, after a write to the buffer they read), and the
+   compute nodes after it that depend on nothing after it come after it. The plan's order of
+   memory nodes and compute is then the program's, and ``reorder_for_peak_memory`` is off.
+3. **Compile** with ``compile_fx_inner`` and read Inductor's own buffer plan off its generated
+   wrapper (``buffer_plan``): for each memory node, the bytes Inductor's buffers hold at most in the
+   compute before it (``inside``) and while it runs (``at``). The engine checks the plan against
+   those figures before the program ever runs (``compiled/lowering.py``).
+
+At run time a memory node is a call of its custom op from the generated code; ``run`` makes those
+calls go to the engine (``graph.ops.memory_runner``) in graph order, one by one: the k-th call
+must be the k-th memory node, or the run stops with ``ProgramOrderError`` (never seen; it would
+mean Inductor moved a memory op). The engine performs each as planned: asynchronous copies start
+there and are waited for at their ``wait`` node, bytes are counted, and the samples of the device
+peak add Inductor's buffers (``inside``/``at``) to what the tracker sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from pscompile.graph.ops import ACTIVATION_OPS, MEMORY_OPS, memory_runner
+
+log = logging.getLogger("pscompile.compiled")
+
+__all__ = ["WholeProgram", "ProgramOrderError", "order_edges", "BufferPlan"]
+
+_MEMORY = frozenset(MEMORY_OPS) | frozenset(ACTIVATION_OPS)
+_OFFLOAD = torch.ops.pscompile.offload.default
+# Inductor's options for the program: random ops call ATen in graph order (dropout masks equal
+# eager's); the plan's order is kept (no reordering for peak memory, which is the plan's job)
+PATCHES: dict[str, Any] = {"fallback_random": True, "reorder_for_peak_memory": False,
+                           "fx_graph_cache": False}
+
+
+class ProgramOrderError(RuntimeError):
+    """The compiled program called a memory op out of the schedule's order."""
+
+
+def is_memory(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _MEMORY
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Inductor's buffers around each memory node, in graph order: ``inside[k]``, the most bytes
+    they hold in the compute between memory node k-1 and memory node k; ``at[k]``, the bytes live
+    while memory node k runs; ``after`` the most after the last one. Host copies (offloads) are
+    not device bytes and are left out."""
+
+    inside: tuple[int, ...]
+    at: tuple[int, ...]
+    after: int
+
+    @property
+    def peak(self) -> int:
+        return max((*self.inside, *self.at, self.after), default=0)
+
+
+def _is_view(n: fx.Node) -> bool:
+    """A node Inductor lowers to a view of its input: no kernel, so no place in the order of its own."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return (schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write)
+
+
+def order_edges(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """The ordering edges ``control_deps`` adds (see the module doc): node -> nodes it must follow.
+    Views make no kernel, so they are seen through: a value read through a view is read where the
+    view is read, and a compute node whose inputs (through views) were all made before the last
+    memory node before it is pinned after that memory node."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    last_use: dict[fx.Node, int] = {}
+    for n in reversed(nodes):          # a view's uses are its base's
+        last_use[n] = max((last_use[u] if _is_view(u) else pos[u] for u in n.users), default=-1)
+    anchor: dict[fx.Node, int] = {}   # where the kernel that made a value's bytes runs (-1: an input)
+    for n in nodes:
+        ins = n.all_input_nodes
+        if n.op == "placeholder" or n.op == "get_attr":
+            anchor[n] = -1
+        elif _is_view(n):
+            anchor[n] = max((anchor[a] for a in ins), default=-1)
+        else:
+            anchor[n] = pos[n]
+    computed = lambda n: (n.op == "call_function" and not is_memory(n) and not _is_view(n)  # noqa: E731
+                          and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)))
+    edges: dict[fx.Node, list[fx.Node]] = {}
+    prev: fx.Node | None = None
+    live: list[fx.Node] = []          # computed values so far (pruned as they die)
+    for n in nodes:
+        if is_memory(n):
+            live = [v for v in live if last_use[v] > pos[n]]
+            deps = ([prev] if prev is not None else []) + [v for v in live if v not in n.all_input_nodes]
+            if deps:
+                edges[n] = deps
+            prev = n
+        elif computed(n):
+            if prev is not None and all(anchor[a] < pos[prev] for a in n.all_input_nodes):
+                edges[n] = [prev]
+            live.append(n)
+    return edges
+
+
+def _pin(gm: fx.GraphModule, edges_of: Callable[[fx.GraphModule], dict]) -> int:
+    """Apply ``edges_of(gm)`` with ``preserve_node_ordering``; returns how many nodes were pinned."""
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+    edges = edges_of(gm)
+    edges = {n: OrderedSet(d) for n, d in edges.items() if d}
+    preserve_node_ordering(gm.graph, edges)
+    gm.recompile()
+    return len(edges)
+
+
+class _GraphOf:
+    """A post-fusion scheduler pass that changes nothing and keeps Inductor's graph (its wrapper's
+    lines, with their buffer plan, are read after the compile: ``buffer_plan``)."""
+
+    def __init__(self):
+        self.graph = None
+
+    def __call__(self, nodes: list) -> list:
+        from torch._inductor.virtualized import V
+        self.graph = V.graph
+        return nodes
+
+
+def _nbytes(graph, node) -> int:
+    layout = node.get_layout()
+    return int(graph.sizevars.optimization_hint(layout.storage_size())) * node.get_dtype().itemsize
+
+
+def buffer_plan(graph) -> BufferPlan:
+    """Inductor's buffer plan, from its generated wrapper's lines in order (after its buffer-reuse
+    planning): an ``AllocateLine`` allocates, a ``ReuseLine`` or ``ReinterpretLine`` gives a new name
+    to an existing allocation, a free (``FreeIfNotReusedLine`` not reused, ``FreeLine``) drops a name,
+    and an allocation is given back when its last name goes, as Python's references in the generated
+    code do. An extern kernel's outputs are allocated where it runs. The device bytes live when each
+    memory op is called, and the most between two of them, follow; an offload's host copy is not counted."""
+    from torch._inductor import ir
+    from torch._inductor.codegen import wrapper as w
+    alloc_of: dict[str, int] = {}
+    refs: dict[int, int] = {}
+    size: dict[int, int] = {}
+    state = {"live": 0, "next": 0}
+
+    def new(name: str, nbytes: int) -> None:
+        a = state["next"] = state["next"] + 1
+        alloc_of[name], refs[a], size[a] = a, 1, nbytes
+        state["live"] += nbytes
+
+    def alias(old: str, name: str) -> None:
+        a = alloc_of.get(old)
+        if a is not None:
+            alloc_of[name] = a
+            refs[a] += 1
+
+    def release(name: str) -> None:
+        a = alloc_of.pop(name, None)
+        if a is not None:
+            refs[a] -= 1
+            if refs[a] == 0:
+                state["live"] -= size[a]
+
+    inside, at, peak = [], [], 0
+    host: set[str] = set()               # offload kernels: their outputs are host copies
+    for line in graph.wrapper_code.lines:
+        if isinstance(line, w.AllocateLine):
+            new(line.node.get_name(), _nbytes(graph, line.node))
+        elif isinstance(line, w.ReuseLine):
+            alias(line.node.get_name(), line.reused_as.get_name())
+            if line.delete_old:
+                release(line.node.get_name())
+        elif isinstance(line, w.ReinterpretLine):
+            alias(line.node.get_name(), line.reused_as.get_name())
+        elif isinstance(line, w.FreeIfNotReusedLine):
+            if not line.is_reused:
+                release(line.node.get_name())
+        elif isinstance(line, w.FreeLine):
+            release(line.node.get_name())
+        elif isinstance(line, w.MultiOutputLine):
+            if line.result_name in graph.name_to_buffer and line.arg_name not in host:
+                new(line.result_name, _nbytes(graph, graph.name_to_buffer[line.result_name]))
+        elif isinstance(line, w.ExternKernelAllocLine):
+            node, op = line.node, getattr(line.node, "op_overload", None)
+            if op in _MEMORY:
+                inside.append(max(peak, state["live"]))
+            if op is _OFFLOAD:                  # its output, a host copy, is no device memory
+                host.add(node.get_name())
+            elif isinstance(node.layout, ir.MultiOutputLayout):
+                new(node.get_name(), 0)         # (its outputs: MultiOutputLine)
+            elif not isinstance(node.layout, ir.NoneLayout):
+                new(node.get_name(), _nbytes(graph, node))
+            if op in _MEMORY:
+                at.append(state["live"])
+                peak = state["live"]
+                continue
+        peak = max(peak, state["live"])
+    return BufferPlan(tuple(inside), tuple(at), peak)
+
+
+def _examples(gm: fx.GraphModule, device: torch.device):
+    """Fake tensors with the placeholders' shapes, strides and dtypes (their metadata)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    out = []
+    with mode:
+        for p in gm.graph.find_nodes(op="placeholder"):
+            v = p.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"placeholder {p.name} has no tensor metadata")
+            dev = device if v.device.type == "meta" else v.device
+            out.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=dev))
+    return mode, out
+
+
+class WholeProgram:
+    """The scheduled graph ``gm`` compiled as one Inductor program (see the module doc).
+
+    ``compile()`` lowers it (raises what Inductor raised), its order pinned by ``edges``
+    (``order_edges``); ``buffers`` is Inductor's buffer plan (None if it could not be read);
+    ``run(inputs, run_memory)`` runs it, each memory node through ``run_memory(node, args)``, in
+    graph order."""
+
+    split = "program"
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device,
+                 edges: Callable[[fx.GraphModule], dict[fx.Node, list[fx.Node]]] = None):
+        self.gm = gm
+        self.edges = edges or order_edges        # (tests drop some, to see parity break)
+        self.device = torch.device(device)
+        self.memory_nodes = [n for n in gm.graph.nodes if is_memory(n)]
+        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_memory(n))
+        self.compiled_ops = self.ops
+        self.buffers: BufferPlan | None = None
+        self.compile_s = 0.0
+        self.pinned = 0
+        self._fn: Callable[[list], Sequence[Any]] | None = None
+        from pscompile.compiled.program import first_backward
+        first_bwd = first_backward(list(gm.graph.nodes))
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        at = pos.get(first_bwd, len(pos))
+        self._first_bwd_op = next((k for k, n in enumerate(self.memory_nodes) if pos[n] > at), None)
+
+    def compile(self) -> None:
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+        t0 = time.perf_counter()
+        mode, examples = _examples(self.gm, self.device)
+        with mode:
+            traced = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="real")(*examples)
+        self.pinned = _pin(traced, self.edges)
+        keep = _GraphOf()
+        with torch._inductor.config.patch({**PATCHES, "_post_fusion_custom_pass": keep}), \
+                torch._guards.tracing(torch._guards.TracingContext(mode)), mode:
+            self._fn = compile_fx_inner(traced, examples)
+        try:
+            self.buffers = buffer_plan(keep.graph)
+        except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
+            log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
+        self.compile_s = time.perf_counter() - t0
+
+    def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], Any], *,
+            sample: Callable[[int], None] | None = None, on_backward: Callable[[], None] | None = None) -> tuple:
+        """Run the program; memory node k is ``run_memory(node_k, its args)``. ``sample(extra)``
+        is called before and after each with Inductor's buffer bytes there (``BufferPlan``), and
+        ``on_backward()`` at the first memory node of the backward."""
+        if self._fn is None:
+            self.compile()
+        nodes, first_bwd = self.memory_nodes, self._first_bwd_op
+        inside, at = (self.buffers.inside, self.buffers.at) if self.buffers is not None and sample else ((), ())
+        k = 0
+
+        def call(op, args: tuple):
+            nonlocal k
+            if k >= len(nodes) or nodes[k].target is not op:
+                want = nodes[k].format_node() if k < len(nodes) else "none"
+                raise ProgramOrderError(f"the compiled program called {op} as memory op {k}; the schedule "
+                                        f"has {want} there")
+            n = nodes[k]
+            if k == first_bwd and on_backward is not None:
+                on_backward()
+            if inside:
+                sample(inside[k])
+            k += 1
+            made = run_memory(n, args)
+            if at:
+                sample(at[k - 1])
+            return made
+
+        with memory_runner(call):
+            out = self._fn(list(inputs))
+        if inside:
+            sample(self.buffers.after)
+        if k != len(nodes):
+            raise ProgramOrderError(f"the compiled program called {k} of the schedule's {len(nodes)} memory ops")
+        return tuple(out)

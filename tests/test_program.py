@@ -1,0 +1,148 @@
+"""One compiled program per schedule (compiled/whole.py, compiled/lowering.py).
+
+Inductor compiles the whole scheduled graph, memory nodes inside; their order is pinned by
+``control_deps`` edges; the budget is checked against Inductor's own buffer plan before the program
+runs; a schedule that is not compiled as one program runs as compiled eager, saying why. One cold
+compile of the tiny GPT's tight schedule serves the first three tests (module fixture).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import pscompile
+from pscompile.compiled.whole import ProgramOrderError, WholeProgram, is_memory, order_edges
+from pscompile.graph import meta as gmeta
+from conftest import make_batches, make_model
+
+
+def _config(backend: str, budget=None, **kw) -> pscompile.Config:
+    return pscompile.Config(mode="compiled", backend=backend, device="cpu", dtype=torch.float32,
+                            device_memory=budget, **kw)
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """The tiny GPT's measured schedule at its minimum + 128 KiB (compiled eager), and its program."""
+    batch = make_batches("gpt", 1)[0]
+    budget = pscompile.min_device_memory(make_model("gpt"), batch, _config("eager")) + (128 << 10)
+    engine = pscompile.compile(make_model("gpt"), batch, config=_config("eager", budget))
+    engine.step(batch)
+    sched = engine.schedule
+    slots = [torch.zeros(s.shape) for s in engine._slots[:sched.plan.num_slots]]
+    for c, k in sched.plan.initial:
+        engine.store.cast_master_into(c, slots[k])
+    inputs = [*slots, *[h.clone() for h in engine.store.host_param], *sched.captured.flatten_batch(batch)]
+    prog = WholeProgram(sched.gm, torch.device("cpu"))
+    prog.compile()
+    yield sched.gm, inputs, prog
+    engine.close()
+
+
+def _run(fn, inputs):
+    """``fn`` on copies of ``inputs`` (the memory ops as plain copies: no engine): (loss, inputs after)."""
+    copies = [t.clone() for t in inputs]
+    (loss,) = fn(copies)[:1]
+    return loss, copies
+
+
+def _host_error(gm, a, b) -> float:
+    phs = gm.graph.find_nodes(op="placeholder")
+    return max((a[i] - b[i]).abs().max().item() for i, n in enumerate(phs) if gmeta.get(n, "host_chunk") is not None)
+
+
+def test_inductors_buffer_plan_is_what_the_program_allocates(tight):
+    """The bytes read off Inductor's wrapper (``buffer_plan``) are the profiler's count of what the
+    program allocates, to the byte: the budget is known before the code runs."""
+    from torch._C._profiler import _EventType
+    gm, inputs, prog = tight
+    copies = [t.clone() for t in inputs]
+    prog._fn(list(copies))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+        prog._fn(list(copies))
+    allocs, stack = [], list(p.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        n = stack.pop()
+        if n.typed[0] == _EventType.Allocation:
+            allocs.append((n.start_time_ns, n.typed[1].total_allocated, n.typed[1].alloc_size))
+        stack.extend(n.children)
+    allocs.sort()
+    measured = max(total for _, total, _ in allocs) - (allocs[0][1] - allocs[0][2])
+    assert prog.buffers.peak == measured, (prog.buffers.peak, measured)
+    assert len(prog.buffers.inside) == len(prog.memory_nodes) > 100
+
+
+def test_the_program_runs_like_the_graph_and_fails_without_its_ordering_edges(tight):
+    """With its edges the program's host chunks equal the plain graph's; dropped around the memory
+    nodes of the first layer's backward, Inductor computes a value lazily after a fetch overwrote
+    the slot it reads (docs/compiled-mode.md), and the host chunks come out wrong."""
+    gm, inputs, prog = tight
+    ref_loss, ref = _run(lambda x: gm(*x), inputs)
+    loss, got = _run(lambda x: prog._fn(list(x)), inputs)
+    assert _host_error(gm, got, ref) <= 1e-6 and abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert prog.pinned > len(prog.memory_nodes)
+    n = len(prog.memory_nodes)
+
+    def without(g):          # the edges around the memory nodes of the second half (into and out of them)
+        mem = set([m for m in g.graph.nodes if is_memory(m)][n // 2:])
+        return {k: [d for d in deps if d not in mem] for k, deps in order_edges(g).items() if k not in mem}
+    broken = WholeProgram(gm, torch.device("cpu"), edges=without)
+    broken.compile()
+    _, bad = _run(lambda x: broken._fn(list(x)), inputs)
+    assert _host_error(gm, bad, ref) > 1e-3
+
+
+def test_a_memory_op_out_of_the_schedules_order_stops_the_run(tight):
+    """The k-th memory op the program calls must be the schedule's k-th memory node."""
+    gm, inputs, prog = tight
+    phs = gm.graph.find_nodes(op="placeholder")
+    first = prog.memory_nodes[0]
+    other = next(m for m in prog.memory_nodes if m.target is not first.target
+                 and m.target in (torch.ops.pscompile.drop.default, torch.ops.pscompile.wait.default))
+    slot = inputs[phs.index(other.args[0])]
+    wrong = WholeProgram(gm, torch.device("cpu"))
+    wrong._fn = lambda args: (other.target(slot),)
+    with pytest.raises(ProgramOrderError, match="as memory op 0"):
+        wrong.run(inputs, lambda node, args: None)
+
+
+def test_a_program_inductor_cannot_compile_runs_as_compiled_eager(monkeypatch, caplog):
+    """The fallback rule: compiled eager (the same code as ``backend="eager"``: the same losses, bit
+    for bit), said once at WARNING with Inductor's reason; nothing is lost."""
+    def refuse(self):
+        raise RuntimeError("no kernel for this op")
+    monkeypatch.setattr(WholeProgram, "compile", refuse)
+    batches = make_batches("gpt", 3)
+    budget = pscompile.min_device_memory(make_model("gpt"), batches[0], _config("eager")) + (128 << 10)
+    engines = [pscompile.compile(make_model("gpt"), batches[0], config=_config(b, budget)) for b in ("inductor", "eager")]
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        for i, b in enumerate(batches):
+            losses = []
+            for e in engines:
+                torch.manual_seed(i)
+                losses.append(e.step(b))
+            assert losses[0] == losses[1], (i, losses)
+            assert engines[0].stats.peak_device_bytes <= budget
+    warned = [r.getMessage() for r in caplog.records if "compiled eager" in r.getMessage()]
+    assert len(warned) == 1 and "no kernel for this op" in warned[0], warned
+    for e in engines:
+        e.close()
+
+
+def test_a_range_of_lengths_runs_compiled_eager_with_inductor():
+    """Batches of changing length under Inductor: the range's schedule runs as compiled eager (no
+    symbolic program yet), the same losses as the eager backend's, within the budget."""
+    from test_dynamic_shapes import HP, batch, model
+    dim = pscompile.Dim("seq", max=64)
+    batches = [batch(n, i) for i, n in enumerate([40, 64, 23, 57])]
+    engines = [pscompile.compile(model(), batches[0], optimizer=HP, config=_config(
+        b, dynamic=({1: dim}, {1: dim}))) for b in ("inductor", "eager")]
+    for i, b in enumerate(batches):
+        losses = [e.step(b) for e in engines]
+        assert losses[0] == losses[1], (i, losses)
+    assert all(ex.split != "program" for ex in engines[0]._executors.values())
+    for e in engines:
+        e.close()
