@@ -7,8 +7,8 @@
    ops on the real slot and host buffers (functionalized, Inductor would write clones of the slots).
 2. **Pin the order** (``order_edges``) with Inductor's ``control_deps``: each memory node comes after
    the memory node before it and after every value computed before it and still used after it
-   (values Inductor would otherwise compute lazily, after a write to the buffer they read), and the
-   compute nodes after it that depend on nothing after it come after it. The plan's order of
+   (values Inductor would otherwise compute lazily, after a write to the buffer they read), and
+   every compute node comes after the memory node before it. The plan's order of
    memory nodes and compute is then the program's, and ``reorder_for_peak_memory`` is off.
 3. **Compile** with ``compile_fx_inner`` and read Inductor's own buffer plan off its generated
    wrapper (``buffer_plan``): for each memory node, the bytes Inductor's buffers hold at most in the
@@ -86,22 +86,15 @@ def _is_view(n: fx.Node) -> bool:
 def order_edges(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     """The ordering edges ``control_deps`` adds (see the module doc): node -> nodes it must follow.
     Views make no kernel, so they are seen through: a value read through a view is read where the
-    view is read, and a compute node whose inputs (through views) were all made before the last
-    memory node before it is pinned after that memory node."""
+    view is read. Every compute node is pinned after the last memory node before it: a pin on a
+    value Inductor computes lazily (inside its readers' kernels) makes no kernel of its own to
+    order, so its readers need theirs (a reader of a slot could otherwise run before the ``wait``
+    for that slot's fetch)."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     last_use: dict[fx.Node, int] = {}
     for n in reversed(nodes):          # a view's uses are its base's
         last_use[n] = max((last_use[u] if _is_view(u) else pos[u] for u in n.users), default=-1)
-    anchor: dict[fx.Node, int] = {}   # where the kernel that made a value's bytes runs (-1: an input)
-    for n in nodes:
-        ins = n.all_input_nodes
-        if n.op == "placeholder" or n.op == "get_attr":
-            anchor[n] = -1
-        elif _is_view(n):
-            anchor[n] = max((anchor[a] for a in ins), default=-1)
-        else:
-            anchor[n] = pos[n]
     computed = lambda n: (n.op == "call_function" and not is_memory(n) and not _is_view(n)  # noqa: E731
                           and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)))
     edges: dict[fx.Node, list[fx.Node]] = {}
@@ -115,8 +108,8 @@ def order_edges(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
                 edges[n] = deps
             prev = n
         elif computed(n):
-            if prev is not None and all(anchor[a] < pos[prev] for a in n.all_input_nodes):
-                edges[n] = [prev]
+            if prev is not None:       # every one: a lazy value's own edge is lost (control_deps does
+                edges[n] = [prev]      # not realize it), so its readers carry one too
             live.append(n)
     return edges
 
