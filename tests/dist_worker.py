@@ -235,19 +235,21 @@ def collectives(rank: int, world: int, port: int, out_dir: str, mode: str) -> No
 
 def inductor(rank: int, world: int, port: int, out_dir: str) -> None:
     """GPT in compiled mode with the Inductor backend under an evicting budget: the ranks measure
-    their regions and must agree on the curve they plan from (or the collectives would differ)."""
+    and must agree on the curve they plan from (or the collectives would differ); the collectives
+    run inside the compiled program."""
     join(rank, world, port)
     batches = make_batches("gpt", STEPS)
     budget = tight_budget("gpt", "compiled", rank, world)
     cfg = pscompile.Config(mode="compiled", backend="inductor", device="cpu", dtype=torch.float32,
                            device_memory=budget)
     engine = pscompile.compile(make_model("gpt"), split(batches[0], rank, world), optimizer=HP, config=cfg)
-    losses, peaks = [], []
+    losses, peaks, shares = [], [], []
     for b in batches:
         losses.append(engine.step(split(b, rank, world)))
         peaks.append(engine.stats.peak_device_bytes)
+        shares.append(engine.stats.compiled_share)
     torch.save({"losses": losses, "peaks": peaks, "budget": budget, "full": engine.full_state_dict(),
-                "plan": engine.last_plan.actions},
+                "plan": engine.last_plan.actions, "shares": shares, "eager": dict(engine._eager_programs)},
                os.path.join(out_dir, f"inductor-rank{rank}.pt"))
     engine.close()
     leave()

@@ -237,6 +237,9 @@ def test_inductor_backend_two_ranks_agree_and_track_plain_pytorch(tmp_path):
         for ours, plain in zip(run["losses"], ref_losses):
             assert rel(ours, plain) <= 1e-5, (run["losses"], ref_losses)
         assert max(run["peaks"]) <= run["budget"]
+        # the steady steps ran the program, collectives inside, on both ranks
+        assert run["shares"][-1] == 1.0 and not run["eager"], (run["shares"], run["eager"])
+    assert ranks[0]["shares"] == ranks[1]["shares"]
     assert weight_error(ranks[0]["full"], ref) <= 1e-5
 
 
