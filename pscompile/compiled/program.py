@@ -36,7 +36,7 @@ class LoweringReport:
     moved_getitems: int     # getitems moved back into their op's region
 
     def summary(self) -> str:
-        return f"lower_regions: {self.regions} regions, {self.memory_nodes} memory nodes, eager code"
+        return f"regions: {self.regions} regions, {self.memory_nodes} memory nodes, eager code"
 
 
 class StepKind(StrEnum):
@@ -152,7 +152,7 @@ def _assign(nodes: list[fx.Node], lifted: set[fx.Node], *, fold: bool) -> _Cut:
             cut.memory_nodes += 1
             continue
         if n.op != "call_function":
-            raise ValueError(f"lower_regions: node {n.name} ({n.op}) is not supported; "
+            raise ValueError(f"executor: node {n.name} ({n.op}) is not supported; "
                              "the scheduled graph should only call functions")
         item = n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in cut.region_of
         if item and cut.region_of[n.args[0]] is not cur:
