@@ -195,10 +195,15 @@ def test_inductor_backend_parity_under_eviction(kind, dtype, room):
         assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes)
         assert s.peak_device_bytes <= budget and s.num_evictions > 0
     # later steps ran one compiled program; or, at a budget that cannot hold Inductor's buffers where
-    # the plan needs them, compiled eager, said with the reason (compiled/lowering.py)
+    # the plan needs them, compiled eager, said with the reason (compiled/lowering.py): at the tight
+    # budget, and in bfloat16 (Inductor's decompositions keep some values in float32: its buffers
+    # exceeded the 1.3x GPT's plan by more than a re-plan fits, 2026-11-29)
     if engine.stats.compiled_share < 1.0:
-        assert room == "tight" and any("Inductor's buffers" in why for why in engine._eager_programs.values()), \
+        assert (room == "tight" or dtype == torch.bfloat16) and any(
+            "Inductor's buffers" in why for why in engine._eager_programs.values()), \
             (engine.stats.compiled_share, engine._eager_programs)
+    elif room != "tight" and dtype == torch.float32:
+        assert not engine._eager_programs
     assert max_weight_diff(engine, ref) <= (1e-4 if dtype == torch.float32 else 5e-2)
     tol = TRACKING_TOL if dtype == torch.float32 else TRACKING_TOL_INDUCTOR_BF16
     assert worst_tracking(engine, ref, fresh_masters(kind, dtype))[0] <= tol

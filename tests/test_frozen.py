@@ -143,10 +143,11 @@ def _check_run(engine, ref, before, initial, out, budget, dtype, evicts=True):
             moved = (theirs[n] - initial[n]).abs().mean().item()
             assert (ours[n] - theirs[n]).abs().mean().item() <= tol * max(moved, 1e-5), n
     if engine.config.mode.value == "compiled":            # frozen chunks are fetched, never written back
-        plan, frozen = engine.schedule.scheduled.plan, engine.layout.frozen_chunks
+        frozen, key = engine.layout.frozen_chunks, engine._last_key     # the cold plan and the warm one that
+        plans = [s.plan for s in (engine._schedules[key], engine._warm.get(key)) if s is not None]   # runs
         writes = (MemKind.WRITEBACK, MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD, MemKind.UPDATE)
-        assert not {a.chunk for a in plan.actions if a.kind in writes} & frozen
-        assert not evicts or {a.chunk for a in plan.actions if a.kind is MemKind.FETCH} & frozen
+        assert not {a.chunk for p in plans for a in p.actions if a.kind in writes} & frozen
+        assert not evicts or {a.chunk for p in plans for a in p.actions if a.kind is MemKind.FETCH} & frozen
     weights = engine.full_state_dict()
     for n, w in before.items():                           # frozen weights: bit for bit
         assert torch.equal(weights[n].to(w.dtype), w), n
