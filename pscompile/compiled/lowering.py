@@ -129,8 +129,9 @@ class ScheduleLowering:
                 failed = "Inductor's buffer plan could not be read"
         except Exception as e:  # noqa: BLE001 - the fallback rule: compiled eager, with the reason
             failed = f"{type(e).__name__}: {str(e)[:300]}"
-        if self.comm is not None:      # the ranks run the same kind of code (their collectives match)
-            failed = failed or ("another rank could not compile it" if self.comm.agree_max([0])[0] else "")
+        if self.comm is not None:      # the ranks run the same kind of code (their collectives match): every
+            if self.comm.agree_max([int(bool(failed))])[0]:        # rank asks, whether its own compile failed
+                failed = failed or "another rank could not compile it"
         if failed:
             self._eager_program(cap, f"Inductor could not compile the schedule as one program ({failed})")
             return None
@@ -185,8 +186,9 @@ class ScheduleLowering:
         This run keeps its plan, run as compiled eager (it holds by construction)."""
         cap = key.capture
         rounds = self._program_rounds[cap] = self._program_rounds.get(cap, 0) + 1
-        self._executors[sched.gm] = self._compiled_eager(key, sched)
+        this_run = self._compiled_eager(key, sched)
         if rounds > _MAX_PROGRAM_ROUNDS:
+            self._executors[sched.gm] = this_run
             self._eager_program(cap, f"Inductor's buffers still exceed the plan by up to {max(over.values())} bytes "
                                      f"after {_MAX_PROGRAM_ROUNDS} re-plans")
             return
@@ -207,7 +209,7 @@ class ScheduleLowering:
         log.info("pscompile: %s: Inductor's buffers exceed the plan at %d memory nodes (by up to %d bytes): planned "
                  "again with them counted (round %d of %d)", cap.token[:60], len(over), max(over.values()), rounds,
                  _MAX_PROGRAM_ROUNDS)
-        keep, before = self._executors[sched.gm], self._measured.get(cap)
+        before = self._measured.get(cap)
         self._measured[cap] = curve
         try:
             for other in [k for k in self._schedules if k.capture == cap]:
@@ -219,7 +221,7 @@ class ScheduleLowering:
                 self._replan(other, before or self._schedules[other].nonmodel, measured=True)
             self._eager_program(cap, f"Inductor's buffers exceed the plan by up to {max(over.values())} bytes, and a "
                                      f"plan with them counted does not fit the budget ({str(e)[:160]})")
-        self._executors[sched.gm] = keep        # (this run's; dropped with it, ``_forget_lowering``)
+        self._executors[sched.gm] = this_run    # (re-planning forgot it; dropped with it, ``_forget_lowering``)
 
     def _compiled_eager(self, key: ScheduleKey, sched: Scheduled) -> Executor:
         """Compiled eager: the schedule's regions as eager graph code (the fallback rule), learned

@@ -92,6 +92,7 @@ def _routed(op_name: str):
     """Decorator: the op's body runs only when no runner is set; else the runner performs it."""
     def wrap(fn):
         sig = inspect.signature(fn)
+        op: list = []            # the op's overload, looked up once (it exists only after registration)
 
         def body(*args, **kwargs):
             run = _RUNNER.get()
@@ -101,7 +102,9 @@ def _routed(op_name: str):
                 bound = sig.bind(*args, **kwargs)
                 bound.apply_defaults()
                 args = bound.args
-            return run(getattr(torch.ops.pscompile, op_name).default, args)
+            if not op:
+                op.append(getattr(torch.ops.pscompile, op_name).default)
+            return run(op[0], args)
         functools.update_wrapper(body, fn)
         body.__signature__ = sig
         return body
