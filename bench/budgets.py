@@ -29,33 +29,30 @@ accepted counts as a failure; the first failure's message is kept. Exit status 1
                             [--out bench/results/budgets.json]
 
 ``--quick``: only "gpt" and "opt" (opt when transformers imports), 10 budgets of the sweep, and only
-the minimum trained (with Inductor: 1.15x the minimum, and no plain ``torch.compile`` first step). Float32, one torch thread (see
-bench/foundation.py for why).
+the minimum trained (with Inductor: 1.15x the minimum, and no plain ``torch.compile`` first step).
+Float32, one torch thread (see bench/foundation.py for why).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
 import pscompile
+from harness.host import meta
+from harness.output import parser, write_json
+from harness.runs import cpu_config
+from inductor_cells import STEADY, WARMUP, Cell, plain_compile_first_step, run_cell
 from pscompile.graph.pipeline import BudgetSweep
 from pscompile.testing import ARCHITECTURES, EXTRA_ARCHITECTURES, tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from inductor_cells import STEADY, WARMUP, Cell, plain_compile_first_step, run_cell  # noqa: E402
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "budgets.json"
 HAVE_HF = importlib.util.find_spec("transformers") is not None
 STEPS = 3                                  # steps trained per budget (compiled: the measuring one first)
 TRAIN_FACTORS = (1.0, 1.1, 1.5, 2.0)       # budgets trained, as multiples of the minimum
@@ -123,8 +120,7 @@ class Row:
 
 
 def config(mode: str, budget: int | None = None, backend: str = "eager", link: str | None = None) -> pscompile.Config:
-    return pscompile.Config(mode=mode, backend=backend, device="cpu", dtype=torch.float32, device_memory=budget,
-                            link_bandwidth=link)
+    return cpu_config(mode, backend=backend, device_memory=budget, link_bandwidth=link)
 
 
 def describe(e: BaseException) -> str:
@@ -212,11 +208,6 @@ def refuse_below(arch: str, mode: str, minimum: int) -> Refusal:
     return Refusal(budget, False, f"budget {budget} ({BELOW:.0%} of the minimum) was accepted")
 
 
-def train_sample(arch: str, mode: str, minimum: int, factors, backend: str = "eager",
-                 link: str | None = None) -> tuple[Trained, ...]:
-    return tuple(train(arch, mode, int(minimum * f), f, backend, link) for f in factors)
-
-
 def failures_of(sweep: Sweep | None, trained: tuple[Trained, ...], below: Refusal | None) -> tuple[str, ...]:
     out = list(sweep.failures) if sweep else []
     out += [f"train at {t.budget} ({t.factor}x, {t.backend or 'hooks'}): {t.error}" for t in trained if not t.ok]
@@ -229,7 +220,8 @@ def run_arch(arch: str, mode: str, *, quick: bool, link: str | None) -> Row:
     model, batch = tiny_model(arch)
     minimum = pscompile.min_device_memory(model, batch, config(mode))
     sweep = sweep_compiled(arch, minimum, sweep_budgets(minimum, quick)) if mode == "compiled" else None
-    trained = train_sample(arch, mode, minimum, TRAIN_FACTORS[:1] if quick else TRAIN_FACTORS, link=link)
+    factors = TRAIN_FACTORS[:1] if quick else TRAIN_FACTORS
+    trained = tuple(train(arch, mode, int(minimum * f), f, link=link) for f in factors)
     below = refuse_below(arch, mode, minimum)
     return Row(arch, mode, minimum, sweep, trained, below, failures_of(sweep, trained, below))
 
@@ -302,9 +294,7 @@ def table_rows(rows: list[Row]) -> list[list]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__, "budgets", markdown=True)
     ap.add_argument("--inductor", action="store_true", help="also train compiled mode with backend='inductor'")
     ap.add_argument("--inductor-only", action="store_true",
                     help="only train compiled mode with backend='inductor' (no sweep, no hooks mode)")
@@ -312,7 +302,6 @@ def main(argv=None) -> int:
     ap.add_argument("--link", metavar="RATE", default=None,
                     help="train under an emulated device<->host link of this bandwidth, e.g. 10MB/s")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     archs, skipped = architectures(args)
@@ -328,8 +317,8 @@ def main(argv=None) -> int:
                             and r.mode == "compiled"), None)
             if minimum is None:
                 minimum = pscompile.min_device_memory(*tiny_model(arch), config("compiled"))
-            rows.append(run_inductor(arch, minimum, args.link, QUICK_INDUCTOR_FACTORS if args.quick else INDUCTOR_FACTORS,
-                                     plain_compile=not args.quick))
+            factors = QUICK_INDUCTOR_FACTORS if args.quick else INDUCTOR_FACTORS
+            rows.append(run_inductor(arch, minimum, args.link, factors, plain_compile=not args.quick))
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} inductor: {len(rows[-1].failures)} failure(s)",
                   file=sys.stderr, flush=True)
     headers = ["architecture", "mode", "minimum bytes", "budgets verified", "failures", "budgets trained",
@@ -340,12 +329,10 @@ def main(argv=None) -> int:
                f"peak measured" + (f", emulated link {args.link}" if args.link else "")
                + f"; {time.perf_counter() - t0:.0f} s")
     print(caption)
+    fmt = "github" if args.markdown else "simple"
     plain_rows = [r for r in rows if isinstance(r, Row)]
     if plain_rows:
-        print(tabulate(table_rows(plain_rows), headers=headers, disable_numparse=True))
-    if args.markdown and plain_rows:
-        print("\n" + caption + "\n")
-        print(tabulate(table_rows(plain_rows), headers=headers, tablefmt="github", disable_numparse=True))
+        print(tabulate(table_rows(plain_rows), headers=headers, tablefmt=fmt, disable_numparse=True))
     inductor = [r for r in rows if isinstance(r, InductorRow)]
     if inductor:
         ind_caption = (f"Inductor at each budget (x the minimum): the share of compute operators that ran inside "
@@ -356,21 +343,18 @@ def main(argv=None) -> int:
                        f"compile 1st: torch.compile's first training step, no budget")
         ind_headers, ind_rows = inductor_table(inductor)
         print("\n" + ind_caption)
-        print(tabulate(ind_rows, headers=ind_headers, tablefmt="github" if args.markdown else "simple",
-                       disable_numparse=True))
+        print(tabulate(ind_rows, headers=ind_headers, tablefmt=fmt, disable_numparse=True))
     if skipped:
         print(f"skipped (transformers is not installed): {', '.join(skipped)}")
     failed = [(r.arch, getattr(r, "mode", "compiled (inductor)"), f) for r in rows for f in r.failures]
     for arch, mode, f in failed:
         print(f"FAILED {arch} {mode}: {f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = dict(quick=args.quick, inductor=args.inductor or args.inductor_only, link=args.link, steps=STEPS,
                     below=BELOW, inductor_factors=[c.factor for c in next(
                         (r.cells for r in inductor), ())] or None, inductor_warmup=WARMUP, inductor_steady=STEADY,
-                    train_factors=TRAIN_FACTORS[:1] if args.quick else TRAIN_FACTORS, torch=torch.__version__)
-    args.out.write_text(json.dumps(dict(settings=settings,
-                                        skipped=skipped, rows=[r.as_json() for r in rows],
-                                        total_s=time.perf_counter() - t0), indent=1))
+                    train_factors=TRAIN_FACTORS[:1] if args.quick else TRAIN_FACTORS)
+    write_json(args.out, dict(meta=meta(), settings=settings, skipped=skipped, rows=[r.as_json() for r in rows],
+                              total_s=time.perf_counter() - t0))
     return 1 if failed else 0
 
 

@@ -24,26 +24,25 @@ time on 30-layer graphs would dominate. float32 throughout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from tabulate import tabulate
 
 import pscompile
-from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.units import parse_size
 
-from foundation import _vm_hwm_bytes          # bench/ is the script's folder: peak RSS of this process
+from harness.systems import log, plain_tracked_step
+from harness.host import vm_hwm_bytes
+from harness.output import parser, table, write_json
+from harness.runner import ChildFailed, child, run_fresh
+from harness.specs import adamw, gpt, gpt_config, token_batches
 
 MiB = 2**20
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "capacity.json"
 SYSTEMS = ("plain", "hooks", "compiled-keep", "compiled-offload", "compiled-auto")
 SCALE_SYSTEMS = ("hooks", "compiled-keep", "compiled-offload", "compiled-auto")
 
@@ -62,37 +61,26 @@ QUICK = {
 }
 
 
-def _model(n_layer: int, d: int, vocab: int, seq: int) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=max(1, d // 64), d_model=d, vocab_size=vocab, seq_len=seq))
-
-
-def _batch(vocab: int, seq: int, batch: int):
-    g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
-
-
 def _hp() -> pscompile.AdamW:
-    return pscompile.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    return adamw(1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 # ---------------------------------------------------------------------------------- one probe (child process)
 def probe(spec: dict) -> dict:
     """Train ``spec``'s GPT two steps under ``spec``'s system and budgets; what happened."""
     torch.set_num_threads(1)
-    model = _model(spec["n_layer"], spec["d"], spec["vocab"], spec["seq"])
-    batch = _batch(spec["vocab"], spec["seq"], spec["batch"])
+    model = gpt(spec["n_layer"], spec["d"], spec["vocab"], spec["seq"])
+    batch = token_batches(spec["vocab"], spec["batch"], spec["seq"], 1, seed=1)[0]
     params = sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {"params": params, "ok": False}
     device, host, system = spec["device"], spec.get("host"), spec["system"]
     t0 = time.perf_counter()
     try:
         if system == "plain":
-            from foundation import _plain_tracked_step          # every tensor plain PyTorch holds, counted
             from pscompile.testing import ReferenceTrainer
             trainer = ReferenceTrainer(model, optimizer=_hp(), dtype=torch.float32, copy_model=False)
             trainer.step(batch)
-            _, tracker, seconds = _plain_tracked_step(trainer, batch)
+            _, tracker, seconds = plain_tracked_step(trainer, batch)   # every tensor it holds, counted
             out.update(peak_device_bytes=tracker.peak_total, peak_nonmodel_bytes=None, step_s=[seconds])
             out["ok"] = tracker.peak_total <= device
             if not out["ok"]:
@@ -125,25 +113,17 @@ def probe(spec: dict) -> dict:
             engine.close()
     except (ValueError, RuntimeError, MemoryError) as e:       # BudgetError is a ValueError
         out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    out["host_peak_rss_bytes"] = _vm_hwm_bytes()
+    out["host_peak_rss_bytes"] = vm_hwm_bytes()
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
 def _run_probe(spec: dict, timeout: float) -> dict:
     try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_probe", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"ok": False, "error": f"probe process failed (exit {proc.returncode}): {proc.stderr[-300:]}"}
-    return json.loads(lines[-1])
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+        return run_fresh(__file__, spec, timeout=timeout)
+    except ChildFailed as e:
+        what = str(e).splitlines()[0].rsplit(": ", 1)[-1]        # "exit N" or "timed out after T s"
+        return {"ok": False, "error": f"probe process failed ({what}): {e.tail[-300:]}"}
 
 
 # ---------------------------------------------------------------------------------- section 1
@@ -159,7 +139,7 @@ def section_tiers(s: dict, systems: tuple[str, ...] = SYSTEMS) -> dict:
                     spec = dict(system=system, n_layer=n, d=s["d"], vocab=s["vocab"], seq=s["seq"], batch=s["batch"],
                                 device=device, host=None if system == "plain" else host)
                     probes[n] = _run_probe(spec, 600)
-                    _log(f"[1] {device_arg}+{host_arg} {system} L{n}: "
+                    log(f"[1] {device_arg}+{host_arg} {system} L{n}: "
                          + ("ok" if probes[n]["ok"] else probes[n].get("error", "?")[:120]))
                 return probes[n]["ok"]
 
@@ -195,7 +175,7 @@ def section_scale(s: dict, systems: tuple[str, ...] = SCALE_SYSTEMS) -> dict:
     budget = parse_size(s["budget"], "budget")
     rows = []
     for n_layer, d in s["rungs"]:
-        params = _model_params(n_layer, d, s["vocab"], s["seq"])
+        params = gpt_config(n_layer, d, s["vocab"], s["seq"]).num_params()
         for system in systems:
             row: dict[str, Any] = {"n_layer": n_layer, "d_model": d, "params": params, "system": system}
             rows.append(row)
@@ -207,16 +187,12 @@ def section_scale(s: dict, systems: tuple[str, ...] = SCALE_SYSTEMS) -> dict:
             if earlier:
                 row["skipped"] = f"a smaller rung (L{earlier[0]['n_layer']} d{earlier[0]['d_model']}) did not train"
                 continue
-            _log(f"[2] {system} L{n_layer} d{d}: {params:,} params")
+            log(f"[2] {system} L{n_layer} d{d}: {params:,} params")
             spec = dict(system=system, n_layer=n_layer, d=d, vocab=s["vocab"], seq=s["seq"], batch=s["batch"],
                         device=budget, host=None)
             row["result"] = _run_probe(spec, s["rung_time_limit_s"])
-            _log(f"    -> {'ok' if row['result']['ok'] else row['result'].get('error', '?')[:160]}")
+            log(f"    -> {'ok' if row['result']['ok'] else row['result'].get('error', '?')[:160]}")
     return {"budget_bytes": budget, "vocab": s["vocab"], "seq": s["seq"], "batch": s["batch"], "rows": rows}
-
-
-def _model_params(n_layer: int, d: int, vocab: int, seq: int) -> int:
-    return GPTConfig(n_layer=n_layer, n_head=max(1, d // 64), d_model=d, vocab_size=vocab, seq_len=seq).num_params()
 
 
 # ---------------------------------------------------------------------------------- tables
@@ -260,7 +236,8 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[Any]]]]:
                          "-" if x.get("host_peak_rss_bytes") is None else f"{x['host_peak_rss_bytes'] / 1e9:.1f}",
                          (r.get("skipped") or x.get("activations") or x.get("error") or "")[:90]])
         out.append((f"2. GPT rungs under device_memory={s2['budget_bytes'] / MiB:.0f} MiB (vocab {s2['vocab']}, seq "
-                    f"{s2['seq']}, batch {s2['batch']}, float32), two steps each (compiled mode with the eager backend)",
+                    f"{s2['seq']}, batch {s2['batch']}, float32), two steps each "
+                    "(compiled mode with the eager backend)",
                     ["layers", "d_model", "params", "system", "trains", "peak MiB", "step s", "host RSS GB",
                      "activations / note"], rows))
         summary = []
@@ -277,23 +254,19 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[Any]]]]:
     return out
 
 
-def render(res: dict, fmt: str) -> str:
-    return "\n\n".join(f"{title}\n{tabulate(rows, headers=headers, tablefmt=fmt)}"
+def render(res: dict, markdown: bool) -> str:
+    return "\n\n".join(f"{title}\n{table(rows, headers, markdown=markdown)}"
                        for title, headers, rows in tables(res))
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    ap = parser(__doc__, "capacity", markdown=True, child=True)
     ap.add_argument("--sections", default="1,2", help="comma-separated subset of 1,2")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)} (section 2 runs those of them it has)")
-    ap.add_argument("--markdown", action="store_true", help="also print GitHub-flavoured tables")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results path (default {DEFAULT_OUT})")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"a subset of {','.join(SYSTEMS)} (section 2 runs those of them it has)")
     ap.add_argument("--from-json", type=Path, default=None, help="only render tables from a results file")
-    ap.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args._probe is not None:
-        print(json.dumps(probe(json.loads(args._probe))))
+    if child(args.child, probe):
         return 0
     if args.from_json is not None:
         res = json.loads(args.from_json.read_text())
@@ -312,12 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         if "2" in sections:
             res["s2"] = section_scale(settings["s2"], tuple(x for x in SCALE_SYSTEMS if x in systems))
         res["total_s"] = time.perf_counter() - t0
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1, default=str))
-    print(render(res, "simple"))
+        write_json(args.out, res)
+    print(render(res, False))
     if args.markdown:
         print()
-        print(render(res, "github"))
+        print(render(res, True))
     return 0
 
 

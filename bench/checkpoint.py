@@ -18,24 +18,19 @@ back through it. The disk rate writes (fsync) and reads the same number of bytes
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tabulate import tabulate
+from harness.host import vm_hwm_bytes
+from harness.output import parser, table, write_json
+from harness.runner import child, run_fresh
 
 STATE_BYTES_PER_ELEMENT = 12
-
-
-def _status(key: str) -> int:
-    return int(re.search(key + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def _reset_peak() -> int:
@@ -46,7 +41,7 @@ def _reset_peak() -> int:
     except OSError:
         pass
     Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS")
+    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def _engine(width: int, layers: int, chunk: int, disk_dir: str | None = None):
@@ -68,10 +63,11 @@ def _engine(width: int, layers: int, chunk: int, disk_dir: str | None = None):
     return engine
 
 
-def worker(op: str, width: int, layers: int, chunk: int, folder: str) -> dict:
+def worker(spec: dict) -> dict:
     """One measurement, in this (fresh) process."""
     import torch
     import pscompile
+    op, width, layers, chunk, folder = (spec[k] for k in ("op", "width", "layers", "chunk", "folder"))
     disk = op.endswith("(states on disk)")
     engine = _engine(width, layers, chunk, disk_dir=folder if disk else None)
     on_disk = sum(t.name == "DISK" for t in engine.store.os_tier)
@@ -90,7 +86,7 @@ def worker(op: str, width: int, layers: int, chunk: int, folder: str) -> dict:
     else:
         engine.load_state_dict(torch.load(path, weights_only=True))
     seconds = time.perf_counter() - t0
-    return {"op": op, "seconds": seconds, "extra_peak_bytes": _status("VmHWM") - base,
+    return {"op": op, "seconds": seconds, "extra_peak_bytes": vm_hwm_bytes() - base,
             "file_bytes": path.stat().st_size, "state_bytes": STATE_BYTES_PER_ELEMENT * elements,
             "chunk_state_bytes": STATE_BYTES_PER_ELEMENT * engine.layout.chunk_size,
             "num_chunks": engine.layout.num_chunks, "chunks_on_disk": on_disk}
@@ -117,15 +113,9 @@ def disk_rate(nbytes: int, folder: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="about 24 MiB of state instead of 1.2 GB")
-    ap.add_argument("--out", default=None, help="where to write the JSON (default bench/results/checkpoint.json)")
-    ap.add_argument("--worker", nargs=5, metavar=("OP", "WIDTH", "LAYERS", "CHUNK", "FOLDER"), help=argparse.SUPPRESS)
-    # (an OP of "pscompile.save (states on disk)" is one argument: the parent passes a list)
+    ap = parser(__doc__, "checkpoint", quick="about 24 MiB of state instead of 1.2 GB", child=True)
     args = ap.parse_args(argv)
-    if args.worker:
-        op, width, layers, chunk, folder = args.worker
-        print(json.dumps(worker(op, int(width), int(layers), int(chunk), folder)))
+    if child(args.child, worker):
         return 0
     width, layers, chunk = (512, 8, 1 << 18) if args.quick else (4096, 6, 4 << 20)
     rows = []
@@ -133,16 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         for op in ("pscompile.save", "pscompile.load", "torch.save", "torch.load",
                    "pscompile.save (states on disk)", "pscompile.load (states on disk)"):
             # large buffers from mmap (fresh pages, counted when touched), never from a reused heap
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
-            proc = subprocess.run([sys.executable, __file__, "--worker", op, str(width), str(layers), str(chunk),
-                                   folder], capture_output=True, text=True, timeout=900, env=env)
-            if proc.returncode != 0:
-                sys.exit(f"{op} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            rows.append(run_fresh(__file__, dict(op=op, width=width, layers=layers, chunk=chunk, folder=folder),
+                                  timeout=900, env={"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}))
             print(f"[{op}] {rows[-1]['seconds']:.2f} s", file=sys.stderr)
         disk = disk_rate(rows[0]["file_bytes"], folder)
     mib = 1 << 20
-    table = [[r["op"], f"{r['chunks_on_disk']}/{r['num_chunks']}", f"{r['state_bytes'] / mib:,.0f}",
+    cells = [[r["op"], f"{r['chunks_on_disk']}/{r['num_chunks']}", f"{r['state_bytes'] / mib:,.0f}",
               f"{r['file_bytes'] / r['state_bytes']:.3f}",
               f"{r['extra_peak_bytes'] / mib:,.1f}", f"{r['extra_peak_bytes'] / r['chunk_state_bytes']:.2f}",
               f"{r['extra_peak_bytes'] / r['state_bytes']:.3f}", f"{r['seconds']:.2f}",
@@ -150,12 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Checkpoint of {rows[0]['num_chunks']} chunks of {chunk:,} elements (one chunk's state: "
           f"{rows[0]['chunk_state_bytes'] / mib:.0f} MiB); each row a fresh process; extra peak = peak RSS during "
           f"the call minus RSS before it; disk rate = plain sequential write (fsync) / read of the same bytes")
-    print(tabulate(table, headers=["operation", "chunks' states on disk", "state MiB", "file / state", "extra peak MiB",
-                                   "extra / chunk state", "extra / state", "seconds", "disk time / time"]))
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "checkpoint.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"quick": args.quick, "width": width, "layers": layers, "chunk_size": chunk,
-                               "rows": rows, "disk": disk}, indent=1))
+    print(table(cells, ["operation", "chunks' states on disk", "state MiB", "file / state", "extra peak MiB",
+                        "extra / chunk state", "extra / state", "seconds", "disk time / time"], markdown=False))
+    write_json(args.out, {"quick": args.quick, "width": width, "layers": layers, "chunk_size": chunk,
+                          "rows": rows, "disk": disk})
     return 0
 
 

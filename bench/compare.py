@@ -1,13 +1,11 @@
 """Compare execution modes on GPT: plain PyTorch, plain torch.compile, hooks, compiled.
 
-For each GPT size and device budget, in one run with the same data and seed:
-
-- plain PyTorch eager and plain ``torch.compile`` with ``torch.optim.AdamW(fused=True)`` (no budget:
-  everything on the device);
-- pscompile hooks mode, compiled mode with ``backend="eager"`` and, when available, ``"inductor"``,
-  at a tight budget, a middle one and none;
-- with and without the emulated device<->host link (``link_bandwidth``), which makes every byte
-  moved cost wall time as it would over PCIe, so prefetch/overlap shows up in step time.
+For each GPT size and device budget, in one run with the same data and seed: plain PyTorch eager and
+plain ``torch.compile`` with ``torch.optim.AdamW(fused=True)`` (no budget: everything on the device);
+pscompile hooks mode and compiled mode with ``backend="eager"`` (``--inductor``: also ``"inductor"``)
+at a tight budget, a middle one and none, with and without the emulated device<->host link
+(``link_bandwidth``: every byte moved costs wall time as it would over PCIe, so prefetch/overlap
+shows in step time).
 
 Reported per row: compile time (engine construction + the first, measuring step), step time
 (median of N steps after warm-up), peak device bytes (measured), bytes moved per step, and the
@@ -48,42 +46,48 @@ Float32, one torch thread (see bench/foundation.py for why).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
-from pscompile.models.gpt import GPT, GPTConfig
-from pscompile.testing import ReferenceTrainer
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import adamw, gpt, token_batches
+from harness.timing import time_reps
 from pscompile.graph import meta
 from pscompile.memory.rates import LINK_PRESETS, calibrated_link
+from pscompile.testing import ReferenceTrainer
 from pscompile.units import format_bytes
 
 MiB = 2**20
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compare.json"
-
 FULL = dict(sizes=[(2, 128), (4, 256)], vocab=4096, seq=128, batch=4, warmup=2, steps=5,
             link="100MB/s")
 QUICK = dict(sizes=[(2, 64)], vocab=512, seq=64, batch=2, warmup=2, steps=7, link="50MB/s")
 
 
-def make_model(n_layer: int, d: int, s: dict) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=max(1, d // 64), d_model=d, vocab_size=s["vocab"],
-                         seq_len=s["seq"]))
+def batches(s: dict, n: int, batch: int | None = None):
+    """``n`` batches of ``batch`` (default ``s["batch"]``) sequences: the data of every script on these settings."""
+    return token_batches(s["vocab"], batch or s["batch"], s["seq"], n, seed=1)
 
 
-def batches(s: dict, n: int):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g),
-             torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)) for _ in range(n)]
+def probe(model, batch, mode: str = "compiled") -> tuple[int, int, int]:
+    """``mode`` (eager backend) with no budget, after its first (measuring) step: its minimum budget,
+    its chunk size and its measured peak. The "tight" budget is ``tight(minimum, chunk)``."""
+    engine = pscompile.compile(model, batch, config=cpu_config(mode))
+    try:
+        engine.step(batch)
+        return engine.min_device_memory, engine.layout.chunk_size, engine.stats.peak_device_bytes
+    finally:
+        engine.close()
+
+
+def tight(minimum: int, chunk: int) -> int:
+    """The minimum + 2 float32 chunks."""
+    return minimum + 2 * chunk * 4
 
 
 def access_sequence(schedule) -> tuple[list[list[int]], list[bool]]:
@@ -167,38 +171,47 @@ def lower_bound(engine) -> Bound:
     return Bound(fetches, fetch_bytes, grad_bytes, fetch_bytes + grad_bytes)
 
 
-def run_engine(make, data, s) -> dict:
+def run_engine(make, data, warmup: int, measure=None) -> dict:
+    """Build an engine (``make()``) and train it on ``data``: compile s = construction + the first
+    (measuring) step; step s = the median ``StepStats.time_s`` from step ``warmup`` on (the first is 0); the peak over
+    every step, the first included. ``measure(engine)`` adds to the row before the engine closes."""
     t0 = time.perf_counter()
     engine = make()
-    engine.step(data[0])                      # compiled mode measures non-model memory here
-    compile_s = time.perf_counter() - t0
-    times, losses, peaks = [], [], [engine.stats.peak_device_bytes]
-    for i, b in enumerate(data[1:]):
-        losses.append(engine.step(b))
-        peaks.append(engine.stats.peak_device_bytes)
-        if i >= s["warmup"] - 1:
-            times.append(engine.stats.time_s)
-    st = engine.stats
-    row = dict(compile_s=compile_s, step_s=statistics.median(times), peak=max(peaks), peaks=peaks,
-               moved=st.bytes_moved, transfer_s=st.transfer_s, losses=losses, engine=engine)
-    return row
+    try:
+        engine.step(data[0])                      # compiled mode measures non-model memory here
+        compile_s = time.perf_counter() - t0
+        times, forwards, losses, peaks = [], [], [], [engine.stats.peak_device_bytes]
+        for i, b in enumerate(data[1:]):
+            losses.append(engine.step(b))
+            peaks.append(engine.stats.peak_device_bytes)
+            if i >= warmup - 1:
+                times.append(engine.stats.time_s)
+                forwards.append(engine.stats.forward_s)
+        st = engine.stats
+        return dict(compile_s=compile_s, step_s=statistics.median(times), forward_s=statistics.median(forwards),
+                    peak=max(peaks), peaks=peaks, moved=st.bytes_moved, h2d=st.h2d_bytes, d2h=st.d2h_bytes,
+                    chunk_d2h=st.chunk_d2h_bytes, transfer_s=st.transfer_s, losses=losses,
+                    **(measure(engine) if measure else {}))
+    finally:
+        engine.close()
 
 
 def run_plain(model, data, s, compiled: bool) -> dict:
     t0 = time.perf_counter()
-    trainer = ReferenceTrainer(model, optimizer=pscompile.AdamW(lr=1e-3), dtype=torch.float32, fused=compiled)
+    trainer = ReferenceTrainer(model, optimizer=adamw(1e-3), dtype=torch.float32, fused=compiled)
     if compiled:
         trainer.model = torch.compile(trainer.model)
     trainer.step(data[0])
     compile_s = time.perf_counter() - t0
-    times, losses = [], []
-    for i, b in enumerate(data[1:]):
-        t = time.perf_counter()
-        losses.append(trainer.step(b))
-        if i >= s["warmup"] - 1:
-            times.append(time.perf_counter() - t)
+    rest, losses, skip = iter(data[1:]), [], max(s["warmup"] - 1, 0)     # (as run_engine times)
+    times = time_reps(lambda: losses.append(trainer.step(next(rest))), len(data) - 1 - skip, warmup=skip)
     return dict(compile_s=compile_s, step_s=statistics.median(times), peak=None, moved=0, transfer_s=0.0,
                 losses=losses)
+
+
+def bound_of(engine) -> dict:
+    bound = lower_bound(engine)
+    return dict(lower_bound=bound.nbytes, bound=asdict(bound), planned_fetches=engine.last_plan.num_fetches)
 
 
 def run_system(name: str, cfg: pscompile.Config, link: str | None, n_layer: int, d: int, data, s: dict,
@@ -206,21 +219,16 @@ def run_system(name: str, cfg: pscompile.Config, link: str | None, n_layer: int,
     """One pscompile system at one budget: its raw row, with an ``error`` field if it failed. A
     compiled row carries its lower bound (``lower_bound``)."""
     row = dict(size=[n_layer, d], system=name, budget=cfg.device_memory, link=link)
-    engine = None
+    budgeted = cfg.device_memory is not None
     try:
-        r = run_engine(lambda: pscompile.compile(make_model(n_layer, d, s), data[0], config=cfg), data, s)
-        engine = r.pop("engine")
+        r = run_engine(lambda: pscompile.compile(gpt(n_layer, d, s["vocab"], s["seq"]), data[0], config=cfg), data,
+                       s["warmup"], bound_of if cfg.mode == "compiled" and budgeted else None)
         row.update(r, max_dloss=max(abs(a - b) for a, b in zip(r["losses"], base["losses"])),
-                   within_budget=cfg.device_memory is None or r["peak"] <= cfg.device_memory)
-        if cfg.mode == "compiled" and cfg.device_memory is not None:
-            bound = lower_bound(engine)
-            row.update(lower_bound=bound.nbytes, bound=asdict(bound), planned_fetches=engine.last_plan.num_fetches,
-                       at_or_above_bound=r["moved"] >= bound.nbytes)
+                   within_budget=not budgeted or r["peak"] <= cfg.device_memory)
+        if "lower_bound" in r:
+            row["at_or_above_bound"] = r["moved"] >= r["lower_bound"]
     except Exception as e:                    # noqa: BLE001 - recorded in the row; the script exits 1
         row["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        if engine is not None:
-            engine.close()
     return row
 
 
@@ -263,12 +271,21 @@ def bound_rows(raw: list[dict]) -> list[list]:
     return out
 
 
+def parse_links(spec: str) -> list[tuple[str, float | str]]:
+    """(label, link_bandwidth) of each comma-separated link: a rate, or a GPU preset calibrated here."""
+    links = []
+    for name in (n.strip() for n in spec.split(",")):
+        if name.lower() in LINK_PRESETS:
+            bw = calibrated_link(name, "cpu", torch.float32)
+            links.append((f"{name} {bw / 1e6:.1f}MB/s", bw))
+        elif name.lower() != "none":
+            links.append((name, name))
+    return links
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__, "compare", markdown=True)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--inductor", action="store_true", help="also run compiled mode with backend='inductor'")
     ap.add_argument("--planners", default="belady",
                     help="comma-separated residency planners of the compiled rows (Config.planner: belady, angel); "
@@ -284,35 +301,21 @@ def main(argv=None) -> int:
     s = dict(QUICK if args.quick else FULL)
     s.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
     data = batches(s, 1 + s["warmup"] + s["steps"])
-    links: list[tuple[str, float | str]] = []      # (label, link_bandwidth)
-    for name in (args.links or s["link"]).split(","):
-        name = name.strip()
-        if name.lower() == "none":
-            continue
-        if name.lower() in LINK_PRESETS:
-            bw = calibrated_link(name, "cpu", torch.float32)
-            links.append((f"{name} {bw / 1e6:.1f}MB/s", bw))
-        else:
-            links.append((name, name))
+    links = parse_links(args.links or s["link"])
     s["links"] = [label for label, _ in links]
     rows, raw = [], []
     for n_layer, d in s["sizes"]:
-        params = make_model(n_layer, d, s).config.num_params()
+        params = gpt(n_layer, d, s["vocab"], s["seq"]).config.num_params()
         ref_rows = {}
         for name, compiled in (("plain PyTorch", False), ("plain torch.compile", True)):
-            r = run_plain(make_model(n_layer, d, s), data, s, compiled)
+            r = run_plain(gpt(n_layer, d, s["vocab"], s["seq"]), data, s, compiled)
             ref_rows[name] = r
             rows.append([f"L{n_layer} d{d}", f"{params / 1e6:.1f}M", name, "-", "-", f"{r['compile_s']:.1f}",
                          f"{r['step_s']:.3f}", "-", "-", "-", "-"])
-            raw.append(dict(size=[n_layer, d], system=name, **{k: v for k, v in r.items()}))
+            raw.append(dict(size=[n_layer, d], system=name, **r))
         base = ref_rows["plain PyTorch"]
-        probe = pscompile.compile(make_model(n_layer, d, s), data[0], config=pscompile.Config(
-            mode="compiled", backend="eager", device="cpu", dtype=torch.float32))
-        probe.step(data[0])
-        minimum, chunk = probe.min_device_memory, probe.layout.chunk_size
-        everything = probe.stats.peak_device_bytes
-        probe.close()
-        budgets = [("tight", minimum + 2 * chunk * 4), ("mid", (minimum + everything) // 2), ("none", None)]
+        minimum, chunk, everything = probe(gpt(n_layer, d, s["vocab"], s["seq"]), data[0])
+        budgets = [("tight", tight(minimum, chunk)), ("mid", (minimum + everything) // 2), ("none", None)]
         systems = [("hooks", dict(mode="hooks")), ("compiled eager", dict(mode="compiled", backend="eager"))]
         if args.inductor:
             systems.append(("compiled inductor", dict(mode="compiled", backend="inductor")))
@@ -322,36 +325,26 @@ def main(argv=None) -> int:
         for bname, budget in budgets:
             for link, bw in [(None, None), *(links if budget is not None else [])]:
                 for sname, kw in systems:
-                    cfg = pscompile.Config(device="cpu", dtype=torch.float32, device_memory=budget,
-                                           chunk_size=chunk, link_bandwidth=bw, **kw)
+                    cfg = cpu_config(device_memory=budget, chunk_size=chunk, link_bandwidth=bw, **kw)
                     row = run_system(sname, cfg, link, n_layer, d, data, s, base)
                     row["budget_name"] = bname
                     raw.append(row)
                     rows.append(table_row(row, bname, base))
     headers = ["model", "params", "system", "budget", "link", "compile s", "step s", "step / plain",
                "peak MiB", "MiB moved", "max |dloss|"]
-    caption = ("GPT, float32, one thread; step = median of steps after warm-up; compile = engine construction + "
-               "first (measuring) step; peak = largest measured peak of every step, the first included; "
-               "|dloss| = max loss difference vs plain PyTorch")
-    print(caption)
-    print(tabulate(rows, headers=headers))
-    bounds = bound_rows(raw)
-    bcaption = ("bytes moved per step vs a lower bound computed from compiled mode's access sequence: Belady's "
-                "fewest fetches for its capacities + the gradient bytes the host-side update needs (hooks rows: "
-                "compiled eager's bound at that budget, a reference)")
-    print("\n" + bcaption)
-    bheaders = ["model", "system", "budget", "MiB moved", "lower bound MiB", "moved / bound"]
-    print(tabulate(bounds, headers=bheaders))
-    if args.markdown:
-        print("\n" + caption + "\n")
-        print(tabulate(rows, headers=headers, tablefmt="github"))
-        print("\n" + bcaption + "\n")
-        print(tabulate(bounds, headers=bheaders, tablefmt="github"))
+    print("GPT, float32, one thread; step = median of steps after warm-up; compile = engine construction + "
+          "first (measuring) step; peak = largest measured peak of every step, the first included; "
+          "|dloss| = max loss difference vs plain PyTorch\n")
+    print(table(rows, headers, markdown=args.markdown))
+    print("\nbytes moved per step vs a lower bound computed from compiled mode's access sequence: Belady's "
+          "fewest fetches for its capacities + the gradient bytes the host-side update needs (hooks rows: "
+          "compiled eager's bound at that budget, a reference)\n")
+    print(table(bound_rows(raw), ["model", "system", "budget", "MiB moved", "lower bound MiB", "moved / bound"],
+                markdown=args.markdown))
     failed = [(r, p) for r in raw if "budget" in r for p in problems_of(r)]
     for r, p in failed:
         print(f"FAILED L{r['size'][0]} d{r['size'][1]} {r['system']} {r['budget_name']} link={r['link']}: {p}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(settings=s, rows=raw, failed=len(failed)), indent=1, default=str))
+    write_json(args.out, dict(settings=s, rows=raw, failed=len(failed)))
     return 1 if failed else 0
 
 

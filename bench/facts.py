@@ -12,16 +12,12 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "facts.json"
+from harness.output import parser, table, write_json
+from harness.timing import time_reps
 
 
 def accumulation_error(micro: int = 8, numel: int = 1 << 20, seed: int = 0) -> dict:
@@ -41,34 +37,24 @@ def matmul_times(reps: int) -> dict:
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(1024, 768, dtype=dtype), torch.randn(768, 256, dtype=dtype)
-        a @ b
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        out[str(dtype).replace("torch.", "")] = statistics.median(times)
+        out[str(dtype).replace("torch.", "")] = statistics.median(time_reps(lambda: a @ b, reps, warmup=1))
     out["bf16_over_fp32"] = out["bfloat16"] / out["float32"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args(argv)
+    args = parser(__doc__, "facts").parse_args(argv)
     torch.set_num_threads(1)
     acc = accumulation_error(numel=1 << (16 if args.quick else 20))
     mm = matmul_times(reps=3 if args.quick else 10)
-    print(tabulate([["bf16 (plain PyTorch with bf16 params)", f"{acc['bf16_rel_error']:.1e}"],
-                    ["fp32 (pscompile's accumulation chunks)", f"{acc['fp32_rel_error']:.1e}"]],
-                   headers=[f"sum of {acc['micro_batches']} bf16 gradients, accumulated in", "relative error"]))
+    print(table([["bf16 (plain PyTorch with bf16 params)", f"{acc['bf16_rel_error']:.1e}"],
+                 ["fp32 (pscompile's accumulation chunks)", f"{acc['fp32_rel_error']:.1e}"]],
+                [f"sum of {acc['micro_batches']} bf16 gradients, accumulated in", "relative error"], markdown=False))
     print()
-    print(tabulate([["float32", f"{mm['float32'] * 1e3:.1f} ms"], ["bfloat16", f"{mm['bfloat16'] * 1e3:.1f} ms"],
-                    ["bf16 / fp32", f"{mm['bf16_over_fp32']:.1f}x"]],
-                   headers=["1024x768 @ 768x256, one thread", "median"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"accumulation": acc, "matmul_s": mm}, indent=1) + "\n")
+    print(table([["float32", f"{mm['float32'] * 1e3:.1f} ms"], ["bfloat16", f"{mm['bfloat16'] * 1e3:.1f} ms"],
+                 ["bf16 / fp32", f"{mm['bf16_over_fp32']:.1f}x"]],
+                ["1024x768 @ 768x256, one thread", "median"], markdown=False))
+    write_json(args.out, {"accumulation": acc, "matmul_s": mm})
     return 0
 
 

@@ -19,67 +19,42 @@ Float32, one torch thread, GPT shapes of ``bench/compare.py``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "first_step.json"
+from harness.output import parser, write_json
+from harness.runner import ChildFailed, child, run_fresh
+
 FULL = dict(sizes=[(2, 128), (4, 256)], vocab=4096, seq=128, batch=4)
 QUICK = dict(sizes=[(2, 64)], vocab=512, seq=64, batch=2)
 SYSTEMS = ("plain torch.compile", "pscompile compiled, no budget", "pscompile compiled, tight")
 
 
-def _child(system: str, n_layer: int, d: int, s: dict, backend: str, budget: int | None) -> dict:
+def _child(spec: dict) -> dict:
     """One measurement, in this (fresh) process; ``system="probe"``: the tight budget (untimed)."""
     import torch
 
     torch.set_num_threads(1)
-    import pscompile
-    from pscompile.models.gpt import GPT, GPTConfig
+    from harness.systems import compiled, plain_step
+    from harness.specs import gpt, token_batches
 
-    def model() -> GPT:
-        torch.manual_seed(0)
-        return GPT(GPTConfig(n_layer=n_layer, n_head=max(1, d // 64), d_model=d, vocab_size=s["vocab"],
-                             seq_len=s["seq"]))
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g),
-             torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)) for _ in range(2)]
+    system, (n_layer, d), s, budget = spec["system"], spec["size"], spec["s"], spec["budget"]
+    data = token_batches(s["vocab"], s["batch"], s["seq"], 2, seed=1)
     if system == "probe":
-        probe = pscompile.compile(model(), data[0], config=pscompile.Config(
-            mode="compiled", backend="eager", device="cpu", dtype=torch.float32))
+        probe = compiled(gpt(n_layer, d, s["vocab"], s["seq"]), data[0], "eager", None)
         probe.step(data[0])
         return dict(budget=probe.min_device_memory + 2 * probe.layout.chunk_size * 4)
     t0 = time.perf_counter()
     if system == "plain torch.compile":
-        m = model()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        cm = torch.compile(m, backend=backend)
-
-        def step(b) -> float:
-            loss = cm(*b)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss)
-        first_loss = step(data[0])
-        first = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        step(data[1])
-        second = time.perf_counter() - t1
+        step = plain_step(gpt(n_layer, d, s["vocab"], s["seq"]), spec["backend"])
     else:
-        engine = pscompile.compile(model(), data[0], optimizer=pscompile.AdamW(lr=1e-3), config=pscompile.Config(
-            mode="compiled", backend=backend, device="cpu", dtype=torch.float32, device_memory=budget))
-        first_loss = engine.step(data[0])
-        first = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        engine.step(data[1])
-        second = time.perf_counter() - t1
-        engine.close()
+        engine = compiled(gpt(n_layer, d, s["vocab"], s["seq"]), data[0], spec["backend"], budget)
+        step = engine.step
+    first_loss = step(data[0])
+    first = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    step(data[1])
+    second = time.perf_counter() - t1
     return dict(system=system, size=[n_layer, d], budget=budget, first_step_s=first, second_step_s=second,
                 first_loss=first_loss)
 
@@ -87,33 +62,21 @@ def _child(system: str, n_layer: int, d: int, s: dict, backend: str, budget: int
 def measure(system: str, n_layer: int, d: int, s: dict, timeout: float, backend: str = "inductor",
             budget: int | None = None) -> dict:
     """``_child`` in a new process with an empty Inductor cache."""
-    with tempfile.TemporaryDirectory(prefix="pscompile-cold-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
-        spec = json.dumps(dict(system=system, n_layer=n_layer, d=d, s=s, backend=backend, budget=budget))
-        proc = subprocess.run([sys.executable, __file__, "--_child", spec], env=env, capture_output=True,
-                              text=True, timeout=timeout)
-    if proc.returncode != 0:
-        return dict(system=system, size=[n_layer, d], error=(proc.stderr or proc.stdout)[-500:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = dict(system=system, size=[n_layer, d], s=s, backend=backend, budget=budget)
+    try:
+        return run_fresh(__file__, spec, timeout=timeout, cold_inductor=True, threads=1)
+    except ChildFailed as e:
+        return dict(system=system, size=[n_layer, d], error=e.tail[-500:])
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap = parser(__doc__, "first_step", markdown=True, child=True)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
     ap.add_argument("--backend", choices=("inductor", "eager"), default="inductor",
                     help="the compiler backend of every system (eager: the script's own smoke test, no Inductor)")
-    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args._child:
-        spec = json.loads(args._child)
-        print(json.dumps(_child(spec["system"], spec["n_layer"], spec["d"], spec["s"], spec["backend"],
-                                spec["budget"])))
+    if child(args.child, _child):
         return 0
-    from tabulate import tabulate
-
     s = QUICK if args.quick else FULL
     rows, raw = [], []
     for n_layer, d in s["sizes"]:
@@ -137,13 +100,13 @@ def main(argv=None) -> int:
     headers = ["model", "system", "budget", "first step s (cold)", "/ torch.compile", "second step s"]
     caption = ("time to first step, each in a fresh process with an empty Inductor cache: model construction "
                f"+ compile + the first training step; backend {args.backend}, float32, one thread")
+    from tabulate import tabulate
     print(caption)
     print(tabulate(rows, headers=headers, disable_numparse=True))
     if args.markdown:
         print("\n" + caption + "\n")
         print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(settings=s, backend=args.backend, rows=raw), indent=1))
+    write_json(args.out, dict(settings=s, backend=args.backend, rows=raw))
     return 1 if any("error" in r for r in raw) else 0
 
 

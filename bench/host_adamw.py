@@ -36,24 +36,21 @@ bound that huge pages also raise.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 from pscompile.config import AdamW
 from pscompile.optim.adamw import ChunkAdamW
 from pscompile.optim.host_kernel import HostKernels
 from pscompile.optim.native_kernel import unavailable_reason
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "host_adamw.json"
+from harness.output import parser, table, write_json
+from harness.runner import child, run_fresh
+from harness.timing import time_reps
+
 CHUNK = 1 << 22
 BYTES_PER_PARAM = 28
 HP = AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -153,14 +150,9 @@ def _bound_ops(b: _Buffers) -> dict:
     return {"mul_": (mul, 8), "add_": (add, 12), "addcmul_": (addcmul, 16)}
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def worker(threads: int, sizes: list[int], reps: int) -> dict:
+def worker(spec: dict) -> dict:
     """Every candidate and the bound at each size and dtype, in this process."""
+    threads, sizes, reps = spec["threads"], spec["sizes"], spec["reps"]
     torch.set_num_threads(threads)
     ds, ds_note = _deepspeed()
     native_note = unavailable_reason()
@@ -186,7 +178,7 @@ def worker(threads: int, sizes: list[int], reps: int) -> dict:
                 for k, prepare, fn in runs[r % len(runs):] + runs[:r % len(runs)]:
                     if prepare is not None:
                         prepare()
-                    times[k].append(_time(fn))
+                    times[k] += time_reps(fn, 1)
             results = {}                                  # one more step each from the same state:
             for k, c in cands.items():                    # the same step count, the same numbers
                 b.reset()
@@ -208,7 +200,7 @@ def worker(threads: int, sizes: list[int], reps: int) -> dict:
     return {"rows": rows, "notes": notes}
 
 
-def _table(rows: list[dict], fmt: str) -> str:
+def _table(rows: list[dict], markdown: bool) -> str:
     one = {(r["numel"], r["dtype"], r["method"]): r for r in rows if r["threads"] == 1}
     out = []
     for r in rows:
@@ -218,26 +210,22 @@ def _table(rows: list[dict], fmt: str) -> str:
                     f"{r['median_s'] / base['median_s']:.2f}" if base else "-", f"{r['max_diff_vs_torch']:.1e}"])
     headers = ["method", "grads", "params", "threads", "Mparam/s", "of bound", "bound Mparam/s",
                "time vs 1 thread", "max |master - torch's|"]
-    return tabulate(out, headers, tablefmt=fmt)
+    return table(out, headers, markdown=markdown)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4M parameters (one chunk), 2 repeats, 1 and 2 threads")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__, "host_adamw", quick="4M parameters (one chunk), 2 repeats, 1 and 2 threads",
+                markdown=True, child=True)
     ap.add_argument("--threads", default=None, help="comma-separated (default: 1, 2 and this machine's cores)")
     ap.add_argument("--sizes", default=None, help="comma-separated millions of parameters (default 16,64)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--huge-pages", action="store_true",
                     help="allocate the buffers on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE=1)")
-    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
+    if child(args.child, worker):
+        return 0
     sizes = [int(x) << 20 for x in (args.sizes or ("4" if args.quick else "16,64")).split(",")]
     reps = args.reps or (2 if args.quick else 5)
-    if args.worker is not None:
-        print(json.dumps(worker(args.worker, sizes, reps)))
-        return 0
     if args.threads is not None:
         threads = [int(t) for t in args.threads.split(",")]
     else:
@@ -246,28 +234,17 @@ def main(argv=None) -> int:
         ap.error(f"--sizes: multiples of {CHUNK >> 20} (millions of parameters, in chunks of {CHUNK >> 20}M)")
     rows, notes = [], set()
     for t in threads:
-        env = dict(os.environ, OMP_NUM_THREADS=str(t))
-        if args.huge_pages:
-            env["THP_MEM_ALLOC_ENABLE"] = "1"
-        cmd = [sys.executable, __file__, "--worker", str(t), "--sizes", ",".join(str(s >> 20) for s in sizes),
-               "--reps", str(reps)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            return proc.returncode
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res = run_fresh(__file__, dict(threads=t, sizes=sizes, reps=reps), threads=t,
+                        env={"THP_MEM_ALLOC_ENABLE": "1"} if args.huge_pages else None)
         rows += res["rows"]
         notes.update(res["notes"])
     rows.sort(key=lambda r: (r["numel"], r["dtype"], r["method"], r["threads"]))
-    table = _table(rows, "github" if args.markdown else "simple")
-    print(table)
+    print(_table(rows, args.markdown))
     for n in sorted(notes):
         print(f"\n{n}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "threads": threads, "chunk": CHUNK, "reps": reps,
-                                    "bytes_per_param": BYTES_PER_PARAM, "notes": sorted(notes),
-                                    "huge_pages": args.huge_pages,
-                                    "cpu_capability": torch.backends.cpu.get_cpu_capability()}, indent=1))
+    write_json(args.out, {"rows": rows, "threads": threads, "chunk": CHUNK, "reps": reps,
+                          "bytes_per_param": BYTES_PER_PARAM, "notes": sorted(notes), "huge_pages": args.huge_pages,
+                          "cpu_capability": torch.backends.cpu.get_cpu_capability()})
     return 0
 
 

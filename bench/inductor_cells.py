@@ -1,23 +1,17 @@
 """One cell of ``bench/budgets.py --inductor-only``: an architecture at one budget, Inductor
-against compiled eager.
+against compiled eager (docs/inductor.md).
 
-At ``budget`` bytes, two engines of the same tiny model are built, one per backend
-(``backend="inductor"`` and ``backend="eager"``). Each first runs ``WARMUP`` steps on its own (the
-first steps capture, measure node by node, probe and measure the compiled regions, cut the ones
-that do not fit and compile: the time to steady state), then ``STEADY`` steps each, interleaved in
-one process (inductor, eager, inductor, ...), whose medians give the steady step-time ratio. Every
-step's measured peak is checked against the budget, in both engines.
-
-``compiled_share`` is ``StepStats.compiled_share`` of Inductor's last step: the share of the step's
-compute operators (every executed op but views, getitems, memory nodes and parameter gathers)
-that ran inside compiled code. ``first_steps_s`` is the wall time of the first ``WARMUP`` steps;
-``plain_compile_first_s`` (per architecture, ``plain_compile_first_step``) is plain
-``torch.compile``'s first training step on the same model with no budget, the time a user of
-``torch.compile`` waits before a step runs compiled.
+Two engines of the same tiny model at ``budget``, ``backend="inductor"`` and ``"eager"``, each
+first run ``WARMUP`` steps alone (capture, measuring, probing, cuts, compiling: ``first_steps_s``
+is their time), then ``STEADY`` steps each, interleaved, whose medians give the steady ratio.
+Every step's peak is checked against the budget, in both engines. ``compiled_share``: the share of
+Inductor's last step's compute operators that ran inside compiled code. ``plain_compile_first_step``:
+plain ``torch.compile``'s first training step on the same model with no budget.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import pscompile
+from harness.runs import cpu_config
 from pscompile.testing import tiny_model
 
 WARMUP = 6           # steps each engine runs alone before the interleaved ones (measuring, probing, cuts)
@@ -61,8 +56,7 @@ class Cell:
 
 def _engine(arch: str, budget: int, backend: str, link: str | None):
     model, batch = tiny_model(arch)
-    cfg = pscompile.Config(mode="compiled", backend=backend, device="cpu", dtype=torch.float32,
-                           device_memory=budget, link_bandwidth=link)
+    cfg = cpu_config(backend=backend, device_memory=budget, link_bandwidth=link)
     return pscompile.compile(model, batch, config=cfg), batch
 
 
@@ -105,7 +99,7 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> 
     finally:
         for e in engines:
             e.close()
-    ok = error is None and all(map(_finite, losses))
+    ok = error is None and all(map(math.isfinite, losses))
     if error is None and not ok:
         error = f"non-finite loss: {losses}"
     return Cell(budget, factor, ok, error, tuple(peaks), tuple(eager_peaks), tuple(losses),
@@ -127,7 +121,3 @@ def plain_compile_first_step(arch: str) -> float:
     loss.backward()
     opt.step()
     return time.perf_counter() - t
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")

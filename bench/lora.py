@@ -1,56 +1,40 @@
 """LoRA beside full fine-tuning (issue 61): bytes, checkpoint, step time vs peers, capacity.
 
-The issue's model: a Hugging Face Llama built from its config (4 layers, 256 wide, 4 heads with 2
-key/value heads, vocabulary 2048: 3.98M parameters), bf16, batch 2 x 64. Full fine-tuning trains
-every parameter; LoRA is ``peft``'s, r=8 on ``q_proj`` and ``v_proj`` (28,672 parameters train).
-For each, in one run (``--threads`` torch threads, 1 by default):
-
-- host model bytes (``engine.store.host_model_bytes()``, as ``engine.describe()`` prints them) of
-  hooks and compiled mode against the target 1.1 x (compute-dtype base + 14 bytes per trainable
-  parameter), and the model data on every tier (``engine.model_data()``);
-- the named minimum device budget (``pscompile.min_device_memory``, hooks and compiled mode);
-- the checkpoint ``pscompile.save`` writes (the trainable state and a record of the frozen base),
-  against plain PyTorch + peft's files (the optimizer's ``state_dict`` and the adapter, as the
-  Trainer writes them; for full fine-tuning the optimizer's and the model's);
-- the warm step (median of the steps after the first two), as a ratio to plain PyTorch + peft's
-  (no budget, fp32 masters, ``torch.optim.AdamW`` on the trainable parameters, through
-  ``pscompile.testing.ReferenceTrainer``) measured with it: pscompile's hooks and compiled (eager
-  backend) modes at 1.15x their minimum, which evicts every step; FSDP2 (``fully_shard`` on each
-  decoder layer and the root, one gloo rank, ``CPUOffloadPolicy(pin_memory=False)``, bf16 compute
-  over fp32 parameters; bench/peers.py's setup) -- these four interleaved with plain's steps in
-  this process -- and DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the host
-  (``DeepSpeedCPUAdam``), in a process of its own (ZeRO-3 patches torch), against plain's steps
-  taken there before ``deepspeed.initialize``, when ``import deepspeed`` works (else the row says
-  why); not with ``--quick``;
-- the largest base each fine-tunes on one fixed machine (the planner: 1 GPU with 64 MiB for the
-  plan, 250 MB of CPU memory, GPT d=512 by depth), unless ``--quick``.
+A Hugging Face Llama from its config (4 layers, 256 wide, 4 heads with 2 key/value heads,
+vocabulary 2048: 3.98M parameters), bf16, batch 2 x 64; LoRA is ``peft``'s, r=8 on ``q_proj`` and
+``v_proj``. For each run: host model bytes of hooks and compiled mode against 1.1 x (bf16 base +
+14 B per trainable parameter), the model data, each mode's minimum budget; ``pscompile.save``'s
+checkpoint against plain PyTorch + peft's files; the warm step (median after the first two) over
+plain PyTorch + peft's (``ReferenceTrainer``, interleaved): both modes at 1.15x their minimum,
+FSDP2 with CPU offload on one gloo rank, and (not with ``--quick``) DeepSpeed ZeRO-3 offload in a
+process of its own; and (not with ``--quick``) the largest base each fine-tunes on one fixed
+machine (the planner: 1 GPU with 64 MiB for the plan, 250 MB of CPU memory, GPT d=512 by depth).
 
     python bench/lora.py [--quick] [--threads N] [--out bench/results/lora.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import adamw, gpt_config, token_batches
+from harness.timing import interleave
 from pscompile.testing import ReferenceTrainer
 
-DEFAULT_OUT = Path(__file__).parent / "results" / "lora.json"
-HP = pscompile.AdamW(lr=1e-3, weight_decay=0.0)
+HP = adamw(1e-3, weight_decay=0.0)
 PLAIN = "plain PyTorch + peft"
 
 
@@ -65,28 +49,20 @@ def llama(lora: bool, dtype: torch.dtype = torch.bfloat16):
 
 
 def batches(n: int) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 2048, (2, 64), generator=g)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
-
-
-def config(mode: str, budget=None) -> pscompile.Config:
-    return pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=torch.bfloat16, device_memory=budget)
+    return [{"input_ids": ids, "labels": ids} for ids, _ in token_batches(2048, 2, 64, n)]
 
 
 def plain_files(lora: bool, batch: dict, folder: Path) -> int:
     """Bytes of plain PyTorch + peft's checkpoint: optimizer state_dict and adapter (or model)."""
     folder.mkdir(parents=True)
     model = llama(lora)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = _optimizer(model)
     model(**batch).loss.backward()
     opt.step()
     torch.save(opt.state_dict(), folder / "optimizer.pt")
     model.save_pretrained(folder / "model")
-    return (folder / "optimizer.pt").stat().st_size + sum(f.stat().st_size for f in (folder / "model").glob("*.safetensors"))
+    weights = (folder / "model").glob("*.safetensors")
+    return (folder / "optimizer.pt").stat().st_size + sum(f.stat().st_size for f in weights)
 
 
 def _optimizer(model) -> torch.optim.AdamW:
@@ -95,8 +71,8 @@ def _optimizer(model) -> torch.optim.AdamW:
 
 
 def fsdp2(lora: bool):
-    """FSDP2 as bench/peers.py runs it on the CPU: each decoder layer and the root sharded over a
-    one-rank mesh, fp32 parameters on the host, bf16 compute; call inside ``peers.one_rank``."""
+    """FSDP2 as bench/cudabench/peers.py runs it on the CPU: each decoder layer and the root sharded over a
+    one-rank mesh, fp32 parameters on the host, bf16 compute; call inside ``cudabench.peers.one_rank``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     model = llama(lora, torch.float32)
@@ -118,14 +94,11 @@ def fsdp2(lora: bool):
 
 def timed(systems: dict, data: list) -> tuple[dict, dict]:
     """Each system's step on each batch in turn: (step times, losses) by system."""
-    times: dict[str, list[float]] = {name: [] for name in systems}
     losses: dict[str, list[float]] = {name: [] for name in systems}
-    for b in data:
-        for name, step in systems.items():
-            t0 = time.perf_counter()
-            losses[name].append(float(step(b)))
-            times[name].append(time.perf_counter() - t0)
-    return times, losses
+
+    def on_batch(name, step):
+        return lambda i: losses[name].append(float(step(data[i])))
+    return interleave({name: on_batch(name, step) for name, step in systems.items()}, len(data)), losses
 
 
 def summary(times: dict, losses: dict) -> dict:
@@ -144,29 +117,24 @@ def deepspeed_row(lora: bool, steps: int, threads: int) -> dict:
 
 
 def _deepspeed_child(lora: bool, steps: int, threads: int) -> dict:
-    import peers
+    from cudabench import peers
     torch.set_num_threads(threads)
     try:
         deepspeed = peers.deepspeed_module()
     except peers.Unavailable as e:
         return {"unavailable": str(e)}
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
-                                 "offload_optimizer": {"device": "cpu", "pin_memory": False}},
-           "optimizer": {"type": "AdamW", "params": {"lr": HP.lr, "betas": list(HP.betas), "eps": HP.eps,
-                                                     "weight_decay": HP.weight_decay}},
-           "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    cfg = peers.deepspeed_config({"batch": 2}, torch.bfloat16, HP, "cpu")      # (ZeRO-3, both offloaded)
     # plain's steps first: deepspeed.initialize patches torch (F.linear, module hooks) for the
-    # rest of the process (bench/peers.py), and a plain step after it would not be plain
+    # rest of the process (bench/cudabench/peers.py), and a plain step after it would not be plain
     ref = ReferenceTrainer(llama(lora), optimizer=HP, dtype=torch.bfloat16)
     data = batches(steps)
     times, losses = timed({PLAIN: ref.step}, data)
     with peers.one_rank("cpu"), open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         model = llama(lora, torch.float32)
         try:
-            engine, *_ = deepspeed.initialize(model=model, config=cfg,
-                                              model_parameters=[p for p in model.parameters() if p.requires_grad])
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=trainable)
         except Exception as e:      # noqa: BLE001 -- e.g. its host Adam cannot be built here
             return {"unavailable": f"deepspeed.initialize failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"}
 
@@ -180,7 +148,7 @@ def _deepspeed_child(lora: bool, steps: int, threads: int) -> dict:
 
 
 def measure(lora: bool, steps: int, folder: Path, threads: int, with_deepspeed: bool) -> dict:
-    import peers
+    from cudabench import peers
     data = batches(steps)
     model = llama(lora)
     base = sum(p.numel() for p in model.parameters())
@@ -188,21 +156,22 @@ def measure(lora: bool, steps: int, folder: Path, threads: int, with_deepspeed: 
     row = {"run": "LoRA r=8 (q_proj, v_proj)" if lora else "full fine-tuning", "params": base, "trainable": trainable,
            "target_host_bytes": 2 * base + 14 * trainable}
     ref = ReferenceTrainer(llama(lora), optimizer=HP, dtype=torch.bfloat16)
-    systems = {PLAIN: ref.step}
     engines = {}
     for mode in ("hooks", "compiled"):
-        minimum = pscompile.min_device_memory(llama(lora), data[0], config(mode))
-        engine = pscompile.compile(llama(lora), data[0], optimizer=HP, config=config(mode, int(1.15 * minimum)))
+        config = cpu_config(mode, dtype=torch.bfloat16)
+        minimum = pscompile.min_device_memory(llama(lora), data[0], config)
+        engine = pscompile.compile(llama(lora), data[0], optimizer=HP,
+                                   config=dataclasses.replace(config, device_memory=int(1.15 * minimum)))
         row[f"{mode}_min_device_memory"] = minimum
         row[f"{mode}_host_model_bytes"] = engine.store.host_model_bytes()
         row[f"{mode}_model_data"] = sum(engine.model_data().values())
-        systems[mode] = engines[mode] = engine
-    fetches = []
+        engines[mode] = engine
+    comp, fetches = engines["compiled"], []
 
     def compiled_step(b):
-        loss = engines["compiled"].step(b)
-        fetches.append(engines["compiled"].stats.num_fetches)
-        assert engines["compiled"].stats.peak_device_bytes <= engines["compiled"].budget, "over the budget"
+        loss = comp.step(b)
+        fetches.append(comp.stats.num_fetches)
+        assert comp.stats.peak_device_bytes <= comp.budget, "over the budget"
         return loss
     systems = {PLAIN: ref.step, "hooks": engines["hooks"].step, "compiled": compiled_step}
     with peers.one_rank("cpu"):
@@ -214,11 +183,10 @@ def measure(lora: bool, steps: int, folder: Path, threads: int, with_deepspeed: 
         row["deepspeed_unavailable"] = ds["unavailable"]
     else:
         row["deepspeed"] = ds
-        row["step_vs_plain"]["DeepSpeed"] = ds["step_vs_plain"]["DeepSpeed"]
-        row["loss_diff_vs_plain"]["DeepSpeed"] = ds["loss_diff_vs_plain"]["DeepSpeed"]
-    engine = engines["compiled"]
-    row["checkpoint_bytes"] = pscompile.save(engine, folder / f"{lora}.ckpt").stat().st_size
-    row["checkpoint_with_base_bytes"] = pscompile.save(engine, folder / f"{lora}-base.ckpt",
+        for key in ("step_vs_plain", "loss_diff_vs_plain"):
+            row[key]["DeepSpeed"] = ds[key]["DeepSpeed"]
+    row["checkpoint_bytes"] = pscompile.save(comp, folder / f"{lora}.ckpt").stat().st_size
+    row["checkpoint_with_base_bytes"] = pscompile.save(comp, folder / f"{lora}-base.ckpt",
                                                        frozen_weights=True).stat().st_size
     row["plain_checkpoint_bytes"] = plain_files(lora, data[0], folder / f"plain-{lora}")
     for e in engines.values():
@@ -228,10 +196,9 @@ def measure(lora: bool, steps: int, folder: Path, threads: int, with_deepspeed: 
 
 def capacity() -> dict:
     """The largest GPT (d=512, by depth) each run fine-tunes on one machine, by the planner."""
-    from pscompile.models.gpt import GPTConfig
     from pscompile.planner import LoRA, hardware_preset, search
     hw = dataclasses.replace(hardware_preset("yard"), gpus=1, gpu_memory=2**30 + 64 * 2**20, cpu_memory=250 * 10**6)
-    cfg = GPTConfig(n_layer=1, n_head=8, d_model=512, vocab_size=256, seq_len=128)
+    cfg = gpt_config(1, 512, 256, 128)
     out = {}
     for name, lora in (("full fine-tuning", None), ("LoRA r=8 (c_attn)", LoRA(8, ("c_attn",)))):
         res = search(cfg, (2, 128), dimension="depth", hardware=hw, config=pscompile.Config(device="cpu"),
@@ -241,40 +208,35 @@ def capacity() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="5 steps; no DeepSpeed, no capacity search")
+    ap = parser(__doc__, "lora", quick="5 steps; no DeepSpeed, no capacity search")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps = 5 if args.quick else 12
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(lora, steps, Path(tmp), args.threads, not args.quick) for lora in (False, True)]
     mib = 2**20
-    print(tabulate([[r["run"], f"{r['trainable']:,} / {r['params']:,}",
-                     " / ".join(f"{r[f'{m}_host_model_bytes'] / mib:.1f}" for m in ("hooks", "compiled"))
-                     + f" ({r['compiled_host_model_bytes'] / r['target_host_bytes']:.2f})",
-                     f"{r['hooks_min_device_memory'] / mib:.2f} / {r['compiled_min_device_memory'] / mib:.2f}",
-                     f"{r['checkpoint_bytes'] / mib:.2f} ({r['checkpoint_bytes'] / r['plain_checkpoint_bytes']:.2f})"]
-                    for r in rows],
-                   headers=["run", "trainable / params", "host model MiB hooks / compiled (/ target)",
-                            "minimum MiB hooks / compiled", "checkpoint MiB (/ plain)"], tablefmt="github"))
+    print(table([[r["run"], f"{r['trainable']:,} / {r['params']:,}",
+                  " / ".join(f"{r[f'{m}_host_model_bytes'] / mib:.1f}" for m in ("hooks", "compiled"))
+                  + f" ({r['compiled_host_model_bytes'] / r['target_host_bytes']:.2f})",
+                  f"{r['hooks_min_device_memory'] / mib:.2f} / {r['compiled_min_device_memory'] / mib:.2f}",
+                  f"{r['checkpoint_bytes'] / mib:.2f} ({r['checkpoint_bytes'] / r['plain_checkpoint_bytes']:.2f})"]
+                 for r in rows],
+                ["run", "trainable / params", "host model MiB hooks / compiled (/ target)",
+                 "minimum MiB hooks / compiled", "checkpoint MiB (/ plain)"]))
     print()
     peers_ = ("hooks", "compiled", "FSDP2", "DeepSpeed")
-    print(tabulate([[r["run"], f"{r['step_ms'][PLAIN]:.0f}"] + [
+    print(table([[r["run"], f"{r['step_ms'][PLAIN]:.0f}"] + [
         f"{r['step_vs_plain'][p]:.2f}" if p in r["step_vs_plain"] else "not run" for p in peers_] for r in rows],
-                   headers=["run", "plain step ms"] + [f"{p} / plain" for p in peers_], tablefmt="github"))
+                ["run", "plain step ms"] + [f"{p} / plain" for p in peers_]))
     for r in rows:
         if "deepspeed_unavailable" in r:
             print(f"DeepSpeed ({r['run']}): {r['deepspeed_unavailable']}")
     cap = None if args.quick else capacity()
     if cap is not None:
-        print(tabulate([[k, v["layers"], f"{v['params'] / 1e6:.1f}M"] for k, v in cap.items()],
-                       headers=["on 64 MiB GPU + 250 MB CPU (planner)", "largest depth (d=512)", "parameters"],
-                       tablefmt="github"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "capacity": cap, "threads": args.threads,
-                                    "torch": torch.__version__}, indent=1))
+        print(table([[k, v["layers"], f"{v['params'] / 1e6:.1f}M"] for k, v in cap.items()],
+                    ["on 64 MiB GPU + 250 MB CPU (planner)", "largest depth (d=512)", "parameters"]))
+    write_json(args.out, {"rows": rows, "capacity": cap, "threads": args.threads, "torch": torch.__version__})
     return 0
 
 

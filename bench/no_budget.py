@@ -4,12 +4,9 @@ Nothing has to move when everything fits, so what is left is the executor's own 
 nodes, the Python between compiled regions, the gradient copies into the chunks and the chunked
 optimizer step. For each GPT of ``bench/compare.py`` these systems train on the same batches, one
 step each in turn, round after round (so a slow spell of the machine hits every system alike):
-
-- ``plain PyTorch``: eager model, ``torch.optim.AdamW``;
-- ``plain torch.compile``: ``torch.compile(model)``, ``torch.optim.AdamW(fused=True)`` (the baseline);
-- ``compiled inductor``: ``pscompile.compile(..., Config(mode="compiled", backend="inductor"))``,
-  no ``device_memory``;
-- ``compiled eager``: the same with ``backend="eager"``.
+``plain PyTorch`` (eager model, ``torch.optim.AdamW``), ``plain torch.compile`` (``torch.compile(model)``,
+``torch.optim.AdamW(fused=True)``: the baseline), and ``compiled inductor`` and ``compiled eager``
+(``pscompile.compile`` with ``Config(mode="compiled", backend=...)``, no ``device_memory``).
 
 Per system: the median step time over the timed rounds, its ratio to plain torch.compile's, the
 forward+backward and optimizer times (pscompile's ``StepStats``; plain systems: timed around
@@ -24,25 +21,21 @@ Float32, one torch thread.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
+from compare import FULL, QUICK, batches
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import gpt
+from harness.timing import interleave
 from pscompile.testing import call_model, extract_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import FULL, QUICK, batches, make_model  # noqa: E402
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "no_budget.json"
 BASELINE = "plain torch.compile"
-SYSTEMS = ("plain PyTorch", BASELINE, "compiled inductor", "compiled eager")
 
 
 class Plain:
@@ -68,8 +61,7 @@ class Engine:
     """A pscompile engine with no budget, read the same way."""
 
     def __init__(self, model: torch.nn.Module, batch, backend: str):
-        self.engine = pscompile.compile(model, batch, config=pscompile.Config(
-            mode="compiled", backend=backend, device="cpu", dtype=torch.float32))
+        self.engine = pscompile.compile(model, batch, config=cpu_config(backend=backend))
         self.fwd_bwd_s = self.optimizer_s = 0.0
 
     def step(self, batch) -> float:
@@ -90,34 +82,31 @@ class Engine:
 
 def run_size(n_layer: int, d: int, s: dict, rounds: int, warmup: int) -> list[dict]:
     data = batches(s, 8)
-    systems = {
-        "plain PyTorch": Plain(make_model(n_layer, d, s), compiled=False),
-        BASELINE: Plain(make_model(n_layer, d, s), compiled=True),
-        "compiled inductor": Engine(make_model(n_layer, d, s), data[0], "inductor"),
-        "compiled eager": Engine(make_model(n_layer, d, s), data[0], "eager"),
-    }
-    times = {k: [] for k in systems}
-    parts = {k: [] for k in systems}
+
+    def model():
+        return gpt(n_layer, d, s["vocab"], s["seq"])
+    systems = {"plain PyTorch": Plain(model(), compiled=False), BASELINE: Plain(model(), compiled=True),
+               "compiled inductor": Engine(model(), data[0], "inductor"),
+               "compiled eager": Engine(model(), data[0], "eager")}
+    parts = {k: [] for k in systems}              # (fwd+bwd s, optimizer s) per step
     losses = {k: [] for k in systems}
-    for i in range(warmup + rounds):
-        b = data[i % len(data)]
-        for name, system in systems.items():
-            t = time.perf_counter()
-            losses[name].append(system.step(b))
-            dt = time.perf_counter() - t
-            if i >= warmup:
-                times[name].append(dt)
-                parts[name].append((system.fwd_bwd_s, system.optimizer_s))
+
+    def stepper(name, system):
+        def step(_):
+            losses[name].append(system.step(data[len(losses[name]) % len(data)]))
+            parts[name].append((system.fwd_bwd_s, system.optimizer_s))
+        return step
+    times = interleave({k: stepper(k, v) for k, v in systems.items()}, rounds, warmup=warmup)
     base = statistics.median(times[BASELINE])
+    params = sum(p.numel() for p in model().parameters())
     rows = []
     for name, system in systems.items():
         step = statistics.median(times[name])
         regions, mem = system.program() if isinstance(system, Engine) else (None, None)
         rows.append(dict(
-            size=[n_layer, d], params=sum(p.numel() for p in make_model(n_layer, d, s).parameters()),
-            system=name, step_s=step, vs_torch_compile=step / base,
-            fwd_bwd_s=statistics.median(p[0] for p in parts[name]),
-            optimizer_s=statistics.median(p[1] for p in parts[name]),
+            size=[n_layer, d], params=params, system=name, step_s=step, vs_torch_compile=step / base,
+            fwd_bwd_s=statistics.median(p[0] for p in parts[name][warmup:]),
+            optimizer_s=statistics.median(p[1] for p in parts[name][warmup:]),
             regions=regions, memory_nodes=mem,
             max_dloss=max(abs(a - b) for a, b in zip(losses[name], losses["plain PyTorch"]))))
     for system in systems.values():
@@ -127,28 +116,23 @@ def run_size(n_layer: int, d: int, s: dict, rounds: int, warmup: int) -> list[di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__, "no_budget", markdown=True)
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 20, quick 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first rounds (default 4, quick 2)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = dict(QUICK if args.quick else FULL)
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 4)
     rows = [r for n_layer, d in s["sizes"] for r in run_size(n_layer, d, s, rounds, warmup)]
-    table = [[f"L{r['size'][0]} d{r['size'][1]}", f"{r['params'] / 1e6:.1f}M", r["system"],
+    cells = [[f"L{r['size'][0]} d{r['size'][1]}", f"{r['params'] / 1e6:.1f}M", r["system"],
               f"{r['step_s'] * 1e3:.1f}", f"{r['vs_torch_compile']:.3f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
               f"{r['optimizer_s'] * 1e3:.1f}", "-" if r["regions"] is None else f"{r['regions']} / {r['memory_nodes']}",
               f"{r['max_dloss']:.1e}"] for r in rows]
     print(f"no budget, float32, one thread; median of {rounds} interleaved rounds after {warmup}")
-    print(tabulate(table, headers=["model", "params", "system", "step ms", "/ torch.compile", "fwd+bwd ms",
-                                   "optimizer ms", "regions / mem nodes", "max |dloss|"],
-                   tablefmt="github" if args.markdown else "simple"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(rounds=rounds, warmup=warmup, settings=s, rows=rows), indent=1))
+    print(table(cells, ["model", "params", "system", "step ms", "/ torch.compile", "fwd+bwd ms", "optimizer ms",
+                        "regions / mem nodes", "max |dloss|"], markdown=args.markdown))
+    write_json(args.out, dict(rounds=rounds, warmup=warmup, settings=s, rows=rows))
     bad = [r for r in rows if r["max_dloss"] > 1e-3]
     if bad:
         print("loss differs from plain PyTorch:", [(r["size"], r["system"], r["max_dloss"]) for r in bad])

@@ -24,47 +24,31 @@ Two tables, GPT models, float32, one thread, one run:
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
+from compare import lower_bound
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import gpt, token_batches
 from pscompile.graph.pipeline import (PlanRequest, capture_and_analyze, config_least, gather_bytes,
                                       layout_candidates, plan_at_budget, regather)
 from pscompile.memory.layout import build_layout
-from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.runtime.batching import call_model
 from pscompile.runtime.params import choose_layout, collect_params
 from pscompile.units import format_bytes
 
-from compare import lower_bound
-
 MiB = 2**20
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pages.json"
 # (name, n_layer, d_model, vocab): the GPT of the issue (a 512 x 192 embedding) and bench/compare's sizes
 FULL = dict(models=[("L2 d192 v512", 2, 192, 512), ("L2 d128 v4096", 2, 128, 4096), ("L4 d256 v4096", 4, 256, 4096)],
             seq=128, batch=4, steps=3)
 QUICK = dict(models=[("L2 d192 v512", 2, 192, 512)], seq=32, batch=2, steps=3)
 
 
-def make_model(n_layer: int, d: int, vocab: int, seq: int) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=max(1, d // 64), d_model=d, vocab_size=vocab, seq_len=seq))
-
-
-def make_batches(vocab: int, s: dict, n: int):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, vocab, (s["batch"], s["seq"]), generator=g),
-             torch.randint(0, vocab, (s["batch"], s["seq"]), generator=g)) for _ in range(n)]
-
-
 def config(mode: str, budget: int | None, chunk_size="auto") -> pscompile.Config:
-    return pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=torch.float32,
-                            device_memory=budget, chunk_size=chunk_size)
+    return cpu_config(mode, device_memory=budget, chunk_size=chunk_size)
 
 
 def train(make, data, cfg: pscompile.Config) -> dict:
@@ -86,10 +70,10 @@ def train(make, data, cfg: pscompile.Config) -> dict:
 def same_budget_rows(s: dict) -> tuple[list[list], list[dict]]:
     rows, raw = [], []
     for name, n_layer, d, vocab in s["models"]:
-        data = make_batches(vocab, s, s["steps"])
+        data = token_batches(vocab, s["batch"], s["seq"], s["steps"], seed=1)
 
         def make():
-            return make_model(n_layer, d, vocab, s["seq"])
+            return gpt(n_layer, d, vocab, s["seq"])
         minima = {m: pscompile.min_device_memory(make(), data[0], config(m, None)) for m in ("compiled", "hooks")}
         base = int(1.1 * max(minima.values()))
         mp = collect_params(make(), call_model, data[0])
@@ -118,17 +102,17 @@ def same_budget_rows(s: dict) -> tuple[list[list], list[dict]]:
 
 def chunk_size_rows(s: dict) -> tuple[list[list], list[dict]]:
     name, n_layer, d, vocab = s["models"][0]
-    data = make_batches(vocab, s, 1)
-    model = make_model(n_layer, d, vocab, s["seq"])
+    data = token_batches(vocab, s["batch"], s["seq"], 1, seed=1)
+    model = gpt(n_layer, d, vocab, s["seq"])
     cfg = config("compiled", None)
     mp = collect_params(model, call_model, data[0])
     analyzed = capture_and_analyze(model, data[0], params=mp.params, dtype=torch.float32)
-    minimum = pscompile.min_device_memory(make_model(n_layer, d, vocab, s["seq"]), data[0], cfg)
+    minimum = pscompile.min_device_memory(gpt(n_layer, d, vocab, s["seq"]), data[0], cfg)
     rows, raw = [], []
     for bname, budget in (("tight", int(1.1 * minimum)), ("mid", int(1.65 * minimum))):
         candidates = [x.chunk_size for x in layout_candidates(mp, config("compiled", budget), budget)]
         whole = choose_layout(mp, cfg, budget, pages=False).chunk_size
-        engine = pscompile.compile(make_model(n_layer, d, vocab, s["seq"]), data[0], config=config("compiled", budget))
+        engine = pscompile.compile(gpt(n_layer, d, vocab, s["seq"]), data[0], config=config("compiled", budget))
         picked = engine.layout.chunk_size
         engine.close()
         paged = choose_layout(mp, cfg, budget).chunk_size
@@ -153,30 +137,22 @@ def chunk_size_rows(s: dict) -> tuple[list[list], list[dict]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args(argv)
+    args = parser(__doc__, "pages", markdown=True).parse_args(argv)
     torch.set_num_threads(1)
     s = QUICK if args.quick else FULL
     rows, raw = same_budget_rows(s)
-    headers = ["model", "budget", "system", "chunk", "spanning", "MiB moved", "/ hooks", "/ Belady bound",
-               "within budget"]
     crows, craw = chunk_size_rows(s)
-    cheaders = ["model", "budget", "chunk", "chosen by", "spanning", "utilised", "least budget", "planned MiB/step"]
-    fmt = "github" if args.markdown else "simple"
     print("same model, same budget, chunk_size='auto' (bytes moved in the last step)\n")
-    print(tabulate(rows, headers=headers, tablefmt=fmt))
+    print(table(rows, ["model", "budget", "system", "chunk", "spanning", "MiB moved", "/ hooks", "/ Belady bound",
+                       "within budget"], markdown=args.markdown))
     print("\ncompiled mode's static plan per chunk size\n")
-    print(tabulate(crows, headers=cheaders, tablefmt=fmt))
+    print(table(crows, ["model", "budget", "chunk", "chosen by", "spanning", "utilised", "least budget",
+                        "planned MiB/step"], markdown=args.markdown))
     failed = [r for r in raw if "error" in r or not r.get("within", True)
               or (r["system"] == "compiled" and r.get("bound") and r["moved"] < r["bound"])]
     for r in failed:
         print(f"FAILED {r['model']} {r['budget_name']} {r['system']}: {r.get('error') or r}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(settings=s, rows=raw, chunk_sizes=craw, failed=len(failed)), indent=1,
-                                   default=str))
+    write_json(args.out, dict(settings=s, rows=raw, chunk_sizes=craw, failed=len(failed)))
     return 1 if failed else 0
 
 

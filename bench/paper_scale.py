@@ -1,35 +1,32 @@
 """The papers' capacity results, replayed by the planner (docs/paper-scale.md shows the tables).
 
-Sections (``--sections``, default all):
+Sections (``--sections``; default all, ``--quick``: table3):
 
-- ``table3``: PatrickStar's Table 3, chunk size and utilisation for its 10B-68B GPTs: the paper's
-  search (tensors whole, 128M to 512M elements in steps of 32M, M = 2^20) on this project's GPT,
-  and the layouts compiled mode weighs with ``chunk_size="auto"`` on the paper's machine. Shapes
-  from ``GPTConfig.param_shapes`` (no model is built).
+- ``table3``: PatrickStar's Table 3, chunk size and utilisation of its 10B-68B GPTs: the paper's
+  search (tensors whole, 128M to 512M elements in steps of 32M) and the layouts compiled mode
+  weighs with ``chunk_size="auto"`` on the paper's machine (shapes only: no model is built);
 - ``fig10``: Figure 10's largest models on YARD and SuperPod, 1 and 8 GPUs: ``pscompile.plan`` at
-  the paper's largest size for PatrickStar and at the next size up, and the static partition
-  (ZeRO-Offload's placement) at the paper's largest DeepSpeed size and the next one up.
-- ``pc700``: the first version's $700 PC (RTX 2060 8 GB, 16 GB CPU): the 0.7B GPT, and 1B.
-- ``angel``: ANGEL-PTM's Table 5 on one 8x A100 40 GB server: GPT with hidden 8192, 128 heads,
-  26 and 68 layers (28B and 55B in the paper), batch 1.
+  the paper's largest PatrickStar and DeepSpeed sizes and the next size up of each;
+- ``pc700``: the first version's $700 PC (RTX 2060 8 GB, 16 GB CPU): the 0.7B GPT, and 1B;
+- ``angel``: ANGEL-PTM's Table 5 on one 8x A100 40 GB server: hidden 8192, 128 heads, 26, 68 and
+  80 layers, batch 1.
 
-    python bench/paper_scale.py [--sections table3,fig10,pc700,angel] [--out bench/results/paper_scale.json]
+    python bench/paper_scale.py [--quick] [--sections table3,fig10,pc700,angel] [--out PATH]
 
 Each plan of a 10B+ model takes one to three minutes here (capture and planning on fake tensors).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
+from harness.output import parser, write_json
 from pscompile.config import Config
 from pscompile.memory.layout import build_layout, search_chunk_size
 from pscompile.models.gpt import GPTConfig, gpt_config
@@ -68,17 +65,13 @@ def table3() -> list[dict]:
     for key, (size_m, util) in TABLE3.items():
         cfg = gpt_config(f"ps-{key}")
         shapes = cfg.param_shapes()
-        shapes = [s for s in shapes]
         numels = [int(torch.Size(sh).numel()) for _, sh in shapes]
         psize, putil = paper_search(numels)
         machine = "yard" if key in ("10b", "15b", "18b") else "superpod"
         budget = hardware_preset(machine).device_budget
-        auto = []
-        for fraction in (8, 16, 32):
-            cs = search_chunk_size(numels, max_chunk_size=budget // (2 * fraction)).chunk_size
-            auto.append(build_layout(shapes, cs).utilisation)
-        whole = search_chunk_size(numels, keep_tensors_whole=True)
-        auto.append(build_layout(shapes, whole.chunk_size).utilisation)
+        sizes = [search_chunk_size(numels, max_chunk_size=budget // (2 * f)).chunk_size for f in (8, 16, 32)]
+        sizes.append(search_chunk_size(numels, keep_tensors_whole=True).chunk_size)
+        auto = [build_layout(shapes, cs).utilisation for cs in sizes]
         rows.append(dict(model=key.upper(), params=sum(numels), layers=cfg.n_layer, hidden=cfg.d_model,
                          paper_size_m=size_m, paper_util=util, search_size_m=psize / M, search_util=100 * putil,
                          auto_min_util=100 * min(auto), auto_utils=[100 * u for u in auto], machine=machine))
@@ -101,12 +94,7 @@ def _plan(name: str, machine: str, gpus: int, batch: int = BATCH, seq: int = SEQ
 
 
 def fig10() -> list[dict]:
-    rows = []
-    for machine, gpus, ps, ps_next, ds, ds_next in FIG10:
-        for name in (ps, ps_next, ds, ds_next):
-            if name is not None:
-                rows.append(_plan(name, machine, gpus))
-    return rows
+    return [_plan(name, machine, gpus) for machine, gpus, *names in FIG10 for name in names if name is not None]
 
 
 def pc700() -> list[dict]:
@@ -121,21 +109,17 @@ def angel() -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="table3,fig10,pc700,angel")
-    ap.add_argument("--out", default="bench/results/paper_scale.json")
+    ap = parser(__doc__, "paper_scale", quick="the table3 section only (no model is planned)")
+    ap.add_argument("--sections", default=None, help="default table3,fig10,pc700,angel")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out = Path(args.out)
-    res = json.loads(out.read_text()) if out.exists() else {}
+    res = json.loads(args.out.read_text()) if args.out.exists() else {}
     t0 = time.perf_counter()
-    for section in args.sections.split(","):
+    for section in (args.sections or ("table3" if args.quick else "table3,fig10,pc700,angel")).split(","):
         res[section] = {"table3": table3, "fig10": fig10, "pc700": pc700, "angel": angel}[section]()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
-        rows = res[section]
-        print(tabulate([{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows], headers="keys",
-                       tablefmt="github", floatfmt=".2f"))
+        write_json(args.out, res)
+        print(tabulate([{k: v for k, v in r.items() if not isinstance(v, list)} for r in res[section]],
+                       headers="keys", tablefmt="github", floatfmt=".2f"))
     print(f"{time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -1,20 +1,11 @@
 """Two residency planners on the same graphs: Belady (the default) against ANGEL-PTM's unified
-scheduler (``Config(planner="angel")``, Algorithm 1 of the ANGEL-PTM paper).
+scheduler (``Config(planner="angel")``, Algorithm 1 of the ANGEL-PTM paper; docs/design.md).
 
-- **belady**: chunks are fetched when a node reads them, and a node short of room evicts the chunk
-  used farthest ahead (the fewest fetches there are);
-- **angel**: moves are prioritised: after each node every chunk read later is fetched at once, in
-  order of first use, while there is room; a node short of room takes the last move back first (a
-  chunk fetched ahead and not read yet is un-fetched at no cost).
-
-Both then start each fetch as early as it fits (``prefetch_fetches``, ANGEL's phase 2). For each
-architecture of ``pscompile.testing.ARCHITECTURES`` (tiny 2-layer models; the Hugging Face ones
-need transformers), one capture, and budgets from the minimum to twice it: the layout the engine
-picks there and the schedule each planner makes (verified, as the engine does), with the bytes it
-moves per training step, its fetches, and how many nodes ahead of their readers its fetches start
-on average. Planning only: nothing is trained here, so the numbers are exact and repeat run to run.
-Step times of both planners, trained with the emulated link, are ``bench/compare.py --planners
-belady,angel``.
+For each architecture of ``pscompile.testing.ARCHITECTURES`` (the Hugging Face ones need
+transformers), one capture, and budgets from the minimum to twice it: the schedule each planner
+makes with the layout the engine picks (verified, as the engine does), its bytes moved per step,
+its fetches, and how many nodes ahead of their readers its fetches start. Planning only, so the
+numbers repeat run to run; step times are ``bench/compare.py --planners belady,angel``.
 
     python bench/planners.py [--quick] [--markdown] [--arch NAME ...] [--out bench/results/planners.json]
 
@@ -23,22 +14,19 @@ belady,angel``.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
 from pscompile.graph.pipeline import BudgetSweep
 from pscompile.kinds import MemKind
 from pscompile.testing import ARCHITECTURES, HF_ARCHITECTURES, tiny_model
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "planners.json"
 HAVE_HF = importlib.util.find_spec("transformers") is not None
 PLANNERS = ("belady", "angel")
 FACTORS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0)      # budgets, as multiples of the minimum
@@ -63,12 +51,8 @@ def lead(plan) -> float:
 def sweep(arch: str, factors) -> list[dict]:
     model, batch = tiny_model(arch)
     rows = []
-    sweeps = {}
-    for planner in PLANNERS:
-        config = pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=torch.float32, planner=planner)
-        sweeps[planner] = BudgetSweep(model, batch, config)
-    minimum = pscompile.min_device_memory(model, batch, pscompile.Config(mode="compiled", backend="eager",
-                                                                         device="cpu", dtype=torch.float32))
+    sweeps = {planner: BudgetSweep(model, batch, cpu_config(planner=planner)) for planner in PLANNERS}
+    minimum = pscompile.min_device_memory(model, batch, cpu_config())
     for f in factors:
         budget = int(minimum * f)
         row = dict(arch=arch, factor=f, budget=budget)
@@ -82,34 +66,28 @@ def sweep(arch: str, factors) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__, "planners", quick='"gpt" and "bert" only, three budgets', markdown=True)
     ap.add_argument("--arch", nargs="*", default=None)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     archs = args.arch or (["gpt", "bert"] if args.quick else
                           [a for a in ARCHITECTURES if HAVE_HF or a not in HF_ARCHITECTURES])
     factors = QUICK_FACTORS if args.quick else FACTORS
     raw = [r for a in archs for r in sweep(a, factors)]
-    table = []
+    rows = []
     for r in raw:
         b, a = r["belady"], r["angel"]
-        table.append([r["arch"], f"{r['factor']:.2f}x", f"{r['budget'] / 2**10:.0f}",
-                      f"{b['moved'] / 2**10:.0f}", f"{a['moved'] / 2**10:.0f}", f"{a['moved'] / b['moved']:.3f}"
-                      if b["moved"] else "-", b["fetches"], a["fetches"], f"{b['lead']:.1f}", f"{a['lead']:.1f}"])
-    headers = ["model", "budget / min", "budget KiB", "belady KiB moved", "angel KiB moved", "angel / belady",
-               "belady fetches", "angel fetches", "belady lead", "angel lead"]
+        rows.append([r["arch"], f"{r['factor']:.2f}x", f"{r['budget'] / 2**10:.0f}",
+                     f"{b['moved'] / 2**10:.0f}", f"{a['moved'] / 2**10:.0f}", f"{a['moved'] / b['moved']:.3f}"
+                     if b["moved"] else "-", b["fetches"], a["fetches"], f"{b['lead']:.1f}", f"{a['lead']:.1f}"])
     ratios = [r["angel"]["moved"] / r["belady"]["moved"] for r in raw if r["belady"]["moved"]]
-    caption = ("bytes moved per training step (fetches + writebacks + gradients to the host), planned at each "
-               "budget with the layout the engine picks; lead = nodes between a fetch's issue and its first "
-               "reader, on average")
-    print(caption)
-    print(tabulate(table, headers=headers))
-    summary = (f"angel / belady bytes moved: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, "
-               f"max {max(ratios):.3f} over {len(ratios)} budgets")
-    print(summary)
+    print("bytes moved per training step (fetches + writebacks + gradients to the host), planned at each "
+          "budget with the layout the engine picks; lead = nodes between a fetch's issue and its first "
+          "reader, on average")
+    print(table(rows, ["model", "budget / min", "budget KiB", "belady KiB moved", "angel KiB moved", "angel / belady",
+                       "belady fetches", "angel fetches", "belady lead", "angel lead"], markdown=args.markdown))
+    print(f"angel / belady bytes moved: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, "
+          f"max {max(ratios):.3f} over {len(ratios)} budgets")
     per_model = []
     for arch in archs:
         rs = [r for r in raw if r["arch"] == arch]
@@ -117,17 +95,11 @@ def main(argv=None) -> int:
         per_model.append([arch, len(rs), f"{min(q):.3f}", f"{statistics.median(q):.3f}", f"{max(q):.3f}",
                           f"{statistics.fmean(r['belady']['lead'] for r in rs):.1f}",
                           f"{statistics.fmean(r['angel']['lead'] for r in rs):.1f}"])
-    pheaders = ["model", "budgets", "angel / belady moved: min", "median", "max", "belady lead", "angel lead"]
     print("\nper model (budgets " + ", ".join(f"{f}x" for f in factors) + " the minimum)")
-    print(tabulate(per_model, headers=pheaders))
-    if args.markdown:
-        print("\n" + caption + "\n")
-        print(tabulate(table, headers=headers, tablefmt="github"))
-        print("\n" + summary + "\n")
-        print(tabulate(per_model, headers=pheaders, tablefmt="github"))
+    print(table(per_model, ["model", "budgets", "angel / belady moved: min", "median", "max", "belady lead",
+                            "angel lead"], markdown=args.markdown))
     worse = [r for r in raw if r["belady"]["moved"] > r["angel"]["moved"]]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(rows=raw, belady_moves_more=len(worse)), indent=1))
+    write_json(args.out, dict(rows=raw, belady_moves_more=len(worse)))
     for r in worse:        # not a failure: reported, since the default is the planner that moves less
         print(f"note: belady moves more than angel for {r['arch']} at {r['factor']}x")
     return 0

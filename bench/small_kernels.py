@@ -3,11 +3,9 @@
 On a GPU a d=64 layer's kernels take microseconds, so what compiled mode adds per step (running the
 memory nodes, sampling the peak, calling each region, the chunked update) is what the step costs.
 The CPU stands in: the same GPT as ``pscompile bench --quick`` (2 layers, d=64, vocabulary 512,
-batch 2 x 64 tokens), trained by
-
-- plain PyTorch (``torch.optim.AdamW``, everything resident, no budget), the reference;
-- compiled mode with ``backend="eager"`` and ``backend="inductor"`` at the tight budget
-  (the minimum + 2 chunks, as compare.py's "tight") and with no budget.
+batch 2 x 64 tokens), trained by plain PyTorch (``torch.optim.AdamW``, everything resident, no
+budget; the reference) and by compiled mode with ``backend="eager"`` and ``backend="inductor"`` at
+the tight budget (the minimum + 2 chunks, as compare.py's "tight") and with no budget.
 
 Every engine takes one step per round, the order rotated every round, after warm-up; the table
 gives each one's median step and its ratio to plain PyTorch's median, and every compiled step's
@@ -20,41 +18,36 @@ Float32, one torch thread.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
+from compare import QUICK as SHAPE, batches, probe, tight     # (the model and data of bench --quick)
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import adamw, gpt
 from pscompile.testing import ReferenceTrainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import QUICK as SHAPE, batches, make_model  # noqa: E402  (the model and data of bench --quick)
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "small_kernels.json"
 FULL = dict(rounds=60, warmup=5)
 QUICK = dict(rounds=8, warmup=2)
 
 
+def model():
+    return gpt(2, 64, SHAPE["vocab"], SHAPE["seq"])
+
+
 def _engines(data, backends: list[str]) -> dict:
-    """name -> (step function, budget or None): plain PyTorch and each compiled configuration."""
-    probe = pscompile.compile(make_model(2, 64, SHAPE), data[0], config=pscompile.Config(
-        mode="compiled", backend="eager", device="cpu", dtype=torch.float32))
-    probe.step(data[0])
-    tight, chunk = probe.min_device_memory + 2 * probe.layout.chunk_size * 4, probe.layout.chunk_size
-    probe.close()
-    plain = ReferenceTrainer(make_model(2, 64, SHAPE), optimizer=pscompile.AdamW(lr=1e-3), dtype=torch.float32)
+    """name -> (step function, budget or None, engine or None): plain PyTorch and each compiled configuration."""
+    minimum, chunk, _ = probe(model(), data[0])
+    plain = ReferenceTrainer(model(), optimizer=adamw(1e-3), dtype=torch.float32)
     out = {"plain PyTorch": (plain.step, None, None)}
     for backend in backends:
-        for bname, budget in (("tight", tight), ("none", None)):
-            e = pscompile.compile(make_model(2, 64, SHAPE), data[0], config=pscompile.Config(
-                mode="compiled", backend=backend, device="cpu", dtype=torch.float32, device_memory=budget,
-                chunk_size=chunk))
+        for bname, budget in (("tight", tight(minimum, chunk)), ("none", None)):
+            e = pscompile.compile(model(), data[0], config=cpu_config(backend=backend, device_memory=budget,
+                                                                      chunk_size=chunk))
             out[f"compiled {backend}, {bname}"] = (e.step, budget, e)
     return out
 
@@ -87,31 +80,23 @@ def measure(s: dict, backends: list[str]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--rounds", type=int, default=None)
+    ap = parser(__doc__, "small_kernels", markdown=True)
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 60, quick 8)")
     ap.add_argument("--eager-only", action="store_true", help="leave out the Inductor rows")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = dict(QUICK if args.quick else FULL)
     if args.rounds:
         s["rounds"] = args.rounds
     rows = measure(s, ["eager"] if args.eager_only else ["eager", "inductor"])
-    table = [[r["system"], "-" if r["budget"] is None else f"{r['budget'] / 2**20:.2f}",
+    cells = [[r["system"], "-" if r["budget"] is None else f"{r['budget'] / 2**20:.2f}",
               f"{r['step_s'] * 1e3:.2f}", f"{r['ratio']:.2f}",
               "-" if r["peak"] is None else f"{r['peak'] / 2**20:.2f}"] for r in rows]
-    headers = ["system", "budget MiB", "step ms", "step / plain", "peak MiB (max of every step)"]
-    caption = (f"GPT L2 d64 (bench --quick's), float32, one thread; median of {s['rounds']} interleaved rounds "
-               f"after {s['warmup']} warm-up")
-    print(caption)
-    print(tabulate(table, headers=headers))
-    if args.markdown:
-        print("\n" + caption + "\n")
-        print(tabulate(table, headers=headers, tablefmt="github"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(settings=s, rows=rows), indent=1))
+    print(f"GPT L2 d64 (bench --quick's), float32, one thread; median of {s['rounds']} interleaved rounds "
+          f"after {s['warmup']} warm-up\n")
+    print(table(cells, ["system", "budget MiB", "step ms", "step / plain", "peak MiB (max of every step)"],
+                markdown=args.markdown))
+    write_json(args.out, dict(settings=s, rows=rows))
     over = [r["system"] for r in rows if not r["within_budget"]]
     for n in over:
         print(f"FAILED {n}: a measured peak over the budget")

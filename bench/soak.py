@@ -1,35 +1,24 @@
 """Soak: thousands of steps with eviction on every step, both modes; nothing may grow or drift.
 
-For each mode (compiled with the Inductor backend, and hooks), a 2-layer GPT trains under a
-budget 10% above its minimum, so chunks are evicted and fetched on every step, for ``--steps``
-steps (default 2,000) cycling over a few batches, with an ``evaluate`` every 100 steps and a
-``pscompile.save`` every 500 (those paths run in the soak too). Every step is checked:
-
-- the measured peak device bytes stay within the budget and chunks were evicted;
-- the chunk bytes moved equal the plan's (compiled) or the first steady step's (hooks: the same
-  trace every step; the step after an ``evaluate`` may fetch less, its chunks being warm), and the
-  loss is finite.
-
-Every 50 steps it samples the process RSS (``/proc/self/status``), the model data on the device
-at the step's end (resident chunks and their bytes), the number of Python objects and of threads.
-After the warm-up (the first 10% of steps) those must be flat: RSS within max(16 MiB, 3%) of its
-first sample, its least-squares slope under 4 MiB per 1,000 steps, and the occupancy, objects and
-threads unchanged (objects within 1%).
+Per mode (compiled with Inductor, and hooks), a 2-layer GPT (``--quick``: 1 layer, d=64, 200 steps)
+trains ``--steps`` steps under 1.1x its minimum, with an ``evaluate`` every 100 and a
+``pscompile.save`` every 500. Every step is checked (peak within budget, evictions, a finite loss,
+the chunk bytes of the plan or of hooks mode's first steady step); every 50 steps the RSS, the
+model data on the device, the Python objects and the threads are sampled, and after the warm-up
+(10% of the steps) they must be flat (docs/benchmarks.md gives the limits).
 
     python bench/soak.py [--steps 2000] [--quick] [--modes compiled hooks] [--markdown]
                          [--out bench/results/soak.json]
-
-``--quick`` (a smoke run): a 1-layer d=64 GPT, 200 steps unless ``--steps`` says otherwise.
 
 Float32, one torch thread. Exits 1 if a check fails.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import gc
-import json
 import math
+import statistics
 import sys
 import tempfile
 import threading
@@ -37,47 +26,32 @@ import time
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
-from pscompile.models.gpt import GPT, GPTConfig
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import gpt, token_batches
 from pscompile.units import format_bytes
 
 MiB = 2**20
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "soak.json"
 SAMPLE_EVERY = 50
 EVAL_EVERY = 100
 SAVE_EVERY = 500
+FULL_MODEL = (2, 128)       # (n_layer, d_model)
+QUICK_MODEL = (1, 64)       # still evicts on every step at 1.1x its minimum
 
 
-FULL_MODEL = dict(n_layer=2, d_model=128)
-QUICK_MODEL = dict(n_layer=1, d_model=64)       # still evicts on every step at 1.1x its minimum
-
-
-def make_model(quick: bool = False) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_head=2, vocab_size=512, seq_len=64, dropout=0.1, **(QUICK_MODEL if quick else FULL_MODEL)))
-
-
-def batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 512, (4, 64), generator=g)
-        out.append((idx, torch.roll(idx, -1, dims=1)))
-    return out
+def make_model(quick: bool = False):
+    return gpt(*(QUICK_MODEL if quick else FULL_MODEL), 512, 64, dropout=0.1)
 
 
 def rss_bytes() -> int:
+    """This process's resident memory now (``VmRSS``)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def config(mode: str, budget: int | None) -> pscompile.Config:
-    return pscompile.Config(mode=mode, backend="inductor", device="cpu", dtype=torch.float32, device_memory=budget)
 
 
 def device_model_bytes(engine) -> int:
@@ -87,20 +61,12 @@ def device_model_bytes(engine) -> int:
     return engine.store.device_model_bytes()
 
 
-def slope_per_1000(xs: list[int], ys: list[int]) -> float:
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-
-
 def soak(mode: str, steps: int, quick: bool = False) -> dict:
-    data = batches()
-    least = pscompile.min_device_memory(make_model(quick), data[0], config(mode, None))
+    data = token_batches(512, 4, 64, 4)
+    config = cpu_config(mode, backend="inductor")
+    least = pscompile.min_device_memory(make_model(quick), data[0], config)
     budget = int(least * 1.1)
-    engine = pscompile.compile(make_model(quick), data[0], config=config(mode, budget))
+    engine = pscompile.compile(make_model(quick), data[0], config=dataclasses.replace(config, device_memory=budget))
     warmup = max(SAMPLE_EVERY, steps // 10)
     samples, violations, losses = [], [], []
     steady_bytes = None
@@ -119,15 +85,10 @@ def soak(mode: str, steps: int, quick: bool = False) -> dict:
                 want = steady_bytes or moved
                 if i % EVAL_EVERY == 0 and moved[0] <= want[0] and moved[1] == want[1]:
                     want = moved
-            problems = []
-            if s.peak_device_bytes > budget:
-                problems.append(f"peak {s.peak_device_bytes} > budget {budget}")
-            if s.num_evictions == 0:
-                problems.append("no eviction")
-            if moved != want:
-                problems.append(f"moved {moved}, planned {want}")
-            if not math.isfinite(loss):
-                problems.append(f"loss {loss}")
+            problems = [p for p, bad in ((f"peak {s.peak_device_bytes} > budget {budget}",
+                                          s.peak_device_bytes > budget), ("no eviction", s.num_evictions == 0),
+                                         (f"moved {moved}, planned {want}", moved != want),
+                                         (f"loss {loss}", not math.isfinite(loss))) if bad]
             if problems:
                 violations.append((i, problems))
             if i + 1 == warmup:
@@ -147,7 +108,7 @@ def soak(mode: str, steps: int, quick: bool = False) -> dict:
     first = after[0]
     rss = [x["rss"] for x in after]
     growth = max(rss) - first["rss"]
-    slope = slope_per_1000([x["step"] for x in after], rss)
+    slope = 1000 * statistics.linear_regression([x["step"] for x in after], rss).slope if len(after) > 1 else 0.0
     checks = {
         "rss_flat": growth <= max(16 * MiB, 0.03 * first["rss"]) and slope <= 4 * MiB,
         "occupancy_flat": len({(x["resident"], x["device_bytes"]) for x in after}) == 1,
@@ -158,19 +119,17 @@ def soak(mode: str, steps: int, quick: bool = False) -> dict:
     return dict(mode=mode, steps=steps, warmup=warmup, budget=budget, minimum=least,
                 step_ms=1000 * (t_end - (t_warm or t0)) / max(1, steps - warmup),
                 rss_first=first["rss"], rss_last=rss[-1], rss_growth=growth, rss_slope_per_1000=slope,
-                resident=sorted({x["resident"] for x in after}), device_bytes=sorted({x["device_bytes"] for x in after}),
+                resident=sorted({x["resident"] for x in after}),
+                device_bytes=sorted({x["device_bytes"] for x in after}),
                 objects=(first["objects"], after[-1]["objects"]), threads=sorted({x["threads"] for x in after}),
                 evictions_per_step=engine.stats.num_evictions, loss_first=losses[0], loss_last=losses[-1],
                 violations=violations[:5], num_violations=len(violations), checks=checks, samples=samples)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, "soak", quick="a 1-layer d=64 GPT, 200 steps by default (a smoke run)", markdown=True)
     p.add_argument("--steps", type=int, default=None, help="default 2000 (--quick: 200)")
-    p.add_argument("--quick", action="store_true", help="a 1-layer d=64 GPT, 200 steps by default (a smoke run)")
     p.add_argument("--modes", nargs="+", default=["compiled", "hooks"], choices=["compiled", "hooks"])
-    p.add_argument("--markdown", action="store_true")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     steps = args.steps or (200 if args.quick else 2000)
@@ -178,7 +137,6 @@ def main(argv=None) -> int:
     for mode in args.modes:
         print(f"soak: {mode} mode, {steps} steps ...", flush=True)
         results.append(soak(mode, steps, args.quick))
-    fmt = "github" if args.markdown else "simple"
     rows = [[r["mode"], r["steps"], f"{r['step_ms']:.1f}", format_bytes(r["budget"]), r["evictions_per_step"],
              f"{r['rss_first'] / MiB:.1f} -> {r['rss_last'] / MiB:.1f} MiB",
              f"{r['rss_growth'] / MiB:+.1f} MiB", f"{r['rss_slope_per_1000'] / MiB:+.2f} MiB",
@@ -186,11 +144,10 @@ def main(argv=None) -> int:
              "/".join(str(v) for v in r["threads"]), r["num_violations"],
              "yes" if all(r["checks"].values()) else "NO: " + ", ".join(k for k, v in r["checks"].items() if not v)]
             for r in results]
-    print(tabulate(rows, headers=["mode", "steps", "ms/step", "budget", "evictions/step", "RSS after warm-up -> end",
-                                  "RSS growth", "RSS slope /1000 steps", "resident chunks", "Python objects",
-                                  "threads", "stat violations", "flat"], tablefmt=fmt))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(steps=steps, results=results), indent=1))
+    print(table(rows, ["mode", "steps", "ms/step", "budget", "evictions/step", "RSS after warm-up -> end", "RSS growth",
+                       "RSS slope /1000 steps", "resident chunks", "Python objects", "threads", "stat violations",
+                       "flat"], markdown=args.markdown))
+    write_json(args.out, dict(steps=steps, results=results))
     return 0 if all(all(r["checks"].values()) for r in results) else 1
 
 

@@ -10,20 +10,18 @@ calibrated once, here). Per row:
 - step s: median step time after warm-up; bytes moved per step;
 - link s: the busier direction's bytes over the link rate, the time the copies take if nothing
   else runs (a copy engine per direction, as on full-duplex PCIe, so the two directions overlap);
-- slowdown: step s with the link over step s without it, same mode and batch;
-- **transfer-bound**: a slowdown of at least ``BOUND`` (1.5: a third of the step or more waits for
-  copies that compute does not hide).
-
+- slowdown: step s with the link over step s without it, same mode and batch; **transfer-bound**:
+  a slowdown of at least ``BOUND`` (1.5: a third of the step or more waits for copies that compute
+  does not hide);
 - step / bound: step s over max(the same mode's step with no link, link s), the physical bound;
   step / dep. bound: over the larger of that and the no-link forward plus the chunk bytes sent to
   the host over the rate (no gradient leaves the device before the forward is done).
 
-Each configuration runs its steps alone, one configuration after the other, not interleaved with
-the others: a step returns while the next step's fetches may still be landing (``plan_lookahead``),
-and those copies would run during another engine's step, a link time the step gets for free.
-
-A larger batch does more compute per chunk read, but at a tight budget it also leaves less room for
-chunks (activations grow with the batch), so the bytes moved grow too; the table shows which wins.
+Each configuration runs its steps alone, one after the other, not interleaved: a step returns while
+the next step's fetches may still be landing (``plan_lookahead``), and those copies would run during
+another engine's step, a link time the step gets for free. A larger batch does more compute per
+chunk read, but at a tight budget it also leaves less room for chunks (activations grow with the
+batch), so the bytes moved grow too; the table shows which wins.
 
     python bench/transfer_bound.py [--quick] [--markdown] [--eager] [--overlap-update] [--size L,D]
                                    [--batches 1,2,4,8,16,32,64] [--out bench/results/transfer_bound.json]
@@ -33,65 +31,29 @@ Float32, one torch thread.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 import pscompile
+from compare import batches, probe, run_engine, tight    # (the same models and data as bench/compare.py)
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import gpt
 from pscompile.memory.rates import calibrated_link
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import batches, make_model  # noqa: E402  (the same models and data as bench/compare.py)
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "transfer_bound.json"
 BOUND = 1.5
 FULL = dict(size=(2, 128), vocab=4096, seq=128, batches=(1, 2, 4, 8, 16, 32, 64), warmup=2, steps=5)
 QUICK = dict(size=(2, 64), vocab=512, seq=64, batches=(1, 4), warmup=1, steps=2)
 
 
-def tight_budget(s: dict, data) -> tuple[int, int]:
-    """(minimum + 2 chunks, chunk size) of compiled mode at this batch, from an unbudgeted probe."""
-    probe = pscompile.compile(make_model(*s["size"], s), data[0], config=pscompile.Config(
-        mode="compiled", backend="eager", device="cpu", dtype=torch.float32))
-    probe.step(data[0])
-    minimum, chunk = probe.min_device_memory, probe.layout.chunk_size
-    probe.close()
-    return minimum + 2 * chunk * 4, chunk
-
-
-def run(s: dict, data, cfg: pscompile.Config) -> dict:
-    engine = pscompile.compile(make_model(*s["size"], s), data[0], config=cfg)
-    try:
-        engine.step(data[0])                          # compiled mode measures non-model memory here
-        times, forwards, peaks = [], [], []
-        for i, b in enumerate(data[1:]):
-            engine.step(b)
-            peaks.append(engine.stats.peak_device_bytes)
-            if i >= s["warmup"] - 1:
-                times.append(engine.stats.time_s)
-                forwards.append(engine.stats.forward_s)
-        st = engine.stats
-        return dict(step_s=statistics.median(times), forward_s=statistics.median(forwards), moved=st.bytes_moved,
-                    h2d=st.h2d_bytes, d2h=st.d2h_bytes, chunk_d2h=st.chunk_d2h_bytes, peak=max(peaks))
-    finally:
-        engine.close()
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__, "transfer_bound", markdown=True)
     ap.add_argument("--eager", action="store_true", help="compiled mode with backend='eager' instead of Inductor")
     ap.add_argument("--size", default=None, help="L,D: layers and width of the GPT (default: the settings')")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the settings')")
     ap.add_argument("--overlap-update", action="store_true",
                     help="add compiled mode with Config(overlap_update=True) (chunks updated in the backward)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     s = dict(QUICK if args.quick else FULL)
@@ -104,17 +66,21 @@ def main(argv=None) -> int:
     backend = "eager" if args.eager or args.quick else "inductor"
     systems = [("hooks", dict(mode="hooks")), (f"compiled {backend}", dict(mode="compiled", backend=backend))]
     if args.overlap_update:
-        systems.append((f"compiled {backend} overlap_update", dict(mode="compiled", backend=backend, overlap_update=True)))
+        systems.append((f"compiled {backend} overlap_update",
+                        dict(mode="compiled", backend=backend, overlap_update=True)))
+
+    def model():
+        return gpt(*s["size"], s["vocab"], s["seq"])
     raw = []
     for bs in s["batches"]:
-        data = batches(dict(s, batch=bs), 1 + s["warmup"] + s["steps"])
-        budget, chunk = tight_budget(s, data)
+        data = batches(s, 1 + s["warmup"] + s["steps"], batch=bs)
+        minimum, chunk, _ = probe(model(), data[0])          # (that batch's minimum, an unbudgeted chunk size)
+        budget = tight(minimum, chunk)
         for sname, kw in systems:
             base = None
             for lname, rate in links:
-                cfg = pscompile.Config(device="cpu", dtype=torch.float32, device_memory=budget, chunk_size=chunk,
-                                       link_bandwidth=rate, **kw)
-                r = run(s, data, cfg)
+                cfg = cpu_config(device_memory=budget, chunk_size=chunk, link_bandwidth=rate, **kw)
+                r = run_engine(lambda: pscompile.compile(model(), data[0], config=cfg), data, s["warmup"])
                 assert r["peak"] <= budget, (sname, bs, lname, r["peak"], budget)
                 base = base or r
                 r.update(batch=bs, system=sname, link=lname, rate=rate, budget=budget,
@@ -133,26 +99,20 @@ def main(argv=None) -> int:
     headers = ["batch", "system", "link", "budget MiB", "MiB moved", "step s", "link s", "slowdown", "step / bound",
                "dep. bound s", "step / dep. bound", "transfer-bound"]
     L, D = s["size"]
-    caption = (f"GPT L{L} d{D}, sequence {s['seq']}, float32, one thread; tight budget = that batch's minimum + 2 "
-               f"chunks; step = median of {s['steps']} steps after {s['warmup']} warm-up; link s = the busier direction's "
-               f"bytes / link rate; slowdown = step with the link / without; transfer-bound: slowdown >= {BOUND}")
-    print(caption)
-    print(tabulate(rows, headers=headers))
+    print(f"GPT L{L} d{D}, sequence {s['seq']}, float32, one thread; tight budget = that batch's minimum + 2 "
+          f"chunks; step = median of {s['steps']} steps after {s['warmup']} warm-up; link s = the busier direction's "
+          f"bytes / link rate; slowdown = step with the link / without; transfer-bound: slowdown >= {BOUND}\n")
+    print(table(rows, headers, markdown=args.markdown))
     summary = []
     for sname, _ in systems:
         for lname, rate in links[1:]:
-            bound = [r["batch"] for r in raw if r["system"] == sname and r["link"] == lname and r["transfer_bound"]]
-            free = [r["batch"] for r in raw if r["system"] == sname and r["link"] == lname and not r["transfer_bound"]]
-            summary.append(f"{sname} at {lname}: transfer-bound at batch {bound or 'none'}, "
-                           f"not at {free or 'none'}")
-    print("\n" + "\n".join(summary))
-    if args.markdown:
-        print("\n" + caption + "\n")
-        print(tabulate(rows, headers=headers, tablefmt="github"))
-        print("\n" + "\n".join(f"- {line}" for line in summary))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(settings={k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
-                                        bound=BOUND, rows=raw), indent=1))
+            mine = [r for r in raw if r["system"] == sname and r["link"] == lname]
+            bound = [r["batch"] for r in mine if r["transfer_bound"]]
+            free = [r["batch"] for r in mine if not r["transfer_bound"]]
+            summary.append(f"{sname} at {lname}: transfer-bound at batch {bound or 'none'}, not at {free or 'none'}")
+    print("\n" + "\n".join(("- " if args.markdown else "") + line for line in summary))
+    write_json(args.out, dict(settings={k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+                              bound=BOUND, rows=raw))
     return 0
 
 

@@ -14,7 +14,6 @@ mean loss over the same global batch).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -23,52 +22,30 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tabulate import tabulate
 
 import pscompile
-from pscompile.models.gpt import GPT, GPTConfig
+from compare import probe
+from harness.host import meta
+from harness.output import parser, table, write_json
+from harness.runs import cpu_config
+from harness.specs import gpt_of, token_batches
 from pscompile.units import format_bytes, parse_rate
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero.json"
 FULL = dict(n_layer=4, d=256, vocab=4096, seq=128, batch=8, warmup=2, steps=5, headroom=1.3)
 QUICK = dict(n_layer=2, d=64, vocab=256, seq=32, batch=4, warmup=1, steps=2, headroom=1.3)
 MODES = ("compiled", "hooks")
 
 
-def make_model(s: dict) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=s["n_layer"], n_head=max(1, s["d"] // 64), d_model=s["d"],
-                         vocab_size=s["vocab"], seq_len=s["seq"]))
-
-
 def global_batches(s: dict, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g),
-             torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)) for _ in range(n)]
+    return token_batches(s["vocab"], s["batch"], s["seq"], n, seed=1)
 
 
 def share(batch, rank: int, world: int):
     return tuple(t.chunk(world)[rank].contiguous() for t in batch)
-
-
-def config(mode: str, budget, link) -> pscompile.Config:
-    return pscompile.Config(mode=mode, backend="eager", device="cpu", dtype=torch.float32,
-                            device_memory=budget, link_bandwidth=link)
-
-
-def one_rank_minimum(s: dict, mode: str) -> int:
-    """The measured minimum of one process on the whole global batch."""
-    batch = global_batches(s, 1)[0]
-    engine = pscompile.compile(make_model(s), batch, config=config(mode, None, None))
-    engine.step(batch)
-    least = engine.min_device_memory
-    engine.close()
-    return least
 
 
 def rank_main(rank: int, world: int, port: int, s: dict, mode: str, budget: int, link, out: str) -> None:
@@ -79,7 +56,8 @@ def rank_main(rank: int, world: int, port: int, s: dict, mode: str, budget: int,
     batches = global_batches(s, s["warmup"] + s["steps"])
     result: dict = {"world": world, "mode": mode, "budget_bytes": budget}
     try:
-        engine = pscompile.compile(make_model(s), share(batches[0], rank, world), config=config(mode, budget, link))
+        cfg = cpu_config(mode, device_memory=budget, link_bandwidth=link)
+        engine = pscompile.compile(gpt_of(s), share(batches[0], rank, world), config=cfg)
         losses, times, stats = [], [], []
         for i, b in enumerate(batches):
             t = time.perf_counter()
@@ -91,7 +69,8 @@ def rank_main(rank: int, world: int, port: int, s: dict, mode: str, budget: int,
         result.update(
             losses=losses, step_times_s=times, median_step_s=statistics.median(times),
             h2d_bytes_per_step=mean("h2d_bytes"), d2h_bytes_per_step=mean("d2h_bytes"),
-            allgather_bytes_per_step=mean("allgather_bytes"), reduce_scatter_bytes_per_step=mean("reduce_scatter_bytes"),
+            allgather_bytes_per_step=mean("allgather_bytes"),
+            reduce_scatter_bytes_per_step=mean("reduce_scatter_bytes"),
             peak_device_bytes=max(x.peak_device_bytes for x in stats),
             model_bytes_per_rank=sum(engine.model_data().values()),
             min_device_memory=engine.min_device_memory,
@@ -128,12 +107,9 @@ def run_world(s: dict, mode: str, world: int, budget: int, link) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a tiny model (the smoke test)")
+    ap = parser(__doc__, "zero", quick="a tiny model (the smoke test)", markdown=True)
     ap.add_argument("--link", default="200MB/s", help="emulated bandwidth of every link, or 'none' (default 200MB/s)")
     ap.add_argument("--ranks", default=None, help="comma-separated world sizes (default 1,2, and 4 with >= 4 cores)")
-    ap.add_argument("--markdown", action="store_true", help="print the table as GitHub markdown")
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON results (default {DEFAULT_OUT})")
     args = ap.parse_args(argv)
     s = QUICK if args.quick else FULL
     link = None if args.link.lower() == "none" else parse_rate(args.link, "--link")
@@ -142,7 +118,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     rows, results, failed = [], [], False
     for mode in MODES:
-        budget = int(one_rank_minimum(s, mode) * s["headroom"])
+        budget = int(probe(gpt_of(s), global_batches(s, 1)[0], mode)[0] * s["headroom"])   # one process's minimum
         base = None
         for world in worlds:
             r = run_world(s, mode, world, budget, link)
@@ -164,18 +140,14 @@ def main(argv=None) -> int:
                          format_bytes(r["allgather_bytes_per_step"]), format_bytes(r["reduce_scatter_bytes_per_step"]),
                          format_bytes(r["model_bytes_per_rank"]),
                          f"{format_bytes(r['peak_device_bytes'])} / {format_bytes(budget)}",
-                         "-" if r["max_rel_loss_diff_vs_1_rank"] is None else f"{r['max_rel_loss_diff_vs_1_rank']:.1e}"])
+                         "-" if base is None else f"{r['max_rel_loss_diff_vs_1_rank']:.1e}"])
     headers = ["ranks", "mode", "step s", "speed-up", "h2d/step", "d2h/step", "all-gathered", "reduce-scattered",
                "model data/rank", "peak / budget", "loss diff vs 1"]
-    m = s
-    print(f"GPT L{m['n_layer']} d{m['d']} vocab {m['vocab']}, global batch {m['batch']} x {m['seq']}, float32, "
+    print(f"GPT L{s['n_layer']} d{s['d']} vocab {s['vocab']}, global batch {s['batch']} x {s['seq']}, float32, "
           f"1 thread per process, link {args.link} (host<->device and collectives), budget per rank = "
-          f"{m['headroom']}x the one-process minimum")
-    print(tabulate(rows, headers, tablefmt="github" if args.markdown else "simple"))
-    meta = {"settings": s, "link": args.link, "worlds": worlds, "cpu_count": os.cpu_count(), "torch": torch.__version__}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "runs": results}, f, indent=2)
+          f"{s['headroom']}x the one-process minimum")
+    print(table(rows, headers, markdown=args.markdown))
+    write_json(args.out, {"meta": meta(settings=s, link=args.link, worlds=worlds), "runs": results})
     print(f"results written to {args.out}")
     return 1 if failed else 0
 

@@ -4,8 +4,9 @@ The architecture is described in docs/design.md of the repository.
 """
 
 from pscompile.api import compile, min_device_memory
-from pscompile.checkpoint.save_load import consolidate, load, save
+from pscompile.saving import consolidate, load, save
 from pscompile.config import AdamW, Config, ParamGroup
+from pscompile.resolved import ResolvedConfig, resolve
 from pscompile.dims import Dim
 from pscompile.errors import BudgetError, ScheduleError
 from pscompile.hooks.states import TensorState
@@ -15,7 +16,7 @@ from pscompile.memory.tiers import Tier
 from pscompile.planner import Hardware, PlanReport, plan
 from pscompile.stats import StepStats
 
-__all__ = ["compile", "min_device_memory", "save", "load", "consolidate", "Config", "Dim", "AdamW", "ParamGroup", "StepStats", "BudgetError", "ScheduleError", "ChunkLayout",
+__all__ = ["compile", "min_device_memory", "save", "load", "consolidate", "Config", "ResolvedConfig", "resolve", "Dim", "AdamW", "ParamGroup", "StepStats", "BudgetError", "ScheduleError", "ChunkLayout",
            "build_layout", "search_chunk_size", "TensorState", "Tier", "plan", "Hardware", "PlanReport",
            "Mode", "Backend", "Policy", "Activations", "Collectives"]
 __version__ = "0.1.0"

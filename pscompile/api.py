@@ -14,6 +14,7 @@ from pscompile.errors import BudgetError
 from pscompile.hooks.engine import HooksEngine
 from pscompile.lazy import LazyEngine
 from pscompile.runtime.batching import LossFn, tensor_problem, to_device
+from pscompile.resolved import ResolvedConfig, resolve
 from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
 from pscompile.kinds import Collectives, Mode
@@ -40,7 +41,7 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
     """
     optimizer, config = _check_arguments(model, optimizer, config)
     if batch is None:
-        from pscompile.checkpoint.save_load import load
+        from pscompile.saving import load
         return LazyEngine(model, optimizer=optimizer, config=config, loss_fn=loss_fn, load=load,
                           build=lambda b: compile(model, b, optimizer=optimizer, config=config, loss_fn=loss_fn))
     problem = tensor_problem(batch)
@@ -199,7 +200,8 @@ def _hooks_minimum(model: nn.Module, batch: Any, optimizer: AdamW, config: Confi
                       f"{budget} bytes); give chunk_size explicitly")
 
 
-def _check_arguments(model: nn.Module, optimizer: AdamW | None, config: Config | None) -> tuple[AdamW, Config]:
+def _check_arguments(model: nn.Module, optimizer: AdamW | None,
+                     config: Config | None) -> tuple[AdamW, ResolvedConfig]:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_model(model)
@@ -209,4 +211,4 @@ def _check_arguments(model: nn.Module, optimizer: AdamW | None, config: Config |
         raise ValueError(f"optimizer must be pscompile.AdamW(...), got {type(optimizer).__name__}")
     if not isinstance(config, Config):
         raise ValueError(f"config must be pscompile.Config(...), got {type(config).__name__}")
-    return optimizer, config
+    return optimizer, resolve(config)

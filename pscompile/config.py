@@ -2,6 +2,11 @@
 
 Both are frozen dataclasses that validate in ``__post_init__`` and raise ``ValueError`` naming
 the field and the values that would work. Sizes accept bytes (int) or strings ("512MiB").
+
+``Config`` is plain data: it holds what was given, measures nothing and asks no device. An engine
+resolves it once, when it is built, into a ``ResolvedConfig`` (``pscompile/resolved.py``: the
+current device, a link preset calibrated on this machine, sizes in bytes, choices as enum members),
+the record ``engine.config`` holds.
 """
 
 from __future__ import annotations
@@ -15,10 +20,17 @@ import torch
 
 from pscompile.dims import DynamicShapes
 from pscompile.kinds import Activations, Backend, Collectives, HostKernel, Mode, Policy, StrEnum
-from pscompile.memory.rates import LINK_PRESETS, calibrated_link
 from pscompile.units import parse_rate, parse_size
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# link_bandwidth's GPU presets: an accelerator's dense 16-bit matmul peak over its PCIe x16 link's
+# rate, in FLOP per byte (``pscompile.memory.rates.calibrated_link`` makes one bytes/s here)
+LINK_PRESETS: dict[str, tuple[str, float]] = {
+    "v100": ("V100 PCIe: 112 TFLOP/s over PCIe 3.0 x16, 16 GB/s", 112e12 / 16e9),     # 7,000
+    "a100": ("A100: 312 TFLOP/s over PCIe 4.0 x16, 32 GB/s", 312e12 / 32e9),          # 9,750
+    "h100": ("H100 SXM: 989 TFLOP/s over PCIe 5.0 x16, 64 GB/s", 989e12 / 64e9),      # 15,453
+}
 
 
 def available_host_bytes() -> int:
@@ -48,10 +60,6 @@ def _choice(value, kind: type[StrEnum], field_name: str, what: str):
     except ValueError:
         names = tuple(m.value for m in kind)
         raise ValueError(f"{field_name}={value!r} {what}; use one of {names}") from None
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,8 @@ class Config:
     dynamic: bool | None | DynamicShapes | Any = None
 
     def __post_init__(self):
+        """Validation only: every field is checked as given, nothing is rewritten, measured or asked
+        of a device (``resolve`` does that, when an engine is built)."""
         dev = self._check_device()
         self._check_sizes()
         self._check_choices()
@@ -138,41 +148,29 @@ class Config:
         self._check_copies_and_group(dev)
         self._check_training_flags()
 
-    def _set(self, name: str, value) -> None:
-        object.__setattr__(self, name, value)
-
-    def _check_device(self) -> torch.device:
-        """``device`` as its tensors name it (``cpu``, ``cuda:N``)."""
-        set_ = self._set
-        device = self.device if self.device is not None else default_device()
+    def _check_device(self) -> torch.device | None:
+        """``device`` parsed (None: the engine takes CUDA where it is available)."""
+        if self.device is None:
+            return None
         try:
-            dev = torch.device(device)
+            dev = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device={self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from e
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but CUDA is not available on this machine; use device='cpu'")
-        set_("device", str(canonical_device(dev)))
         return dev
 
     def _check_sizes(self) -> None:
         """The budgets, the disk folder, the chunk size and the dtype."""
-        set_ = self._set
-        if self.device_memory is not None:
-            set_("device_memory", parse_size(self.device_memory, "device_memory"))
-            if self.device_memory == 0:
-                raise ValueError("device_memory=0 leaves no room for anything; give a budget like '256MiB' or None")
-        if self.host_memory is not None:
-            set_("host_memory", parse_size(self.host_memory, "host_memory"))
-            if self.host_memory == 0:
-                raise ValueError("host_memory=0 leaves no room for the chunks' host copies; give a budget like "
-                                 "'8GiB', or None (80% of the available RAM)")
+        if self.device_memory is not None and parse_size(self.device_memory, "device_memory") == 0:
+            raise ValueError("device_memory=0 leaves no room for anything; give a budget like '256MiB' or None")
+        if self.host_memory is not None and parse_size(self.host_memory, "host_memory") == 0:
+            raise ValueError("host_memory=0 leaves no room for the chunks' host copies; give a budget like "
+                             "'8GiB', or None (80% of the available RAM)")
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or not os.path.isdir(self.disk_dir):
                 raise ValueError(f"disk_dir={self.disk_dir!r} is not an existing folder; create it, or leave "
                                  "disk_dir=None for no disk tier")
-            set_("disk_dir", os.fspath(self.disk_dir))
         if self.chunk_size != "auto":
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
                 raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive number of elements or 'auto'")
@@ -180,48 +178,52 @@ class Config:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
 
     def _check_choices(self) -> None:
-        """The enum choices, as members, and the pairs of them that do not go together."""
-        set_ = self._set
-        set_("mode", _choice(self.mode, Mode, "mode", "is not a mode"))
-        set_("backend", _choice(self.backend, Backend, "backend", "is not a backend"))
-        set_("planner", _choice(self.planner, Policy, "planner", "is not a planner"))
-        if self.planner != Policy.BELADY and self.mode != Mode.COMPILED:
-            raise ValueError(f"planner={str(self.planner)!r} plans compiled mode's graph; mode='hooks' evicts at run "
+        """The enum choices (a member or its value), and the pairs of them that do not go together."""
+        mode = _choice(self.mode, Mode, "mode", "is not a mode")
+        _choice(self.backend, Backend, "backend", "is not a backend")
+        planner = _choice(self.planner, Policy, "planner", "is not a planner")
+        if planner != Policy.BELADY and mode != Mode.COMPILED:
+            raise ValueError(f"planner={str(planner)!r} plans compiled mode's graph; mode='hooks' evicts at run "
                              "time by farthest next use (planner='belady'); use mode='compiled'")
-        set_("collectives", _choice(self.collectives, Collectives, "collectives", "is not supported"))
-        set_("activations", _choice(self.activations, Activations, "activations", "is not a policy"))
-        set_("optimizer_kernel", _choice(self.optimizer_kernel, HostKernel, "optimizer_kernel", "is not a kernel"))
+        _choice(self.collectives, Collectives, "collectives", "is not supported")
+        activations = _choice(self.activations, Activations, "activations", "is not a policy")
+        _choice(self.optimizer_kernel, HostKernel, "optimizer_kernel", "is not a kernel")
         t = self.optimizer_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"optimizer_threads={t!r} must be a positive int (threads of the host optimizer "
                              "update) or None (torch.get_num_threads())")
-        if self.activations in (Activations.RECOMPUTE, Activations.OFFLOAD) and self.mode != Mode.COMPILED:
-            raise ValueError(f"activations={str(self.activations)!r} is planned in compiled mode's graph; in mode='hooks' "
+        if activations in (Activations.RECOMPUTE, Activations.OFFLOAD) and mode != Mode.COMPILED:
+            raise ValueError(f"activations={str(activations)!r} is planned in compiled mode's graph; in mode='hooks' "
                              "wrap the model's blocks in torch.utils.checkpoint (or torch.autograd.graph."
                              "save_on_cpu) instead, or use mode='compiled'")
 
-    def _check_link(self, dev: torch.device) -> None:
-        """``link_bandwidth``: a rate, or a GPU preset calibrated on this machine (CPU only)."""
-        set_ = self._set
-        if self.link_bandwidth is not None:
-            if dev.type != "cpu":
-                raise ValueError("link_bandwidth emulates a slow link on the CPU only; leave it None on CUDA")
-            if isinstance(self.link_bandwidth, str) and self.link_bandwidth.strip().lower() in LINK_PRESETS:
-                # an accelerator's compute-to-link ratio on this machine: measured once, here
-                set_("link_bandwidth", calibrated_link(self.link_bandwidth.strip(), dev, self.dtype))
-            else:
-                try:
-                    set_("link_bandwidth", parse_rate(self.link_bandwidth, "link_bandwidth"))
-                except ValueError as e:
-                    raise ValueError(f"{e}; or a GPU preset, one of {sorted(LINK_PRESETS)}") from None
+    def _check_link(self, dev: torch.device | None) -> None:
+        """``link_bandwidth``: a rate, or the name of a GPU preset (calibrated when an engine is
+        built); CPU only (``check_on_device`` again once the device is known)."""
+        if self.link_bandwidth is None:
+            return
+        if not is_link_preset(self.link_bandwidth):
+            try:
+                parse_rate(self.link_bandwidth, "link_bandwidth")
+            except ValueError as e:
+                raise ValueError(f"{e}; or a GPU preset, one of {sorted(LINK_PRESETS)}") from None
+        self.check_on_device(dev)
 
-    def _check_copies_and_group(self, dev: torch.device) -> None:
+    def check_on_device(self, dev: torch.device | None) -> None:
+        """The fields that hold on the CPU only, for the compute device ``dev`` (None: not known yet)."""
+        if dev is None or dev.type == "cpu":
+            return
+        if self.link_bandwidth is not None:
+            raise ValueError("link_bandwidth emulates a slow link on the CPU only; leave it None on CUDA")
+        if self.strict_copies:
+            raise ValueError("strict_copies is the CPU race checker; on CUDA the copy streams run the copies "
+                             "(leave strict_copies=False, or check the schedule with device='cpu')")
+
+    def _check_copies_and_group(self, dev: torch.device | None) -> None:
         """``strict_copies`` (CPU only) and ``process_group``."""
         if not isinstance(self.strict_copies, bool):
             raise ValueError(f"strict_copies={self.strict_copies!r} must be True or False")
-        if self.strict_copies and dev.type != "cpu":
-            raise ValueError("strict_copies is the CPU race checker; on CUDA the copy streams run the copies "
-                             "(leave strict_copies=False, or check the schedule with device='cpu')")
+        self.check_on_device(dev)
         if self.process_group is not None and self.process_group is not False:
             try:
                 import torch.distributed as dist
@@ -245,7 +247,7 @@ class Config:
                              "dynamic=True (every size symbolic from the first batch) is not supported; to name the sizes that "
                              "change up front, give a spec such as ({1: pscompile.Dim('seq', max=512)}, None)")
         if self.dynamic is not None and self.dynamic is not False:
-            self._set("dynamic", DynamicShapes.from_spec(self.dynamic))
+            DynamicShapes.from_spec(self.dynamic)      # (checked; the engine holds the parsed spec)
         if not isinstance(self.pinned_host, bool):
             raise ValueError(f"pinned_host={self.pinned_host!r} must be True or False")
         if not isinstance(self.lock_free, bool):
@@ -262,20 +264,10 @@ class Config:
         if not (isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval > 0):
             raise ValueError(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a positive int")
 
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
 
-
-def canonical_device(dev: torch.device) -> torch.device:
-    """The device as the tensors on it name theirs, so that ``t.device == engine.device`` holds for
-    them: ``cpu`` without an index (CPU tensors carry none: ``cpu:0`` would compare unequal), and
-    ``cuda`` with the current device's index (``cuda`` alone compares unequal to ``cuda:0``)."""
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
+def is_link_preset(value) -> bool:
+    """``value`` names one of ``LINK_PRESETS`` (any case, spaces around)."""
+    return isinstance(value, str) and value.strip().lower() in LINK_PRESETS
 
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

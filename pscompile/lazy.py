@@ -26,6 +26,7 @@ from typing import Any, Callable
 from torch import nn
 
 from pscompile.config import AdamW, Config
+from pscompile.resolved import resolve
 from pscompile.profiling import Profiled
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.torch_optimizer import EngineOptimizer, updated_hps
@@ -47,7 +48,7 @@ class LazyEngine(Profiled):
                  build: Callable[[Any], Any], load: Callable[[Any, Path], Any]):
         """``build(batch)``: the engine ``compile(model, batch, ...)`` makes; ``load(engine,
         path)``: ``pscompile.load``, for a checkpoint loaded before the first step."""
-        self.model, self.config, self.hp, self.loss_fn = model, config, optimizer, loss_fn
+        self.model, self.config, self.hp, self.loss_fn = model, resolve(config), optimizer, loss_fn
         self._build, self._load = build, load
         self.built = None                          # the engine, from the first step on
         self.closed = False

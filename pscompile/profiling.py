@@ -9,7 +9,8 @@ and each AdamW update of a chunk inside ``update chunk 3``. A trace opened in Pe
 (ui.perfetto.dev) or TensorBoard then shows the schedule: the compute thread's lane holds the
 regions and the memory nodes, a ``wait`` range as long as the step waited for that copy, and the
 copy threads' lanes hold the copies, so one sees which copy overlapped which region. On CUDA the
-same names are NVTX ranges (Nsight Systems).
+same names are NVTX ranges (Nsight Systems). This module holds the recording primitives only; the
+names of graph nodes and regions come from the listing that owns them (``compiled/listing.py``).
 
 No range is made while no profiler records (one check of a flag per step or copy), since a
 ``record_function`` costs about 17 us even then. ``profile`` is the one-call form: it records
@@ -25,7 +26,6 @@ from typing import Any, ContextManager
 
 import torch
 import torch.autograd.profiler as autograd_profiler
-from torch import fx
 
 NOTHING = contextlib.nullcontext()      # (reusable: a nullcontext keeps no state)
 
@@ -48,33 +48,6 @@ def named(name: str, cuda: bool = False) -> ContextManager:
 def maybe(name: str, cuda: bool = False) -> ContextManager:
     """``named(name)`` while a profiler records; otherwise a context that does nothing."""
     return named(name, cuda) if recording() else NOTHING
-
-
-def node_name(n: fx.Node) -> str:
-    """A memory or activation node as the schedule listing shows it: ``fetch chunk 12 (fetch_3)``
-    (the node's name last: a copy it issues is ``copy h2d fetch_3`` on a copy thread's lane)."""
-    from pscompile.graph.ops import activation_move, mem_op      # (this module is imported low down)
-    mem = mem_op(n)
-    if mem is not None:
-        unit = "group" if mem.world > 1 else "chunk"
-        return f"{mem.kind} {unit} {mem.chunk}" + (f" {mem.fqn}" if mem.fqn else "") + f" ({n.name})"
-    move = activation_move(n)
-    if move is not None:
-        return f"{move.kind} {move.value} ({n.name})"
-    return n.name
-
-
-def region_name(index: int, nodes: list[fx.Node], effects: list[fx.Node] = ()) -> str:
-    """``region 7 (h.0.attn .. h.0.mlp)``: the region and the modules whose parameters it reads
-    (the first and the last, in order); then the stores into device slots it runs inside
-    (``effects``), by node name: ``+ store_grad_3, store_grad_4`` (no range of their own)."""
-    from pscompile.compiled.listing import _module_of
-    from pscompile.graph.meta import get
-    params = [get(n, "param") or (get(n, "page") or (None,))[0] for n in nodes]
-    modules = list(dict.fromkeys(_module_of(p) for p in params if p))
-    where = f" ({modules[0]})" if len(modules) == 1 else f" ({modules[0]} .. {modules[-1]})" if modules else ""
-    stores = f" + {', '.join(n.name for n in effects)}" if effects else ""
-    return f"region {index}{where}{stores}"
 
 
 class Profiled:

@@ -1,5 +1,6 @@
-"""The shape of the code base: no import cycles inside the package, no file outside the repository
-cited, no machine's paths in sources.
+"""The shape of the code base: every import runs down the package's floors (``FLOORS``), no import
+cycle in the package or in bench/, no file outside the repository cited, no machine's paths in
+sources.
 
 Every import counts, including those inside functions and under ``if TYPE_CHECKING:`` (a lazy or
 type-only import hides a cycle between two modules, it does not remove it).
@@ -14,6 +15,46 @@ ROOT = Path(__file__).resolve().parents[1]
 # installed package -> folder (pyproject maps pscompile.passes and pscompile.models to top-level folders)
 PACKAGES = {"pscompile": ROOT / "pscompile", "pscompile.passes": ROOT / "passes",
             "pscompile.models": ROOT / "models"}
+
+
+# The floors, lowest first: a module may import its own floor and those below, never one above.
+# A module's floor is that of its longest listed prefix (docs/design.md, "Floors").
+FLOORS = {
+    # 0, vocabulary: errors, enums, sizes, the step's record, the profiler's recording primitives
+    "pscompile.errors": 0, "pscompile.kinds": 0, "pscompile.units": 0, "pscompile.dims": 0,
+    "pscompile.stats": 0, "pscompile.profiling": 0,
+    # 1, plain data and formats: the configuration, the checkpoint file format, the model zoo
+    "pscompile.config": 1, "pscompile.checkpoint": 1, "pscompile.models": 1,
+    # 2, memory: layout, tiers, the store, copies, disk; a Config resolved for this machine
+    "pscompile.memory": 2, "pscompile.resolved": 2,
+    # 3, what runs on memory: optimizers, collectives
+    "pscompile.optim": 3, "pscompile.dist": 3,
+    # 4, the engines' shared runtime
+    "pscompile.runtime": 4,
+    # 5, the graph: capture, analysis, the passes, planning
+    "pscompile.graph": 5, "pscompile.passes": 5,
+    # 6, the engines and the planner
+    "pscompile.hooks": 6, "pscompile.compiled": 6, "pscompile.planner": 6,
+    # 7, an engine built at the first step; 8, the public operations; 9, the faces
+    "pscompile.lazy": 7,
+    "pscompile.api": 8, "pscompile.saving": 8, "pscompile.integrations": 8, "pscompile.testing": 8,
+    "pscompile": 9, "pscompile.cli": 9, "pscompile.__main__": 9,
+}
+
+
+def floor_of(module: str) -> int:
+    m = module
+    while m not in FLOORS:
+        if not m:
+            raise KeyError(f"{module} has no floor: add its package to FLOORS")
+        m = m.rpartition(".")[0]
+    return FLOORS[m]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module on a higher floor than the importer's."""
+    return [f"{m} (floor {floor_of(m)}) imports {d} (floor {floor_of(d)})"
+            for m in sorted(graph) for d in sorted(graph[m]) if floor_of(d) > floor_of(m)]
 
 
 def _modules() -> dict[str, Path]:
@@ -104,6 +145,34 @@ def test_import_graph_sees_the_package():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_import_runs_down_the_floors():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_floor_check_finds_an_upward_import_inside_a_function():
+    """One import up, written inside a function (as ``profiling.py`` once hid its): found."""
+    graph = import_graph()
+    assert "pscompile.compiled.listing" not in graph["pscompile.profiling"]
+    graph["pscompile.profiling"] = graph["pscompile.profiling"] | {"pscompile.compiled.listing"}
+    assert upward_imports(graph) == ["pscompile.profiling (floor 0) imports pscompile.compiled.listing (floor 6)"]
+
+
+def bench_import_graph() -> dict[str, set[str]]:
+    """bench/'s modules as its scripts import them (bench/ first on ``sys.path``): ``compare``,
+    ``harness.specs``, ``cudabench.lease``; pscompile's own are left out (they are checked above)."""
+    folder = ROOT / "bench"
+    modules = {".".join(p for p in f.relative_to(folder).with_suffix("").parts if p != "__init__"): f
+               for f in folder.rglob("*.py")}
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_import_cycles_in_bench():
+    graph = bench_import_graph()
+    assert {"harness.specs", "harness.runner"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in bench/: " + " -> ".join(cycle)
 
 
 def test_cycle_finder_finds_a_cycle():

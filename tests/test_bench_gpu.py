@@ -1,5 +1,5 @@
 """The commands of a lent GPU, on the CPU: ``bench/gpu.py --dry-run`` (the acceptance run) and
-``bench/gpu.py --lease`` (bench/gpu_lease.py: its dry run, its deadline, a hung test). The third,
+``bench/gpu.py --lease`` (bench/cudabench/lease.py: its dry run, its deadline, a hung test). The third,
 ``--peers``, is tests/test_gpu_peers.py."""
 
 import json
@@ -33,12 +33,12 @@ def test_gpu_acceptance_dry_run(tmp_path):
 
 
 def _lease_module():
-    """bench/gpu_lease.py, imported as the script imports it (bench/ first on the path)."""
+    """bench/cudabench/lease.py, imported as the script imports it (bench/ first on the path)."""
     bench = str(BENCH.parent)
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    import gpu_lease
-    return gpu_lease
+    from cudabench import lease
+    return lease
 
 
 def _lines(path: Path) -> list[dict]:
@@ -64,7 +64,7 @@ def test_gpu_lease_dry_run(tmp_path):
     rows = [x for x in lines if x["kind"] == "row"]
     speed = [r for r in rows if r["section"] == "speed"]
     assert [(r["system"], r["budget_name"]) for r in speed] == list(lease.SPEED)
-    assert len(rows) == len(lease.SPEED) + 2 * len(lease.gpu.SYSTEMS)
+    assert len(rows) == len(lease.SPEED) + 2 * len(lease.SYSTEMS)
     for r in rows:
         assert "error" not in r
         if r["system"] in lease.INDUCTOR:
@@ -80,15 +80,15 @@ def test_gpu_lease_skips_rows_past_the_deadline(tmp_path):
     """A row whose estimate does not fit in the time left is written as skipped, with why, and not
     run; the estimates grow with the model and fall once a system's compile caches are warm."""
     lease_mod = _lease_module()
-    lease = lease_mod.Lease(tmp_path / "lease.jsonl", "cpu", dict(lease_mod.gpu.DRY), inductor=True)
+    lease = lease_mod.Lease(tmp_path / "lease.jsonl", "cpu", dict(lease_mod.DRY), inductor=True)
     lease.out.write_text("")
-    rows = lease_mod.speed_phase(lease, lease_mod.gpu.Clock(1.0), rate=1e9)      # every row needs more
+    rows = lease_mod.speed_phase(lease, lease_mod.Clock(1.0), rate=1e9)      # every row needs more
     assert len(rows) == len(lease_mod.SPEED) and not lease.warm
     for r, line in zip(rows, _lines(lease.out)):
         assert r["skipped"].startswith("deadline:") and f"~{r['estimate_s']:.0f} s" in r["skipped"]
         assert line["kind"] == "row" and line["skipped"] == r["skipped"]
-    parity = lease_mod.parity_phase(lease, lease_mod.gpu.Clock(1.0))
-    assert len(parity) == 2 * len(lease_mod.gpu.SYSTEMS) and all(r["skipped"].startswith("deadline:") for r in parity)
+    parity = lease_mod.parity_phase(lease, lease_mod.Clock(1.0))
+    assert len(parity) == 2 * len(lease_mod.SYSTEMS) and all(r["skipped"].startswith("deadline:") for r in parity)
     assert len(_lines(lease.out)) == len(rows) + len(parity)
     s = lease_mod.LEASE
     cold = lease_mod.estimate_s("compiled inductor", s["speed"], s, True, warm=False)
@@ -105,7 +105,7 @@ def test_gpu_lease_tests_phase_survives_a_hung_test(tmp_path):
     (tmp_path / "t" / "test_x.py").write_text(
         "import time\n\ndef test_a():\n    pass\n\ndef test_hang():\n    time.sleep(60)\n\n"
         "def test_c():\n    assert 1 == 2, 'one is not two'\n")
-    lease = lease_mod.Lease(tmp_path / "lease.jsonl", "cpu", dict(lease_mod.gpu.DRY), inductor=False)
+    lease = lease_mod.Lease(tmp_path / "lease.jsonl", "cpu", dict(lease_mod.DRY), inductor=False)
     lease.out.write_text("")
     tests = lease_mod.tests_phase(lease, limit_s=60, test_s=1, targets=["t"], cwd=tmp_path)
     got = {t["test"].split("::")[1]: t for t in tests}

@@ -90,9 +90,10 @@ def test_dim_bounds_are_checked():
 
 def test_the_spec_is_kept_hashable_and_survives_replace():
     import dataclasses
-    config = named()
-    assert hash(config) == hash(named()) and config == named()
+    config = pscompile.resolve(named())          # (a Config holds the spec as given; resolved, it is parsed)
+    assert hash(config) == hash(pscompile.resolve(named())) and config == pscompile.resolve(named())
     assert dataclasses.replace(config, device_memory=1 << 20).dynamic == config.dynamic
+    assert dataclasses.replace(named(), device_memory=1 << 20).dynamic == named().dynamic
 
 
 def test_a_batch_above_the_max_plans_again_with_a_warning(caplog):

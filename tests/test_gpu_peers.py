@@ -1,4 +1,4 @@
-"""bench/gpu_peers.py (``bench/gpu.py --peers``): pscompile against FSDP2 + CPU offload, DeepSpeed
+"""bench/cudabench/versus.py (``bench/gpu.py --peers``): pscompile against FSDP2 + CPU offload, DeepSpeed
 ZeRO-3 offload and plain torch.compile. The command runs end to end on the CPU (``--dry-run``); its
 verdicts, peaks and loss checks are tested on rows made here, so a wrong row cannot pass."""
 
@@ -15,8 +15,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import gpu_peers  # noqa: E402
-import peers  # noqa: E402
+from cudabench import peers  # noqa: E402
+from cudabench import versus  # noqa: E402
 
 
 def _lines(path: Path) -> list[dict]:
@@ -36,15 +36,15 @@ def test_the_dry_run_runs_every_row_in_order_and_each_tracks_plain_pytorch(dry_r
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines[0]["kind"] == "meta" and lines[-1]["kind"] == "end" and lines[-1]["failures"] == []
     rows = [x for x in lines if x["kind"] == "row" and x["section"] == "speed"]
-    plan = [("compiled eager" if s == "main" else s, b, e or None) for s, b, e in gpu_peers.PLAN + gpu_peers.AB]
+    plan = [("compiled eager" if s == "main" else s, b, e or None) for s, b, e in versus.PLAN + versus.AB]
     assert [(r["system"], r["budget_name"], r["variant"]) for r in rows] == plan
     ran = [r for r in rows if "skipped" not in r]
-    assert {r["system"] for r in ran} >= {"plain PyTorch", "compiled eager", gpu_peers.FSDP2}
+    assert {r["system"] for r in ran} >= {"plain PyTorch", "compiled eager", versus.FSDP2}
     for r in rows:
         assert "error" not in r, r
         if r["system"] == "plain torch.compile":
             assert r["skipped"] == "dry run without --inductor"
-        if r["system"] == gpu_peers.DEEPSPEED and "skipped" in r:      # not installed in CI
+        if r["system"] == versus.DEEPSPEED and "skipped" in r:      # not installed in CI
             assert r["skipped"].startswith("import deepspeed failed")
     derived = {(d["system"], d["budget_name"]): d for d in lines if d["kind"] == "derived"}
     assert len(derived) == len(ran)
@@ -62,7 +62,7 @@ def test_the_dry_run_holds_every_system_to_one_cap(dry_run):
     parts = capped[0]["cap_parts"]
     assert cap == max(int(parts["minimum"] * 1.15), parts["quarter_of_model_data"])
     for r in capped:
-        if r["system"] in (gpu_peers.FSDP2, gpu_peers.DEEPSPEED):      # (DeepSpeed: where it is installed)
+        if r["system"] in (versus.FSDP2, versus.DEEPSPEED):      # (DeepSpeed: where it is installed)
             assert r["cap"] == cap and r["cap_enforced"] is False       # the CPU has no allocator limit
         else:
             assert r["budget"] == cap and r["over_budget_bytes"] == 0 and r["peak_max"] <= cap
@@ -75,12 +75,12 @@ def test_the_dry_run_holds_every_system_to_one_cap(dry_run):
 def test_the_dry_run_decides_nothing_and_climbs_pscompiles_ladder(dry_run):
     _, lines = dry_run
     decisions = [x for x in lines if x["kind"] == "decision"]
-    assert [d["variant"] for d in decisions] == [e for _, _, e in gpu_peers.AB]
+    assert [d["variant"] for d in decisions] == [e for _, _, e in versus.AB]
     assert all(d["verdict"] == "dry run: times mean nothing" and d["step_ratio"] > 0 for d in decisions)
     caps = {x["system"]: x for x in lines if x["kind"] == "row" and x["section"] == "capacity"}
     ours = caps["compiled eager"]
     assert ours["largest"]["size"] == [2, 128] and ours["stopped_by"].startswith("BudgetError")
-    assert caps[gpu_peers.FSDP2]["skipped"] == caps["plain PyTorch"]["skipped"] == "the CPU cannot cap a peer's memory"
+    assert caps[versus.FSDP2]["skipped"] == caps["plain PyTorch"]["skipped"] == "the CPU cannot cap a peer's memory"
 
 
 def _row(system, step_s, variant=None, losses=(5.0, 4.0), **kw):
@@ -93,30 +93,30 @@ def test_an_a_b_verdict_follows_the_step_ratio():
             _row("compiled inductor", 1.1, {"pinned_host": False}),
             _row("compiled inductor", 1.01, {"optimizer_threads": "one less"}),
             dict(section="speed", system="compiled inductor", budget_name="cap", variant={"x": 1}, skipped="deadline")]
-    got = [(d["verdict"], d.get("why")) for d in gpu_peers.decisions(rows, dry_run=False)]
+    got = [(d["verdict"], d.get("why")) for d in versus.decisions(rows, dry_run=False)]
     assert got == [("the variant wins", None), ("the default wins", None), ("no difference", None),
                    ("not measured", "deadline")]
 
 
 def test_a_row_whose_losses_leave_plain_pytorchs_fails_the_run():
     class _Lease:
-        device, s = "cpu", dict(gpu_peers.DRY)
+        device, s = "cpu", dict(versus.DRY)
     ref = _row("plain PyTorch", 0.01)
-    close, far = _row(gpu_peers.FSDP2, 0.02, losses=(5.0, 4.001)), _row(gpu_peers.FSDP2, 0.02, losses=(5.0, 4.4))
+    close, far = _row(versus.FSDP2, 0.02, losses=(5.0, 4.001)), _row(versus.FSDP2, 0.02, losses=(5.0, 4.4))
     for r in (close, far):
-        gpu_peers.derive(r, _Lease, ref, torch.float32)
+        versus.derive(r, _Lease, ref, torch.float32)
     assert close["tracks"] is False and far["tracks"] is False                    # fp32: within 1e-4
-    gpu_peers.derive(close, _Lease, ref, torch.bfloat16)
+    versus.derive(close, _Lease, ref, torch.bfloat16)
     assert close["tracks"] is True and close["max_rel_loss"] == pytest.approx(2.5e-4)
-    gpu_peers.derive(far, _Lease, ref, torch.bfloat16)
-    assert far["tracks"] is False and any("from plain PyTorch" in f for f in gpu_peers.failures([far]))
+    versus.derive(far, _Lease, ref, torch.bfloat16)
+    assert far["tracks"] is False and any("from plain PyTorch" in f for f in versus.failures([far]))
 
 
 def test_the_overlap_ratio_is_against_the_slower_of_compute_and_the_link():
     alone = dict(_row("compiled eager", 1.0), budget_name="none", busier_bytes=0, rate=1e9)
     link_bound = _row("compiled eager", 4.0, busier_bytes=3e9, rate=1e9)       # 3 s of copies
     compute_bound = _row("compiled eager", 2.0, busier_bytes=1e8, rate=1e9)    # 0.1 s of copies
-    gpu_peers.overlap_ratios([alone, link_bound, compute_bound])
+    versus.overlap_ratios([alone, link_bound, compute_bound])
     assert (alone["overlap_ratio"], link_bound["overlap_ratio"], compute_bound["overlap_ratio"]) == (1.0, 4 / 3, 2.0)
 
 

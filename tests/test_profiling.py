@@ -13,6 +13,7 @@ import torch
 
 import pscompile
 from pscompile import profiling
+from pscompile.compiled.listing import profiler_node_name
 from pscompile.graph.ops import activation_move, mem_op
 from conftest import make_batches, make_model
 
@@ -48,7 +49,7 @@ def test_a_profiled_step_shows_every_memory_node_its_copies_and_the_waits(tmp_pa
     seen = collections.Counter(e["name"] for e in lane)
     inside_regions = {s for e in lane if e["name"].startswith("region ") and " + " in e["name"]
                       for s in e["name"].split(" + ")[1].split(", ")}     # stores a region runs inside
-    matches = [gm for gm in ran if all(seen[profiling.node_name(n)] == 1 or n.name in inside_regions
+    matches = [gm for gm in ran if all(seen[profiler_node_name(n)] == 1 or n.name in inside_regions
                                        for n in _memory_nodes(gm))]
     assert matches, "no schedule whose every memory node is a range of the step"
     nodes = _memory_nodes(matches[0])
@@ -57,7 +58,7 @@ def test_a_profiled_step_shows_every_memory_node_its_copies_and_the_waits(tmp_pa
     for n in nodes:                  # every node that moves bytes between tiers issued a copy, off this lane
         mem = mem_op(n)
         if mem is not None and mem.nbytes > 0 and mem.src != mem.dst:
-            assert n.name in copied, f"{profiling.node_name(n)}: no copy on a copy thread's lane"
+            assert n.name in copied, f"{profiler_node_name(n)}: no copy on a copy thread's lane"
     assert len({e["tid"] for e in copies}) == 2, "one copy thread per direction"
     regions = [e["name"] for e in lane if e["name"].startswith("region ")]
     assert any(name.startswith("region ") and "(h.0." in name for name in regions), regions[:5]   # its modules

@@ -78,7 +78,7 @@ def test_the_sdist_and_the_wheel_carry_the_sources_the_kernel_and_the_script(bui
         sdist.name == f"pscompile-{pscompile.__version__}.tar.gz"
     names = set(zipfile.ZipFile(wheel).namelist())
     for need in ("pscompile/py.typed", "pscompile/optim/host_adamw.cpp", "pscompile/passes/__init__.py",
-                 "pscompile/models/__init__.py", "pscompile/checkpoint/save_load.py", "pscompile/cli/main.py"):
+                 "pscompile/models/__init__.py", "pscompile/saving.py", "pscompile/cli/main.py"):
         assert need in names, f"the wheel lacks {need}"
     sources = {p.relative_to(ROOT).as_posix() for d in ("pscompile", "passes", "models") for p in (ROOT / d).rglob("*.py")}
     shipped = {n.replace("pscompile/passes/", "passes/").replace("pscompile/models/", "models/") for n in names}

@@ -1,4 +1,4 @@
-"""Checkpoints: ``pscompile.save`` / ``pscompile.load`` and everything under them, in layers.
+"""Checkpoint files: the layers under ``pscompile.save`` / ``pscompile.load`` (``pscompile/saving.py``).
 
 ``files.py``        durable writes: an exclusive temporary, hashed while written, fsync, rename,
                     fsync of the folder; ``remove_stale`` clears the temporaries of dead writers.
@@ -7,7 +7,7 @@
                     checks the length and the hash before anything is read into an engine.
 ``sharded.py``      a ZeRO checkpoint: a folder every rank writes into, committed by one atomic
                     rename of its manifest; ``agree`` makes every rank refuse if any rank must.
-``save_load.py``    ``save``, ``load``, ``consolidate``: the checks of every value against the
+``../saving.py``    ``save``, ``load``, ``consolidate``: the checks of every value against the
                     engine and the rules (``runtime/state.py``: ``state_problems``,
                     ``state_fault``; ``runtime/rng.py``: ``rng_problems``), one list of problems,
                     the ranks' agreement, then the load, which changes nothing until all passed.
@@ -16,6 +16,6 @@
 What the engine puts into a checkpoint and takes out of it is the engine's own
 (``runtime/checkpoint_state.py``: the header, the tensors, the direct load and the resharding).
 The public names are ``pscompile.save``, ``pscompile.load`` and ``pscompile.consolidate``
-(``save_load.py``); this package's ``__init__`` imports nothing, so the runtime can use its file
-format without a cycle.
+(``saving.py``, a floor above the engines). This package imports nothing of pscompile: it is the
+file format, on the floor under the runtime, which reads and writes through it.
 """

@@ -30,7 +30,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
                 add_inspect_arguments, inspect_command),
     "plan": ("plan a GPT for a machine one does not have (fake tensors): fits?, chunks, bytes, time",
              add_plan_arguments, plan_command),
-    "bench": ("compare plain PyTorch, torch.compile, hooks and compiled mode on GPT (bench/compare.py)",
+    "bench": ("run a benchmark of bench/ (--list: which question each answers); default bench/compare.py",
               add_bench_arguments, bench_command),
 }
 

@@ -38,6 +38,7 @@ from pscompile.compiled.state import CompiledState
 from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.schedule import Schedule, model_summary
 from pscompile.config import AdamW, Config
+from pscompile.resolved import resolve
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.ops import activation_move, is_memory_node, mem_op
@@ -89,6 +90,7 @@ class _RunRecord:
 class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledState, ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
+        config = resolve(config)
         if config.backend == Backend.INDUCTOR:
             try:
                 importlib.import_module("torch._inductor.fx_passes.control_dependencies")

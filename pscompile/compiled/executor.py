@@ -35,6 +35,7 @@ from torch import fx
 
 from pscompile.compiled.program import (LoweringReport, Step, StepKind, attr, by_regions, first_backward,
                                         is_compute_op, per_node, release_plan)
+from pscompile.compiled.listing import profiler_node_name, profiler_region_name
 from pscompile.compiled.regions import Region
 from pscompile.graph import meta as gmeta
 from pscompile.graph.ops import mem_op
@@ -205,8 +206,8 @@ class Executor:
             key = ("region", x.index) if isinstance(x, Region) else x
             name = names.get(key)
             if name is None:
-                name = names[key] = profiling.region_name(x.index, x.nodes, x.effects) if isinstance(x, Region) \
-                    else profiling.node_name(x)
+                name = names[key] = profiler_region_name(x.index, x.nodes, x.effects) if isinstance(x, Region) \
+                    else profiler_node_name(x)
             return profiling.named(name, cuda)
         return ranges
 

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from pscompile.graph.meta import get
-from pscompile.graph.ops import MemOp, is_memory_node
+from pscompile.graph.ops import MemOp, activation_move, is_memory_node, mem_op
 from pscompile.kinds import MemKind
 from pscompile.units import format_bytes
 
@@ -190,3 +190,28 @@ def _short_trace(trace: str) -> str:
         return f"{Path(path[6:-1]).name}:{line.split()[-1]} {fn}"
     except ValueError:
         return last[:60]
+
+
+# ---------------------------------------------------------------- the profiler's names
+def profiler_node_name(n: fx.Node) -> str:
+    """A memory or activation node as the schedule listing shows it: ``fetch chunk 12 (fetch_3)``
+    (the node's name last: a copy it issues is ``copy h2d fetch_3`` on a copy thread's lane)."""
+    mem = mem_op(n)
+    if mem is not None:
+        unit = "group" if mem.world > 1 else "chunk"
+        return f"{mem.kind} {unit} {mem.chunk}" + (f" {mem.fqn}" if mem.fqn else "") + f" ({n.name})"
+    move = activation_move(n)
+    if move is not None:
+        return f"{move.kind} {move.value} ({n.name})"
+    return n.name
+
+
+def profiler_region_name(index: int, nodes: list[fx.Node], effects: list[fx.Node] = ()) -> str:
+    """``region 7 (h.0.attn .. h.0.mlp)``: the region and the modules whose parameters it reads
+    (the first and the last, in order); then the stores into device slots it runs inside
+    (``effects``), by node name: ``+ store_grad_3, store_grad_4`` (no range of their own)."""
+    params = [get(n, "param") or (get(n, "page") or (None,))[0] for n in nodes]
+    modules = list(dict.fromkeys(_module_of(p) for p in params if p))
+    where = f" ({modules[0]})" if len(modules) == 1 else f" ({modules[0]} .. {modules[-1]})" if modules else ""
+    stores = f" + {', '.join(n.name for n in effects)}" if effects else ""
+    return f"region {index}{where}{stores}"

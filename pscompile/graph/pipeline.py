@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from pscompile.config import Config
+from pscompile.resolved import resolve
 from pscompile.errors import BudgetError
 from pscompile.graph.analysis import (
     AnalyzedGraph,
@@ -173,7 +174,7 @@ def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind =
     compiled engine makes them, without an engine (fake tensors: ``model`` may be on meta).
     ``world``: the ranks a ZeRO engine would shard over (no process group is needed to plan);
     ``per_chunk``: its collectives go per chunk, so the layout's unit stays one chunk."""
-    kind = RunKind(kind)
+    kind, config = RunKind(kind), resolve(config)
     mp = collect_params(model, call_model, batch)
     analyzed = capture_and_analyze(model, batch, params=mp.params, dtype=config.dtype, backward=kind.backward,
                                    loss_fn=loss_fn)
@@ -194,7 +195,7 @@ class BudgetSweep:
 
     def __init__(self, model: nn.Module, batch: Any, config: Config, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None):
-        self.config = config
+        self.config = config = resolve(config)
         self.mp = collect_params(model, call_model, batch)
         self.analyzed = capture_and_analyze(model, batch, params=self.mp.params, dtype=config.dtype, loss_fn=loss_fn)
         self._variants: dict[tuple, AnalyzedGraph] = {}
@@ -228,7 +229,7 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
     engine: no chunk store is made and no parameter is materialized, so ``model`` may live on the
     meta device. The budget is ``config.device_memory`` as given; ``world``/``rank`` plan one rank of
     a ZeRO run."""
-    kind = RunKind(kind)
+    kind, config = RunKind(kind), resolve(config)
     layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world, per_chunk=per_chunk)
     rates = measure_rates(config.torch_device, config.dtype, config.link_bandwidth) \
         if config.activations == Activations.AUTO and config.device_memory is not None else None

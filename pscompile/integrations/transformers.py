@@ -45,7 +45,8 @@ except ImportError as e:                   # (accelerate too: the Trainer needs 
     raise ImportError('pscompile.integrations.transformers needs transformers and accelerate: '
                       'pip install "pscompile[hf]"') from e
 
-import pscompile
+from pscompile.api import compile as pscompile_compile
+from pscompile.saving import load, save
 from pscompile.config import AdamW, Config
 from pscompile.runtime.batching import LossFn
 from pscompile.runtime.rng import rng_state, set_rng_state
@@ -150,7 +151,7 @@ class PscompileTrainer(Trainer):
             raise ValueError("PscompileTrainer cannot train as asked (nothing was changed):\n  - "
                              + "\n  - ".join(problems))
         super().__init__(model=model, args=args, **kwargs)
-        self.engine = pscompile.compile(model, optimizer=adamw_from(args, model, self.get_decay_parameter_names(model)),
+        self.engine = pscompile_compile(model, optimizer=adamw_from(args, model, self.get_decay_parameter_names(model)),
                                         config=config, loss_fn=loss_fn)
         self._micro: list = []             # the micro-batches of the accumulation under way
         self._resuming = False             # a checkpoint waits for the engine's build (first step)
@@ -245,14 +246,14 @@ class PscompileTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        pscompile.save(self.engine, Path(output_dir) / CHECKPOINT)
+        save(self.engine, Path(output_dir) / CHECKPOINT)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        pscompile.load(self.engine, _state_file(checkpoint))     # (checked now, loaded at the first step)
+        load(self.engine, _state_file(checkpoint))     # (checked now, loaded at the first step)
         self._resuming = self.engine.built is None
         scheduler = Path(checkpoint) / SCHEDULER
         if scheduler.is_file():
@@ -263,7 +264,7 @@ class PscompileTrainer(Trainer):
         _state_file(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
-        pscompile.load(self.engine, _state_file(self.state.best_model_checkpoint))
+        load(self.engine, _state_file(self.state.best_model_checkpoint))
 
 
 def _state_file(checkpoint: str | os.PathLike) -> Path:

@@ -13,16 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pscompile.config import LINK_PRESETS  # (defined with the Config that names them)
+
 __all__ = ["LINK_PRESETS", "Rates", "best_of", "calibrated_link", "measure_rates"]
 
-# FLOP of compute per byte over the device<->host link, per accelerator: its dense 16-bit tensor
-# peak over its PCIe x16 bandwidth. ``link_bandwidth="v100"`` gives the CPU an emulated link with
-# the same ratio to this machine's measured matmul rate (``calibrated_link``).
-LINK_PRESETS: dict[str, tuple[str, float]] = {
-    "v100": ("V100 PCIe: 112 TFLOP/s over PCIe 3.0 x16, 16 GB/s", 112e12 / 16e9),     # 7,000
-    "a100": ("A100: 312 TFLOP/s over PCIe 4.0 x16, 32 GB/s", 312e12 / 32e9),          # 9,750
-    "h100": ("H100 SXM: 989 TFLOP/s over PCIe 5.0 x16, 64 GB/s", 989e12 / 64e9),      # 15,453
-}
+# LINK_PRESETS: FLOP of compute per byte over the device<->host link, per accelerator (its dense
+# 16-bit tensor peak over its PCIe x16 bandwidth). ``link_bandwidth="v100"`` gives the CPU an
+# emulated link with the same ratio to this machine's measured matmul rate (``calibrated_link``).
 
 
 @dataclass(frozen=True)

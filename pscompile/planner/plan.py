@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pscompile.config import Config
+from pscompile.resolved import ResolvedConfig, resolve
 from pscompile.errors import BudgetError
 from pscompile.graph.pipeline import PlanRequest, choose_activations, plan_at_budget, plan_inputs
 from pscompile.memory.rates import Rates
@@ -68,10 +69,10 @@ def _resolve(model: nn.Module | GPTConfig, batch: Any) -> tuple[nn.Module, Any, 
     return model, batch, type(model).__name__, " ".join(str(s) for s in shapes)
 
 
-def _config(config: Config | None, hw: Hardware) -> Config:
+def _config(config: Config | None, hw: Hardware) -> ResolvedConfig:
     base = config or Config(device="cpu", dtype=torch.float16)
-    return replace(base, device="cpu", device_memory=hw.device_budget, host_memory=hw.host_budget,
-                   link_bandwidth=None, process_group=None, disk_dir=None)
+    return resolve(replace(base, device="cpu", device_memory=hw.device_budget, host_memory=hw.host_budget,
+                           link_bandwidth=None, process_group=None, disk_dir=None))
 
 
 def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str = "yard",

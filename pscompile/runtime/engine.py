@@ -2,9 +2,8 @@
 
 Parameters named and ordered (first use), packed into a ``ChunkLayout``, loaded into a ``ChunkStore`` (fp32 masters,
 compute-dtype chunks, Adam states); the model keeps placeholders. The one ``step()`` loop (micro-batching, gradient
-accumulation, the update, ``StepStats``), ``close`` and the learning rate live here; the chunk-by-chunk optimizer
-step (clipping, the update, lock-free updating) in ``runtime/update.py``, state dicts and export in ``runtime/state.py``.
-A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
+accumulation, the update, ``StepStats``), ``close`` and the learning rate live here; the optimizer step in
+``runtime/update.py``, state dicts and export in ``runtime/state.py``. A mode (hooks, compiled) supplies how one forward+backward reaches the chunks::
 
     _prepare_step(batches)          before any run: plan what the batches need (hooks: trace)
     _run_micro(batch, ...)          one forward+backward -> MicroRun; on failure undo and raise
@@ -42,6 +41,7 @@ from pscompile.optim.groups import resolve_groups
 from pscompile.runtime.groups import GroupControl
 from pscompile.runtime.model_access import ModelAccess
 from pscompile.profiling import Profiled
+from pscompile.resolved import resolve
 from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.runtime.batching import (LossFn, call_model, micro_batches, check_ranks_agree, structure,
                                         structure_error, tensor_problem, to_device)
@@ -74,7 +74,7 @@ class MicroRun:
 class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupControl, ModelAccess, Profiled):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
-        self.config = config
+        self.config = config = resolve(config)       # (the record this engine runs by)
         self.hp = optimizer
         self.model = model
         self.loss_fn = loss_fn

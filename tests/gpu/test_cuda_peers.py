@@ -47,11 +47,10 @@ def test_cuda_pageable_host_pools_train_like_pinned_ones():
 def test_cuda_fsdp2_with_cpu_offload_tracks_plain_pytorch_under_the_cap():
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
-    import gpu
-    import peers
-    s = dict(gpu.GPU, speed=(2, 256), seq=64, batch=2, vocab=4096)
-    data = gpu.batches(s, 4)
-    ref = gpu.run_plain(s["speed"], data, s, "cuda", torch.bfloat16, compiled=False)
+    from cudabench import peers, rows
+    s = dict(rows.GPU, speed=(2, 256), seq=64, batch=2, vocab=4096)
+    data = rows.batches(s, 4)
+    ref = rows.run_plain(s["speed"], data, s, "cuda", torch.bfloat16, compiled=False)
     row = peers.run_fsdp2(s["speed"], data, s, "cuda", torch.bfloat16, 256 << 20, pscompile.AdamW(lr=1e-3))
     diffs = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(row["steps"], ref["steps"])]
     assert max(diffs) < 5e-2, diffs

@@ -1,19 +1,14 @@
-"""What a user with one GPU would run instead of pscompile, each on the same GPT, batches and device cap.
+"""What a user with one GPU would run instead of pscompile (docs/gpu.md), each returning
+``dict(steps=[...])`` as ``rows.run_plain`` does:
 
-- **FSDP2** (``fully_shard`` with ``CPUOffloadPolicy``, one rank): every block and the root sharded
-  over a one-rank mesh, its fp32 parameters (the master weights) and their gradients on the host,
-  ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)``, and ``torch.optim.AdamW`` over
-  the host parameters, as FSDP2 runs it. NCCL on CUDA; on the CPU (``--dry-run``) gloo over a CPU
-  mesh, with unpinned host memory (nothing can be pinned without an accelerator).
-- **DeepSpeed ZeRO-3** with its parameters and optimizer offloaded to the host (``DeepSpeedCPUAdam``),
-  when ``import deepspeed`` works here; otherwise ``Unavailable`` with the reason, and the row is
-  skipped, not failed.
+- **FSDP2**: ``fully_shard`` of every block and the root on a one-rank mesh with ``CPUOffloadPolicy``
+  and ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)``, ``torch.optim.AdamW`` over
+  the host parameters (NCCL on CUDA; gloo and unpinned memory on a dry run);
+- **DeepSpeed ZeRO-3** with parameters and optimizer on the host, where ``import deepspeed`` works
+  (else ``Unavailable``).
 
-Each returns ``dict(steps=[...])`` as ``bench/gpu.py``'s ``run_plain`` does (a loss and a time a
-step, the device synchronized), with the allocator's peak on CUDA. A peer has no budget of its
-own: ``device_cap`` limits the process's CUDA allocator (``set_per_process_memory_fraction``); on
-the CPU nothing can, and the rows say so. The process group of a row lives as long as the row: it
-is made in-process (``HashStore``, one rank, no port) and destroyed after.
+A peer has no budget of its own: ``device_cap`` limits the CUDA allocator. A row's one-rank process
+group is made in-process (``HashStore``, no port) and destroyed after it.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import contextlib
 import importlib
 import multiprocessing
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import gpu
 import pscompile
+from harness.host import vm_hwm_bytes
+
+from .rows import Unavailable, model, reset_peak, timed
 
 PEAK_BF16_FLOPS = {             # dense bf16 tensor-core peaks (vendors' data sheets), matched in this order
     "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
@@ -40,33 +36,14 @@ PEAK_BF16_FLOPS = {             # dense bf16 tensor-core peaks (vendors' data sh
 }
 
 
-class Unavailable(Exception):
-    """A peer that cannot run on this machine (not installed, no CUDA build of its ops): the row is
-    skipped with this reason."""
-
-
 def peak_flops(device_name: str) -> float | None:
     """The GPU's dense bf16 peak, from its name; None when it is not in ``PEAK_BF16_FLOPS``."""
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in device_name:
-            return flops
-    return None
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name), None)
 
 
 def step_flops(params: int, tokens: int) -> float:
     """A training step's FLOPs by the usual estimate: 6 x parameters x tokens (forward 2, backward 4)."""
     return 6.0 * params * tokens
-
-
-# ----------------------------------------------------------------------------- host memory
-
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) * 1024 if m else None
 
 
 @contextlib.contextmanager
@@ -80,14 +57,12 @@ def host_peak(out: dict):
         reset = True
     except OSError:
         reset = False
-    out["host_before_bytes"] = _status_bytes("VmRSS")
+    out["host_before_bytes"] = vm_hwm_bytes() if reset else None      # just reset: the resident bytes now
     try:
         yield out
     finally:
-        out["host_peak_bytes"] = _status_bytes("VmHWM") if reset else None
+        out["host_peak_bytes"] = vm_hwm_bytes() if reset else None
 
-
-# ----------------------------------------------------------------------------- the device cap
 
 @contextlib.contextmanager
 def device_cap(device: str, cap: int | None):
@@ -111,8 +86,7 @@ def one_rank(device: str):
     """A one-rank default process group for a peer's row (NCCL on CUDA, gloo on the CPU)."""
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized: a peer's row makes its own")
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
     try:
         yield
@@ -120,53 +94,40 @@ def one_rank(device: str):
         dist.destroy_process_group()
 
 
-def _allocator_peak(device: str, rows: list[dict]) -> None:
-    if device == "cuda" and rows:
-        rows[-1]["allocator_peak"] = torch.cuda.max_memory_allocated()
-
-
-# ----------------------------------------------------------------------------- FSDP2
-
 def fsdp2_model(size, s: dict, device: str, dtype: torch.dtype):
     """The GPT of ``size``, each block and then the root sharded by ``fully_shard`` on a one-rank mesh
     with its parameters offloaded to the host; call inside ``one_rank``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device, (1,))
-    model = gpu.model(size, s)
-    kw = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
+    gpt = model(size, s)
+    kw = dict(mesh=init_device_mesh(device, (1,)), offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
               mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
-    for block in model.h:
+    for block in gpt.h:
         fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
+    fully_shard(gpt, **kw)
+    return gpt
 
 
 def run_fsdp2(size, data, s: dict, device: str, dtype: torch.dtype, cap: int | None,
               hp: pscompile.AdamW) -> dict:
     """Trains ``data`` with FSDP2 + CPU offload under ``cap``: per step its loss and time."""
     with one_rank(device), device_cap(device, cap):
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        model = fsdp2_model(size, s, device, dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
+        reset_peak(device)
+        gpt = fsdp2_model(size, s, device, dtype)
+        opt = torch.optim.AdamW(gpt.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
                                 weight_decay=hp.weight_decay)
 
         def step(batch) -> float:
             x, y = (t.to(device, non_blocking=True) for t in batch)
-            loss = model(x, y)
+            loss = gpt(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return float(loss.detach())
 
-        rows = gpu.timed(step, data, device)
-        _allocator_peak(device, rows)
-        return dict(steps=rows)
+        return dict(steps=timed(step, data, device))
 
-
-# ----------------------------------------------------------------------------- DeepSpeed
 
 def deepspeed_module(wheels: Path | None = None):
     """``deepspeed``; if it is not installed and ``wheels`` is a folder, every wheel there is installed
@@ -227,10 +188,9 @@ def _deepspeed_child(size, data, s, device, dtype, cap, hp, wheels) -> dict:
     if device == "cpu":
         torch.set_num_threads(1)
     with host_peak({}) as host, one_rank(device), device_cap(device, cap):
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak(device)
         try:
-            engine, *_ = deepspeed.initialize(model=gpu.model(size, s), config=deepspeed_config(s, dtype, hp, device))
+            engine, *_ = deepspeed.initialize(model=model(size, s), config=deepspeed_config(s, dtype, hp, device))
         except Exception as e:      # noqa: BLE001 -- e.g. its host Adam cannot be built here
             raise Unavailable(f"deepspeed.initialize failed ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160]})") from None
@@ -242,6 +202,5 @@ def _deepspeed_child(size, data, s, device, dtype, cap, hp, wheels) -> dict:
             engine.step()
             return float(loss.detach())
 
-        rows = gpu.timed(step, data, device)
-        _allocator_peak(device, rows)
+        rows = timed(step, data, device)
     return dict(steps=rows, **host)

@@ -1,21 +1,13 @@
-"""A pytest plugin for bench/gpu_lease.py: each test's outcome, written as the test ends.
+"""The pytest plugin of the lease's tests phase (``gputests``): each test's line, written as it ends.
 
     PSCOMPILE_LEASE_RESULTS=results.jsonl PSCOMPILE_LEASE_END=<epoch s> PSCOMPILE_LEASE_TEST_S=60 \
-        python -m pytest -p lease_pytest tests/gpu          (bench/ on PYTHONPATH)
+        python -m pytest -p cudabench.lease_pytest tests/gpu          (bench/ on PYTHONPATH)
 
-Appends JSON lines to ``PSCOMPILE_LEASE_RESULTS`` and flushes each at once, so a run that an outer
-time limit kills still says which tests ended and how:
-
-- ``{"kind": "collected", "tests": [node ids, in the order they run]}`` when collection ends;
-- ``{"kind": "test", "test": id, "outcome": "passed" | "failed" | "error" | "skipped", "error": the
-  first line of the failure (or the skip's reason), "duration_s": ...}`` when a test's teardown ends
-  (one line per test: setup, call and teardown together), and for a file that failed to collect;
-- ``{"kind": "test", "outcome": "not run", ...}`` for each test left when the phase's end
-  (``PSCOMPILE_LEASE_END``) passed between two tests; pytest then stops.
-
-A test still running at the phase's end, or after ``PSCOMPILE_LEASE_TEST_S`` seconds, is stopped by
-``faulthandler``: every thread's stack goes to ``PSCOMPILE_LEASE_STACKS`` and the process exits 1
-(the caller writes that test's line: it reads which one from the missing line).
+Appends to ``PSCOMPILE_LEASE_RESULTS``, each line on the disk at once: ``collected`` (the tests, in
+order), one ``test`` line a test (its worst phase's outcome and first error line) or a file that
+failed to collect, and ``not run`` for each test left once the phase's end passed. A test still
+running at the phase's end or after ``PSCOMPILE_LEASE_TEST_S`` is stopped by ``faulthandler``
+(stacks to ``PSCOMPILE_LEASE_STACKS``, exit 1); the caller writes its line.
 """
 
 from __future__ import annotations
@@ -30,6 +22,14 @@ from pathlib import Path
 import pytest
 
 WORST = ("passed", "skipped", "failed", "error")       # a test's outcome: the worst of its phases
+
+
+def append(path: Path, record: dict) -> None:
+    """``record`` as one JSON line at the end of ``path``, on the disk before this returns."""
+    with Path(path).open("a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def first_line(report) -> str | None:
@@ -62,19 +62,13 @@ class LeaseLog:
     outcome: dict = field(default_factory=dict)        # node id -> [worst outcome, first error, seconds]
     done: set = field(default_factory=set)
 
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
     def pytest_collection_finish(self, session) -> None:
-        self.write(dict(kind="collected", tests=[i.nodeid for i in session.items]))
+        append(self.path, dict(kind="collected", tests=[i.nodeid for i in session.items]))
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
-            self.write(dict(kind="test", test=report.nodeid, outcome="error", error=first_line(report),
-                            duration_s=0.0))
+            append(self.path, dict(kind="test", test=report.nodeid, outcome="error", error=first_line(report),
+                                   duration_s=0.0))
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
         faulthandler.dump_traceback_later(max(1.0, min(self.test_s, self.end - time.time())), exit=True,
@@ -88,7 +82,8 @@ class LeaseLog:
         self.outcome[report.nodeid] = (worst, error, seconds + report.duration)
         if report.when == "teardown":
             worst, error, seconds = self.outcome.pop(report.nodeid)
-            self.write(dict(kind="test", test=report.nodeid, outcome=worst, error=error, duration_s=round(seconds, 2)))
+            append(self.path, dict(kind="test", test=report.nodeid, outcome=worst, error=error,
+                                   duration_s=round(seconds, 2)))
             self.done.add(report.nodeid)
 
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
@@ -100,8 +95,8 @@ class LeaseLog:
             return None
         for it in item.session.items:
             if it.nodeid not in self.done:
-                self.write(dict(kind="test", test=it.nodeid, outcome="not run", duration_s=0.0,
-                                error="the tests phase's time limit was reached before it started"))
+                append(self.path, dict(kind="test", test=it.nodeid, outcome="not run", duration_s=0.0,
+                                       error="the tests phase's time limit was reached before it started"))
                 self.done.add(it.nodeid)
         item.session.shouldstop = "the lease's tests phase reached its time limit"
         return True                                    # this item is handled: not run
