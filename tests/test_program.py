@@ -146,3 +146,24 @@ def test_a_range_of_lengths_runs_compiled_eager_with_inductor():
     assert all(ex.split != "program" for ex in engines[0]._executors.values())
     for e in engines:
         e.close()
+
+
+def test_an_inplace_op_without_a_lowering_is_decomposed_where_ci_is_set(monkeypatch):
+    """The program's graph is not functionalized, so in-place ops reach Inductor, e.g. dropout's
+    ``bernoulli(p).div_(p)``. Inductor has no lowering for ``aten.div_.Scalar`` and, where the ``CI``
+    environment variable is set (GitHub Actions and most CI systems set it), refuses to fall back
+    to ATen for an op torch can decompose. ``WholeProgram`` decomposes such ops itself, so the
+    program compiles there too, and computes what eager computes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    monkeypatch.setenv("CI", "1")
+
+    def f(x):
+        return (x * torch.ops.aten.div_.Scalar(x.abs() + 1.0, 0.9),)
+
+    x = torch.randn(4, 8)
+    gm = make_fx(f)(x.clone())
+    assert any(n.target is torch.ops.aten.div_.Scalar for n in gm.graph.nodes)
+    prog = WholeProgram(gm, torch.device("cpu"))
+    prog.compile()
+    out = prog.run([x.clone()], lambda node, args: None)
+    assert torch.equal(out[0], f(x.clone())[0])

@@ -5,6 +5,8 @@
 1. **Retrace** it with Inductor's decompositions, on fake inputs made from its placeholders'
    metadata, without functionalizing it: the memory nodes stay calls of the ``pscompile::`` custom
    ops on the real slot and host buffers (functionalized, Inductor would write clones of the slots).
+   An op left that Inductor cannot lower but torch can decompose (an in-place op such as dropout's
+   ``div_``) is decomposed too (``unlowered_with_decomposition``), never left to a fallback kernel.
 2. **Pin the order** (``order_edges``) with Inductor's ``control_deps``: each memory node comes after
    the memory node before it and after every value computed before it and still used after it
    (values Inductor would otherwise compute lazily, after a write to the buffer they read), and
@@ -46,6 +48,33 @@ _OFFLOAD = torch.ops.pscompile.offload.default
 # eager's); the plan's order is kept (no reordering for peak memory, which is the plan's job)
 PATCHES: dict[str, Any] = {"fallback_random": True, "reorder_for_peak_memory": False,
                            "fx_graph_cache": False}
+
+
+# how many times ``compile`` retraces to decompose what Inductor has no lowering for (each retrace
+# can only expose ops the decompositions just added emit; two has sufficed for every graph seen)
+_RETRACES = 4
+
+
+def unlowered_with_decomposition(gm: fx.GraphModule) -> dict:
+    """Decompositions for the ops of ``gm`` that Inductor has no lowering for but torch can decompose.
+
+    Inductor would run such an op as an implicit fallback kernel, and refuses to when the ``CI``
+    environment variable is set (``make_fallback``: "a decomposition exists, we should switch to
+    it"). The graph is not functionalized (see the module doc), so in-place ops reach it, e.g.
+    ``aten.div_.Scalar`` where dropout scales its mask; decomposed, they become the functional op
+    and an ``aten.copy_`` back, which Inductor lowers. Random ops stay ATen calls, as
+    ``fallback_random`` wants (their masks equal eager's)."""
+    from torch._decomp import get_decompositions
+    from torch._decomp.decompositions_for_rng import extra_random_decomps
+    from torch._inductor.lowering import FALLBACK_ALLOW_LIST, lowerings
+    found = {}
+    for n in gm.graph.nodes:
+        t = n.target
+        if (n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t in lowerings
+                or t in extra_random_decomps or t.name().split(".")[0] in FALLBACK_ALLOW_LIST):
+            continue
+        found.update(get_decompositions([t]))
+    return found
 
 
 class ProgramOrderError(RuntimeError):
@@ -262,8 +291,15 @@ class WholeProgram:
         from torch.fx.experimental.proxy_tensor import make_fx
         t0 = time.perf_counter()
         mode, examples = _examples(self.gm, self.device)
-        with mode:
-            traced = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="real")(*examples)
+        table = dict(select_decomp_table())
+        for _ in range(_RETRACES):
+            with mode:
+                traced = make_fx(self.gm, decomposition_table=table, tracing_mode="real")(*examples)
+            more = unlowered_with_decomposition(traced)
+            if not more:
+                break
+            log.info("pscompile: decomposed for Inductor (no lowering): %s", sorted(map(str, more)))
+            table.update(more)
         self.pinned = _pin(traced, self.edges)
         keep = _GraphOf()
         with torch._inductor.config.patch({**PATCHES, "_post_fusion_custom_pass": keep}), \
