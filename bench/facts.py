@@ -6,6 +6,10 @@
 2. **bf16 vs fp32 matmul on this CPU.** A 1024x768 @ 768x256 matmul, median of repeats, one thread:
    on CPUs without AVX512-BF16 bf16 is many times slower, which is why demos, benches and most
    tests compute in float32.
+3. **The cost of calling a memory op.** A compiled program calls one ``pscompile::`` op per memory
+   node. The median of one call of ``pscompile::drop`` (defined with ``Library.define`` and one
+   CompositeExplicitAutograd kernel) against the same op made with ``torch.library.custom_op``,
+   whose autograd and ADInplaceOrView layers run in Python.
 
     python bench/facts.py [--quick] [--out bench/results/facts.json]
 """
@@ -42,11 +46,29 @@ def matmul_times(reps: int) -> dict:
     return out
 
 
+def op_call_times(calls: int) -> dict:
+    import pscompile.graph.ops  # noqa: F401 - registers the pscompile:: ops
+    try:
+        custom = torch.ops.pscompile_facts.drop.default
+    except AttributeError:
+        @torch.library.custom_op("pscompile_facts::drop", mutates_args=())
+        def _drop(slot: torch.Tensor) -> None:
+            return None
+        custom = torch.ops.pscompile_facts.drop.default
+    x = torch.zeros(4)
+    out = {}
+    for name, op in (("library_us", torch.ops.pscompile.drop.default), ("custom_op_us", custom)):
+        per = [t / calls for t in time_reps(lambda: [op(x) for _ in range(calls)], 7, warmup=1)]
+        out[name] = statistics.median(per) * 1e6
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__, "facts").parse_args(argv)
     torch.set_num_threads(1)
     acc = accumulation_error(numel=1 << (16 if args.quick else 20))
     mm = matmul_times(reps=3 if args.quick else 10)
+    calls = op_call_times(1000 if args.quick else 20000)
     print(table([["bf16 (plain PyTorch with bf16 params)", f"{acc['bf16_rel_error']:.1e}"],
                  ["fp32 (pscompile's accumulation chunks)", f"{acc['fp32_rel_error']:.1e}"]],
                 [f"sum of {acc['micro_batches']} bf16 gradients, accumulated in", "relative error"], markdown=False))
@@ -54,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table([["float32", f"{mm['float32'] * 1e3:.1f} ms"], ["bfloat16", f"{mm['bfloat16'] * 1e3:.1f} ms"],
                  ["bf16 / fp32", f"{mm['bf16_over_fp32']:.1f}x"]],
                 ["1024x768 @ 768x256, one thread", "median"], markdown=False))
-    write_json(args.out, {"accumulation": acc, "matmul_s": mm})
+    print()
+    print(table([["Library.define (pscompile's memory ops)", f"{calls['library_us']:.1f} us"],
+                 ["torch.library.custom_op", f"{calls['custom_op_us']:.1f} us"]],
+                ["one call of a memory op (drop), made with", "median"], markdown=False))
+    write_json(args.out, {"accumulation": acc, "matmul_s": mm, "op_call": calls})
     return 0
 
 

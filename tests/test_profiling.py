@@ -44,6 +44,8 @@ def test_a_profiled_step_shows_every_memory_node_its_copies_and_the_waits(tmp_pa
     inside = [e for e in events if step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1]
     lane = [e for e in inside if e["tid"] == step["tid"]]
     copies = [e for e in inside if e["name"].startswith("copy ") and e["tid"] != step["tid"]]
+    # a synchronous copy (a gradient stored to the host) runs on the step's own thread (``move``)
+    inline = [e for e in lane if e["name"].startswith("copy ") and e["name"].endswith(" (inline)")]
     # the schedule that ran: the cold one, or a warm one starting from what the last run left
     ran = [engine.schedule.gm] + [w.gm for w in engine._warm.values()]
     seen = collections.Counter(e["name"] for e in lane)
@@ -54,11 +56,13 @@ def test_a_profiled_step_shows_every_memory_node_its_copies_and_the_waits(tmp_pa
     assert matches, "no schedule whose every memory node is a range of the step"
     nodes = _memory_nodes(matches[0])
     assert len(nodes) > 10 and any(mem_op(n) is not None and mem_op(n).kind == "wait" for n in nodes)
-    copied = {e["name"].split()[-1] for e in copies}
-    for n in nodes:                  # every node that moves bytes between tiers issued a copy, off this lane
+    copied = {e["name"].split()[2] for e in copies + inline}
+    for n in nodes:                  # every node that moves bytes between tiers issued a copy
         mem = mem_op(n)
         if mem is not None and mem.nbytes > 0 and mem.src != mem.dst:
-            assert n.name in copied, f"{profiler_node_name(n)}: no copy on a copy thread's lane"
+            assert n.name in copied, f"{profiler_node_name(n)}: no copy, on a copy thread's lane or inline"
+    assert any(e["name"].split()[2] == n.name for e in copies for n in nodes if mem_op(n) is not None
+               and mem_op(n).kind == "fetch"), "the fetches copy on a copy thread"
     assert len({e["tid"] for e in copies}) == 2, "one copy thread per direction"
     regions = [e["name"] for e in lane if e["name"].startswith("region ")]
     assert any(name.startswith("region ") and "(h.0." in name for name in regions), regions[:5]   # its modules

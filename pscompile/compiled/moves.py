@@ -170,7 +170,7 @@ class MemoryMoves:
         slot, q = args[0], self.copies
         self._allocate_slot(mem.slot)
         handle = self.store.gather_into(mem.chunk, slot, async_op=mem.asynchronous,
-                                        copy=lambda d, s_: q.submit(d, s_, "h2d", node=node).wait())
+                                        copy=lambda d, s_: q.move(d, s_, "h2d", node=node))
         self.link.traffic.num_fetches += 1
         self.store.attach(mem.chunk, slot)
         self._slot_chunk[mem.slot] = mem.chunk
@@ -182,7 +182,7 @@ class MemoryMoves:
         dest, slot, _, _, accumulate = args
         q = self.copies
         self.store.reduce_into_home(mem.chunk, slot, dest if accumulate else None,
-                                    copy=lambda d, s_: q.submit(d, s_, "d2h", node=node).wait_host())
+                                    copy=lambda d, s_: q.move(d, s_, "d2h", node=node))
         self.store.dirty[mem.chunk] = False
 
     def _mem_wait(self, mem, args, at_end, node) -> None:
@@ -247,7 +247,7 @@ class MemoryMoves:
             if mem.slot is not None:
                 target.copy_(piece)
             else:            # waited for: the gradient dies here, as the plan assumes (and the host
-                self.copies.submit(target, piece, "d2h", node=node).wait_host()     # optimizer reads it)
+                self.copies.move(target, piece, "d2h", node=node)           # optimizer reads it)
         if mem.slot is None:
             self.store.close_home(mem.chunk, dirty=True)
         self._mark_stored(mem)

@@ -1,4 +1,4 @@
-"""Memory operations as ``torch.library`` custom ops (namespace ``pscompile::``).
+"""Memory operations as ``torch.library`` ops (namespace ``pscompile::``).
 
 They take the buffers they read and write, declare what they mutate, have fake implementations,
 and are registered with ``torch.fx.has_side_effect`` (they return nothing), so a scheduled graph
@@ -88,6 +88,39 @@ def memory_runner(call: Callable[..., Any]):
         _RUNNER.reset(token)
 
 
+# The ops' library: each op defined with ``Library.define`` (its schema inferred from the function, as
+# ``torch.library.custom_op`` would) and one CompositeExplicitAutograd kernel. Not ``custom_op``:
+# a compiled program calls one op per memory node, and custom_op's autograd and ADInplaceOrView
+# layers, run in Python, cost about ten times the dispatcher's own call (``docs/design.md``).
+# The ops are never differentiated (the captured graph is already the joint graph) and nothing
+# autograd saved reads the buffers they write, so those layers have nothing to do here.
+_LIB = torch.library.Library("pscompile", "DEF")
+
+
+def _no_value(*args, **kwargs) -> None:
+    return None
+
+
+def _op(name: str, mutates_args: tuple[str, ...] = ()):
+    """Decorator: define ``pscompile::name`` from ``fn``'s signature, ``fn`` its routed body
+    (``_routed``); an op that returns nothing gets its fake implementation here."""
+    def wrap(fn):
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        _LIB.impl(name, _routed(name)(fn), "CompositeExplicitAutograd")
+        if inspect.signature(fn).return_annotation in (None, "None"):
+            torch.library.register_fake(f"pscompile::{name}", _no_value, lib=_LIB)
+        return fn
+    return wrap
+
+
+def _fake(name: str):
+    """Decorator: ``fn`` is the fake implementation of ``pscompile::name`` (shapes, no data)."""
+    def wrap(fn):
+        torch.library.register_fake(f"pscompile::{name}", fn, lib=_LIB)
+        return fn
+    return wrap
+
+
 def _routed(op_name: str):
     """Decorator: the op's body runs only when no runner is set; else the runner performs it."""
     def wrap(fn):
@@ -111,59 +144,34 @@ def _routed(op_name: str):
     return wrap
 
 
-@torch.library.custom_op("pscompile::fetch", mutates_args=("slot",))
-@_routed("fetch")
+@_op("fetch", mutates_args=("slot",))
 def fetch(slot: Tensor, host: Tensor) -> None:
     slot.copy_(host)
 
 
-@fetch.register_fake
-def _(slot, host):
-    return None
 
-
-@torch.library.custom_op("pscompile::writeback", mutates_args=("host",))
-@_routed("writeback")
+@_op("writeback", mutates_args=("host",))
 def writeback(host: Tensor, slot: Tensor) -> None:
     host.copy_(slot)
 
 
-@writeback.register_fake
-def _(host, slot):
-    return None
 
-
-@torch.library.custom_op("pscompile::disk_read", mutates_args=())
-@_routed("disk_read")
+@_op("disk_read")
 def disk_read(host: Tensor) -> None:
     return None               # (eager: the host chunk is the home; the engine reads a disk home ahead)
 
 
-@disk_read.register_fake
-def _(host):
-    return None
 
-
-@torch.library.custom_op("pscompile::update", mutates_args=())
-@_routed("update")
+@_op("update")
 def update(host: Tensor) -> None:
     return None               # (eager: the engine starts the chunk's update on its host thread)
 
 
-@update.register_fake
-def _(host):
-    return None
 
-
-@torch.library.custom_op("pscompile::drop", mutates_args=())
-@_routed("drop")
+@_op("drop")
 def drop(slot: Tensor) -> None:
     return None
 
-
-@drop.register_fake
-def _(slot):
-    return None
 
 
 def flat_pieces(t: Tensor, start: int = 0, numel: int = -1) -> list[tuple[Tensor, int]]:
@@ -206,50 +214,30 @@ def copy_grad_into(dest: Tensor, grad: Tensor, offset: int, start: int = 0, nume
     _into(dest, grad, offset, start, numel, "copy_")
 
 
-@torch.library.custom_op("pscompile::store_grad", mutates_args=("dest",))
-@_routed("store_grad")
+@_op("store_grad", mutates_args=("dest",))
 def store_grad(dest: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
     copy_grad_into(dest, grad, offset, start, numel)
 
 
-@store_grad.register_fake
-def _(dest, grad, offset, start=0, numel=-1):
-    return None
 
-
-@torch.library.custom_op("pscompile::wait", mutates_args=())
-@_routed("wait")
+@_op("wait")
 def wait(slot: Tensor) -> None:
     return None
 
 
-@wait.register_fake
-def _(slot):
-    return None
 
-
-@torch.library.custom_op("pscompile::wait_grad", mutates_args=())
-@_routed("wait_grad")
+@_op("wait_grad")
 def wait_grad(grad: Tensor) -> None:
     """The copy of ``grad`` an asynchronous accumulate_grad started has landed (the executor
     waits); as an argument, the gradient stays alive until here."""
     return None
 
 
-@wait_grad.register_fake
-def _(grad):
-    return None
 
-
-@torch.library.custom_op("pscompile::accumulate_grad", mutates_args=("acc",))
-@_routed("accumulate_grad")
+@_op("accumulate_grad", mutates_args=("acc",))
 def accumulate_grad(acc: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
     _into(acc, grad, offset, start, numel, "add_")
 
-
-@accumulate_grad.register_fake
-def _(acc, grad, offset, start=0, numel=-1):
-    return None
 
 
 def _shard(t: Tensor, rank: int, world: int) -> Tensor:
@@ -262,8 +250,7 @@ def _distributed(world: int) -> bool:
     return world > 1 and dist.is_available() and dist.is_initialized()
 
 
-@torch.library.custom_op("pscompile::allgather", mutates_args=("slot",))
-@_routed("allgather")
+@_op("allgather", mutates_args=("slot",))
 def allgather(slot: Tensor, host: Tensor, rank: int, world: int) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     _shard(slot, rank, world).copy_(host)
@@ -272,24 +259,14 @@ def allgather(slot: Tensor, host: Tensor, rank: int, world: int) -> None:
         dist.all_gather_into_tensor(slot, _shard(slot, rank, world).clone())
 
 
-@allgather.register_fake
-def _(slot, host, rank, world):
-    return None
 
-
-@torch.library.custom_op("pscompile::release_remote", mutates_args=())
-@_routed("release_remote")
+@_op("release_remote")
 def release_remote(slot: Tensor) -> None:
     return None
 
 
-@release_remote.register_fake
-def _(slot):
-    return None
 
-
-@torch.library.custom_op("pscompile::reduce_scatter", mutates_args=("dest", "slot"))
-@_routed("reduce_scatter")
+@_op("reduce_scatter", mutates_args=("dest", "slot"))
 def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     mine = _shard(slot, rank, world).clone()
@@ -302,13 +279,8 @@ def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate
         dest.copy_(mine)
 
 
-@reduce_scatter.register_fake
-def _(dest, slot, rank, world, accumulate):
-    return None
 
-
-@torch.library.custom_op("pscompile::broadcast", mutates_args=("slot",))
-@_routed("broadcast")
+@_op("broadcast", mutates_args=("slot",))
 def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     if rank == owner:
@@ -318,13 +290,8 @@ def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
         dist.broadcast(slot, src=owner)
 
 
-@broadcast.register_fake
-def _(slot, host, owner, rank):
-    return None
 
-
-@torch.library.custom_op("pscompile::reduce", mutates_args=("dest", "slot"))
-@_routed("reduce")
+@_op("reduce", mutates_args=("dest", "slot"))
 def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     import torch.distributed as dist
@@ -334,44 +301,33 @@ def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) 
         dest.add_(slot) if accumulate else dest.copy_(slot)
 
 
-@reduce.register_fake
-def _(dest, slot, owner, rank, accumulate):
-    return None
 
-
-@torch.library.custom_op("pscompile::offload", mutates_args=())
-@_routed("offload")
+@_op("offload")
 def offload(value: Tensor) -> Tensor:
     host = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
     return host.copy_(value)
 
 
-@offload.register_fake
+@_fake("offload")
 def _(value):
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
 
 
-@torch.library.custom_op("pscompile::reload", mutates_args=())
-@_routed("reload")
+@_op("reload")
 def reload(host: Tensor, device: torch.device) -> Tensor:
     value = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
     return value.copy_(host)
 
 
-@reload.register_fake
+@_fake("reload")
 def _(host, device):
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
-@torch.library.custom_op("pscompile::wait_copy", mutates_args=())
-@_routed("wait_copy")
+@_op("wait_copy")
 def wait_copy(copy: Tensor, source: Optional[Tensor] = None) -> None:
     return None
 
-
-@wait_copy.register_fake
-def _(copy, source=None):
-    return None
 
 
 ACTIVATION_OPS = (torch.ops.pscompile.offload.default, torch.ops.pscompile.reload.default,

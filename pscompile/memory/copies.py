@@ -227,7 +227,8 @@ class ThreadCopies(CopyEngine):
         last = self._last[direction]
         if last is not None and not last.done():
             last.result()
-        self.link.copy(dst, src, direction)
+        with profiling.maybe(f"copy {direction} {node or ''} (inline)"):
+            self.link.copy(dst, src, direction)
 
     def drain(self) -> list[BaseException]:
         pending, self._pending = self._pending, []
