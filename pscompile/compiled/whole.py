@@ -50,8 +50,8 @@ PATCHES: dict[str, Any] = {"fallback_random": True, "reorder_for_peak_memory": F
                            "fx_graph_cache": False}
 
 
-# how many times ``compile`` retraces to decompose what Inductor has no lowering for (each retrace
-# can only expose ops the decompositions just added emit; two has sufficed for every graph seen)
+# how many times ``compile`` retraces to decompose what Inductor has no lowering for (a retrace can
+# only expose ops that the decompositions just added emit; one has sufficed for every graph seen)
 _RETRACES = 4
 
 

@@ -149,11 +149,9 @@ def fetch(slot: Tensor, host: Tensor) -> None:
     slot.copy_(host)
 
 
-
 @_op("writeback", mutates_args=("host",))
 def writeback(host: Tensor, slot: Tensor) -> None:
     host.copy_(slot)
-
 
 
 @_op("disk_read")
@@ -161,17 +159,14 @@ def disk_read(host: Tensor) -> None:
     return None               # (eager: the host chunk is the home; the engine reads a disk home ahead)
 
 
-
 @_op("update")
 def update(host: Tensor) -> None:
     return None               # (eager: the engine starts the chunk's update on its host thread)
 
 
-
 @_op("drop")
 def drop(slot: Tensor) -> None:
     return None
-
 
 
 def flat_pieces(t: Tensor, start: int = 0, numel: int = -1) -> list[tuple[Tensor, int]]:
@@ -219,11 +214,9 @@ def store_grad(dest: Tensor, grad: Tensor, offset: int, start: int = 0, numel: i
     copy_grad_into(dest, grad, offset, start, numel)
 
 
-
 @_op("wait")
 def wait(slot: Tensor) -> None:
     return None
-
 
 
 @_op("wait_grad")
@@ -233,11 +226,9 @@ def wait_grad(grad: Tensor) -> None:
     return None
 
 
-
 @_op("accumulate_grad", mutates_args=("acc",))
 def accumulate_grad(acc: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
     _into(acc, grad, offset, start, numel, "add_")
-
 
 
 def _shard(t: Tensor, rank: int, world: int) -> Tensor:
@@ -259,11 +250,9 @@ def allgather(slot: Tensor, host: Tensor, rank: int, world: int) -> None:
         dist.all_gather_into_tensor(slot, _shard(slot, rank, world).clone())
 
 
-
 @_op("release_remote")
 def release_remote(slot: Tensor) -> None:
     return None
-
 
 
 @_op("reduce_scatter", mutates_args=("dest", "slot"))
@@ -279,7 +268,6 @@ def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate
         dest.copy_(mine)
 
 
-
 @_op("broadcast", mutates_args=("slot",))
 def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
@@ -290,7 +278,6 @@ def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
         dist.broadcast(slot, src=owner)
 
 
-
 @_op("reduce", mutates_args=("dest", "slot"))
 def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
@@ -299,7 +286,6 @@ def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) 
         dist.reduce(slot, dst=owner)
     if rank == owner:
         dest.add_(slot) if accumulate else dest.copy_(slot)
-
 
 
 @_op("offload")
@@ -327,7 +313,6 @@ def _(host, device):
 @_op("wait_copy")
 def wait_copy(copy: Tensor, source: Optional[Tensor] = None) -> None:
     return None
-
 
 
 ACTIVATION_OPS = (torch.ops.pscompile.offload.default, torch.ops.pscompile.reload.default,
