@@ -134,10 +134,13 @@ HF_ARCHITECTURES = ARCHITECTURES[2:]
 EXTRA_ARCHITECTURES = ("mixtral",)
 
 
-def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 32) -> tuple[nn.Module, Any]:
-    """A 2-layer model of architecture ``name`` (hidden 64, 2 heads, vocabulary 256, no dropout, no
-    KV cache) and one example batch for it (a tuple for pscompile's models, a dict with labels for
-    Hugging Face's)."""
+def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 32,
+               dropout: bool = False) -> tuple[nn.Module, Any]:
+    """A 2-layer model of architecture ``name`` (hidden 64, 2 heads, vocabulary 256, no KV cache) and
+    one example batch for it (a tuple for pscompile's models, a dict with labels for Hugging
+    Face's). No dropout, unless ``dropout``: then each Hugging Face model keeps its configuration's
+    default dropout (0.1 for GPT-2, BERT, OPT and T5; Llama, Mistral, GPT-NeoX and Mixtral default
+    to none), and pscompile's own models take 0.1."""
     if name not in ARCHITECTURES + EXTRA_ARCHITECTURES:
         raise ValueError(f"unknown architecture {name!r}; use one of {ARCHITECTURES + EXTRA_ARCHITECTURES}")
     torch.manual_seed(seed)
@@ -147,26 +150,28 @@ def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 
     if name in ("gpt", "bert"):
         from pscompile.models.bert import BertMLM, bert_config, mask_tokens
         from pscompile.models.gpt import GPT, gpt_config
+        p = {"dropout": 0.1} if dropout else {}
         if name == "gpt":
-            return GPT(gpt_config("gpt-tiny", seq_len=seq_len)), (ids, torch.roll(ids, -1, dims=1))
+            return GPT(gpt_config("gpt-tiny", seq_len=seq_len, **p)), (ids, torch.roll(ids, -1, dims=1))
         inputs, labels = mask_tokens(ids, vocab_size=vocab, generator=g)
-        return BertMLM(bert_config("bert-tiny", seq_len=seq_len)), (inputs, labels)
+        return BertMLM(bert_config("bert-tiny", seq_len=seq_len, **p)), (inputs, labels)
     import transformers as tf
     common = dict(vocab_size=vocab, use_cache=False)
+    off = (lambda **fields: {}) if dropout else (lambda **fields: fields)     # the dropout fields, or none
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     if name == "hf-gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, bos_token_id=0,
-                                                 eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                 eos_token_id=0, **off(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
                                                  **common))
     elif name == "hf-bert":
         model = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                                                  intermediate_size=128, max_position_embeddings=64,
-                                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                 **off(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
                                                  vocab_size=vocab))
     elif name == "opt":
         model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                                                ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=64,
-                                               dropout=0.0, attention_dropout=0.0, **common))
+                                               **off(dropout=0.0, attention_dropout=0.0), **common))
     elif name == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                                                    intermediate_size=128, max_position_embeddings=64, **common))
@@ -184,7 +189,7 @@ def tiny_model(name: str, *, seed: int = 0, batch_size: int = 2, seq_len: int = 
                                                        intermediate_size=128, max_position_embeddings=64, **common))
     else:
         model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128,
-                                                          num_heads=2, d_kv=32, dropout_rate=0.0,
+                                                          num_heads=2, d_kv=32, **off(dropout_rate=0.0),
                                                           decoder_start_token_id=0, **common))
     return model, batch
 
@@ -226,3 +231,77 @@ def routed_gather(*, seed: int = 0) -> tuple[RoutedGather, tuple[torch.Tensor, t
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, 64, (2, 16), generator=g)
     return RoutedGather(), (ids, torch.roll(ids, -1, dims=1))
+
+
+class InplaceZoo(nn.Module):
+    """A stack of Linear layers with one in-place (or random) op of its own after each: every op a
+    captured graph can hold from a model's code, each on an intermediate (some on a view of one),
+    between layers whose chunks a tight budget fetches and evicts around it."""
+
+    OPS = ("add_", "mul_", "div_", "copy_", "masked_fill_", "index_put_", "clamp_", "zero_", "fill_",
+           "scatter_", "bernoulli_", "uniform_", "normal_", "dropout", "rand_like", "randn_like", "attention_dropout")
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in self.OPS)
+        self.head = nn.Linear(d, 1)
+
+    @staticmethod
+    def apply(op: str, h: torch.Tensor) -> torch.Tensor:
+        """``op`` on ``h`` (a fresh intermediate), in place where the op is; the value to go on with."""
+        d = h.shape[-1]
+        if op == "add_":
+            return h.add_(0.5)
+        if op == "mul_":
+            return h.mul_(1.5)
+        if op == "div_":
+            return h.div_(2.0)
+        if op == "copy_":
+            out = torch.empty_like(h)
+            out.copy_(h * 2)
+            return out
+        if op == "masked_fill_":
+            return h.masked_fill_(h > 0.5, 0.25)
+        if op == "index_put_":
+            rows = torch.arange(0, h.shape[0], 2, device=h.device)
+            return h.index_put_((rows,), h[rows] * 0.5 + 0.1, accumulate=True)
+        if op == "clamp_":
+            return h.clamp_(-1.0, 1.0)
+        if op == "zero_":
+            h[..., :2].zero_()                    # in place on a view
+            return h
+        if op == "fill_":
+            h[..., -1:].fill_(0.5)                # in place on a view
+            return h
+        if op == "scatter_":
+            idx = torch.zeros_like(h, dtype=torch.long)[..., :4] + torch.arange(4, device=h.device) * 5
+            return h.scatter_(-1, idx, h[..., :4] * -1.0)
+        if op == "bernoulli_":
+            return h * torch.empty_like(h).bernoulli_(0.8).div_(0.8)
+        if op == "uniform_":
+            return h + torch.empty_like(h).uniform_(-0.1, 0.1)
+        if op == "normal_":
+            return h + torch.empty_like(h).normal_(0.0, 0.1)
+        if op == "dropout":
+            return nn.functional.dropout(h, 0.2, training=True)
+        if op == "rand_like":
+            return h * (torch.rand_like(h) > 0.1)
+        if op == "randn_like":
+            return h + 0.05 * torch.randn_like(h)
+        if op == "attention_dropout":             # (its mask: empty_like(weights).bernoulli_(p).div_(1 - p))
+            q = h.unsqueeze(1)
+            return nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.2).squeeze(1)
+        raise ValueError(op)
+
+    def forward(self, x, y):
+        h = x
+        for op, layer in zip(self.OPS, self.layers):
+            h = torch.tanh(self.apply(op, layer(h)))
+        return nn.functional.mse_loss(self.head(h).squeeze(-1), y)
+
+
+def inplace_zoo(*, seed: int = 7) -> tuple[InplaceZoo, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An ``InplaceZoo`` (seeded) and 8 batches of 4 x 8 rows of width 32 with their targets."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
+    return InplaceZoo(), [(torch.randn(4, 8, 32, generator=g), torch.randn(4, 8, generator=g)) for _ in range(8)]

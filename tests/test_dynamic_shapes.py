@@ -18,7 +18,7 @@ import pscompile
 from pscompile.models.gpt import GPT, GPTConfig
 from pscompile.testing import ReferenceTrainer
 
-from conftest import max_weight_diff
+from conftest import TRACKING_TOL, initial_masters, max_weight_diff, worst_tracking
 
 LENGTHS = [124, 65, 113, 69, 21, 49, 81, 78, 67, 116]
 CFG = GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, seq_len=128)
@@ -57,7 +57,23 @@ def assert_tracks(engine, ref, rows, budget: int) -> None:
     """Every step's loss tracks plain PyTorch's within the budget, and so do the final weights."""
     for loss, want, peak in rows:
         assert loss == pytest.approx(want, abs=2e-5) and peak <= budget
-    assert max_weight_diff(engine, ref) < 1e-5
+    assert_weights_track(engine, ref)
+
+
+def assert_weights_track(engine, ref) -> None:
+    """The final weights track plain PyTorch's, each tensor measured in units of how far plain
+    PyTorch moved it (``conftest.worst_tracking``), not by the largest element's difference.
+
+    The stated bound: an element whose true gradient is zero (the attention key biases: softmax
+    ignores a constant added to every key) gets rounding noise as its gradient, and Adam turns any
+    noise into a step of about the learning rate, so two correct runs whose sums round differently
+    (another thread count, another order of adding a tied weight's two gradients) differ there by
+    up to steps x lr (7e-3 here), while everything else agrees to ~1e-6. A maximum held to 1e-5
+    passed or failed with the process (4.7e-6 to 1.57e-5 seen); the per-tensor mean is 1e-7-1e-4 of
+    what plain PyTorch moved, and a chunk never updated, or updated with another gradient, scores ~1."""
+    worst, name = worst_tracking(engine, ref, initial_masters(ReferenceTrainer(model(), optimizer=HP,
+                                                                               dtype=torch.float32)))
+    assert worst < TRACKING_TOL, (worst, name)
 
 
 def captures(caplog) -> int:
@@ -79,7 +95,7 @@ def test_one_capture_and_plan_serve_every_length_within_the_budget(minimum, fact
     for (loss, want, peak), b in zip(rows, batches):
         assert loss == pytest.approx(want, abs=2e-5), f"length {b[0].shape}"
         assert peak <= budget, f"length {b[0].shape}: peak {peak} over the budget {budget}"
-    assert max_weight_diff(engine, ref) < 1e-5
+    assert_weights_track(engine, ref)
     # the first shape, the range over the length, the range over the length and the rows
     fits = not any("range's bound does not fit" in r.getMessage() for r in caplog.records)
     assert fits or factor < 1.1

@@ -148,22 +148,73 @@ def test_a_range_of_lengths_runs_compiled_eager_with_inductor():
         e.close()
 
 
-def test_an_inplace_op_without_a_lowering_is_decomposed_where_ci_is_set(monkeypatch):
-    """The program's graph is not functionalized, so in-place ops reach Inductor, e.g. dropout's
-    ``bernoulli(p).div_(p)``. Inductor has no lowering for ``aten.div_.Scalar`` and, where the ``CI``
-    environment variable is set (GitHub Actions and most CI systems set it), refuses to fall back
-    to ATen for an op torch can decompose. ``WholeProgram`` decomposes such ops itself, so the
-    program compiles there too, and computes what eager computes."""
+def test_an_op_inductor_cannot_lower_is_decomposed_where_ci_is_set(monkeypatch):
+    """An in-place op reaches Inductor functional (``clamp_`` as ``aten.clamp``). Inductor has no
+    lowering for ``aten.clamp`` and, where the ``CI`` environment variable is set (GitHub Actions and
+    most CI systems set it), refuses to fall back to ATen for an op torch can decompose.
+    ``WholeProgram`` decomposes such ops itself (below functionalization, in the same trace), so the program
+    compiles there too, and computes what eager computes."""
     from torch.fx.experimental.proxy_tensor import make_fx
     monkeypatch.setenv("CI", "1")
 
     def f(x):
-        return (x * torch.ops.aten.div_.Scalar(x.abs() + 1.0, 0.9),)
+        return (x * torch.ops.aten.clamp_.default(x.abs() + 1.0, 1.2, 2.0),)
 
     x = torch.randn(4, 8)
     gm = make_fx(f)(x.clone())
-    assert any(n.target is torch.ops.aten.div_.Scalar for n in gm.graph.nodes)
+    assert any(n.target is torch.ops.aten.clamp_.default for n in gm.graph.nodes)
     prog = WholeProgram(gm, torch.device("cpu"))
     prog.compile()
     out = prog.run([x.clone()], lambda node, args: None)
     assert torch.equal(out[0], f(x.clone())[0])
+
+
+def _mutating_graph():
+    """A graph whose compute mutates an intermediate (``add_``, read after it) and writes back into
+    its input (``copy_`` into a placeholder, as functionalization writes a mutated input back)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        y = x * 2.0
+        y.add_(1.0)
+        x.copy_(y * 0.5)
+        return (y.sum(),)
+    return make_fx(f)(torch.randn(4, 8))
+
+
+def test_the_compute_inductor_sees_mutates_nothing_but_the_memory_ops_do():
+    """``compute_mutations`` names the compute's in-place nodes (a write-back into an input is an
+    input mutation, which Inductor orders); after ``_retrace`` (functionalized) there are none, while
+    a memory op (``fetch``) stays an in-place call on its slot, with the reads of the slot after it."""
+    from pscompile.compiled import whole
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = _mutating_graph()
+    assert [n.target for n in whole.compute_mutations(gm)] == [torch.ops.aten.add_.Tensor]
+    mode, examples = whole._examples(gm, torch.device("cpu"))
+    assert whole.compute_mutations(whole._retrace(gm, {}, mode, examples)) == []
+
+    def g(slot, host):
+        torch.ops.pscompile.fetch(slot, host)
+        return (slot * 3.0,)
+    mem = make_fx(g)(torch.zeros(4), torch.ones(4))
+    mode, examples = whole._examples(mem, torch.device("cpu"))
+    traced = whole._retrace(mem, {}, mode, examples)
+    ops = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    assert ops[0] is torch.ops.pscompile.fetch.default and torch.ops.aten.mul.Tensor in ops[1:], ops
+    slot = torch.zeros(4)
+    assert torch.equal(traced(slot, torch.ones(4))[0], torch.full((4,), 3.0)) and torch.equal(slot, torch.ones(4))
+
+
+def test_a_mutation_left_after_retracing_stops_the_compile_naming_the_node(monkeypatch):
+    """Where the compute would reach Inductor still mutating (here: retraced without
+    functionalization, the break this guards against), the compile stops with the node named; the
+    engine then runs the schedule as compiled eager (``test_a_program_inductor_cannot_compile_...``)."""
+    from pscompile.compiled import whole
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def unfunctionalized(gm, table, mode, examples):
+        with mode:
+            return make_fx(gm, decomposition_table=table, tracing_mode="real")(*examples)
+    monkeypatch.setattr(whole, "_retrace", unfunctionalized)
+    with pytest.raises(whole.ComputeMutationError, match=r"add_.*Inductor's order of it cannot be trusted"):
+        WholeProgram(_mutating_graph(), torch.device("cpu")).compile()

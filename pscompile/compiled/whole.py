@@ -3,10 +3,17 @@
 ``WholeProgram(gm, device)`` lowers a scheduled graph (``graph/pipeline.py``) in three steps:
 
 1. **Retrace** it with Inductor's decompositions, on fake inputs made from its placeholders'
-   metadata, without functionalizing it: the memory nodes stay calls of the ``pscompile::`` custom
-   ops on the real slot and host buffers (functionalized, Inductor would write clones of the slots).
-   An op left that Inductor cannot lower but torch can decompose (an in-place op such as dropout's
-   ``div_``) is decomposed too (``unlowered_with_decomposition``), never left to a fallback kernel.
+   metadata, and again **functionalized**: the compute Inductor sees is functional, and only the
+   memory nodes mutate. Inductor orders a program by its data flow; an in-place op on an
+   intermediate (dropout's ``empty_like(...).bernoulli_(p).div_(1 - p)``) can otherwise be read by
+   a kernel scheduled before it ran (a mask read from uninitialized memory: NaN in some processes,
+   different losses in the others). The memory nodes stay calls of the ``pscompile::`` ops on the
+   real slot and host buffers, with the mutations their schemas declare (their Functionalize
+   kernels, ``graph/ops.py``); functionalized like the compute, Inductor would write clones of the
+   slots. A mutation of anything else left after that (``compute_mutations``) stops the compile,
+   naming the op, and the schedule runs as compiled eager. An op left that Inductor cannot lower
+   but torch can decompose is decomposed too (``unlowered_with_decomposition``), never left to a
+   fallback kernel.
 2. **Pin the order** (``order_edges``) with Inductor's ``control_deps``: each memory node comes after
    the memory node before it and after every value computed before it and still used after it
    (values Inductor would otherwise compute lazily, after a write to the buffer they read), and
@@ -30,6 +37,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -40,7 +48,8 @@ from pscompile.graph.ops import ACTIVATION_OPS, MEMORY_OPS, memory_runner
 
 log = logging.getLogger("pscompile.compiled")
 
-__all__ = ["WholeProgram", "ProgramOrderError", "order_edges", "BufferPlan"]
+__all__ = ["WholeProgram", "ProgramOrderError", "ComputeMutationError", "compute_mutations", "order_edges",
+           "BufferPlan"]
 
 _MEMORY = frozenset(MEMORY_OPS) | frozenset(ACTIVATION_OPS)
 _OFFLOAD = torch.ops.pscompile.offload.default
@@ -50,8 +59,8 @@ PATCHES: dict[str, Any] = {"fallback_random": True, "reorder_for_peak_memory": F
                            "fx_graph_cache": False}
 
 
-# how many times ``compile`` retraces to decompose what Inductor has no lowering for (a retrace can
-# only expose ops that the decompositions just added emit; one has sufficed for every graph seen)
+# how many rounds ``compile`` retraces (functionalized, decomposed) until no op is left that mutates or
+# that Inductor has no lowering for (a round can only expose ops that the one before emitted)
 _RETRACES = 4
 
 
@@ -60,10 +69,7 @@ def unlowered_with_decomposition(gm: fx.GraphModule) -> dict:
 
     Inductor would run such an op as an implicit fallback kernel, and refuses to when the ``CI``
     environment variable is set (``make_fallback``: "a decomposition exists, we should switch to
-    it"). The graph is not functionalized (see the module doc), so in-place ops reach it, e.g.
-    ``aten.div_.Scalar`` where dropout scales its mask; decomposed, they become the functional op
-    and an ``aten.copy_`` back, which Inductor lowers. Random ops stay ATen calls, as
-    ``fallback_random`` wants (their masks equal eager's)."""
+    it"). Random ops stay ATen calls, as ``fallback_random`` wants (their masks equal eager's)."""
     from torch._decomp import get_decompositions
     from torch._decomp.decompositions_for_rng import extra_random_decomps
     from torch._inductor.lowering import FALLBACK_ALLOW_LIST, lowerings
@@ -79,6 +85,51 @@ def unlowered_with_decomposition(gm: fx.GraphModule) -> dict:
 
 class ProgramOrderError(RuntimeError):
     """The compiled program called a memory op out of the schedule's order."""
+
+
+class ComputeMutationError(RuntimeError):
+    """The program's compute still mutates a tensor after functionalization (the op is named)."""
+
+
+def compute_mutations(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` that mutate a tensor and are not memory nodes. Functionalization's
+    write-back of a mutated graph input (``aten.copy_`` into a placeholder) is an ordinary input
+    mutation to Inductor, ordered after every read of that input, and is not counted."""
+    found = []
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or is_memory(n) or schema is None or not schema.is_mutable:
+            continue
+        if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+            continue
+        found.append(n)
+    return found
+
+
+def _retrace(gm: fx.GraphModule, table: dict, mode, examples: list) -> fx.GraphModule:
+    """``gm`` functionalized (see the module doc) and traced with the decompositions ``table``.
+    A decomposition runs below functionalization, so what it emits in place, and a functional op
+    that only functionalization exposed (``clamp_`` becomes ``clamp``, which Inductor decomposes),
+    are handled by the next round of ``WholeProgram.compile``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    with mode:
+        return make_fx(torch.func.functionalize(gm, remove="mutations"), decomposition_table=table,
+                       tracing_mode="real")(*examples)
+
+
+@contextmanager
+def deterministic_lowering():
+    """Inductor lowers as under ``torch.use_deterministic_algorithms(True)`` (restored after): an
+    accumulating scatter (the embedding's backward, ``index_put_(..., accumulate=True)``) becomes
+    ATen's kernel, which adds in a fixed order, instead of atomic adds, whose order changes from run
+    to run with more than one thread. The same seeds then give the same weights in every process.
+    Only the lowering is affected; what runs later runs with the process's own setting."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def is_memory(n: fx.Node) -> bool:
@@ -288,22 +339,28 @@ class WholeProgram:
     def compile(self) -> None:
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
         t0 = time.perf_counter()
         mode, examples = _examples(self.gm, self.device)
-        table = dict(select_decomp_table())
+        with torch._inductor.config.patch(PATCHES):     # (fallback_random: random ops are not decomposed)
+            table = dict(select_decomp_table())
+        traced = self.gm
         for _ in range(_RETRACES):
-            with mode:
-                traced = make_fx(self.gm, decomposition_table=table, tracing_mode="real")(*examples)
+            traced = _retrace(traced, table, mode, examples)
             more = unlowered_with_decomposition(traced)
-            if not more:
+            mutating = compute_mutations(traced)
+            if not more and not mutating:
                 break
-            log.info("pscompile: decomposed for Inductor (no lowering): %s", sorted(map(str, more)))
+            if more:
+                log.info("pscompile: decomposed for Inductor (no lowering): %s", sorted(map(str, more)))
             table.update(more)
+        if mutating:
+            raise ComputeMutationError(
+                f"the compute still mutates after functionalization: {mutating[0].format_node()} "
+                f"({len(mutating)} such nodes); Inductor's order of it cannot be trusted")
         self.pinned = _pin(traced, self.edges)
         keep = _GraphOf()
         with torch._inductor.config.patch({**PATCHES, "_post_fusion_custom_pass": keep}), \
-                torch._guards.tracing(torch._guards.TracingContext(mode)), mode:
+                torch._guards.tracing(torch._guards.TracingContext(mode)), mode, deterministic_lowering():
             self._fn = compile_fx_inner(traced, examples)
         try:
             self.buffers = buffer_plan(keep.graph)

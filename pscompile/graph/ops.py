@@ -103,14 +103,42 @@ def _no_value(*args, **kwargs) -> None:
 
 def _op(name: str, mutates_args: tuple[str, ...] = ()):
     """Decorator: define ``pscompile::name`` from ``fn``'s signature, ``fn`` its routed body
-    (``_routed``); an op that returns nothing gets its fake implementation here."""
+    (``_routed``); an op that returns nothing gets its fake implementation here, and an op that
+    mutates its own kernel under functionalization (``_in_place_under_functionalization``)."""
     def wrap(fn):
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         _LIB.impl(name, _routed(name)(fn), "CompositeExplicitAutograd")
         if inspect.signature(fn).return_annotation in (None, "None"):
             torch.library.register_fake(f"pscompile::{name}", _no_value, lib=_LIB)
+        if mutates_args:
+            _LIB.impl(name, _in_place_under_functionalization(name), "Functionalize")
         return fn
     return wrap
+
+
+def _in_place_under_functionalization(op_name: str):
+    """The op's Functionalize kernel: it stays an in-place call on the real buffers.
+
+    A compiled program's compute is functionalized (``compiled/whole.py``: Inductor orders only
+    what it sees as data flow, and an in-place op on an intermediate, such as dropout's
+    ``bernoulli_``, can be read before it ran). The memory ops must still write the real slots and
+    host chunks, not functional copies of them, so under functionalization they are performed on
+    the unwrapped tensors (each synced first), as they were written: the traced graph keeps them
+    as calls of these ops, with the mutations their schemas declare."""
+    import torch.utils._pytree as pytree
+    below = torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+
+    def unwrap(t: Tensor) -> Tensor:
+        if not torch._is_functional_tensor(t):
+            return t
+        torch._sync(t)
+        return torch._from_functional_tensor(t)
+
+    def kernel(*args, **kwargs):
+        args, kwargs = pytree.tree_map_only(Tensor, unwrap, (args, kwargs))
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            return getattr(torch.ops.pscompile, op_name).default(*args, **kwargs)
+    return kernel
 
 
 def _fake(name: str):

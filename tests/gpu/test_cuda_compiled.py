@@ -96,3 +96,30 @@ def test_copies_overlap_compute_when_both_are_large():
     copies = moved[-1] / rate
     assert moved[-1] > 0
     assert step < compute + copies, (step, compute, copies)
+
+
+def test_dropout_and_inplace_ops_give_the_same_result_in_every_process_on_cuda():
+    """bench/determinism.py's children on CUDA (tests/test_random_ops.py on the CPU): a GPT with
+    dropout and ``pscompile.testing.InplaceZoo`` under a budget that evicts, in two fresh processes
+    each: bit-identical losses and weights, and the eager backend's losses within 1e-5 relative."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "bench" / "determinism.py"
+    specs = [{"model": m, "backends": ["inductor", "eager"], "budget": 2, "micro": [1, 1, 1, 2], "device": "cuda",
+              **({"chunk_size": 2048} if m == "zoo" else {})} for m in ("gpt", "zoo")]
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, str(script), "--_child", json.dumps(specs)], capture_output=True,
+                           text=True, env={**os.environ, "CI": "1"}, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    for i in range(len(specs)):
+        a, b = runs[0][i]["inductor"], runs[1][i]["inductor"]
+        assert (a["loss"], a["weights"]) == (b["loss"], b["weights"]), specs[i]["model"]
+        eager = runs[0][i]["eager"]["loss"]
+        for x, y in zip(a["loss"], eager):
+            assert abs(float.fromhex(x) - float.fromhex(y)) <= 1e-5 * abs(float.fromhex(y)), (specs[i]["model"], a, eager)
+        assert a["share"][-1] == 1.0 and min(a["evictions"]) > 0, a
