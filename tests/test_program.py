@@ -218,3 +218,22 @@ def test_a_mutation_left_after_retracing_stops_the_compile_naming_the_node(monke
     monkeypatch.setattr(whole, "_retrace", unfunctionalized)
     with pytest.raises(whole.ComputeMutationError, match=r"add_.*Inductor's order of it cannot be trusted"):
         WholeProgram(_mutating_graph(), torch.device("cpu")).compile()
+
+
+def test_an_accumulating_scatter_adds_in_a_fixed_order():
+    """An embedding's backward is an accumulating ``index_put``, which Inductor lowers to atomic adds
+    whose order changes with the threads' timing (other weights in some processes). The program is
+    lowered as under ``torch.use_deterministic_algorithms`` (``deterministic_lowering``): ATen's
+    ordered kernel, and eager's sums; the process's own setting is left as it was."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(ids, grad):
+        return (torch.ops.aten.index_put.default(torch.zeros(64, 32), [ids], grad, True),)
+
+    ids, grad = torch.randint(0, 8, (512,)), torch.randn(512, 32)
+    was = torch.are_deterministic_algorithms_enabled()
+    prog = WholeProgram(make_fx(f)(ids, grad), torch.device("cpu"))
+    prog.compile()
+    assert "atomic_add" not in prog._fn.source_code
+    assert torch.are_deterministic_algorithms_enabled() == was
+    assert torch.equal(prog.run([ids, grad], lambda node, args: None)[0], f(ids, grad)[0])

@@ -35,9 +35,10 @@ WORKER = Path(__file__).resolve().parents[1] / "bench" / "determinism.py"
 K = 3
 LOSS_REL, WEIGHT_ABS = 1e-5, 1e-4
 
-# the issue's case (most of the model resident: 8x the minimum), with accumulation after three
-# steps; the in-place zoo under a budget that fetches and evicts every step (twice its minimum)
-GPT = {"model": "gpt", "backends": ["inductor", "eager"], "budget": 8, "micro": [1, 1, 1, 2, 2]}
+# the issue's case (most of the model resident: 8x the minimum); the in-place zoo under a budget that
+# fetches and evicts every step (twice its minimum). Accumulation and the other budgets and models:
+# bench/determinism.py (docs/reliability.md has its table)
+GPT = {"model": "gpt", "backends": ["inductor", "eager"], "budget": 8, "micro": [1, 1, 1]}
 ZOO = {"model": "zoo", "backends": ["inductor", "eager"], "budget": 2, "micro": [1, 1, 1], "chunk_size": 2048}
 
 
@@ -73,12 +74,12 @@ def _agree(results: list[dict], what: str) -> None:
 
 
 def test_dropout_gives_the_same_losses_in_every_process(runs):
-    """The issue's model (a GPT with dropout 0.1) at 8x its minimum, one micro-batch and then two:
-    the first program step of each capture included."""
+    """The issue's model (a GPT with dropout 0.1) at 8x its minimum: the first step measures node by
+    node, the second is the program's first run."""
     results = [r[0] for r in runs]
     _agree(results, "GPT with dropout")
     share = results[0]["inductor"]["share"]
-    assert share[1:3] == [1.0, 1.0] and share[-1] == 1.0, share
+    assert share[1:] == [1.0, 1.0], share
 
 
 def test_every_inplace_and_random_op_runs_as_eager_does_under_a_budget_that_evicts(runs):
