@@ -62,8 +62,12 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
 
 
 def engine_for(spec: dict, backend: str):
-    """A fresh engine for ``spec``'s model and budget with ``backend``, and the model's batches."""
+    """A fresh engine for ``spec``'s model and budget with ``backend``, and the model's batches
+    (the zoo's float inputs in the compute dtype, as a 16-bit run feeds them)."""
     model, batches = build(spec["model"])
+    if spec["model"] == "zoo":
+        dtype = getattr(torch, spec.get("dtype", "float32"))
+        batches = [(x.to(dtype), y.to(dtype)) for x, y in batches]
     mode = {"mode": "hooks"} if backend == "hooks" else {"backend": backend}
     base = pscompile.Config(device=spec.get("device", "cpu"), dtype=getattr(torch, spec.get("dtype", "float32")),
                             chunk_size=spec.get("chunk_size", "auto"), **mode)
