@@ -14,6 +14,7 @@ model's minimum and none; float32, and bfloat16 at 2x; each run takes three sing
 step of two micro-batches (accumulation: a capture of its own, its first program step included).
 
     python bench/determinism.py [--quick] [--k 3] [--markdown] [--out bench/results/determinism.json]
+                                [--models gpt zoo ...] [--budgets 1.15 8 none] [--dtypes bfloat16]
 
 ``--quick``: the GPT and the zoo at 2x in float32, two processes each. A child's spec may name a
 ``device`` (``tests/gpu/test_cuda_compiled.py`` runs the same children on CUDA).
@@ -134,22 +135,33 @@ def cell(spec: dict, k: int) -> dict:
             "shares": ours[0]["share"], "fetches": ours[0]["fetches"], "runs": got}
 
 
-def specs(quick: bool) -> list[dict]:
+def specs(quick: bool, models=None, budgets=None, dtypes=None) -> list[dict]:
+    """The cells: the quick pair, the default sweep, or every model x budget x dtype named."""
     if quick:
         return [{"model": m, "budget": 2.0, "dtype": "float32"} for m in ("gpt", "zoo")]
+    if models or budgets or dtypes:
+        return [{"model": m, "budget": b, "dtype": d} for d in (dtypes or ["float32"])
+                for m in (models or MODELS) for b in (budgets or BUDGETS)]
     out = [{"model": m, "budget": b, "dtype": "float32"} for m in MODELS for b in BUDGETS]
     return out + [{"model": m, "budget": 2.0, "dtype": "bfloat16"} for m in MODELS]
+
+
+def _budget(text: str) -> float | None:
+    return None if text == "none" else float(text)
 
 
 def main() -> int:
     ap = parser(__doc__, "determinism", child=True, markdown=True)
     ap.add_argument("--k", type=int, default=3, help="fresh processes per cell")
+    ap.add_argument("--models", nargs="+", choices=MODELS, help="these models only")
+    ap.add_argument("--budgets", nargs="+", type=_budget, help="multiples of the minimum, or none")
+    ap.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), help="these dtypes only")
     args = ap.parse_args()
     if child(args.child, work):
         return 0
     k = 2 if args.quick else args.k
     rows, cells = [], []
-    for spec in specs(args.quick):
+    for spec in specs(args.quick, args.models, args.budgets, args.dtypes):
         spec = {**spec, "backends": ["inductor", "eager"], "micro": MICRO,
                 **({"chunk_size": 2048} if spec["model"] == "zoo" else {})}
         c = cell(spec, k)
