@@ -43,15 +43,15 @@ ZOO = {"model": "zoo", "backends": ["inductor", "eager"], "budget": 2, "micro": 
 
 
 def fresh(specs: list[dict], k: int = K) -> list[list[dict]]:
-    """``k`` processes of the worker on ``specs``, side by side: each one's results, one per spec."""
+    """``k`` processes of the worker on ``specs``, one after another (side by side they would take
+    the cores from the tests in the other workers): each one's results, one per spec."""
     env = {**os.environ, "CI": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), CHILD_FLAG, json.dumps(specs)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(k)]
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=900)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    for _ in range(k):
+        p = subprocess.run([sys.executable, str(WORKER), CHILD_FLAG, json.dumps(specs)], env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out.append(json.loads(p.stdout.strip().splitlines()[-1]))
     return out
 
 
