@@ -42,6 +42,22 @@ def _copy_engine(request, monkeypatch):
         monkeypatch.setenv("PSCOMPILE_STRICT_COPIES", "0")
 
 
+@pytest.fixture
+def uninitialized_is_nan():
+    """Every buffer the test allocates without writing it holds NaN (torch's deterministic mode
+    fills uninitialized memory; both settings restored after): a read before the first write shows
+    as NaN, not as whatever the allocator happened to leave there (often zeros, so it passes)."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def free_port() -> int:
     """A port no one listens on now, for a process group's rendezvous (test files run side by side,
     so torchrun's fixed default port would be taken)."""

@@ -195,8 +195,28 @@ def test_spares_count_as_host_memory_and_go_back_on_close():
     assert not engine.early._free
 
 
+def test_every_new_param_chunk_has_zero_padding(uninitialized_is_nan):
+    """A new param chunk (an early update's spare, lock-free's next params) is written over its
+    state extent only; its padding must be zero like every param chunk's, since a device slot that
+    held the params later holds the gradients, whose norm covers the whole chunk. In CI the
+    allocator once left NaN there and the gradients were NaN -- only where a padded chunk's early
+    update had started before its commit, which thread timing decides, so this checks the buffers
+    themselves, with every fresh buffer NaN."""
+    engine = _engine(lock_free=True)
+    store = engine.store
+    padded = [c for c in range(engine.layout.num_chunks) if 0 < store.state_numel(c) < store.host_param[c].numel()]
+    assert padded
+    for c in padded:
+        n = store.state_numel(c)
+        spare = early_update.spare_home(store, c)
+        params = spare[0] if store.shares_master(c) else spare[3]
+        assert bool((params[n:] == 0).all()) and bool((engine._next_params[c][n:] == 0).all()), f"chunk {c}"
+        early_update.release_spare(store, store.shares_master(c), spare)
+    engine.close()
+
+
 class _Pool:
-    def acquire(self, numel=None):
+    def acquire(self, zero=False, numel=None):
         return torch.zeros(4 if numel is None else numel)
 
     def release(self, t):

@@ -231,9 +231,10 @@ def test_an_accumulating_scatter_adds_in_a_fixed_order():
         return (torch.ops.aten.index_put.default(torch.zeros(64, 32), [ids], grad, True),)
 
     ids, grad = torch.randint(0, 8, (512,)), torch.randn(512, 32)
-    was = torch.are_deterministic_algorithms_enabled()
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     prog = WholeProgram(make_fx(f)(ids, grad), torch.device("cpu"))
     prog.compile()
     assert "atomic_add" not in prog._fn.source_code
     assert torch.are_deterministic_algorithms_enabled() == was
+    assert torch.utils.deterministic.fill_uninitialized_memory == fill
     assert torch.equal(prog.run([ids, grad], lambda node, args: None)[0], f(ids, grad)[0])

@@ -123,13 +123,18 @@ def deterministic_lowering():
     accumulating scatter (the embedding's backward, ``index_put_(..., accumulate=True)``) becomes
     ATen's kernel, which adds in a fixed order, instead of atomic adds, whose order changes from run
     to run with more than one thread. The same seeds then give the same weights in every process.
-    Only the lowering is affected; what runs later runs with the process's own setting."""
+    Only the lowering is affected; what runs later runs with the process's own setting. The setting
+    is the process's, so threads running meanwhile (copies, early updates) see it too; filling new
+    buffers with NaN, which it would also turn on, stays as it was (it would only slow them)."""
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill and was
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def is_memory(n: fx.Node) -> bool:

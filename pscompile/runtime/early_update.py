@@ -52,12 +52,15 @@ from pscompile.runtime.interrupts import deferred_interrupts
 
 def spare_home(store, c: int) -> list[torch.Tensor | None]:
     """Buffers to update host chunk ``c`` of ``store`` into out of place: master, moments and
-    (unless the master is the param chunk) a param chunk, from the pools its own come from."""
+    (unless the master is the param chunk) a param chunk, from the pools its own come from. A
+    param chunk's padding after the state extent is zero, as every param chunk's is: the update
+    writes the extent only, and a device slot that held the params later holds the gradients,
+    whose norm covers the whole chunk."""
     shared = store.shares_master(c)
     n = store.exp_avg[c].numel()          # (the chunk's state extent)
-    master = store.host_param_pool.acquire() if shared else store.host_os_pool.acquire(numel=n)
+    master = store.host_param_pool.acquire(zero=True) if shared else store.host_os_pool.acquire(numel=n)
     return [master, store.host_os_pool.acquire(numel=n), store.host_os_pool.acquire(numel=n),
-            None if shared else store.host_param_pool.acquire()]
+            None if shared else store.host_param_pool.acquire(zero=True)]
 
 
 def swap_home(store, c: int, bufs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

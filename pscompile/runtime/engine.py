@@ -144,8 +144,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                         if config.lock_free else None)
         if self.updater is not None:      # (its gradient buffer sets are host model data)
             self.store.host_meter.add(sum(b.numel() * 4 for s in self.updater.sets for b in s))
-        # lock-free: the update thread casts new masters here (trainable chunks); publishing swaps them in
-        self._next_params = ([self.store.host_param_pool.acquire() if self.store.state_numel(c) else torch.empty(0)
+        # lock-free: the update thread casts new masters here (trainable chunks); publishing swaps them
+        # in (zeroed: the cast covers the state extent, and the padding after it stays zero)
+        self._next_params = ([self.store.host_param_pool.acquire(zero=True) if self.store.state_numel(c) else torch.empty(0)
                               for c in range(self.layout.num_chunks)] if config.lock_free else [])
         self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
         self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
