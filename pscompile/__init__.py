@@ -20,3 +20,7 @@ __all__ = ["compile", "min_device_memory", "save", "load", "consolidate", "Confi
            "build_layout", "search_chunk_size", "TensorState", "Tier", "plan", "Hardware", "PlanReport",
            "Mode", "Backend", "Policy", "Activations", "Collectives"]
 __version__ = "0.1.0"
+
+from pscompile.runtime.notices import install_default_handler as _install_default_handler
+
+_install_default_handler()      # warnings and long-step notices reach a user who configured no logging

@@ -13,7 +13,7 @@ from pscompile.config import AdamW, Config
 from pscompile.errors import BudgetError
 from pscompile.hooks.engine import HooksEngine
 from pscompile.lazy import LazyEngine
-from pscompile.runtime.batching import LossFn, tensor_problem, to_device
+from pscompile.runtime.batching import LossFn, as_batch, tensor_problem, to_device
 from pscompile.resolved import ResolvedConfig, resolve
 from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
@@ -44,6 +44,7 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
         from pscompile.saving import load
         return LazyEngine(model, optimizer=optimizer, config=config, loss_fn=loss_fn, load=load,
                           build=lambda b: compile(model, b, optimizer=optimizer, config=config, loss_fn=loss_fn))
+    batch = as_batch(batch, "compile")
     problem = tensor_problem(batch)
     if problem is not None:
         raise ValueError(f"compile(): {problem}")
@@ -69,13 +70,13 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
             raise BudgetError(
                 f"{budget} is below the minimum {format_bytes(least)} ({least} bytes) this model needs in "
                 f"{config.mode} mode ({there}); at this budget {needs}; give device_memory >= {least}, a smaller "
-                "batch or a smaller chunk_size", minimum=least) from e
+                "batch or a smaller chunk_size", minimum=least) from None      # (one figure: the least)
         # the least budget is at most this one, yet the layout "auto" picks here does not fit (a larger
         # budget may pick larger chunks): the message must not call this budget below that minimum
         raise BudgetError(
             f"{budget} is at least the minimum {format_bytes(least)} ({least} bytes) this model needs in "
             f"{config.mode} mode ({there}), but the layout chunk_size='auto' picks at this budget does not fit in "
-            f"it: {needs}; give device_memory={least} or an explicit chunk_size", minimum=least) from e
+            f"it: {needs}; give device_memory={least} or an explicit chunk_size", minimum=least) from None
 
 
 def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None, *,
@@ -98,7 +99,7 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     minimum of one batch at the Dims' maxima (as plain captures of each shape). Hooks mode and ZeRO
     answer for ``batch`` as given."""
     optimizer, config = _check_arguments(model, optimizer, config)
-    return _least_budget(model, batch, optimizer, config, loss_fn)[0]
+    return _least_budget(model, as_batch(batch, "min_device_memory"), optimizer, config, loss_fn)[0]
 
 
 def _least_budget(model: nn.Module, batch: Any, optimizer: AdamW, config: Config,

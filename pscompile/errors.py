@@ -25,3 +25,13 @@ class ResidencyError(BudgetError):
 
 class ScheduleError(ValueError):
     """verify_schedule: a scheduled graph breaks a memory invariant at the node it names."""
+
+
+def closed_message(call: str) -> str:
+    """What a call on a closed engine says (``call``: the engine method under way; "save" for
+    ``pscompile.save``; "" when unknown): why, and the two ways to go on."""
+    where = {"save": "pscompile.save()", "": "this call"}.get(call, f"engine.{call}()")
+    return (f"{where}: this engine was closed: close() gave the model its trained weights back and released the "
+            "engine's chunks. To go on training, build a new engine: pscompile.compile(model, batch, ...) starts "
+            "from the weights close() gave back; to resume a checkpoint saved before close() (optimizer states "
+            "too), load it into a new engine: pscompile.load(new_engine, path)")

@@ -26,11 +26,12 @@ from typing import Any, Callable
 from torch import nn
 
 from pscompile.config import AdamW, Config
+from pscompile.errors import closed_message
 from pscompile.resolved import resolve
 from pscompile.profiling import Profiled
 from pscompile.optim.groups import resolve_groups
 from pscompile.optim.torch_optimizer import EngineOptimizer, updated_hps
-from pscompile.runtime.batching import LossFn, micro_batches
+from pscompile.runtime.batching import LossFn, as_batch, micro_batches
 from pscompile.runtime.groups import set_group_lr
 
 BEFORE = ("it is built at its first step(batch) or evaluate(batch); compile(model, batch) builds it at once "
@@ -82,7 +83,7 @@ class LazyEngine(Profiled):
     def ensure_built(self, batch: Any):
         """The engine, built from ``batch`` if it is not yet (and a pending checkpoint loaded)."""
         if self.closed:
-            raise RuntimeError("this engine was closed")
+            raise RuntimeError(closed_message(""))
         if self.built is None:
             engine = self._build(batch)
             try:
@@ -108,10 +109,12 @@ class LazyEngine(Profiled):
         engine._take_groups()
 
     def step(self, batch: Any) -> float:
+        batch = as_batch(batch)
         micro = micro_batches(batch)          # a list of micro-batches: built from the first
         return self.ensure_built(batch if micro is None else micro[0]).step(batch)
 
     def evaluate(self, batch: Any) -> float:
+        batch = as_batch(batch, "evaluate")
         return self.ensure_built(batch).evaluate(batch)
 
     @contextlib.contextmanager

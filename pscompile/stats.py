@@ -1,8 +1,11 @@
-"""StepStats: what one training step did, measured (not planned)."""
+"""StepStats: what one training step did, measured (not planned). ``str(stats)`` is a few lines
+with units (``print(engine.stats)``); ``repr`` is the dataclass's, every field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+
+from pscompile.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class StepStats:
     # the gradients' global 2-norm before clipping, unscaled, over every rank under ZeRO (what
     # torch.nn.utils.clip_grad_norm_ returns; inf or NaN for a float16 step skipped on overflow)
     grad_norm: float | None = None
+    # the device budget the step ran under (Config.device_memory, or on CUDA 90% of the free memory;
+    # ZeRO: the smallest rank's), the bound on peak_device_bytes; None: no limit
+    device_memory: int | None = None
 
     @property
     def compiled_share(self) -> float:
@@ -67,3 +73,59 @@ class StepStats:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __str__(self) -> str:
+        """A short summary, one topic a line (a line with nothing to say is left out): time and
+        loss; device and host peaks against the budget; bytes moved, fetches and evictions;
+        activation and ZeRO traffic; the compiled share, gradient norm and loss scale."""
+        lines = (self._time_line(), self._device_line(), self._moved_line(), self._extra_moves_line(),
+                 self._other_line())
+        return "\n".join(line for line in lines if line)
+
+    def _time_line(self) -> str:
+        return (f"step {_seconds(self.time_s)} (forward {_seconds(self.forward_s)}, backward "
+                f"{_seconds(self.backward_s)}, optimizer {_seconds(self.optimizer_s)}; copies "
+                f"{_seconds(self.transfer_s)}), loss {self.loss:.4g}"
+                + (" -- update skipped (float16 overflow)" if self.skipped else ""))
+
+    def _device_line(self) -> str:
+        budget = "no budget"
+        if self.device_memory is not None:
+            share = self.peak_device_bytes / max(1, self.device_memory)
+            budget = f"{share:.0%} of the {format_bytes(self.device_memory)} budget"
+        allocator = ("" if self.allocator_peak_bytes is None else
+                     f"; CUDA allocator peak {format_bytes(self.allocator_peak_bytes)}")
+        return (f"device peak {format_bytes(self.peak_device_bytes)} ({budget}; chunks up to "
+                f"{format_bytes(self.peak_device_model_bytes)}, non-model up to {format_bytes(self.peak_nonmodel_bytes)})"
+                f"{allocator}; host peak {format_bytes(self.peak_host_bytes)}")
+
+    def _moved_line(self) -> str:
+        disk = (f", disk read {format_bytes(self.disk_read_bytes)}, written {format_bytes(self.disk_write_bytes)}"
+                if self.disk_read_bytes or self.disk_write_bytes else "")
+        return (f"moved {format_bytes(self.bytes_moved)}: host->device {format_bytes(self.h2d_bytes)}, device->host "
+                f"{format_bytes(self.d2h_bytes)}{disk}; {self.num_fetches} fetches, {self.num_evictions} evictions")
+
+    def _extra_moves_line(self) -> str:
+        parts = []
+        if self.offload_bytes or self.reload_bytes:
+            parts.append(f"activations offloaded {format_bytes(self.offload_bytes)}, reloaded "
+                         f"{format_bytes(self.reload_bytes)} (within the moves above)")
+        if self.allgather_bytes or self.reduce_scatter_bytes:
+            parts.append(f"ZeRO all-gather {format_bytes(self.allgather_bytes)}, reduce-scatter "
+                         f"{format_bytes(self.reduce_scatter_bytes)}")
+        return "; ".join(parts)
+
+    def _other_line(self) -> str:
+        parts = []
+        if self.compute_ops:
+            parts.append(f"compiled share {self.compiled_share:.0%} ({self.compiled_ops} of {self.compute_ops} ops)")
+        if self.grad_norm is not None:
+            parts.append(f"grad norm {self.grad_norm:.4g}")
+        if self.loss_scale != 1.0:
+            parts.append(f"loss scale {self.loss_scale:g}")
+        return "; ".join(parts)
+
+
+def _seconds(s: float) -> str:
+    """A duration with its unit: '850 ms', '2.31 s'."""
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"

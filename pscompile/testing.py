@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pscompile.runtime.batching import LossFn, call_model, extract_loss, micro_batches, to_device
+from pscompile.runtime.batching import LossFn, as_batch, call_model, extract_loss, micro_batches, to_device
 from pscompile.config import AdamW
 from pscompile.optim.adamw import LossScaler
 from pscompile.optim.groups import resolve_groups
@@ -66,6 +66,7 @@ class ReferenceTrainer:
 
     def step(self, batch: Any) -> float:
         """One update; a list of micro-batches accumulates ``(loss / k).backward()`` over them."""
+        batch = as_batch(batch)
         micro = micro_batches(batch)
         batches = [to_device(b, self.device) for b in (micro if micro is not None else [batch])]
         scale = self.scaler.scale if self.scaler is not None else 1.0

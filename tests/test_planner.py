@@ -218,7 +218,7 @@ def test_plan_command_prints_the_report(capsys):
     assert "GPT d64 L2 h2 vocab 256" in out and "batch 2 x 64" in out
     # the flags' old names still work, each with a note naming its new one
     rc = cli_main(["plan", "--hidden", "64", "--layers", "2", "--heads", "2", "--vocab", "256", "--seq", "64",
-                   "--batch", "2", "--gpu-memory", "1.0001GB", "--dtype", "float32"])
+                   "--batch", "2", "--gpu-memory", "1.0001GiB", "--dtype", "float32"])
     captured = capsys.readouterr()
     assert rc == 0 and "NO: GPU memory" in captured.out and "GPT d64 L2 h2 vocab 256" in captured.out
     for old, new in [("--hidden", "--d-model"), ("--layers", "--n-layer"), ("--heads", "--n-head"),

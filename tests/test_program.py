@@ -132,18 +132,22 @@ def test_a_program_inductor_cannot_compile_runs_as_compiled_eager(monkeypatch, c
         e.close()
 
 
-def test_a_range_of_lengths_runs_compiled_eager_with_inductor():
+def test_a_range_of_lengths_runs_compiled_eager_with_inductor(caplog):
     """Batches of changing length under Inductor: the range's schedule runs as compiled eager (no
-    symbolic program yet), the same losses as the eager backend's, within the budget."""
+    symbolic program yet), the same losses as the eager backend's, within the budget; said once,
+    at WARNING (a fall-back from compiled code reaches a user who configured no logging)."""
     from test_dynamic_shapes import HP, batch, model
     dim = pscompile.Dim("seq", max=64)
     batches = [batch(n, i) for i, n in enumerate([40, 64, 23, 57])]
     engines = [pscompile.compile(model(), batches[0], optimizer=HP, config=_config(
         b, dynamic=({1: dim}, {1: dim}))) for b in ("inductor", "eager")]
-    for i, b in enumerate(batches):
-        losses = [e.step(b) for e in engines]
-        assert losses[0] == losses[1], (i, losses)
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        for i, b in enumerate(batches):
+            losses = [e.step(b) for e in engines]
+            assert losses[0] == losses[1], (i, losses)
     assert all(ex.split != "program" for ex in engines[0]._executors.values())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "batches of changing sizes" in warned[0], warned
     for e in engines:
         e.close()
 

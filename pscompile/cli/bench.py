@@ -13,6 +13,13 @@ import sys
 from pathlib import Path
 
 DEFAULT = "compare"
+# what the marks of the index's time columns mean (bench/README.md says the same above its table)
+LEGEND = (("*", "one timed run of the full command, with nothing else running (bench/README.md gives the date)"),
+          ("~", "about: the time the docs or the script record"),
+          ("≥", "at least: the sum of the times recorded for parts of the run, its other parts not counted"),
+          ("<", "under"),
+          ("≤", "at most"),
+          ("—", "not run there"))
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,15 +52,22 @@ def scripts(folder: Path) -> list[str]:
     return [row[0].strip("`") for row in index_rows((folder / "README.md").read_text())]
 
 
+def print_index(folder: Path) -> None:
+    """``bench --list``: the index's name, question and time columns, and what the time marks mean."""
+    from tabulate import tabulate
+    rows = index_rows((folder / "README.md").read_text())
+    print(tabulate([[r[0].strip("`"), r[1], r[3], r[4]] for r in rows],
+                   ["name", "question it answers", "minutes here", "minutes on a GPU"], tablefmt="simple"))
+    print("\nminutes: the full command's wall time, here on this project's 2-core CPU machine; "
+          + "; ".join(f"{mark} {meaning}" for mark, meaning in LEGEND))
+    print(f"pscompile bench NAME [flags]; the commands and the docs holding each table: {folder / 'README.md'}")
+
+
 def bench_command(args: argparse.Namespace) -> int:
     folder = bench_folder()
     rest = list(args.bench_args)
     if rest[:1] == ["--list"]:
-        rows = index_rows((folder / "README.md").read_text())
-        from tabulate import tabulate
-        print(tabulate([[r[0].strip("`"), r[1], r[3], r[4]] for r in rows],
-                       ["name", "question it answers", "minutes here", "minutes on a GPU"], tablefmt="simple"))
-        print(f"\npscompile bench NAME [flags]; the commands and the docs holding each table: {folder / 'README.md'}")
+        print_index(folder)
         return 0
     name = DEFAULT
     if rest and not rest[0].startswith("-"):

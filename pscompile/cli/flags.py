@@ -2,8 +2,12 @@
 
 Every command names a model, a batch and memory the same way (``--n-layer``, ``--d-model``,
 ``--n-head``, ``--vocab-size``, ``--seq-len``, ``--batch-size``, ``--device-memory``, ``--dtype``,
-``--chunk-size``, ``--activations``). A flag that was renamed keeps its old spelling as an alias
-that still works and prints, once per use, which name replaces it.
+``--chunk-size``, ``--activations``; docs/cli.md's table says which command takes which, and
+tests/test_cli_docs.py holds the parsers to it). A flag that was renamed keeps its old spelling as an
+alias that still works and prints, once per use, which name replaces it.
+
+Sizes are read one way by every flag (``pscompile.units.parse_size``): "GB" is 10^9 bytes, "GiB"
+2^30 (likewise kB/MB/TB and KiB/MiB/TiB); a bare K, M, G or T is binary, as in ``free -g``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+from pscompile.units import parse_size
+
+NO_LIMIT = ("none", "unlimited")
+SIZE_RULE = "GB = 10^9 bytes, GiB = 2^30"
 
 
 def deprecated_aliases(canonical: str, aliases: tuple[str, ...]) -> type[argparse.Action]:
@@ -30,6 +40,22 @@ def add_flag(p: argparse.ArgumentParser, name: str, *, old: tuple[str, ...] = ()
     if old:
         kw["action"] = deprecated_aliases(name, old)
     p.add_argument(name, *old, **kw)
+
+
+def size_flag(flag: str, *, none_ok: bool = False) -> Callable[[str], str | None]:
+    """An argparse ``type`` for a size flag: the text as given (``None`` for 'none' when
+    ``none_ok``), once ``parse_size`` reads it; an error naming ``flag`` and the units otherwise."""
+    def check(text: str) -> str | None:
+        if none_ok and text.strip().lower() in NO_LIMIT:
+            return None
+        try:
+            parse_size(text, flag)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a size; give e.g. 24GB (24 x 10^9 bytes) or 24GiB (24 x 2^30 bytes)"
+                + (", or 'none' for no limit" if none_ok else "")) from None
+        return text
+    return check
 
 
 def check_output(path: str | None, flag: str, *, folder: bool = False) -> None:

@@ -47,6 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each command's own parser, by name."""
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> str:
+    """The error for flags ``command`` does not take: which other command takes each, and where
+    the flags are listed."""
+    parsers = command_parsers(parser)
+    notes = []
+    for flag in (e.split("=")[0] for e in extra if e.startswith("--")):
+        others = [name for name, p in parsers.items() if name != command and flag in p._option_string_actions]
+        if others:
+            notes.append(f"{flag} is a flag of {' and '.join(others)}")
+    return (f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(notes)})" if notes else "")
+            + f"; {command} takes the flags above (python -m pscompile {command} --help, docs/cli.md)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
     parser = build_parser()
@@ -54,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         args.bench_args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command_parsers(parser)[args.command].error(unrecognized(parser, args.command, extra))
     try:
         return args.run(args)
     except (ValueError, NotImplementedError) as e:

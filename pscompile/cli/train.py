@@ -6,8 +6,9 @@ It trains a GPT preset on a byte-level corpus made from the Python standard libr
 (gpt-small-test, 450 steps of 16 x 128 bytes, float32; loss ~5.3 -> ~2.1) under a 44 MiB device
 budget: the run needs ~48 MiB to keep everything resident (~41 MiB of it activations), so only
 part of the 6.9 MiB of model data fits next to the activations and most of the 9 chunks are
-evicted and fetched back every step (tests/test_cli.py checks this). float32 is the default
-because on CPUs without native bf16 matmuls (AVX2 only) bfloat16 backward is 10-100x slower.
+evicted and fetched back every step (tests/test_cli_docs.py checks this, and docs/cli.md's sample
+of the summary). float32 is the default because on CPUs without native bf16 matmuls (AVX2 only)
+bfloat16 backward is 10-100x slower.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from tabulate import tabulate
 
 from pscompile.api import compile as ps_compile
 from pscompile.config import AdamW, Config
-from pscompile.cli.data import Corpus
-from pscompile.cli.flags import check_output
+from pscompile.cli.data import VOCAB_SIZE, Corpus
+from pscompile.cli.flags import check_output, size_flag
 from pscompile.dist.launch import init_from_env
 from pscompile.checkpoint.files import write_atomic
 from pscompile.stats import StepStats
@@ -36,7 +37,7 @@ from pscompile.units import format_bytes
 from pscompile.kinds import Backend, Mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_NO_LIMIT = ("none", "unlimited")
+ACTIVATIONS = ("auto", "keep", "recompute", "offload")
 
 
 # ==================================================================== train: settings
@@ -48,6 +49,7 @@ class TrainSettings:
     n_layer: int | None = None         # override the preset's number of blocks
     d_model: int | None = None         # override the preset's hidden size
     n_head: int | None = None          # override the preset's attention heads
+    vocab_size: int = VOCAB_SIZE       # embedding rows; the corpus is bytes (ids 0-255), so at least 256
     steps: int = 450                   # optimizer steps
     batch_size: int = 16               # sequences per step
     seq_len: int = 128                 # bytes per sequence (also the model's position table)
@@ -80,6 +82,9 @@ class TrainSettings:
         for flag, value in (("--n-layer", self.n_layer), ("--d-model", self.d_model), ("--n-head", self.n_head)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag}={value} must be a positive int (or leave it out to keep the preset's)")
+        if self.vocab_size < VOCAB_SIZE:
+            raise ValueError(f"--vocab-size={self.vocab_size} must be >= {VOCAB_SIZE}: the tokens are bytes "
+                             f"(ids 0-{VOCAB_SIZE - 1}); a larger vocabulary adds embedding rows no byte uses")
         if not self.lr > 0:
             raise ValueError(f"--lr={self.lr} must be > 0, e.g. 1e-3")
         if self.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(self.json_path))):
@@ -104,19 +109,37 @@ def parse_chunk_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of elements or 'auto'") from None
 
 
-def size_or_none(text: str) -> str | None:
-    return None if text.lower() in _NO_LIMIT else text
-
-
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    d = TrainSettings()
-    m = p.add_argument_group("model (byte-level GPT; vocab is always 256)")
+def add_model_arguments(m: argparse._ActionsContainer, d: TrainSettings) -> None:
+    """The GPT flags ``train`` and ``inspect`` share: a preset, its shape overridden."""
     m.add_argument("--model", metavar="NAME", default=d.model,
-                   help=f"GPT preset name, e.g. gpt-tiny, gpt-small-test, gpt-mini, gpt2 (default {d.model})")
+                   help=f"GPT preset name, e.g. gpt-tiny, gpt-small-test, gpt-mini, gpt2 (default {d.model}); "
+                        "the project's GPT only (pscompile.models.gpt): for another model use the Python API")
     m.add_argument("--n-layer", metavar="N", type=int, help="override the preset's number of blocks")
     m.add_argument("--d-model", metavar="N", type=int, help="override the preset's hidden size")
     m.add_argument("--n-head", metavar="N", type=int,
                    help="override the preset's attention heads (must divide d_model)")
+    m.add_argument("--vocab-size", metavar="N", type=int, default=d.vocab_size,
+                   help=f"embedding rows (default {d.vocab_size}: the bytes; a larger one adds rows no byte uses)")
+
+
+def add_memory_arguments(e: argparse._ActionsContainer, d: TrainSettings) -> None:
+    """The budget flags ``train`` and ``inspect`` share (sizes: GB = 10^9 bytes, GiB = 2^30)."""
+    e.add_argument("--device-memory", metavar="SIZE", type=size_flag("--device-memory", none_ok=True),
+                   default=d.device_memory,
+                   help=f"budget for everything on the device, e.g. 64MiB (2^20 bytes each) or 64MB (10^6), or "
+                        f"'none' (default {d.device_memory}: below what the default run needs, so chunks are "
+                        "evicted every step; the error names the minimum when a budget is too small)")
+    e.add_argument("--chunk-size", metavar="N|auto", type=parse_chunk_size, default=d.chunk_size,
+                   help="elements per chunk, or 'auto' (default auto)")
+    e.add_argument("--activations", choices=ACTIVATIONS, default=d.activations,
+                   help="compiled mode: take saved activations off the device when the budget needs it, "
+                        "recomputed or offloaded to the host, whichever costs less here (auto), never (keep), "
+                        f"all recomputed (recompute) or all offloaded (offload) (default {d.activations})")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainSettings()
+    add_model_arguments(p.add_argument_group("model (the project's byte-level GPT)"), d)
     t = p.add_argument_group("training")
     t.add_argument("--steps", metavar="N", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     t.add_argument("--batch-size", metavar="N", type=int, default=d.batch_size,
@@ -136,14 +159,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("memory and engine")
     e.add_argument("--device", metavar="DEV", default=d.device,
                    help=f"compute device: cpu, cuda, cuda:N (default {d.device})")
-    e.add_argument("--device-memory", metavar="SIZE", type=size_or_none, default=d.device_memory,
-                   help=f"budget for everything on the device, e.g. 64MiB, or 'none' (default {d.device_memory}: "
-                        "below what the default run needs, so chunks are evicted every step; the error names "
-                        "the minimum when a budget is too small)")
-    e.add_argument("--host-memory", metavar="SIZE", type=size_or_none, default=None,
-                   help="budget for chunks in host RAM, e.g. 2GiB (default: 80%% of available RAM)")
-    e.add_argument("--chunk-size", metavar="N|auto", type=parse_chunk_size, default=d.chunk_size,
-                   help="elements per chunk, or 'auto' (default auto)")
+    add_memory_arguments(e, d)
+    e.add_argument("--host-memory", metavar="SIZE", type=size_flag("--host-memory", none_ok=True), default=None,
+                   help="budget for chunks in host RAM, e.g. 2GiB or 2GB (default: 80%% of available RAM)")
     e.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype,
                    help="compute dtype (default float32: on CPUs without native bf16 matmuls "
                         "bfloat16 backward is 10-100x slower)")
@@ -151,10 +169,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--backend", choices=("inductor", "eager"), default=d.backend,
                    help=f"compiled mode: compute regions eagerly or compiled by Inductor (default {d.backend}: "
                         "Inductor's cold compile, 20-45 s on a 2-core CPU, would not fit the one-minute demo)")
-    e.add_argument("--activations", choices=("auto", "keep", "recompute", "offload"), default=d.activations,
-                   help="compiled mode: take saved activations off the device when the budget needs it, "
-                        "recomputed or offloaded to the host, whichever costs less here (auto), never (keep), "
-                        f"all recomputed (recompute) or all offloaded (offload) (default {d.activations})")
     e.add_argument("--lock-free", action="store_true",
                    help="run the optimizer on its own host thread while the next steps' forward and backward "
                         "run (ANGEL-PTM's lock-free updating); step t trains on weights missing the last "
@@ -176,12 +190,12 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
 
 # ==================================================================== train: the run
 def build_model(s: TrainSettings) -> torch.nn.Module:
-    """The GPT preset with the flag overrides, byte vocabulary and ``seq_len`` positions."""
+    """The GPT preset with the flag overrides, ``vocab_size`` rows and ``seq_len`` positions."""
     from pscompile.models.gpt import GPT, gpt_config
 
     overrides = {k: v for k, v in (("n_layer", s.n_layer), ("d_model", s.d_model), ("n_head", s.n_head))
                  if v is not None}
-    cfg = gpt_config(s.model, vocab_size=Corpus.vocab_size, seq_len=s.seq_len, **overrides)
+    cfg = gpt_config(s.model, vocab_size=s.vocab_size, seq_len=s.seq_len, **overrides)
     if cfg.d_model % cfg.n_head:
         raise ValueError(f"--n-head={cfg.n_head} must divide --d-model={cfg.d_model}; "
                          f"try --n-head {next(h for h in (8, 4, 2, 1) if cfg.d_model % h == 0)}")
@@ -356,6 +370,8 @@ def _summarise(s: TrainSettings, cfg, corpus: Corpus, engine, history: list[Step
         "model_data_host_bytes": engine.model_data()["host"],
         "activations": _activations(engine),
         "evictions_per_step": mean("num_evictions"),
+        "per_step": {"fetches": [h.num_fetches for h in history], "evictions": [h.num_evictions for h in history],
+                     "h2d_bytes": [h.h2d_bytes for h in history], "d2h_bytes": [h.d2h_bytes for h in history]},
         "skipped_steps": sum(h.skipped for h in history),
         "setup_s": setup_s,
         "corpus_s": data_s,
@@ -385,7 +401,7 @@ def summary_table(r: dict) -> str:
         ("engine", f"{r['settings']['mode']}" + (f" ({r['settings']['backend']} backend)" if r['settings']['mode'] == Mode.COMPILED
                                                    else "") + f" on {r['settings']['device']}, {r['settings']['dtype']}"),
         ("chunks", f"{r['num_chunks']} x {r['chunk_size']:,} elements ({r['utilisation']:.1%} utilised)"),
-        ("device budget", "none" if b is None else mib(b)),
+        ("device budget", "none" if b is None else f"{mib(b)} ({b:,} bytes)"),
         ("model data", f"device {mib(r['model_data_device_bytes'])} (chunks living there), host "
                        f"{mib(r['model_data_host_bytes'])}"),
         ("activations", r["activations"]),

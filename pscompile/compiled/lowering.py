@@ -86,6 +86,10 @@ class ScheduleLowering:
             if sched.gm in self._executors:          # (this run's, while the capture was planned again)
                 return self._executors[sched.gm]
         if ex is None:
+            if sched.measured and self.config.backend == Backend.INDUCTOR and ShapeRanges.is_ranged(key.batch):
+                self._eager_program(key.capture, "batches of changing sizes share one symbolic capture, whose "
+                                    "schedule runs as compiled eager: Inductor compiles the whole program for fixed "
+                                    "sizes only (padding every batch to one length runs compiled code)")
             ex = self._compiled_eager(key, sched)
         self._executors[sched.gm] = ex
         return ex

@@ -32,6 +32,7 @@ import os
 import re
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -389,14 +390,14 @@ class _LossError(Exception):
 
 def _args(batch: Any) -> tuple:
     """Positional arguments exactly as ``batching.call_model`` passes them (tuple/list -> *batch,
-    dict -> **batch, anything else -> one argument)."""
+    dict or other Mapping -> **batch, anything else -> one argument)."""
     if isinstance(batch, (tuple, list)):
         return tuple(batch)
-    return () if isinstance(batch, dict) else (batch,)
+    return () if isinstance(batch, Mapping) else (batch,)
 
 
 def _kwargs(batch: Any) -> dict:
-    return dict(batch) if isinstance(batch, dict) else {}
+    return dict(batch) if isinstance(batch, Mapping) else {}
 
 
 

@@ -192,8 +192,8 @@ def _residency(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]
             end=r.start_slots if warm else None, start_in_flight=r.ahead,
             describe_node=lambda i: describe_node(x.nodes[i]), windows=x.windows, world=m.world, rank=m.rank,
             per_chunk=m.per_chunk, policy=r.planner, device_shards=m.device_shards)
-    except ResidencyError as e:
-        raise _budget_error(x, e) from e
+    except ResidencyError as e:          # (not chained: the first node that failed names another figure)
+        raise _budget_error(x, e) from None
     return replace(s, plan=plan), plan.summary(m.budget)
 
 

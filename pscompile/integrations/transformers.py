@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,10 @@ except ImportError as e:                   # (accelerate too: the Trainer needs 
     raise ImportError('pscompile.integrations.transformers needs transformers and accelerate: '
                       'pip install "pscompile[hf]"') from e
 
-from pscompile.api import compile as pscompile_compile
+from pscompile.api import compile as pscompile_compile, min_device_memory as pscompile_min_device_memory
 from pscompile.saving import load, save
 from pscompile.config import AdamW, Config
-from pscompile.runtime.batching import LossFn
+from pscompile.runtime.batching import LossFn, as_batch
 from pscompile.runtime.rng import rng_state, set_rng_state
 
 CHECKPOINT = "pscompile.ckpt"          # pscompile's state, in each Trainer checkpoint folder
@@ -156,6 +157,20 @@ class PscompileTrainer(Trainer):
         self._micro: list = []             # the micro-batches of the accumulation under way
         self._resuming = False             # a checkpoint waits for the engine's build (first step)
 
+    def min_device_memory(self, batch: Any) -> int:
+        """The least ``Config(device_memory=...)`` this Trainer accepts for ``batch``, one collated
+        micro-batch (the longest the collator makes, for padded batches): ``pscompile.min_device_memory``
+        on the batch the engine is given, with what the Trainer adds to each (the float32
+        ``num_items_in_batch`` where the model takes it). Ask before ``train()``: a Trainer made with
+        that figure trains."""
+        if self.engine.built is not None:
+            raise RuntimeError("trainer.min_device_memory(batch): the engine is built (the model's data lives in "
+                               "its chunks); ask before train(), or call engine.describe() for what this plan needs")
+        inputs = self._prepare_inputs(as_batch(batch, "min_device_memory"))
+        inputs = self._with_items(inputs, self._get_num_items_in_batch([inputs], self.args.device), 1)
+        return pscompile_min_device_memory(self.model, inputs, self.engine.config, optimizer=self.engine.hp,
+                                           loss_fn=self.engine.loss_fn)
+
     # ---- what pscompile does instead of the Trainer --------------------------------------------
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         out = super()._build_accelerator_args(**kwargs)
@@ -199,7 +214,7 @@ class PscompileTrainer(Trainer):
     def _with_items(self, batch: Any, num_items, k: int) -> Any:
         """``batch`` with the Trainer's token count for the model's loss (divided by ``k``: the
         engine means the ``k`` micro-batches' losses), where the model takes one."""
-        if num_items is None or not self.model_accepts_loss_kwargs or not isinstance(batch, dict):
+        if num_items is None or not self.model_accepts_loss_kwargs or not isinstance(batch, Mapping):
             return batch
         items = torch.as_tensor(num_items, device=self.args.device).to(torch.float32) / k
         return {**batch, "num_items_in_batch": items}

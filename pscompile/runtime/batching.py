@@ -3,14 +3,44 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+READABLE = ("a tensor (model(batch)), a tuple or list (model(*batch)), or a dict or other Mapping such as "
+            "Hugging Face's BatchEncoding (model(**batch))")
+
+
+def as_batch(batch: Any, call: str = "step") -> Any:
+    """``batch`` as every part of pscompile reads it: each ``Mapping`` that is not a ``dict``
+    (Hugging Face's ``BatchEncoding``, ``UserDict``), at any depth, becomes a ``dict`` of its items,
+    so it is a keyword batch exactly as a dict is (capture, micro-batches, ranges, ZeRO's
+    agreement, checkpoints, both modes). A batch of a type pscompile cannot read raises a
+    ``TypeError`` naming the type and what works."""
+    if not isinstance(batch, (torch.Tensor, tuple, list, Mapping)) and type(batch) not in SUPPORTED_NODES:
+        raise TypeError(f"{call}(): a batch of type {type(batch).__module__}.{type(batch).__qualname__}; pscompile "
+                        f"reads {READABLE}, and lists of those as micro-batches: convert it, e.g. dict(batch), "
+                        "torch.as_tensor(batch) or a tuple of its tensors")
+    return _plain_mappings(batch)
+
+
+def _plain_mappings(x: Any) -> Any:
+    """``x`` with every non-dict Mapping in it made a dict (``x`` itself where there is none)."""
+    if isinstance(x, Mapping):
+        items = {k: _plain_mappings(v) for k, v in x.items()}
+        return x if type(x) is dict and all(items[k] is x[k] for k in x) else items
+    if isinstance(x, (tuple, list)):
+        items = [_plain_mappings(v) for v in x]
+        if all(a is b for a, b in zip(items, x)):
+            return x
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -118,8 +148,8 @@ def check_ranks_agree(batches: list, comm, call: str = "step") -> RanksShapes:
 
 def structure(batch: Any) -> tuple[tuple[str, str], ...]:
     """Each leaf's place in the batch and its kind (a tensor's dtype, else its type): what must not
-    change from step to step. Shapes may change (each gets its own schedule); values of
-    non-tensor leaves may too."""
+    change from step to step. Shapes may change (compiled mode serves a family of sizes with one
+    symbolic capture, docs/dynamic-shapes.md); values of non-tensor leaves may too."""
     leaves, _ = tree_flatten_with_path(batch)
     return tuple((f"batch{keystr(path)}", _kind(leaf)) for path, leaf in leaves)
 
@@ -144,16 +174,34 @@ def structure_error(expected: tuple[tuple[str, str], ...], batch: Any) -> str | 
 
     def show(form):
         return "(" + ", ".join(f"{p}: {k}" for p, k in form) + ")"
-    return (f"{'; '.join(parts)}. The engine was compiled for batches of the form {show(expected)}, this one "
-            f"is {show(got)}; pass batches of the compiled form (shapes may differ: each new shape gets its "
-            "own schedule), or compile an engine for this form")
+    cast = next((f" (cast a tensor whose dtype differs: {p}.to(torch.{want[p].split()[0]}))" for p in want
+                 if p in have and want[p] != have[p] and " tensor" in want[p] and " tensor" in have[p]), "")
+    return (f"{'; '.join(parts)}. Each batch is compared with the first batch, which the engine was compiled for: "
+            "the same structure (arguments, dict keys) and the same dtype of every tensor; sizes may change "
+            f"(docs/dynamic-shapes.md). The engine was compiled for batches of the form {show(expected)}, this one "
+            f"is {show(got)}; pass batches with the first batch's structure and dtypes{cast}, or compile a new "
+            "engine for this form")
+
+
+def check_form(expected: tuple[tuple[str, str], ...], batch: Any, micro: list | None, call: str) -> list:
+    """The batches of a step (``micro``, or ``[batch]``), each checked: a ``TypeError`` naming the
+    argument when one is not of the ``expected`` form, a ``ValueError`` when one holds a tensor the
+    engine cannot train on (``tensor_problem``)."""
+    for i, b in enumerate(batches := [batch] if micro is None else micro):
+        which = "" if micro is None else f" (micro-batch {i})"
+        if (problem := structure_error(expected, b)) is not None:
+            raise TypeError(f"{call}(){which}: {problem}")
+        if (problem := tensor_problem(b)) is not None:
+            raise ValueError(f"{call}(){which}: {problem}")
+    return batches
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
-    """tuple/list -> model(*batch); dict -> model(**batch); anything else -> model(batch)."""
+    """tuple/list -> model(*batch); dict or other Mapping -> model(**batch); anything else ->
+    model(batch)."""
     if isinstance(batch, (tuple, list)):
         return model(*batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return model(**batch)
     return model(batch)
 
@@ -183,13 +231,14 @@ def extract_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
 def micro_batches(batch: Any) -> list | None:
     """``batch`` as a list of micro-batches for gradient accumulation, or None for one batch.
 
-    A list whose items are all tuples or dicts is a list of micro-batches (``engine.step([b1, b2,
-    b3, b4])`` accumulates over four); any other batch, including a list of tensors, is one batch.
+    A list whose items are all tuples or dicts (or other Mappings) is a list of micro-batches
+    (``engine.step([b1, b2, b3, b4])`` accumulates over four); any other batch, including a list of
+    tensors, is one batch.
     """
     if isinstance(batch, list) and not batch:
         raise ValueError("step() got an empty list; pass one batch, or a list of micro-batches (tuples or "
                          "dicts) to accumulate over")
-    if isinstance(batch, list) and all(isinstance(b, (tuple, dict)) for b in batch):
+    if isinstance(batch, list) and all(isinstance(b, (tuple, Mapping)) for b in batch):
         return batch
     return None
 

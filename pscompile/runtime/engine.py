@@ -43,9 +43,10 @@ from pscompile.runtime.model_access import ModelAccess
 from pscompile.profiling import Profiled
 from pscompile.resolved import resolve
 from pscompile.optim.lock_free import LockFreeUpdater
-from pscompile.runtime.batching import (LossFn, call_model, micro_batches, check_ranks_agree, structure,
-                                        structure_error, tensor_problem, to_device)
+from pscompile.runtime.batching import (LossFn, as_batch, call_model, micro_batches, check_ranks_agree, structure,
+                                        check_form, to_device)
 from pscompile.runtime.materialize import check_meta, materialize_module
+from pscompile.runtime.notices import SetupNotices
 from pscompile.runtime.rng import rng_state, set_rng_state
 from pscompile.runtime.checkpoint_state import CheckpointState
 from pscompile.runtime.state import EngineState
@@ -54,6 +55,7 @@ from pscompile.runtime.update import ChunkUpdate
 from pscompile.runtime.params import ModelParams, check_frozen, choose_layout, collect_params
 from pscompile.stats import StepStats
 from pscompile.units import format_bytes
+from pscompile.errors import closed_message
 from pscompile.kinds import Collectives
 
 
@@ -84,7 +86,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         if self.budget is None and self.device.type == "cuda":
             self.budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.9)     # (free bytes)
         warm_device_libraries(self.device, self.dtype)     # (CUDA: library workspaces made before any measurement)
-        batch = to_device(batch, self.device)
+        batch = to_device(as_batch(batch, "compile"), self.device)
         micro = micro_batches(batch)
         self.batch_structure = structure(batch if micro is None else micro[0])   # every step's batch has it
         # ZeRO: the ranks this engine shards its chunks over (None: one process, or opted out)
@@ -149,6 +151,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self._next_params = ([self.store.host_param_pool.acquire(zero=True) if self.store.state_numel(c) else torch.empty(0)
                               for c in range(self.layout.num_chunks)] if config.lock_free else [])
         self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
+        self.notices = SetupNotices()      # a slow first step of a batch shape is said (pscompile/runtime/notices.py)
         self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
         self._lock, self._busy = threading.Lock(), ""   # one call at a time (``exclusive``)
 
@@ -248,7 +251,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
     def close(self) -> None:
         """Detach from the model (hooks removed) and give it its parameters back, holding the fp32
         master weights in each parameter's original dtype. The engine cannot step afterwards; the
-        disk tier's file is gone. Lock-free: the queued updates are applied first."""
+        disk tier's file is gone. Lock-free: the queued updates are applied first. Idempotent."""
         if self.closed:
             return
         if self.updater is not None:
@@ -264,22 +267,6 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             self._give_back()
         finally:
             self._release()                  # (every copy landed: no copy or I/O thread outlives close)
-
-    def model_data(self) -> dict[str, int]:
-        """Bytes of model data each tier is home to (this rank's, with ZeRO): ``device`` -- the
-        chunks that live there, fp32 master, Adam states and compute-dtype chunk; ``host`` -- the
-        host homes. Copies of host chunks cached on the device are not counted (they are copies)."""
-        homed = sum(self.store.device_homed(c) for c in range(self.layout.num_chunks))
-        return {"device": homed * self.store.param_chunk_bytes + self.store.dev_os_pool.bytes_in_use,
-                "host": self.store.host_model_bytes()}
-
-    def describe_tiers(self) -> str:
-        n = self.layout.num_chunks
-        homed = sum(self.store.device_homed(c) for c in range(n))
-        data = self.model_data()
-        return (f"model data: {homed}/{n} chunks live on the device ({format_bytes(data['device'])}: master, "
-                f"Adam states and compute-dtype chunk; no host copy), {n - homed} on the host "
-                f"({format_bytes(data['host'])})")
 
     def _global_mean(self, value: float) -> float:
         """The mean of a per-rank value over the ranks (the loss, like DDP's)."""
@@ -308,9 +295,11 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         ``eval_bytes_moved`` then tell what it took."""
         with self.exclusive("evaluate"):
             self._check_open()
+            batch = as_batch(batch, "evaluate")
             self._check_batch(batch, None, "evaluate")
-            loss, self.eval_peak_device_bytes, self.eval_bytes_moved = self._proven(
-                lambda b=to_device(batch, self.device): self._evaluate(b))
+            with self.notices.around(batch, "evaluate"):
+                loss, self.eval_peak_device_bytes, self.eval_bytes_moved = self._proven(
+                    lambda b=to_device(batch, self.device): self._evaluate(b))
             return self._global_mean(loss)
 
     def _evaluate(self, batch: Any) -> tuple[float, int, int]:
@@ -322,7 +311,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         budget = "unlimited" if self.budget is None else format_bytes(self.budget)
         return "\n".join([
             f"{self._mode_title()} on {self.device}, compute dtype {str(self.dtype).replace('torch.', '')}, "
-            f"device_memory {budget} (minimum {format_bytes(self.min_device_memory)})",
+            f"device_memory {budget}",
+            f"this layout and activation plan need {format_bytes(self.min_device_memory)} (the least budget for "
+            "this model and batch, over layouts: pscompile.min_device_memory)",
             f"layout: {self.layout.describe()}; order: {self.order_source}",
             *self._describe_lines(),
         ])
@@ -341,17 +332,12 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         """A ``TypeError`` naming the argument when ``batch`` (or a micro-batch) is not of the form
         compiled for, a ``ValueError`` when ZeRO's ranks' batches differ in more than sizes; before anything
         changes. ZeRO: what the ranks agreed on is ``self._agreed`` (``batching.RanksShapes``)."""
-        for i, b in enumerate(batches := [batch] if micro is None else micro):
-            which = "" if micro is None else f" (micro-batch {i})"
-            if (problem := structure_error(self.batch_structure, b)) is not None:
-                raise TypeError(f"{call}(){which}: {problem}")
-            if (problem := tensor_problem(b)) is not None:
-                raise ValueError(f"{call}(){which}: {problem}")
+        batches = check_form(self.batch_structure, batch, micro, call)
         self._agreed = check_ranks_agree(batches, self.comm, call) if self.comm is not None else None
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError("this engine was closed")
+            raise RuntimeError(closed_message(self._busy))
         if self._broken is not None:
             raise RuntimeError(self._broken)
         check_frozen(self.layout, self.params)
@@ -371,7 +357,9 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         ``(loss / k).backward()`` per micro-batch in plain PyTorch); the mean loss is returned.
         A failed step leaves the weights and optimizer states as they were."""
         with self.exclusive("step"):
-            return self._proven(lambda: self._step(batch))
+            batch = as_batch(batch)
+            with self.notices.around(batch, "step"):
+                return self._proven(lambda: self._step(batch))
 
     def _step(self, batch: Any) -> float:
         """``step``, run alone. (Long on purpose where it is: the one step loop both modes share.)"""
@@ -446,7 +434,8 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             offload_bytes=sum(r.traffic.offload_bytes for r in runs),
             reload_bytes=sum(r.traffic.reload_bytes for r in runs),
             allocator_peak_bytes=self._allocator_peak(runs), peak_host_bytes=self.store.host_meter.peak,
-            compute_ops=sum(r.ops[0] for r in runs), compiled_ops=sum(r.ops[1] for r in runs), grad_norm=self._norm)
+            compute_ops=sum(r.ops[0] for r in runs), compiled_ops=sum(r.ops[1] for r in runs), grad_norm=self._norm,
+            device_memory=self.budget)
         return self.stats.loss
 
     def _allocator_peak(self, runs: list) -> int | None:

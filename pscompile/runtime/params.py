@@ -75,6 +75,9 @@ def collect_params(model: nn.Module, run: Callable[[nn.Module, Any], Any], batch
     that is not callable is refused here, not taken as a failed forward (construction order)."""
     if not callable(run):
         raise TypeError(f"collect_params(model, run, batch): run must be callable, got {type(run).__name__}")
+    for fqn, p in model.named_parameters():       # (before the forward, which such a parameter may break)
+        if not p.dtype.is_floating_point:
+            raise ValueError(_not_floating(model, fqn, p))
     in_order, how = first_use_order(model, run, batch)
     names: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -87,10 +90,23 @@ def collect_params(model: nn.Module, run: Callable[[nn.Module, Any], Any], batch
         aliases.update({o: canonical for o in others})
     if not params:
         raise ValueError("the model has no parameters; pscompile manages parameters in chunks")
-    for fqn, p in params.items():
-        if not p.dtype.is_floating_point:
-            raise ValueError(f"parameter {fqn} has dtype {p.dtype}; only floating-point parameters are supported")
     return ModelParams(params, aliases, how)
+
+
+def _not_floating(model: nn.Module, fqn: str, p: nn.Parameter) -> str:
+    """Why ``model``'s parameter ``fqn`` (integer, bool or complex: a quantized weight, an index
+    table) cannot go into the chunks, and what would work."""
+    owner, _, name = fqn.rpartition(".")
+    kind = "" if type(p) is nn.Parameter else f" (a {type(p).__name__})"
+    where = f"{type(model.get_submodule(owner)).__name__}.__init__" + (f" (module {owner!r})" if owner else "")
+    return (f"parameter {fqn!r}{kind} has dtype {p.dtype}, shape {tuple(p.shape)}; pscompile keeps parameters in "
+            "floating-point chunks (fp32 masters, compute-dtype copies), so it takes floating-point parameters "
+            "only. If the model only reads it (an index table, a mask, a count), make it a buffer: in "
+            f"{where}, self.register_buffer({name!r}, tensor) instead of nn.Parameter(tensor); if it "
+            "is a weight to keep fixed, give it a floating-point dtype with requires_grad=False (frozen "
+            "parameters get chunks of their own, without optimizer states). A quantized base (bitsandbytes "
+            "4-bit or 8-bit, as QLoRA loads it) is not supported yet (planned): load the base in bfloat16 or "
+            "float16 and freeze it instead")
 
 
 def _host_cap(config: Config, elsize: int) -> int | None:

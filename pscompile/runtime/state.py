@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pscompile.config import AdamW
+from pscompile.errors import closed_message
 from pscompile.dist import checkpoint as shard_ckpt
 
 
@@ -106,6 +107,8 @@ class EngineState:
         shard of a run with the same world size and layout. The parameter groups must hold the
         same parameters; their saved hyper-parameters (a scheduled learning rate) come back.
         Every check (``state_problems``) passes before anything changes."""
+        if self.closed:
+            raise RuntimeError(closed_message("load_state_dict"))
         problems = self.state_problems(sd)
         if problems:
             raise ValueError("load_state_dict: nothing was loaded:\n  - " + "\n  - ".join(problems))

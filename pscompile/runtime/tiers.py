@@ -161,3 +161,19 @@ class HostTiers:
             return 0, 0
         t = self.store.disk.queue.traffic
         return t.read_bytes, t.write_bytes
+
+    def model_data(self) -> dict[str, int]:
+        """Bytes of model data each tier is home to (this rank's, with ZeRO): ``device`` -- the
+        chunks that live there, fp32 master, Adam states and compute-dtype chunk; ``host`` -- the
+        host homes. Copies of host chunks cached on the device are not counted (they are copies)."""
+        homed = sum(self.store.device_homed(c) for c in range(self.layout.num_chunks))
+        return {"device": homed * self.store.param_chunk_bytes + self.store.dev_os_pool.bytes_in_use,
+                "host": self.store.host_model_bytes()}
+
+    def describe_tiers(self) -> str:
+        n = self.layout.num_chunks
+        homed = sum(self.store.device_homed(c) for c in range(n))
+        data = self.model_data()
+        return (f"model data: {homed}/{n} chunks live on the device ({format_bytes(data['device'])}: master, "
+                f"Adam states and compute-dtype chunk; no host copy), {n - homed} on the host "
+                f"({format_bytes(data['host'])})")
