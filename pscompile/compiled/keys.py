@@ -21,6 +21,13 @@ class CaptureKey:
     training: bool          # model.training when it was captured
     batch: tuple            # runtime.batching.signature of the batch
 
+    def describe(self) -> str:
+        """A short name for messages: the kind of capture and its tensors' shapes."""
+        shapes = ["(" + ", ".join("any" if d is None else str(d) for d in x[0]) + ")"
+                  for x in self.batch[1:] if isinstance(x, tuple)]                 # (None: a range's size)
+        kind = "the training step" if self.backward else "the evaluation"
+        return f"{kind} of batch shapes {', '.join(shapes)}"
+
     @property
     def token(self) -> str:
         """The name a checkpoint keeps this capture's measurements under: the kind of capture, then

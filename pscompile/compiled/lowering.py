@@ -238,5 +238,5 @@ class ScheduleLowering:
     def _eager_program(self, cap: CaptureKey, why: str) -> None:
         """From now on ``cap`` runs as compiled eager (said once, at WARNING)."""
         if cap not in self._eager_programs:
-            log.warning("pscompile: %s runs as compiled eager: %s", cap.token[:80], why)
+            log.warning("pscompile: %s runs as compiled eager: %s", cap.describe(), why)
             self._eager_programs[cap] = why
