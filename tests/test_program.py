@@ -9,6 +9,7 @@ compile of the tiny GPT's tight schedule serves the first three tests (module fi
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -242,3 +243,36 @@ def test_an_accumulating_scatter_adds_in_a_fixed_order():
     assert torch.are_deterministic_algorithms_enabled() == was
     assert torch.utils.deterministic.fill_uninitialized_memory == fill
     assert torch.equal(prog.run([ids, grad], lambda node, args: None)[0], f(ids, grad)[0])
+
+
+def test_the_program_runs_from_where_its_buffers_fit_and_below_names_the_budget_it_needs(caplog):
+    """A GPT whose loss has 2 MiB logits, from its minimum to 2x. At the minimum Inductor keeps more
+    of the loss's vocabulary-sized buffers alive at once than eager code does: the step runs as
+    compiled eager, within the budget, and the WARNING names the budget a plan with Inductor's
+    buffers counted needs. From 1.15x up the program runs. At 1.74x the plan keeps optimizer states
+    on the device; Inductor's buffers then did not fit until the re-plan that counts them may move
+    states off the device as a measured curve does (before: compiled eager there, 2026-12-06).
+    Every budget gives the eager backend's losses."""
+    batches = make_batches("gpt", 3)
+
+    def model():
+        return make_model("gpt", vocab_size=2048)          # (logits of 2 MiB: the loss's buffers count)
+    least = pscompile.min_device_memory(model(), batches[0], _config("inductor"))
+    for factor in (1.0, 1.15, 1.5, 1.74, 2.0):
+        budget = int(factor * least)
+        runs = {}
+        for backend in ("inductor", "eager"):
+            engine = pscompile.compile(model(), batches[0], config=_config(backend, budget))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="pscompile"):
+                runs[backend] = [engine.step(b) for b in batches]
+            assert engine.stats.peak_device_bytes <= budget, (factor, backend)
+            share = engine.stats.compiled_share if backend == "inductor" else share
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            engine.close()
+            if backend == "inductor" and factor == 1.0:
+                said = re.search(r"a plan with them counted needs device_memory >= (\d+) \(this budget is (\d+)\)",
+                                 warned[0] if warned else "")
+                assert len(warned) == 1 and said and int(said.group(1)) > budget == int(said.group(2)), warned
+        assert runs["inductor"] == pytest.approx(runs["eager"], rel=1e-5), factor
+        assert share == (0.0 if factor == 1.0 else 1.0), (factor, share)

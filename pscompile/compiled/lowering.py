@@ -73,16 +73,18 @@ class ScheduleLowering:
             made.pop(gm, None)
         self._unlearned.discard(gm)
 
-    def _executor_for(self, key: ScheduleKey, sched: Scheduled) -> Executor | WholeProgram:
+    def _executor_for(self, key: ScheduleKey, sched: Scheduled, *,
+                      between_steps: bool = False) -> Executor | WholeProgram:
         """The executor of a schedule: node by node for its measuring run, then one compiled program
-        (``_program_for``) or compiled eager (the module doc)."""
+        (``_program_for``) or compiled eager (the module doc). ``between_steps``: no run is under
+        way, so a re-plan may move optimizer states off the device (``_fit_program``)."""
         ex = self._executors.get(sched.gm)
         if ex is not None:
             return ex
         if not sched.measured:
             ex = Executor(sched.gm, split="nodes")
         elif self._wants_program(key, sched):
-            ex = self._program_for(key, sched)
+            ex = self._program_for(key, sched, between_steps=between_steps)
             if sched.gm in self._executors:          # (this run's, while the capture was planned again)
                 return self._executors[sched.gm]
         if ex is None:
@@ -103,7 +105,7 @@ class ScheduleLowering:
             if cold is None:
                 return
             target = self._warm_of(key) if self._program_capture(key) and cold.measured else None
-            self._executor_for(key, target or cold)
+            self._executor_for(key, target or cold, between_steps=True)
             if self._schedules.get(key) is cold:       # (no re-plan: done)
                 return
 
@@ -119,7 +121,7 @@ class ScheduleLowering:
         return self.config.backend == Backend.INDUCTOR and not ShapeRanges.is_ranged(key.batch)
 
     # ---------------------------------------------------------------- one compiled program per schedule
-    def _program_for(self, key: ScheduleKey, sched: Scheduled) -> WholeProgram | None:
+    def _program_for(self, key: ScheduleKey, sched: Scheduled, *, between_steps: bool = False) -> WholeProgram | None:
         """Compile ``sched`` as one program and check its plan against Inductor's buffer plan. None
         when it runs as compiled eager instead: Inductor failed (said at WARNING, with the reason,
         from then on for the capture), or its buffers do not fit the plan, which is then made again
@@ -148,7 +150,7 @@ class ScheduleLowering:
                  prog.buffers.peak, f"; over the plan at {len(over)} memory nodes" if over else "")
         if not over:
             return prog
-        self._fit_program(key, sched, prog, over)
+        self._fit_program(key, sched, prog, over, between_steps=between_steps)
         return None
 
     def _program_over(self, sched: Scheduled, prog: WholeProgram) -> dict[int, int]:
@@ -183,11 +185,14 @@ class ScheduleLowering:
                 total += v.numel() * v.element_size()
         return total
 
-    def _fit_program(self, key: ScheduleKey, sched: Scheduled, prog: WholeProgram, over: dict[int, int]) -> None:
+    def _fit_program(self, key: ScheduleKey, sched: Scheduled, prog: WholeProgram, over: dict[int, int], *,
+                     between_steps: bool = False) -> None:
         """Inductor's buffers do not fit the plan: the capture's schedules are planned again with the
         non-model curve raised to them in every segment that did not fit (deterministic; logged),
         at most ``_MAX_PROGRAM_ROUNDS`` times; then the capture runs as compiled eager (WARNING).
-        This run keeps its plan, run as compiled eager (it holds by construction)."""
+        Between steps, optimizer states kept on the device leave it first where the raised curve
+        leaves them less margin (``_fit_optimizer_states``, as a measured curve does). This run
+        keeps its plan, run as compiled eager (it holds by construction)."""
         cap = key.capture
         rounds = self._program_rounds[cap] = self._program_rounds.get(cap, 0) + 1
         this_run = self._compiled_eager(key, sched)
@@ -215,6 +220,8 @@ class ScheduleLowering:
                  _MAX_PROGRAM_ROUNDS)
         before = self._measured.get(cap)
         self._measured[cap] = curve
+        if between_steps:
+            self._fit_optimizer_states(max(curve))
         try:
             for other in [k for k in self._schedules if k.capture == cap]:
                 self._replan(other, curve, measured=True)
@@ -223,8 +230,10 @@ class ScheduleLowering:
                 self._measured[cap] = before
             for other in [k for k in self._schedules if k.capture == cap]:
                 self._replan(other, before or self._schedules[other].nonmodel, measured=True)
+            needs = (f"needs device_memory >= {e.minimum} (this budget is {self.budget})" if e.minimum
+                     else f"does not fit device_memory={self.budget} ({str(e)[:160]})")
             self._eager_program(cap, f"Inductor's buffers exceed the plan by up to {max(over.values())} bytes, and a "
-                                     f"plan with them counted does not fit the budget ({str(e)[:160]})")
+                                     f"plan with them counted {needs}")
         self._executors[sched.gm] = this_run    # (re-planning forgot it; dropped with it, ``_forget_lowering``)
 
     def _compiled_eager(self, key: ScheduleKey, sched: Scheduled) -> Executor:
