@@ -59,6 +59,27 @@ PATCHES: dict[str, Any] = {"fallback_random": True, "reorder_for_peak_memory": F
                            "fx_graph_cache": False}
 
 
+def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    """``aten.nll_loss_backward`` for class scores ``(N, C)`` as one pointwise ``where`` (the
+    gradient is ``-grad / total_weight`` at each row's target, zero elsewhere), which Inductor fuses
+    into the log-softmax backward that reads it; torch's decomposition scatters into a zeroed
+    ``(N, C)`` buffer, which stays live beside the logits (a vocabulary-sized buffer more in the
+    loss's kernels). Other forms: torch's own (``NotImplemented``)."""
+    if self.dim() != 2 or target.dim() != 1 or reduction not in (0, 1, 2):
+        return NotImplemented
+    g = grad_output / total_weight if reduction == 1 else grad_output
+    if reduction == 0:
+        g = g.unsqueeze(1)
+    if weight is not None:               # (an ignored target may lie outside the classes: clamped, masked below)
+        g = g * weight[target.clamp(0, self.shape[1] - 1)].unsqueeze(1)
+    hit = (torch.arange(self.shape[1], device=self.device).unsqueeze(0) == target.unsqueeze(1)) & \
+        (target != ignore_index).unsqueeze(1)
+    return torch.where(hit, -g, torch.zeros((), dtype=self.dtype, device=self.device))
+
+
+PROGRAM_DECOMPOSITIONS = {torch.ops.aten.nll_loss_backward.default: _nll_loss_backward}
+
+
 # how many rounds ``compile`` retraces (functionalized, decomposed) until no op is left that mutates or
 # that Inductor has no lowering for (a round can only expose ops that the one before emitted)
 _RETRACES = 4
@@ -347,7 +368,7 @@ class WholeProgram:
         t0 = time.perf_counter()
         mode, examples = _examples(self.gm, self.device)
         with torch._inductor.config.patch(PATCHES):     # (fallback_random: random ops are not decomposed)
-            table = dict(select_decomp_table())
+            table = {**select_decomp_table(), **PROGRAM_DECOMPOSITIONS}
         traced = self.gm
         for _ in range(_RETRACES):
             traced = _retrace(traced, table, mode, examples)
