@@ -14,13 +14,14 @@ and each mode:
 - both modes: a sample of budgets (the minimum, 1.1x, 1.5x, 2x) trains 3 steps with
   ``pscompile.compile`` and every step's measured peak stays within the budget;
 - both modes: ``compile`` refuses 1% below the minimum with ``BudgetError``;
-- ``--inductor``: compiled mode also trains with ``backend="inductor"`` at the minimum and 1.15x,
-  1.5x, 2x and 3x it (a cold Inductor compile per model: tens of seconds), beside compiled eager at
-  the same budget (``bench/inductor_cells.py``): per cell the share of compute operators that ran
-  inside compiled code, the largest peak/budget of both, the steady step time over compiled
-  eager's (interleaved, one process), and the first steps' time against plain ``torch.compile``'s
-  first step; ``--inductor-only`` trains only those (``--arch mixtral`` too: a model the Inductor
-  tests run that is not in the sweeps).
+- ``--inductor``: compiled mode also trains with ``backend="inductor"`` at the minimum
+  ``min_device_memory`` names for it (its program's) and 1.15x, 1.5x and 2x it (a cold Inductor
+  compile per model: tens of seconds), beside compiled eager at the same budget
+  (``bench/inductor_cells.py``): per cell the share of compute operators that ran inside compiled
+  code, the largest peak/budget of both, the steady step time over compiled eager's and over plain
+  PyTorch's (interleaved, one process), the programs compiled, and the first steps' time against
+  plain ``torch.compile``'s first step; ``--inductor-only`` trains only those (``--arch mixtral``
+  too: a model the Inductor tests run that is not in the sweeps).
 
 Any other exception, a peak over its budget, a non-finite loss or a budget below the minimum that is
 accepted counts as a failure; the first failure's message is kept. Exit status 1 if any failed.
@@ -56,7 +57,7 @@ from pscompile.testing import ARCHITECTURES, EXTRA_ARCHITECTURES, tiny_model
 HAVE_HF = importlib.util.find_spec("transformers") is not None
 STEPS = 3                                  # steps trained per budget (compiled: the measuring one first)
 TRAIN_FACTORS = (1.0, 1.1, 1.5, 2.0)       # budgets trained, as multiples of the minimum
-INDUCTOR_FACTORS = (1.0, 1.15, 1.5, 2.0, 3.0)
+INDUCTOR_FACTORS = (1.0, 1.15, 1.5, 2.0)
 QUICK_INDUCTOR_FACTORS = (1.15,)            # (tests/test_regions_fit.py's budget: its compiles are shared)
 QUICK_BUDGETS = 10
 BELOW = 0.99                               # compile must refuse this fraction of the minimum
@@ -262,7 +263,8 @@ def inductor_table(rows: list[InductorRow]) -> tuple[list[str], list[list]]:
     out = []
     for r in rows:
         cells = [("FAILED" if not c.ok else
-                  f"{c.compiled_share:.0%} {max(c.peaks + c.eager_peaks) / c.budget:.3f} {c.ratio:.2f}x")
+                  f"{c.compiled_share:.0%} {max(c.peaks + c.eager_peaks) / c.budget:.3f} {c.ratio:.2f}x "
+                  f"{c.plain_ratio:.2f}x {c.programs}")
                  for c in r.cells]
         first = "/".join(f"{c.first_steps_s:.0f}" for c in r.cells)
         out.append([r.arch, f"{r.minimum:,}", *cells, first,
@@ -313,10 +315,7 @@ def main(argv=None) -> int:
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} {mode}: {len(rows[-1].failures)} failure(s)",
                   file=sys.stderr, flush=True)
         if args.inductor or args.inductor_only:
-            minimum = next((r.minimum for r in rows if r.arch == arch and isinstance(r, Row)
-                            and r.mode == "compiled"), None)
-            if minimum is None:
-                minimum = pscompile.min_device_memory(*tiny_model(arch), config("compiled"))
+            minimum = pscompile.min_device_memory(*tiny_model(arch), config("compiled", backend="inductor"))
             factors = QUICK_INDUCTOR_FACTORS if args.quick else INDUCTOR_FACTORS
             rows.append(run_inductor(arch, minimum, args.link, factors, plain_compile=not args.quick))
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} inductor: {len(rows[-1].failures)} failure(s)",
@@ -335,12 +334,13 @@ def main(argv=None) -> int:
         print(tabulate(table_rows(plain_rows), headers=headers, tablefmt=fmt, disable_numparse=True))
     inductor = [r for r in rows if isinstance(r, InductorRow)]
     if inductor:
-        ind_caption = (f"Inductor at each budget (x the minimum): the share of compute operators that ran inside "
-                       f"compiled code in its last step, the largest peak/budget over every step of Inductor and "
-                       f"of compiled eager, and Inductor's steady step over compiled eager's (medians of {STEADY} "
-                       f"interleaved steps each, after {WARMUP} steps alone); first steps: Inductor's first "
-                       f"{WARMUP} steps per budget (capture, measuring, probing, cutting, compiling); plain "
-                       f"compile 1st: torch.compile's first training step, no budget")
+        ind_caption = (f"Inductor at each budget (x the minimum min_device_memory names for the default backend): "
+                       f"the share of compute operators that ran inside compiled code in its last step, the largest "
+                       f"peak/budget over every step of Inductor and of compiled eager, Inductor's steady step over "
+                       f"compiled eager's and over plain PyTorch's (no budget; medians of {STEADY} interleaved "
+                       f"steps each, after {WARMUP} steps alone), and the Inductor programs compiled (one runs); "
+                       f"first steps: Inductor's first {WARMUP} steps per budget (capture, measuring, compiling); "
+                       f"plain compile 1st: torch.compile's first training step, no budget")
         ind_headers, ind_rows = inductor_table(inductor)
         print("\n" + ind_caption)
         print(tabulate(ind_rows, headers=ind_headers, tablefmt=fmt, disable_numparse=True))

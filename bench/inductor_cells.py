@@ -5,12 +5,16 @@ Two engines of the same tiny model at ``budget``, ``backend="inductor"`` and ``"
 first run ``WARMUP`` steps alone (capture, measuring, probing, cuts, compiling: ``first_steps_s``
 is their time), then ``STEADY`` steps each, interleaved, whose medians give the steady ratio.
 Every step's peak is checked against the budget, in both engines. ``compiled_share``: the share of
-Inductor's last step's compute operators that ran inside compiled code. ``plain_compile_first_step``:
-plain ``torch.compile``'s first training step on the same model with no budget.
+Inductor's last step's compute operators that ran inside compiled code. Plain PyTorch (the same
+model, no budget, ``torch.optim.AdamW(fused=True)``) takes its steady steps interleaved with them
+(``plain_step_s``). ``programs``: Inductor programs compiled in the cell (each log line "compiled as
+one program"), of which one runs. ``plain_compile_first_step``: plain ``torch.compile``'s first
+training step on the same model with no budget.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -41,9 +45,15 @@ class Cell:
     eager_step_s: float             # compiled eager's
     first_steps_s: float            # Inductor's first WARMUP steps, together
     eager_first_steps_s: float
-    cuts: int                       # regions cut to fit the budget (cut points) ...
-    solo: int                       # ... and operators run alone as eager code
+    cuts: int                       # re-plans for Inductor's buffers ...
+    solo: int                       # ... and captures run as compiled eager
     seconds: float
+    plain_step_s: float = float("nan")   # plain PyTorch's steady step (median, interleaved)
+    programs: int = 0               # Inductor programs compiled in the cell
+
+    @property
+    def plain_ratio(self) -> float:
+        return self.step_s / self.plain_step_s if self.plain_step_s else float("nan")
 
     @property
     def ratio(self) -> float:
@@ -72,25 +82,61 @@ def _step(engine, batch, budget: int, peaks: list, losses: list | None = None) -
     return dt
 
 
+class _Programs(logging.Handler):
+    """Counts the programs compiled (pscompile's INFO line for each)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "compiled as one program" in record.getMessage()
+
+
+def _plain(arch: str):
+    """Plain PyTorch's training step on the same model (fused AdamW, no budget): ``step() -> seconds``."""
+    model, batch = tiny_model(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step() -> float:
+        t = time.perf_counter()
+        out = model(**batch) if isinstance(batch, dict) else model(*batch)
+        loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", out)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+    return step
+
+
 def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> Cell:
     """Inductor and compiled eager at ``budget`` (see the module doc)."""
     t0 = time.perf_counter()
     peaks, eager_peaks, losses, shares = [], [], [], []
-    times, eager_times, cut_count = [], [], (0, 0)
+    times, eager_times, plain_times, cut_count = [], [], [], (0, 0)
     error = None
     engines = []
+    programs = _Programs()
+    logger = logging.getLogger("pscompile")
+    level = logger.level
+    logger.addHandler(programs)
+    logger.setLevel(logging.INFO)
     try:
         ind, batch = _engine(arch, budget, "inductor", link)
         engines.append(ind)
         eag, _ = _engine(arch, budget, "eager", link)
         engines.append(eag)
+        plain = _plain(arch)
         first = sum(_step(ind, batch, budget, peaks, losses) for _ in range(WARMUP))
         shares = [ind.stats.compiled_share]
         eager_first = sum(_step(eag, batch, budget, eager_peaks) for _ in range(WARMUP))
+        for _ in range(3):
+            plain()
         for _ in range(STEADY):
             times.append(_step(ind, batch, budget, peaks, losses))
             shares.append(ind.stats.compiled_share)
             eager_times.append(_step(eag, batch, budget, eager_peaks))
+            plain_times.append(plain())
         cut_count = (ind._program_rounds.get(next(iter(ind._captures)), 0) if ind._captures else 0,
                      len(ind._eager_programs))
     except Exception as e:                              # noqa: BLE001 -- a failed cell is reported, not fatal
@@ -99,6 +145,8 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> 
     finally:
         for e in engines:
             e.close()
+        logger.removeHandler(programs)
+        logger.setLevel(level)
     ok = error is None and all(map(math.isfinite, losses))
     if error is None and not ok:
         error = f"non-finite loss: {losses}"
@@ -106,7 +154,8 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> 
                 shares[-1] if shares else 0.0, tuple(shares),
                 statistics.median(times) if times else float("nan"),
                 statistics.median(eager_times) if eager_times else float("nan"),
-                first, eager_first, cut_count[0], cut_count[1], time.perf_counter() - t0)
+                first, eager_first, cut_count[0], cut_count[1], time.perf_counter() - t0,
+                statistics.median(plain_times) if plain_times else float("nan"), programs.count)
 
 
 def plain_compile_first_step(arch: str) -> float:

@@ -19,7 +19,8 @@ because it plans the rewritten graph.
 **Never recomputed, always kept** (*anchors*): random ops (``Tag.nondeterministic_seeded``, e.g.
 dropout's ``bernoulli``), so that a recomputed value sees the same random numbers as the forward;
 ops that mutate an argument; values whose storage a forward op mutates; anything that is not an
-ATen op. *Free* values, which depend on parameters, buffers or constants only (``t(weight)``, a
+ATen op; a value that is not a tensor (a range's ``sym_size``: read all through the forward, as a
+tensor it would leave no cut, and it costs no memory). *Free* values, which depend on parameters, buffers or constants only (``t(weight)``, a
 causal mask), are referenced where they are, not cloned.
 
 **Dropout masks** the backward reads are kept as one byte per element: ``ne(mask, 0)`` in the
@@ -106,6 +107,12 @@ def _mutates(n: fx.Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
+def _has_tensor(n: fx.Node) -> bool:
+    """Whether ``n``'s value is or holds a tensor (not a size: ``sym_size`` of a range's batch)."""
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in v))
+
+
 def _nbytes(value) -> dict[StorageWeakRef, int]:
     if isinstance(value, torch.Tensor):
         return {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()}
@@ -138,7 +145,7 @@ class _Forward:
         self.anchor: set[fx.Node] = set()
         self.active: set[fx.Node] = set()          # depends on the batch (or on an anchor)
         for n in fwd:
-            if (n.op != "call_function" or _is_random(n) or _mutates(n)
+            if (n.op != "call_function" or _is_random(n) or _mutates(n) or not _has_tensor(n)
                     or not (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
                     or any(s in mutated for s in tensor_storages(n.meta.get("val")))):
                 self.anchor.add(n)

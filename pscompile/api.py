@@ -17,7 +17,7 @@ from pscompile.runtime.batching import LossFn, as_batch, tensor_problem, to_devi
 from pscompile.resolved import ResolvedConfig, resolve
 from pscompile.runtime.params import check_model
 from pscompile.units import format_bytes
-from pscompile.kinds import Collectives, Mode
+from pscompile.kinds import Backend, Collectives, Mode
 
 log = logging.getLogger("pscompile")
 
@@ -55,8 +55,12 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
         return HooksEngine(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
     except BudgetError as e:
         given = config.device_memory
-        if e.minimum is None or config.chunk_size != "auto" or given is None:
+        if e.minimum is None or given is None:
             raise
+        if config.chunk_size != "auto":
+            if not _programs(config):
+                raise
+            raise BudgetError(f"{e}; {_both_minima(e.minimum)}", minimum=e.minimum, detail=e.detail) from None
         # "auto" sizes chunks by the budget, so the minimum at this budget's chunk size may not hold
         # at the minimum's own: name the budget that really works
         least, chunk_size = _least_budget(model, batch, optimizer, config, loss_fn)
@@ -67,10 +71,11 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
         needs = (f"it needs {format_bytes(e.minimum)}" if e.minimum > given else "it does not fit") + \
             (f" {e.detail}" if e.detail else "")
         if least > given:
+            program = f"; {_both_minima(least)}" if _programs(config) else ""
             raise BudgetError(
                 f"{budget} is below the minimum {format_bytes(least)} ({least} bytes) this model needs in "
                 f"{config.mode} mode ({there}); at this budget {needs}; give device_memory >= {least}, a smaller "
-                "batch or a smaller chunk_size", minimum=least) from None      # (one figure: the least)
+                f"batch or a smaller chunk_size{program}", minimum=least) from None      # (one figure: the least)
         # the least budget is at most this one, yet the layout "auto" picks here does not fit (a larger
         # budget may pick larger chunks): the message must not call this budget below that minimum
         raise BudgetError(
@@ -81,8 +86,13 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
 
 def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None, *,
                       optimizer: AdamW | None = None, loss_fn: LossFn | None = None) -> int:
-    """The smallest ``device_memory`` that ``compile(model, batch, config=config)`` accepts and
-    trains with (``config.device_memory`` itself is ignored).
+    """The smallest ``device_memory`` at which ``compile(model, batch, config=config)`` trains with
+    compiled code (``config.device_memory`` itself is ignored).
+
+    With the default backend (compiled mode, Inductor) that is the budget from which its program
+    runs: the plan's minimum plus 1/12 of it for the buffers Inductor's kernels hold beyond eager
+    code's (``graph.minimum.program_least``). ``compile`` accepts budgets from the plan's minimum,
+    where the schedule runs as compiled eager; ``describe()`` and a ``BudgetError`` name both.
 
     Compiled mode plans it on fake tensors (nothing is allocated; the model may be on the meta
     device); with ZeRO (an initialized process group) it is one rank's minimum; with a
@@ -99,7 +109,8 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     minimum of one batch at the Dims' maxima (as plain captures of each shape). Hooks mode and ZeRO
     answer for ``batch`` as given."""
     optimizer, config = _check_arguments(model, optimizer, config)
-    return _least_budget(model, as_batch(batch, "min_device_memory"), optimizer, config, loss_fn)[0]
+    least = _least_budget(model, as_batch(batch, "min_device_memory"), optimizer, config, loss_fn)[0]
+    return _for_backend(least, config)
 
 
 def _least_budget(model: nn.Module, batch: Any, optimizer: AdamW, config: Config,
@@ -148,6 +159,24 @@ def _compiled_minimum(model: nn.Module, batch: Any, config: Config, loss_fn: Los
         budget = need
     raise BudgetError(f"no budget found in {_MAX_PROBES} probes for compiled mode with chunk_size='auto' (last "
                       f"tried {budget} bytes); give chunk_size explicitly")
+
+
+def _for_backend(least: int, config: Config) -> int:
+    """The least budget named for ``config``: compiled mode with Inductor, the room its program needs
+    (``minimum.program_least``); below it (from ``least`` up) the schedule runs as compiled eager."""
+    from pscompile.graph.minimum import program_least
+    return program_least(least) if _programs(config) else least
+
+
+def _programs(config: Config) -> bool:
+    return config.mode == Mode.COMPILED and config.backend == Backend.INDUCTOR
+
+
+def _both_minima(least: int) -> str:
+    """What a BudgetError adds with Inductor: the two minima, and which is which."""
+    from pscompile.graph.minimum import program_least
+    return (f"Inductor's program needs device_memory >= {program_least(least)}; from {least} up to that the "
+            "schedule runs as compiled eager")
 
 
 def _analyzed(model: nn.Module, batch: Any, params: dict, config: Config, loss_fn: LossFn | None, world: int):

@@ -53,7 +53,7 @@ class Record(transformers.TrainerCallback):
     """The logged losses, and (with an engine) each step's measured peak and evictions."""
 
     def __init__(self):
-        self.logs, self.steps, self.engine = [], [], None
+        self.logs, self.steps, self.shares, self.engine = [], [], [], None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -63,6 +63,7 @@ class Record(transformers.TrainerCallback):
         if self.engine is not None:
             s = self.engine.stats
             self.steps.append((s.peak_device_bytes, s.num_evictions))
+            self.shares.append(s.compiled_share)
 
 
 def arguments(out, **overrides) -> transformers.TrainingArguments:

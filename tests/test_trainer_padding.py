@@ -66,15 +66,17 @@ def plain(tmp_path_factory):
     return record.logs, eval_loss
 
 
-@pytest.mark.parametrize("mode", ["compiled", "hooks"])
-def test_padded_batches_track_the_plain_trainer(plain, mode, tmp_path, caplog):
+@pytest.mark.parametrize("mode,backend", [("compiled", "eager"), ("compiled", "inductor"), ("hooks", "eager")])
+def test_padded_batches_track_the_plain_trainer(plain, mode, backend, tmp_path, caplog):
+    """With Inductor the range's symbolic programs (accumulation and training) run the last steps:
+    compiled share 1.0 (the evaluation's partial batch is a range of its own, measured by its run)."""
     logs, eval_loss = plain
     batch = pad([{"input_ids": torch.ones(LONGEST, dtype=torch.long)}] * 2)
-    config = pscompile.Config(device="cpu", dtype=torch.float32, backend="eager", mode=mode)
+    config = pscompile.Config(device="cpu", dtype=torch.float32, backend=backend, mode=mode)
     budget = int(1.15 * pscompile.min_device_memory(gpt2(), batch, config))
     with caplog.at_level(logging.INFO, logger="pscompile"):
         trainer, record, got_eval = run(PscompileTrainer, tmp_path, pscompile_config=pscompile.Config(
-            device="cpu", dtype=torch.float32, backend="eager", mode=mode, device_memory=budget))
+            device="cpu", dtype=torch.float32, backend=backend, mode=mode, device_memory=budget))
     assert len(record.logs) == len(logs) == STEPS
     for (step, loss, norm, _), (_, want, want_norm, _) in zip(record.logs, logs):
         assert loss == pytest.approx(want, rel=1e-5), (mode, step)
@@ -85,4 +87,7 @@ def test_padded_batches_track_the_plain_trainer(plain, mode, tmp_path, caplog):
         messages = [r.getMessage() for r in caplog.records]
         assert any("one symbolic capture serves them" in m for m in messages), \
             [m for m in messages if "plan of their own" in m][:3]
+    if backend == "inductor":
+        assert record.shares[-2:] == [1.0, 1.0], record.shares
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     trainer.engine.close()

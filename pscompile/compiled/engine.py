@@ -42,7 +42,7 @@ from pscompile.resolved import resolve
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.ops import activation_move, is_memory_node, mem_op
-from pscompile.graph.minimum import minimum_budget
+from pscompile.graph.minimum import minimum_budget, program_least
 from pscompile.graph.capture import CapturedGraph
 from pscompile.graph.pipeline import AnalyzedGraph, Scheduled
 from pscompile.kinds import Backend, MemKind, RunKind
@@ -105,6 +105,8 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         if self.world > 1:    # ZeRO: the ranges see only the sizes the ranks agree on (``_check_batch``),
             self._ranges = ShapeRanges(self._ranges.enabled)      # not a rank's own first batch
         self._captures: dict[CaptureKey, AnalyzedGraph] = {}
+        self._bases: dict[CaptureKey, AnalyzedGraph] = {}         # each capture before its activation plan
+        self._program_reserve: dict[CaptureKey, int] = {}  # room an activation plan leaves Inductor's buffers
         self._measured: dict[CaptureKey, tuple[int, ...]] = {}    # measured non-model curve per capture
         self._schedules: dict[ScheduleKey, Scheduled] = {}
         self._warm: dict[ScheduleKey, Scheduled] = {}             # warm variants (accum, eval)
@@ -177,7 +179,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         comm_before = self._comm_bytes()
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
         self._written = set()
-        executor = self._executor_for(key, sched)
+        executor = self._executor_for(key, sched, inputs)
         observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
         extra = self._region_extra.get(sched.gm, {})
@@ -423,9 +425,20 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         for other in list(self._schedules):
             if other.capture == cap:
                 self._replan(other, measured, measured=True)
-        self._lower(key)
+        if self._program_capture(key):   # compiled when a run of this key comes (``_runnable``): a batch of
+            self._to_lower.add(key)      # another length may come first and make a range, whose program serves it
+        else:
+            self._lower(key)
 
     # ================================================================ inspection
+    def _need(self) -> str:
+        """With Inductor, both minima: its program's, and compiled eager's below it."""
+        if self.config.backend != Backend.INDUCTOR:
+            return super()._need()
+        least = self.min_device_memory
+        return (f"{format_bytes(program_least(least))} for Inductor's program ({format_bytes(least)} as compiled "
+                "eager)")
+
     @property
     def min_device_memory(self) -> int:
         """The smallest budget every schedule planned so far fits in (``minimum.minimum_budget``:

@@ -7,22 +7,28 @@ A schedule's life (docs/compiled-mode.md, "A schedule's life"):
    non-model bytes;
 2. **measure**: its first run runs node by node (``executor.py``, ``split="nodes"``) and measures
    every node; the capture is planned again with the measured curve;
-3. **compile** (``_lower``, right after that re-plan, between steps): with ``backend="inductor"`` and
-   a batch of fixed sizes, the schedule that steady runs take (the warm variant, ``_warm_of``) is
-   compiled as one Inductor program (``compiled/whole.py``), memory nodes inside;
+3. **compile** (``_lower``, when a run of that key comes again, before it starts: a batch of another
+   length may come first and form a range, so no program is compiled that would not run): with
+   ``backend="inductor"`` the schedule that steady runs take (the warm variant, ``_warm_of``) is
+   compiled as one Inductor program (``compiled/whole.py``), memory nodes inside; a range's for
+   symbolic sizes (``_symbolic_sizes``), its buffers counted at the bound;
 4. **check**: the plan is checked against Inductor's own buffer plan at every memory node
-   (``_program_over``), before the program ever runs;
+   (``_program_over``), before the program ever runs; a range's program again at each new length
+   (``_admits``: Inductor's shape guards, its buffers at that length);
 5. **re-plan** (``_fit_program``): where Inductor's buffers exceed the room the plan leaves, the
    capture is planned again with them counted in the segments that did not fit (deterministic,
    logged, at most ``_MAX_PROGRAM_ROUNDS`` times), and the new schedule is compiled and checked;
+   where the budget cannot hold that plan, with ``activations="auto"`` the activation plan is
+   chosen once more for the budget less the room Inductor needed (``_rechoose_activations``);
 6. **run**: the program, its memory nodes performed by the engine (``compiled/moves.py``).
 
 The one fallback rule: a schedule that is not compiled as one program runs as **compiled eager**
 (its regions between memory nodes as eager graph code: ``backend="eager"``, and with Inductor a
-range's schedule, a cold schedule that has a warm variant under ZeRO, a program Inductor could not
-compile, and a capture whose re-plans did not fit, the last two said at WARNING with the reason).
-An eager region's inside (what it allocates beyond what is live at its start) is learned by the
-tracker in its executor's first run (``_unlearned``, ``_region_extra``).
+cold schedule that has a warm variant under ZeRO, a program Inductor could not compile, a capture
+whose re-plans did not fit, the last two said at WARNING with the reason, and a length a range's
+program does not admit, at INFO). An eager region's inside (what it allocates beyond what is live
+at its start) is learned by the tracker in its executor's first run (``_unlearned``,
+``_region_extra``).
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ import torch
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.ranges import ShapeRanges
-from pscompile.compiled.whole import WholeProgram
+from pscompile.compiled.whole import SymbolicSizes, WholeProgram
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
-from pscompile.kinds import Backend
+from pscompile.graph.minimum import minimum_budget
+from pscompile.kinds import Activations, Backend
 
 log = logging.getLogger("pscompile.compiled")
 
@@ -66,20 +73,28 @@ class ScheduleLowering:
         self._tails: dict = {}            # scheduled gm -> its memory nodes after the last compute
         self._eager_programs: dict[CaptureKey, str] = {}   # captures run as compiled eager, and why
         self._program_rounds: dict[CaptureKey, int] = {}   # re-plans for Inductor's buffer plan
+        self._to_lower: set[ScheduleKey] = set()  # measured, its program compiled when a run of it comes
+        self._lengths: dict[tuple, bool] = {}   # (range's scheduled gm, its sizes) -> its program runs them
+        self._length_eager: dict = {}           # range's scheduled gm -> compiled eager, for lengths refused
 
     def _forget_lowering(self, gm) -> None:
         """Drop what was made for the schedule of ``gm`` (it is being replaced)."""
-        for made in (self._executors, self._region_extra, self._tails):
+        for made in (self._executors, self._region_extra, self._tails, self._length_eager):
             made.pop(gm, None)
+        self._lengths = {k: v for k, v in self._lengths.items() if k[0] is not gm}
         self._unlearned.discard(gm)
 
-    def _executor_for(self, key: ScheduleKey, sched: Scheduled, *,
+    def _executor_for(self, key: ScheduleKey, sched: Scheduled, inputs: list | None = None, *,
                       between_steps: bool = False) -> Executor | WholeProgram:
         """The executor of a schedule: node by node for its measuring run, then one compiled program
         (``_program_for``) or compiled eager (the module doc). ``between_steps``: no run is under
-        way, so a re-plan may move optimizer states off the device (``_fit_program``)."""
+        way, so a re-plan may move optimizer states off the device (``_fit_program``). ``inputs``:
+        a run's; a range's program runs them where it admits their sizes (``_admits``)."""
         ex = self._executors.get(sched.gm)
         if ex is not None:
+            if inputs is not None and isinstance(ex, WholeProgram) and ex.sizes is not None \
+                    and not self._admits(key, sched, ex, inputs):
+                return self._length_eager.setdefault(sched.gm, self._compiled_eager(key, sched))
             return ex
         if not sched.measured:
             ex = Executor(sched.gm, split="nodes")
@@ -88,13 +103,28 @@ class ScheduleLowering:
             if sched.gm in self._executors:          # (this run's, while the capture was planned again)
                 return self._executors[sched.gm]
         if ex is None:
-            if sched.measured and self.config.backend == Backend.INDUCTOR and ShapeRanges.is_ranged(key.batch):
-                self._eager_program(key.capture, "batches of changing sizes share one symbolic capture, whose "
-                                    "schedule runs as compiled eager: Inductor compiles the whole program for fixed "
-                                    "sizes only (padding every batch to one length runs compiled code)")
             ex = self._compiled_eager(key, sched)
         self._executors[sched.gm] = ex
-        return ex
+        return self._executor_for(key, sched, inputs) if inputs is not None else ex
+
+    def _admits(self, key: ScheduleKey, sched: Scheduled, prog: WholeProgram, inputs: list) -> bool:
+        """Whether a range's program runs this length (checked once per length): Inductor's shape
+        guards hold for it, and its buffers at this length fit the plan (they grow with the sizes,
+        so below the bound they do; checked all the same). A length refused runs the schedule as
+        compiled eager, said at INFO with the reason."""
+        values = prog.sizes.values(inputs, prog._symbols)
+        length = (sched.gm, tuple(sorted(values.items(), key=str)))
+        if length not in self._lengths:
+            why = None
+            if not prog.admits(inputs):
+                why = "Inductor's shape guards for the range's program do not hold"
+            elif self._program_over(sched, prog, prog.buffers_for(inputs)):
+                why = "Inductor's buffers at these sizes exceed the plan"
+            if why is not None:
+                log.info("pscompile: sizes %s of %s run as compiled eager: %s", list(values.values()),
+                         key.capture.describe(), why)
+            self._lengths[length] = why is None
+        return self._lengths[length]
 
     def _lower(self, key: ScheduleKey) -> None:
         """Make the executor of ``key``'s schedule now (compiled), not inside the next step: the
@@ -117,8 +147,29 @@ class ScheduleLowering:
                 and not (sched is self._schedules.get(key) and self._warm_of(key) is not None))
 
     def _program_capture(self, key: ScheduleKey) -> bool:
-        """Inductor and a batch of fixed sizes (a range's schedule runs as compiled eager)."""
-        return self.config.backend == Backend.INDUCTOR and not ShapeRanges.is_ranged(key.batch)
+        """Inductor (a range's schedule too: one program for symbolic sizes)."""
+        return self.config.backend == Backend.INDUCTOR
+
+    def _symbolic_sizes(self, key: ScheduleKey, sched: Scheduled) -> SymbolicSizes | None:
+        """A range's program: its batch's dynamic dimensions as symbols (one per symbol of the range's
+        symbolic capture), hinted at the bound the capture was planned for. None for fixed sizes."""
+        if not ShapeRanges.is_ranged(key.batch):
+            return None
+        dims = self._ranges.dims(key.batch)
+        bound = self._range_planned[key.capture]
+        sym = self._symbolic[key.capture]
+        offset = sym.num_params + len(sym.buffer_fqns)
+        phs = list(sched.gm.graph.find_nodes(op="placeholder"))
+        scale = 1 if self.scaler is not None and key.kind.backward else 0
+        first = len(phs) - scale - len(sym.symbolic.inputs) + offset
+        exprs, out, hints = {}, [], []
+        for (i, d), size in zip(dims, bound):
+            expr = sym.symbolic.inputs[offset + i].shape[d].node.expr
+            if expr not in exprs:
+                exprs[expr] = len(hints)
+                hints.append(size)
+            out.append((first + i, d, exprs[expr]))
+        return SymbolicSizes(tuple(out), tuple(hints))
 
     # ---------------------------------------------------------------- one compiled program per schedule
     def _program_for(self, key: ScheduleKey, sched: Scheduled, *, between_steps: bool = False) -> WholeProgram | None:
@@ -127,7 +178,7 @@ class ScheduleLowering:
         from then on for the capture), or its buffers do not fit the plan, which is then made again
         with them counted (``_fit_program``, at most ``_MAX_PROGRAM_ROUNDS`` times)."""
         cap = key.capture
-        prog = WholeProgram(sched.gm, self.device)
+        prog = WholeProgram(sched.gm, self.device, sizes=self._symbolic_sizes(key, sched))
         failed = ""
         try:
             prog.compile()
@@ -153,16 +204,17 @@ class ScheduleLowering:
         self._fit_program(key, sched, prog, over, between_steps=between_steps)
         return None
 
-    def _program_over(self, sched: Scheduled, prog: WholeProgram) -> dict[int, int]:
-        """Memory node index -> bytes by which Inductor's buffers (plus the step's fixed non-model
-        bytes: the batch, buffers) exceed the room the plan leaves there (``verify_schedule``'s
-        ``room``), before it or while it runs; empty without a budget."""
+    def _program_over(self, sched: Scheduled, prog: WholeProgram, buffers=None) -> dict[int, int]:
+        """Memory node index -> bytes by which Inductor's buffers (``buffers``, by default at the
+        sizes it compiled for) plus the step's fixed non-model bytes (the batch, buffers) exceed the
+        room the plan leaves there (``verify_schedule``'s ``room``), before it or while it runs;
+        empty without a budget."""
         if self.budget is None:
             return {}
         fixed = self._fixed_inputs_bytes(sched)
         over: dict[int, int] = {}
         k, room = 0, None
-        buffers = prog.buffers
+        buffers = buffers or prog.buffers
         for n in sched.gm.graph.nodes:
             r = get(n, "room")
             if r is not None:
@@ -228,6 +280,9 @@ class ScheduleLowering:
         except BudgetError as e:      # the budget does not hold them: the plan that does (compiled eager)
             if before is not None:
                 self._measured[cap] = before
+            if between_steps and self._rechoose_activations(cap, max(over.values())):
+                self._executors[sched.gm] = this_run
+                return
             for other in [k for k in self._schedules if k.capture == cap]:
                 self._replan(other, before or self._schedules[other].nonmodel, measured=True)
             needs = (f"needs device_memory >= {e.minimum} (this budget is {self.budget})" if e.minimum
@@ -235,6 +290,32 @@ class ScheduleLowering:
             self._eager_program(cap, f"Inductor's buffers exceed the plan by up to {max(over.values())} bytes, and a "
                                      f"plan with them counted {needs}")
         self._executors[sched.gm] = this_run    # (re-planning forgot it; dropped with it, ``_forget_lowering``)
+
+    def _rechoose_activations(self, cap: CaptureKey, room: int) -> bool:
+        """Inductor's buffers do not fit this activation plan even planned with them counted: with
+        ``activations="auto"``, choose it again once for the budget less ``room`` (more taken off the
+        device, as a smaller budget would), each of the capture's schedules planned anew on its
+        static curve (its next run measures it, then it is compiled). False when that is done
+        already, the policy is not "auto", the choice is the same, or it does not fit that budget
+        (it is below the least budget of every choice)."""
+        base = self._bases.get(cap)
+        if base is None or cap in self._program_reserve or self.config.activations != Activations.AUTO:
+            return False
+        self._program_reserve[cap] = room
+        chosen = self._choose_activations(base, None, cap)
+        least = minimum_budget(chosen, self.layout, nonmodel=chosen.nonmodel, slot_bytes=self.store.param_chunk_bytes,
+                               world=self.world, device_homes=self.min_device_homes,
+                               state_bytes=self.store.os_chunk_bytes).nbytes
+        if least > self.budget - room or chosen.captured.gm.code == self._captures[cap].captured.gm.code:
+            return False          # (below its least budget the choice does not fit, or it is the same)
+        log.info("pscompile: %s: Inductor's buffers need %d bytes more than the activation plan leaves: it is chosen "
+                 "again for a budget that much smaller", cap.describe(), room)
+        self._captures[cap] = chosen
+        self._measured.pop(cap, None)
+        self._node_curves.pop(cap, None)
+        for other in [k for k in self._schedules if k.capture == cap]:
+            self._replan(other, chosen.nonmodel, measured=False)
+        return True
 
     def _compiled_eager(self, key: ScheduleKey, sched: Scheduled) -> Executor:
         """Compiled eager: the schedule's regions as eager graph code (the fallback rule), learned

@@ -131,7 +131,8 @@ class CompiledPlanning:
             bound = self._range_planned[key.capture] = self._ranges.bound(key.batch)
             analyzed = analyze_at_bound(self._symbolic[key.capture], bound,
                                         gathers=gather_bytes(self.layout, self.dtype))
-            analyzed = self._choose_activations(analyzed, None)
+            self._bases[key.capture] = analyzed
+            analyzed = self._choose_activations(analyzed, None, key.capture)
             self._captures[key.capture] = analyzed
         if analyzed is None:
             first, self._first_capture = self._first_capture, None
@@ -143,7 +144,8 @@ class CompiledPlanning:
                                                dtype=self.dtype, backward=key.kind.backward,
                                                gathers=gather_bytes(self.layout, self.dtype),
                                                sources=self._sources)
-            analyzed = self._captures[key.capture] = self._choose_activations(analyzed, variants)
+            self._bases[key.capture] = analyzed
+            analyzed = self._captures[key.capture] = self._choose_activations(analyzed, variants, key.capture)
         self._install_restored(key.capture)
         measured = self._measured.get(key.capture)
         nonmodel = measured if measured is not None else analyzed.nonmodel
@@ -152,8 +154,12 @@ class CompiledPlanning:
         self._schedules[key] = sched
         return sched
 
-    def _choose_activations(self, analyzed: AnalyzedGraph, variants: dict | None) -> AnalyzedGraph:
-        return choose_activations(analyzed, self.layout, policy=self.config.activations, budget=self.budget,
+    def _choose_activations(self, analyzed: AnalyzedGraph, variants: dict | None,
+                            cap: CaptureKey | None = None) -> AnalyzedGraph:
+        """The activation plan of a capture; where Inductor's program needed room the plan did not
+        leave (``lowering._rechoose_activations``), chosen for the budget less that room."""
+        budget = self.budget - self._program_reserve.get(cap, 0) if self.budget is not None else None
+        return choose_activations(analyzed, self.layout, policy=self.config.activations, budget=budget,
                                   slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                   device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
                                   rates=self.rates if self.config.activations == Activations.AUTO else None,
@@ -278,7 +284,7 @@ class CompiledPlanning:
             warm = self._warm.pop(other, None)
             if warm is not None:
                 self._forget(warm)
-        for table in (self._captures, self._measured, self._node_curves, self._range_planned):
+        for table in (self._captures, self._bases, self._measured, self._node_curves, self._range_planned):
             table.pop(key.capture, None)
 
     def _device_memory(self) -> DeviceMemory:
@@ -385,6 +391,10 @@ class CompiledPlanning:
         leftover chunks (clean: no bytes move)."""
         cold = self._schedule_for(batch, kind)
         key = self._key(batch, kind)
+        if key in self._to_lower:         # measured: its program is compiled now, before this run
+            self._to_lower.discard(key)
+            self._lower(key)
+            cold = self._schedule_for(batch, kind)
         warm = self._warm_of(key)
         if warm is not None and self._residency() == dict(warm.plan.initial):
             return key, warm

@@ -20,9 +20,15 @@
    every compute node comes after the memory node before it. The plan's order of
    memory nodes and compute is then the program's, and ``reorder_for_peak_memory`` is off.
 3. **Compile** with ``compile_fx_inner`` and read Inductor's own buffer plan off its generated
-   wrapper (``buffer_plan``): for each memory node, the bytes Inductor's buffers hold at most in the
-   compute before it (``inside``) and while it runs (``at``). The engine checks the plan against
-   those figures before the program ever runs (``compiled/lowering.py``).
+   wrapper (``compiled/buffer_plan.py``): for each memory node, the bytes Inductor's buffers hold
+   at most in the compute before it (``inside``) and while it runs (``at``). The engine checks the
+   plan against those figures before the program ever runs (``compiled/lowering.py``).
+
+A range's schedule (batches whose length changes) is compiled once for **symbolic sizes**
+(``SymbolicSizes``): the batch's dynamic dimensions are symbols hinted at the range's bound, so
+the buffer plan is counted at the bound, and ``buffers_for`` evaluates it at any run's sizes.
+Inductor's assumptions about the symbols (its shape guards) are kept; ``admits`` checks them for
+each new length before the program runs it.
 
 At run time a memory node is a call of its custom op from the generated code; ``run`` makes those
 calls go to the engine (``graph.ops.memory_runner``) in graph order, one by one: the k-th call
@@ -41,18 +47,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import sympy
 import torch
 from torch import fx
 
+from pscompile.compiled.buffer_plan import BufferPlan, KeepGraph, buffer_events, replay
 from pscompile.graph.ops import ACTIVATION_OPS, MEMORY_OPS, memory_runner
 
 log = logging.getLogger("pscompile.compiled")
 
 __all__ = ["WholeProgram", "ProgramOrderError", "ComputeMutationError", "compute_mutations", "order_edges",
-           "BufferPlan"]
+           "BufferPlan", "SymbolicSizes"]
 
 _MEMORY = frozenset(MEMORY_OPS) | frozenset(ACTIVATION_OPS)
-_OFFLOAD = torch.ops.pscompile.offload.default
 # Inductor's options for the program: random ops call ATen in graph order (dropout masks equal
 # eager's); the plan's order is kept (no reordering for peak memory, which is the plan's job)
 PATCHES: dict[str, Any] = {"fallback_random": True, "reorder_for_peak_memory": False,
@@ -77,7 +84,28 @@ def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_inde
     return torch.where(hit, -g, torch.zeros((), dtype=self.dtype, device=self.device))
 
 
-PROGRAM_DECOMPOSITIONS = {torch.ops.aten.nll_loss_backward.default: _nll_loss_backward}
+def _constant_pad_nd(self, pad, value=0):
+    """``aten.constant_pad_nd`` with pads of zero or more as concatenations of constant blocks.
+    Torch's own specializes a symbolic size it pads (a guard ``Eq(s, its hint)``: the range's
+    program would serve one length), as in Hugging Face's causal-LM loss, which shifts its labels
+    with ``pad(labels, (0, 1), value=-100)``. Negative pads (a crop): torch's (``NotImplemented``)."""
+    if any(not isinstance(p, int) or p < 0 for p in pad):
+        return NotImplemented
+    out = self
+    for k in range(len(pad) // 2):
+        dim = self.dim() - 1 - k
+        before, after = pad[2 * k], pad[2 * k + 1]
+        parts = []
+        for n in (before, after):
+            shape = list(out.shape)
+            shape[dim] = n
+            parts.append(torch.full(shape, value, dtype=self.dtype, device=self.device))
+        out = torch.cat([parts[0], out, parts[1]], dim) if before or after else out
+    return out if out is not self else self.clone()
+
+
+PROGRAM_DECOMPOSITIONS = {torch.ops.aten.nll_loss_backward.default: _nll_loss_backward,
+                          torch.ops.aten.constant_pad_nd.default: _constant_pad_nd}
 
 
 # how many rounds ``compile`` retraces (functionalized, decomposed) until no op is left that mutates or
@@ -162,22 +190,6 @@ def is_memory(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in _MEMORY
 
 
-@dataclass(frozen=True)
-class BufferPlan:
-    """Inductor's buffers around each memory node, in graph order: ``inside[k]``, the most bytes
-    they hold in the compute between memory node k-1 and memory node k; ``at[k]``, the bytes live
-    while memory node k runs; ``after`` the most after the last one. Host copies (offloads) are
-    not device bytes and are left out."""
-
-    inside: tuple[int, ...]
-    at: tuple[int, ...]
-    after: int
-
-    @property
-    def peak(self) -> int:
-        return max((*self.inside, *self.at, self.after), default=0)
-
-
 def _is_view(n: fx.Node) -> bool:
     """A node Inductor lowers to a view of its input: no kernel, so no place in the order of its own."""
     if n.op != "call_function":
@@ -231,107 +243,74 @@ def _pin(gm: fx.GraphModule, edges_of: Callable[[fx.GraphModule], dict]) -> int:
     return len(edges)
 
 
-class _GraphOf:
-    """A post-fusion scheduler pass that changes nothing and keeps Inductor's graph (its wrapper's
-    lines, with their buffer plan, are read after the compile: ``buffer_plan``)."""
+@dataclass(frozen=True)
+class SymbolicSizes:
+    """The sizes a range's program takes as symbols: ``dims`` lists (placeholder index, dimension,
+    symbol index) for each dynamic size of the scheduled graph's inputs (dimensions that share a
+    symbol in the capture share one here), and ``hints[i]`` is symbol i's value at the range's
+    bound, the sizes Inductor's buffer plan is counted at."""
 
-    def __init__(self):
-        self.graph = None
+    dims: tuple[tuple[int, int, int], ...]
+    hints: tuple[int, ...]
 
-    def __call__(self, nodes: list) -> list:
-        from torch._inductor.virtualized import V
-        self.graph = V.graph
-        return nodes
-
-
-def _nbytes(graph, node) -> int:
-    layout = node.get_layout()
-    return int(graph.sizevars.optimization_hint(layout.storage_size())) * node.get_dtype().itemsize
+    def values(self, inputs: Sequence[torch.Tensor], symbols: Sequence[sympy.Symbol]) -> dict:
+        """Each symbol's value in ``inputs`` (the graph's inputs of one run)."""
+        return {symbols[k]: int(inputs[p].shape[d]) for p, d, k in self.dims}
 
 
-def buffer_plan(graph) -> BufferPlan:
-    """Inductor's buffer plan, from its generated wrapper's lines in order (after its buffer-reuse
-    planning): an ``AllocateLine`` allocates, a ``ReuseLine`` or ``ReinterpretLine`` gives a new name
-    to an existing allocation, a free (``FreeIfNotReusedLine`` not reused, ``FreeLine``) drops a name,
-    and an allocation is given back when its last name goes, as Python's references in the generated
-    code do. An extern kernel's outputs are allocated where it runs. The device bytes live when each
-    memory op is called, and the most between two of them, follow; an offload's host copy is not counted."""
-    from torch._inductor import ir
-    from torch._inductor.codegen import wrapper as w
-    alloc_of: dict[str, int] = {}
-    refs: dict[int, int] = {}
-    size: dict[int, int] = {}
-    state = {"live": 0, "next": 0}
+def _literal_ints(gm: fx.GraphModule) -> set[int]:
+    """The integers written in ``gm``'s code (sizes, dims), to keep a symbol's hint off them."""
+    found: set[int] = set()
 
-    def new(name: str, nbytes: int) -> None:
-        a = state["next"] = state["next"] + 1
-        alloc_of[name], refs[a], size[a] = a, 1, nbytes
-        state["live"] += nbytes
-
-    def alias(old: str, name: str) -> None:
-        a = alloc_of.get(old)
-        if a is not None:
-            alloc_of[name] = a
-            refs[a] += 1
-
-    def release(name: str) -> None:
-        a = alloc_of.pop(name, None)
-        if a is not None:
-            refs[a] -= 1
-            if refs[a] == 0:
-                state["live"] -= size[a]
-
-    inside, at, peak = [], [], 0
-    host: set[str] = set()               # offload kernels: their outputs are host copies
-    for line in graph.wrapper_code.lines:
-        if isinstance(line, w.AllocateLine):
-            new(line.node.get_name(), _nbytes(graph, line.node))
-        elif isinstance(line, w.ReuseLine):
-            alias(line.node.get_name(), line.reused_as.get_name())
-            if line.delete_old:
-                release(line.node.get_name())
-        elif isinstance(line, w.ReinterpretLine):
-            alias(line.node.get_name(), line.reused_as.get_name())
-        elif isinstance(line, w.FreeIfNotReusedLine):
-            if not line.is_reused:
-                release(line.node.get_name())
-        elif isinstance(line, w.FreeLine):
-            release(line.node.get_name())
-        elif isinstance(line, w.MultiOutputLine):
-            if line.result_name in graph.name_to_buffer and line.arg_name not in host:
-                new(line.result_name, _nbytes(graph, graph.name_to_buffer[line.result_name]))
-        elif isinstance(line, w.ExternKernelAllocLine):
-            node, op = line.node, getattr(line.node, "op_overload", None)
-            if op in _MEMORY:
-                inside.append(max(peak, state["live"]))
-            if op is _OFFLOAD:                  # its output, a host copy, is no device memory
-                host.add(node.get_name())
-            elif isinstance(node.layout, ir.MultiOutputLayout):
-                new(node.get_name(), 0)         # (its outputs: MultiOutputLine)
-            elif not isinstance(node.layout, ir.NoneLayout):
-                new(node.get_name(), _nbytes(graph, node))
-            if op in _MEMORY:
-                at.append(state["live"])
-                peak = state["live"]
-                continue
-        peak = max(peak, state["live"])
-    return BufferPlan(tuple(inside), tuple(at), peak)
+    def visit(a) -> None:
+        if isinstance(a, int) and not isinstance(a, bool):
+            found.add(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+    for n in gm.graph.nodes:
+        visit(n.args)
+        visit(tuple(n.kwargs.values()))
+    return found
 
 
-def _examples(gm: fx.GraphModule, device: torch.device):
-    """Fake tensors with the placeholders' shapes, strides and dtypes (their metadata)."""
+def _examples(gm: fx.GraphModule, device: torch.device, sizes: SymbolicSizes | None = None):
+    """Fake tensors with the placeholders' shapes, strides and dtypes (their metadata); with
+    ``sizes``, the dimensions it names are symbols (such an input is taken contiguous, as a batch
+    is), hinted at the bound or just above it, off every integer in the code and each other: a
+    hint only guides Inductor's choices, and one equal to a constant size would make it specialize
+    the symbol to it. Returns the fake mode, the inputs and the symbols."""
+    from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    mode = FakeTensorMode(shape_env=ShapeEnv())
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    symbols, symints = [], []
+    taken = _literal_ints(gm) if sizes is not None else set()
+    for k, hint in enumerate(sizes.hints if sizes is not None else ()):
+        while hint in taken:        # a hint equal to a size in the code (a head's width) lets Inductor
+            hint += 1               # take the two for one: Eq(s, 32), the symbol specialized
+        taken.add(hint)
+        src = ConstantSource(f"pscompile_size{k}")
+        sym = env.create_symbol(hint, src, dynamic_dim=DimDynamic.DYNAMIC)
+        symbols.append(sym)
+        symints.append(env.create_symintnode(sym, hint=hint, source=src))
+    dynamic: dict[int, dict[int, Any]] = {}
+    for p, d, k in sizes.dims if sizes is not None else ():
+        dynamic.setdefault(p, {})[d] = symints[k]
     out = []
     with mode:
-        for p in gm.graph.find_nodes(op="placeholder"):
+        for i, p in enumerate(gm.graph.find_nodes(op="placeholder")):
             v = p.meta.get("val")
             if not isinstance(v, torch.Tensor):
                 raise ValueError(f"placeholder {p.name} has no tensor metadata")
             dev = device if v.device.type == "meta" else v.device
-            out.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=dev))
-    return mode, out
+            if i in dynamic:
+                shape = [dynamic[i].get(d, s) for d, s in enumerate(v.shape)]
+                out.append(torch.empty(shape, dtype=v.dtype, device=dev))
+            else:
+                out.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=dev))
+    return mode, out, symbols
 
 
 class WholeProgram:
@@ -345,8 +324,14 @@ class WholeProgram:
     split = "program"
 
     def __init__(self, gm: fx.GraphModule, device: torch.device,
-                 edges: Callable[[fx.GraphModule], dict[fx.Node, list[fx.Node]]] = None):
+                 edges: Callable[[fx.GraphModule], dict[fx.Node, list[fx.Node]]] = None,
+                 sizes: SymbolicSizes | None = None):
         self.gm = gm
+        self.sizes = sizes                       # a range's program: these sizes are symbols
+        self._symbols: list[sympy.Symbol] = []
+        self._guards: list[sympy.Expr] = []      # what Inductor assumed of the symbols
+        self._events: list[tuple] = []           # its buffer plan, for any sizes (``buffers_for``)
+        self._plans: dict[tuple, BufferPlan] = {}
         self.edges = edges or order_edges        # (tests drop some, to see parity break)
         self.device = torch.device(device)
         self.memory_nodes = [n for n in gm.graph.nodes if is_memory(n)]
@@ -366,7 +351,7 @@ class WholeProgram:
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
         t0 = time.perf_counter()
-        mode, examples = _examples(self.gm, self.device)
+        mode, examples, self._symbols = _examples(self.gm, self.device, self.sizes)
         with torch._inductor.config.patch(PATCHES):     # (fallback_random: random ops are not decomposed)
             table = {**select_decomp_table(), **PROGRAM_DECOMPOSITIONS}
         traced = self.gm
@@ -384,15 +369,41 @@ class WholeProgram:
                 f"the compute still mutates after functionalization: {mutating[0].format_node()} "
                 f"({len(mutating)} such nodes); Inductor's order of it cannot be trusted")
         self.pinned = _pin(traced, self.edges)
-        keep = _GraphOf()
+        keep = KeepGraph()
         with torch._inductor.config.patch({**PATCHES, "_post_fusion_custom_pass": keep}), \
                 torch._guards.tracing(torch._guards.TracingContext(mode)), mode, deterministic_lowering():
             self._fn = compile_fx_inner(traced, examples)
         try:
-            self.buffers = buffer_plan(keep.graph)
+            self._events = buffer_events(keep.graph)
+            self.buffers = replay(self._events, self._hints())
         except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
             log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
+        env = mode.shape_env
+        self._guards = [g.expr for g in env.guards] + [a.expr for found in env.deferred_runtime_asserts.values()
+                                                       for a in found]
         self.compile_s = time.perf_counter() - t0
+
+    def _hints(self) -> dict:
+        return dict(zip(self._symbols, self.sizes.hints)) if self.sizes is not None else {}
+
+    def admits(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether the program runs ``inputs``' sizes: a fixed program, always (the engine keys it
+        by its sizes); a range's, when every assumption Inductor made of its symbols while
+        compiling (its shape guards) holds for them."""
+        if self.sizes is None:
+            return True
+        values = self.sizes.values(inputs, self._symbols)
+        return all(bool(sympy.sympify(g).xreplace(values)) for g in self._guards)
+
+    def buffers_for(self, inputs: Sequence[torch.Tensor]) -> BufferPlan | None:
+        """Inductor's buffer plan at ``inputs``' sizes (a fixed program: ``buffers``)."""
+        if self.sizes is None or self.buffers is None:
+            return self.buffers
+        values = self.sizes.values(inputs, self._symbols)
+        key = tuple(values[s] for s in self._symbols)
+        if key not in self._plans:
+            self._plans[key] = replay(self._events, values)
+        return self._plans[key]
 
     def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], Any], *,
             sample: Callable[[int], None] | None = None, on_backward: Callable[[], None] | None = None) -> tuple:
@@ -402,7 +413,8 @@ class WholeProgram:
         if self._fn is None:
             self.compile()
         nodes, first_bwd = self.memory_nodes, self._first_bwd_op
-        inside, at = (self.buffers.inside, self.buffers.at) if self.buffers is not None and sample else ((), ())
+        plan = self.buffers_for(inputs) if sample else None
+        inside, at = (plan.inside, plan.at) if plan is not None else ((), ())
         k = 0
 
         def call(op, args: tuple):
@@ -425,7 +437,7 @@ class WholeProgram:
         with memory_runner(call):
             out = self._fn(list(inputs))
         if inside:
-            sample(self.buffers.after)
+            sample(plan.after)
         if k != len(nodes):
             raise ProgramOrderError(f"the compiled program called {k} of the schedule's {len(nodes)} memory ops")
         return tuple(out)

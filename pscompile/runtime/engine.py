@@ -312,7 +312,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         return "\n".join([
             f"{self._mode_title()} on {self.device}, compute dtype {str(self.dtype).replace('torch.', '')}, "
             f"device_memory {budget}",
-            f"this layout and activation plan need {format_bytes(self.min_device_memory)} (the least budget for "
+            f"this layout and activation plan need {self._need()} (the least budget for "
             "this model and batch, over layouts: pscompile.min_device_memory)",
             f"layout: {self.layout.describe()}; order: {self.order_source}",
             *self._describe_lines(),
@@ -320,6 +320,10 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
 
     def _mode_title(self) -> str:
         raise NotImplementedError
+
+    def _need(self) -> str:
+        """What describe() says this layout and activation plan need."""
+        return format_bytes(self.min_device_memory)
 
     def _describe_lines(self) -> list[str]:
         """Mode-specific: the lines after the layout's."""
