@@ -44,7 +44,7 @@ from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.whole import SymbolicSizes, WholeProgram
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
-from pscompile.graph.minimum import minimum_budget
+from pscompile.graph.minimum import least_budget
 from pscompile.kinds import Activations, Backend
 
 log = logging.getLogger("pscompile.compiled")
@@ -112,7 +112,7 @@ class ScheduleLowering:
         guards hold for it, and its buffers at this length fit the plan (they grow with the sizes,
         so below the bound they do; checked all the same). A length refused runs the schedule as
         compiled eager, said at INFO with the reason."""
-        values = prog.sizes.values(inputs, prog._symbols)
+        values = prog.size_values(inputs)
         length = (sched.gm, tuple(sorted(values.items(), key=str)))
         if length not in self._lengths:
             why = None
@@ -156,7 +156,7 @@ class ScheduleLowering:
         if not ShapeRanges.is_ranged(key.batch):
             return None
         dims = self._ranges.dims(key.batch)
-        bound = self._range_planned[key.capture]
+        bound = self._range_planned.get(key.capture) or self._ranges.bound(key.batch)
         sym = self._symbolic[key.capture]
         offset = sym.num_params + len(sym.buffer_fqns)
         phs = list(sched.gm.graph.find_nodes(op="placeholder"))
@@ -294,20 +294,27 @@ class ScheduleLowering:
     def _rechoose_activations(self, cap: CaptureKey, room: int) -> bool:
         """Inductor's buffers do not fit this activation plan even planned with them counted: with
         ``activations="auto"``, choose it again once for the budget less ``room`` (more taken off the
-        device, as a smaller budget would), each of the capture's schedules planned anew on its
-        static curve (its next run measures it, then it is compiled). False when that is done
-        already, the policy is not "auto", the choice is the same, or it does not fit that budget
-        (it is below the least budget of every choice)."""
+        device, as a smaller budget would; if that choice is the same, as the least budget of every
+        choice would), never below that least budget, each
+        of the capture's schedules planned anew on its static curve (its next run measures it,
+        then it is compiled). False when that is done already, the policy is not "auto", the
+        budget is that least already, or the choice is the same."""
         base = self._bases.get(cap)
         if base is None or cap in self._program_reserve or self.config.activations != Activations.AUTO:
             return False
-        self._program_reserve[cap] = room
-        chosen = self._choose_activations(base, None, cap)
-        least = minimum_budget(chosen, self.layout, nonmodel=chosen.nonmodel, slot_bytes=self.store.param_chunk_bytes,
-                               world=self.world, device_homes=self.min_device_homes,
-                               state_bytes=self.store.os_chunk_bytes).nbytes
-        if least > self.budget - room or chosen.captured.gm.code == self._captures[cap].captured.gm.code:
-            return False          # (below its least budget the choice does not fit, or it is the same)
+        floor = least_budget(base, self.layout, policy=self.config.activations, slot_bytes=self.store.param_chunk_bytes,
+                             world=self.world, device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
+                             host_room=self.host_room).nbytes
+        current = self._captures[cap].captured.gm.code
+        chosen = None
+        for reserve in dict.fromkeys((min(room, self.budget - floor), self.budget - floor)):   # (none fits below
+            if reserve > 0:                                                                  # that least budget)
+                self._program_reserve[cap] = reserve
+                chosen = self._choose_activations(base, None, cap)
+                if chosen.captured.gm.code != current:
+                    break
+        if chosen is None or chosen.captured.gm.code == current:
+            return False
         log.info("pscompile: %s: Inductor's buffers need %d bytes more than the activation plan leaves: it is chosen "
                  "again for a budget that much smaller", cap.describe(), room)
         self._captures[cap] = chosen

@@ -386,6 +386,10 @@ class WholeProgram:
     def _hints(self) -> dict:
         return dict(zip(self._symbols, self.sizes.hints)) if self.sizes is not None else {}
 
+    def size_values(self, inputs: Sequence[torch.Tensor]) -> dict:
+        """A range's program: each size symbol's value in ``inputs`` (empty for fixed sizes)."""
+        return self.sizes.values(inputs, self._symbols) if self.sizes is not None else {}
+
     def admits(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether the program runs ``inputs``' sizes: a fixed program, always (the engine keys it
         by its sizes); a range's, when every assumption Inductor made of its symbols while
