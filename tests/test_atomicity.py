@@ -89,8 +89,8 @@ def _after_region_stores(engine, nth: int, error: BaseException):
     device slot (its copies done: the slots hold gradients). Returns what puts the region back."""
     real_for, broken = engine._executor_for, []
 
-    def executor_for(key, sched):
-        ex = real_for(key, sched)
+    def executor_for(key, sched, *args, **kw):
+        ex = real_for(key, sched, *args, **kw)
         if ex.split == "regions" and not broken:
             seen = 0
             for r in ex.regions:

@@ -219,3 +219,21 @@ def test_inductor_regions_run_the_recomputed_graph():
         assert engine.stats.peak_device_bytes <= budget
     worst, name = tracking_of(engine.state_dict()["master"], ref, initial)
     assert worst <= TRACKING_TOL, name
+
+
+def test_a_ranges_sizes_are_not_activations():
+    """A range's symbolic capture reads the batch's length (``sym_size``) all through the forward.
+    A size is no activation: the segments are those of the plain capture of one length (as a
+    tensor it was one value live from the first layer to the loss: no cut, one segment, and the
+    range's warm steps offloaded the whole forward)."""
+    from pscompile.graph.analysis import analyze_at_bound
+    from pscompile.testing import tiny_model
+    model, batch = tiny_model("gpt", seq_len=32)
+    params = dict(model.named_parameters())
+    plain = capture_joint(model, batch, params=params)
+    ranged = capture_joint(model, batch, params=params, dynamic=((0, 1), (1, 1)))
+    at_bound = analyze_at_bound(ranged, (32, 32)).captured
+    assert any(n.target is torch.ops.aten.sym_size.int for n in at_bound.gm.graph.nodes)
+    want = [s.saved_bytes for s in find_segments(plain)]
+    assert len(want) > 2
+    assert [s.saved_bytes for s in find_segments(at_bound)] == want
