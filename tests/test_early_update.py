@@ -238,6 +238,33 @@ class _Store:
         return torch.ones(4)
 
 
+def test_a_chunk_takes_only_spares_of_its_own_extent():
+    """The last chunk's states stop at its last parameter (a shorter extent than the others').
+    The spare sets kept between steps come from every chunk; one of another extent, taken by the
+    last chunk, left its old values past the last parameter, which the commit made that chunk's
+    states and the next fetch carried into its gradient's padding: the gradient norm was off, and
+    NaN where the memory had held NaN (in CI, a race checker's poison freed by another test). Each
+    chunk's states stay its extent long, its param chunk's padding zero, and the norm is the one
+    updating after the backward computes, step after step."""
+    norms = {}
+    for overlap in (False, True):
+        engine = _engine(torch.bfloat16, overlap)
+        store = engine.store
+        norms[overlap] = []
+        for i, b in enumerate(BATCHES):
+            torch.manual_seed(i)
+            engine.step(b)
+            norms[overlap].append(engine.stats.grad_norm)
+            for c in range(engine.layout.num_chunks):
+                n = store.state_numel(c)
+                assert [t.numel() for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])] == [n] * 3, c
+                assert bool((store.host_param[c][n:] == 0).all()), f"chunk {c}: nonzero padding after step {i}"
+        padded = [c for c in range(engine.layout.num_chunks) if 0 < store.state_numel(c) < engine.layout.chunk_size]
+        assert padded and (not overlap or engine.early.last_count > 0)
+        engine.close()
+    assert norms[True] == norms[False]
+
+
 def test_a_commit_takes_over_an_update_that_has_not_started():
     """One update thread: chunk 1's update waits behind chunk 0's. Committing chunk 1 then cancels
     it (the main thread updates it in place, quicker than waiting), and chunk 0's commit waits for

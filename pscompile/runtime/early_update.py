@@ -98,7 +98,7 @@ class EarlyUpdates:
         self._jobs: dict[int, Future] = {}
         self._norms: dict[int, Future] = {}         # chunk -> its norm, set by its job before it updates
         self._done: dict[int, list] = {}            # chunk -> its filled spare buffers
-        self._free: dict[bool, list[list]] = {}     # spare sets kept between steps, by ``shared(c)``
+        self._free: dict[tuple[bool, int], list[list]] = {}   # spare sets kept between steps, by ``_fits``
         self._started = False                       # the step counter was advanced for this step
         self._interrupts: ExitStack | None = None   # SIGINT held back from the first early update on
 
@@ -121,7 +121,7 @@ class EarlyUpdates:
             self._interrupts.enter_context(deferred_interrupts())
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pscompile-early-update")
-        free = self._free.get(self._store.shares_master(c))
+        free = self._free.get(self._fits(c))
         spare = free.pop() if free else spare_home(self._store, c)     # (kept from the last step: no page faults)
         self._done[c] = spare
         norm = self._norms[c] = Future()
@@ -139,6 +139,13 @@ class EarlyUpdates:
             norm.set_exception(e)
             raise
         self._update(c, factor, frozen, groups, spare)
+
+    def _fits(self, c: int) -> tuple[bool, int]:
+        """Which kept spare sets chunk ``c`` may take: those of chunks whose master is their param
+        chunk or not, as ``c``'s is, and whose state extent is ``c``'s. A set of another extent
+        would leave its own old values past ``c``'s extent, where the commit makes them ``c``'s
+        states and the next fetch carries them into the gradient's padding (and its norm)."""
+        return self._store.shares_master(c), self._store.exp_avg[c].numel()
 
     def norms(self) -> dict[int, Future]:
         """Each early chunk's norm, as its job will set it (before it updates; waiting on one
@@ -171,10 +178,10 @@ class EarlyUpdates:
         job, spare = self._jobs.pop(c), self._done.pop(c)
         del self._norms[c]
         if job.cancel() or settle([job]):    # (not started yet: the main thread is quicker)
-            self._free.setdefault(self._store.shares_master(c), []).append(spare)
+            self._free.setdefault(self._fits(c), []).append(spare)
             return False
         old = swap_home(self._store, c, spare)
-        self._free.setdefault(self._store.shares_master(c), []).append(old)
+        self._free.setdefault(self._fits(c), []).append(old)
         self.last_count += 1
         return True
 
@@ -193,7 +200,7 @@ class EarlyUpdates:
         self._norms.clear()
         dropped = frozenset(self._done)
         for c, spare in self._done.items():
-            self._free.setdefault(self._store.shares_master(c), []).append(spare)
+            self._free.setdefault(self._fits(c), []).append(spare)
         self._done.clear()
         if self._started:
             self.adam.undo_step()
@@ -211,7 +218,7 @@ class EarlyUpdates:
     def close(self) -> None:
         """Drop what is pending, give the spares back to the store's pools, stop the thread."""
         self.undo()
-        for shared, sets in self._free.items():
+        for (shared, _), sets in self._free.items():
             for bufs in sets:
                 release_spare(self._store, shared, bufs)
         self._free.clear()
