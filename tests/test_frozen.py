@@ -277,3 +277,34 @@ def test_lora_with_batches_of_changing_length(mode):
     ours, theirs = engine.state_dict()["master"], ref.master_state()
     assert all((ours[k] - theirs[k]).abs().max().item() <= 1e-5 for k in ours)
     engine.close()
+
+
+def test_lora_over_a_range_of_lengths_runs_one_inductor_program():
+    """Frozen weights, changing lengths and the default backend together: peft's LoRA on the tiny
+    GPT takes batches of 64, 40 and 52 tokens, then the same again, under a budget that evicts
+    (1.15x the named minimum). The range's schedule is one Inductor program for symbolic sizes:
+    from the third step on (after the first length's measuring step and the range's), every step
+    runs it (compiled share 1.0), within the budget, step for step with plain PyTorch; the
+    frozen base stays bit for bit."""
+    full = make_batches("gpt", 3)
+    batches = [tuple(t[:, :n] for t in b) for b, n in zip(full, (64, 40, 52))]
+    cfg = config("compiled", torch.float32, backend="inductor")
+    budget = int(1.15 * pscompile.min_device_memory(build("lora"), batches[0], cfg))
+    model = build("lora")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine = pscompile.compile(model, batches[0], optimizer=HP, config=config("compiled", torch.float32, budget,
+                                                                              backend="inductor"))
+    ref = ReferenceTrainer(build("lora"), optimizer=HP, dtype=torch.float32)
+    shares = []
+    for b in batches + batches[::-1]:
+        assert engine.step(b) == pytest.approx(ref.step(b), rel=1e-5)
+        assert engine.stats.peak_device_bytes <= budget
+        shares.append(engine.stats.compiled_share)
+    assert shares[2:] == [1.0] * 4, shares
+    programs = [ex for ex in engine._executors.values() if getattr(ex, "split", None) == "program"]
+    assert len(programs) == 1 and programs[0].sizes is not None
+    ours, theirs = engine.state_dict()["master"], ref.master_state()
+    assert all((ours[k] - theirs[k]).abs().max().item() <= 1e-5 for k in ours)
+    weights = engine.full_state_dict()
+    assert all(torch.equal(weights[n], w) for n, w in before.items())
+    engine.close()
