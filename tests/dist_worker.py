@@ -426,6 +426,14 @@ def rank_batch(full, length: int, rank: int, world: int):
     return split(tuple(t[:, :length] for t in full), rank, world)
 
 
+def _lengths_config(mode: str, budget=None) -> pscompile.Config:
+    """``mode``: "hooks", "compiled" (the eager backend) or "inductor" (compiled mode, Inductor)."""
+    if mode == "inductor":
+        return pscompile.Config(mode="compiled", backend="inductor", device="cpu", dtype=torch.float32,
+                                device_memory=budget)
+    return config(mode, budget)
+
+
 def lengths(rank: int, world: int, port: int, out_dir: str, modes: list[str]) -> None:
     """Each mode, under a budget that evicts (this model's sharded minimum at the longest length
     plus one gathered group): steps where the ranks' lengths differ (``RANK_LENGTHS``) train; then a
@@ -435,15 +443,15 @@ def lengths(rank: int, world: int, port: int, out_dir: str, modes: list[str]) ->
     full = make_batches("gpt", 1)[0]
     for mode in modes:
         longest = rank_batch(full, max(max(n) for n in RANK_LENGTHS), rank, world)
-        least = pscompile.compile(make_model("gpt"), longest, optimizer=HP, config=config(mode))
+        least = pscompile.compile(make_model("gpt"), longest, optimizer=HP, config=_lengths_config(mode))
         least.step(longest)
         budget = least.min_device_memory + least.store.param_chunk_bytes
         least.close()
-        engine = pscompile.compile(make_model("gpt"), optimizer=HP, config=config(mode, budget))
+        engine = pscompile.compile(make_model("gpt"), optimizer=HP, config=_lengths_config(mode, budget))
         losses, stats = [], []
         for n in RANK_LENGTHS[rank]:
             losses.append(engine.step(rank_batch(full, n, rank, world)))
-            stats.append(engine.stats.as_dict())
+            stats.append({**engine.stats.as_dict(), "compiled_share": engine.stats.compiled_share})
         before = engine.full_state_dict()
         odd = rank_batch(full, 16, rank, world)
         try:

@@ -305,12 +305,13 @@ def test_the_disk_tier_under_zero_each_rank_its_own_file(tmp_path):
 
 
 def test_ranks_with_different_lengths_in_a_step_train_and_other_ranks_are_refused(tmp_path):
-    """Both modes, under a budget that evicts: rank 0 passes lengths 24, 17, 30, 17 and rank 1 19,
+    """Both modes (compiled with the eager backend and with Inductor), under a budget that evicts: rank 0 passes lengths 24, 17, 30, 17 and rank 1 19,
     24, 12, 30 in the same steps. They train (no wait on each other: the collectives match) and track plain
     PyTorch accumulating both ranks' batches; every step keeps its budget; compiled mode serves every
-    length with one symbolic capture. A step whose tensors differ in rank (number of dimensions)
+    length with one symbolic capture, and with Inductor each step after a measuring one runs the
+    range's program compiled for symbolic sizes on each rank. A step whose tensors differ in rank (number of dimensions)
     across the ranks is refused on both with each rank's batches named, nothing changed, and training goes on."""
-    modes = ["compiled", "hooks"]
+    modes = ["compiled", "hooks", "inductor"]
     spawn(dist_worker.lengths, str(tmp_path), modes)
     full = make_batches("gpt", 1)[0]
     steps = [[dist_worker.rank_batch(full, n, r, WORLD) for r, n in enumerate(ns)]
@@ -329,5 +330,9 @@ def test_ranks_with_different_lengths_in_a_step_train_and_other_ranks_are_refuse
                 assert s["peak_device_bytes"] <= run["budget"], (mode, r, i, s["peak_device_bytes"], run["budget"])
                 assert s["num_evictions"] > 0, (mode, r, i)
             assert mode == "hooks" or run["symbolic"] == 1, (mode, r, run["symbolic"])
+            if mode == "inductor":     # step 1: the ranks' lengths form a range, measured node by node;
+                # step 2: its program; step 3: a length past the bound (30) plans the range again at the
+                # new bound, measured; step 4: that range's program
+                assert [s["compiled_share"] for s in run["stats"]] == [0.0, 1.0, 0.0, 1.0], (r, run["stats"])
 
 
