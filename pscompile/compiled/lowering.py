@@ -91,21 +91,27 @@ class ScheduleLowering:
         way, so a re-plan may move optimizer states off the device (``_fit_program``). ``inputs``:
         a run's; a range's program runs them where it admits their sizes (``_admits``)."""
         ex = self._executors.get(sched.gm)
-        if ex is not None:
-            if inputs is not None and isinstance(ex, WholeProgram) and ex.sizes is not None \
-                    and not self._admits(key, sched, ex, inputs):
-                return self._length_eager.setdefault(sched.gm, self._compiled_eager(key, sched))
-            return ex
+        if ex is None:
+            ex = self._made_executor(key, sched, between_steps)
+        if inputs is not None and isinstance(ex, WholeProgram) and ex.sizes is not None \
+                and not self._admits(key, sched, ex, inputs):
+            return self._length_eager.setdefault(sched.gm, self._compiled_eager(key, sched))
+        return ex
+
+    def _made_executor(self, key: ScheduleKey, sched: Scheduled, between_steps: bool) -> Executor | WholeProgram:
+        """``sched``'s executor, made now and kept (``_executor_for``'s first call for it)."""
         if not sched.measured:
             ex = Executor(sched.gm, split="nodes")
         elif self._wants_program(key, sched):
             ex = self._program_for(key, sched, between_steps=between_steps)
             if sched.gm in self._executors:          # (this run's, while the capture was planned again)
                 return self._executors[sched.gm]
+        else:
+            ex = None
         if ex is None:
             ex = self._compiled_eager(key, sched)
         self._executors[sched.gm] = ex
-        return self._executor_for(key, sched, inputs) if inputs is not None else ex
+        return ex
 
     def _admits(self, key: ScheduleKey, sched: Scheduled, prog: WholeProgram, inputs: list) -> bool:
         """Whether a range's program runs this length (checked once per length): Inductor's shape
