@@ -15,11 +15,18 @@ of its own.
   program with no budget over plain ``torch.compile``'s. The spread is the smallest and largest
   ratio of a round. Every pscompile row says how many of its steps ran compiled code.
 
+- **shares** (``--shares``: the cold runs only, at each budget of ``--factors`` and head count of
+  ``--heads``): what each step ran (``StepStats.compiled_share``), the largest peak over the
+  budget, and how many programs were compiled (more than one: a compile whose buffers did not fit
+  the plan, paid and not run).
+
     python bench/program.py [--quick] [--layers 2 4 8 16] [--factor 1.15] [--out bench/results/program.json]
+    python bench/program.py --shares [--layers 2 4 8 16] [--heads 4 2] [--factors 1.0 1.15 1.5 2.0]
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from functools import partial
@@ -39,7 +46,7 @@ def _child(spec: dict) -> dict:
     from harness.specs import gpt, token_batches
     torch.set_num_threads(1)
     kind, s, budget = spec["kind"], spec["s"], spec["budget"]
-    model = partial(gpt, spec["n_layer"], s["d"], s["vocab"], s["seq"])
+    model = partial(gpt, spec["n_layer"], s["d"], s["vocab"], s["seq"], **_heads(spec))
     data = token_batches(s["vocab"], s["batch"], s["seq"], 4, seed=1)
     if kind == "probe":            # the minimum a user is told for the default backend
         import pscompile
@@ -51,19 +58,21 @@ def _child(spec: dict) -> dict:
         step(data[0])
         return dict(first_step_s=time.perf_counter() - t0)
     if kind == "cold":
+        programs = _ProgramCount()
         t0 = time.perf_counter()
         e = compiled(model(), data[0], "inductor", budget)
-        times, ends, share = [], [], []
+        times, ends, share, peaks = [], [], [], []
         for i in range(STEPS):
             t = time.perf_counter()
             e.step(data[i % len(data)])
             times.append(time.perf_counter() - t)
             ends.append(time.perf_counter() - t0)
             share.append(e.stats.compiled_share)
-        peak = max(e.stats.peak_device_bytes, 0)
+            peaks.append(e.stats.peak_device_bytes)
         e.close()
         k = steady_at(times)
-        return dict(steady_step=k, to_steady_s=ends[k], step_s=times, compiled_share=share, peak=peak)
+        return dict(steady_step=k, to_steady_s=ends[k], step_s=times, compiled_share=share, peak=max(peaks),
+                    peaks=peaks, programs=programs.close())
     systems = {"inductor@budget": compiled(model(), data[0], "inductor", budget),
                "eager@budget": compiled(model(), data[0], "eager", budget),
                "inductor@none": compiled(model(), data[0], "inductor", None)}
@@ -81,10 +90,36 @@ def _child(spec: dict) -> dict:
     return dict(times=times, compiled_share=share, peaks=peaks)
 
 
-def _run(kind: str, n_layer: int, s: dict, budget, timeout: float, factor: float = 1.15) -> dict:
+def _heads(spec: dict) -> dict:
+    """The GPT's head count where the run names one (``--heads``); else the bench GPT's own."""
+    return {"n_head": spec["heads"]} if spec.get("heads") else {}
+
+
+class _ProgramCount(logging.Handler):
+    """Counts the programs compiled in this process (pscompile's INFO record of each compile)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+        self._log = logging.getLogger("pscompile")
+        self._level = self._log.level
+        self._log.addHandler(self)
+        self._log.setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "compiled as one program" in record.getMessage()
+
+    def close(self) -> int:
+        self._log.removeHandler(self)
+        self._log.setLevel(self._level)
+        super().close()
+        return self.count
+
+
+def _run(kind: str, n_layer: int, s: dict, budget, timeout: float, factor: float = 1.15, heads: int | None = None) -> dict:
     """``_child`` in a fresh process with an empty Inductor cache, one thread."""
     try:
-        return run_fresh(__file__, dict(kind=kind, n_layer=n_layer, s=s, budget=budget, factor=factor),
+        return run_fresh(__file__, dict(kind=kind, n_layer=n_layer, s=s, budget=budget, factor=factor, heads=heads),
                          timeout=timeout, cold_inductor=True, threads=1)
     except ChildFailed as e:
         raise SystemExit(f"{kind} L{n_layer} failed:\n{e.tail}") from None
@@ -95,11 +130,17 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, nargs="*", default=None)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--factor", type=float, default=1.15, help="the budget, as a multiple of the named minimum")
+    ap.add_argument("--shares", action="store_true",
+                    help="only the cold runs, at each of --factors and --heads: what ran, and within which budget")
+    ap.add_argument("--factors", type=float, nargs="*", default=[1.0, 1.15, 1.5, 2.0])
+    ap.add_argument("--heads", type=int, nargs="*", default=[4])
     args = ap.parse_args(argv)
     if child(args.child, _child):
         return 0
     s = QUICK if args.quick else SHAPE
     layers = args.layers or ([2] if args.quick else [2, 4, 8, 16])
+    if args.shares:
+        return _shares(args, s, layers)
     rows, raw = [], []
     for n in layers:
         probe = _run("probe", n, s, None, args.timeout, args.factor)
@@ -121,6 +162,35 @@ def main(argv=None) -> int:
     print(f"GPT d={s['d']}, vocabulary {s['vocab']}, batch {s['batch']} x {s['seq']}, float32, one thread; budget "
           f"{args.factor}x the minimum min_device_memory names (default Config: {', '.join(str(r['probe']['minimum']) for r in raw)} "
           f"bytes); steady ratios: medians of {ROUNDS} interleaved rounds (smallest-largest round)")
+    print(md)
+    write_json(args.out, dict(shape=s, rows=raw, table=md))
+    return 0
+
+
+def _shares(args, s: dict, layers: list[int]) -> int:
+    """``--shares``: per depth, head count and budget factor, the cold run of compiled mode with
+    Inductor (its own process, an empty cache): the compiled share of its last step, the steps
+    from the first that ran the program on, the largest peak over the budget, the programs
+    compiled, and the seconds to a steady step."""
+    rows, raw = [], []
+    for n in layers:
+        for h in args.heads:
+            for f in args.factors:
+                probe = _run("probe", n, s, None, args.timeout, f, heads=h)
+                cold = _run("cold", n, s, probe["budget"], args.timeout, heads=h)
+                share = cold["compiled_share"]
+                first = next((i for i, x in enumerate(share) if x == 1.0), None)
+                rows.append([n, h, f"{f:.2f}x", f"{probe['minimum']:,}", f"{share[-1]:.2f}",
+                             "-" if first is None else f"{first + 1}-{len(share)}" if min(share[first:]) == 1.0
+                             else f"{first + 1} (not all later)", f"{cold['peak'] / probe['budget']:.3f}",
+                             cold["programs"], f"{cold['to_steady_s']:.1f}"])
+                raw.append(dict(layers=n, heads=h, factor=f, probe=probe, cold=cold))
+                print(f"L{n} h{h} x{f}: {rows[-1]}", flush=True)
+    headers = ["layers", "heads", "x minimum", "minimum bytes", "last step's compiled share",
+               "steps that ran the program", "peak / budget (largest)", "programs compiled", "s to a steady step"]
+    md = table(rows, headers)
+    print(f"GPT d={s['d']}, vocabulary {s['vocab']}, batch {s['batch']} x {s['seq']}, float32, one thread; "
+          f"{STEPS} steps of compiled mode with Inductor per row, each in a fresh process with a cold cache")
     print(md)
     write_json(args.out, dict(shape=s, rows=raw, table=md))
     return 0

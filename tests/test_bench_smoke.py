@@ -294,6 +294,24 @@ def test_program_quick(tmp_path):
     assert all(len(v) == 15 for v in st["times"].values())
 
 
+def test_program_shares_quick(tmp_path):
+    """bench/program.py --shares --quick: a 2-head 2-layer GPT at its named minimum, cold, in a
+    process of its own: what each step ran, within the budget, and how many programs were compiled.
+    The program runs from some step on, every later step too, and the row's figures are the run's."""
+    out = tmp_path / "shares.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "program.py"), "--quick", "--shares", "--factors", "1.0",
+                           "--heads", "2", "--out", str(out)], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    cold, probe = row["cold"], row["probe"]
+    assert (row["layers"], row["heads"], row["factor"]) == (2, 2, 1.0) and probe["budget"] == probe["minimum"]
+    share = cold["compiled_share"]
+    first = share.index(1.0)
+    assert min(share[first:]) == 1.0 and max(share[:1]) == 0.0      # (the first step measures, node by node)
+    assert cold["peak"] == max(cold["peaks"]) <= probe["budget"] and len(cold["peaks"]) == len(share)
+    assert cold["programs"] >= 1 and cold["to_steady_s"] > 0
+
+
 def test_zero_quick(tmp_path):
     out = tmp_path / "z.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "zero.py"), "--quick", "--ranks", "1,2", "--out", str(out)],

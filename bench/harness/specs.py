@@ -16,8 +16,8 @@ def heads(d_model: int) -> int:
 
 
 def gpt_config(n_layer: int, d_model: int, vocab: int, seq: int, **kw) -> GPTConfig:
-    """``GPTConfig`` of the named size "L{n_layer} d{d_model}" (``kw``: dropout, ...)."""
-    return GPTConfig(n_layer=n_layer, n_head=heads(d_model), d_model=d_model, vocab_size=vocab, seq_len=seq, **kw)
+    """``GPTConfig`` of the named size "L{n_layer} d{d_model}" (``kw``: dropout, n_head, ...)."""
+    return GPTConfig(n_layer=n_layer, d_model=d_model, vocab_size=vocab, seq_len=seq, **{"n_head": heads(d_model), **kw})
 
 
 def gpt(n_layer: int, d_model: int, vocab: int, seq: int, *, seed: int = 0, **kw) -> GPT:
