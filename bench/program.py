@@ -17,8 +17,8 @@ of its own.
 
 - **shares** (``--shares``: the cold runs only, at each budget of ``--factors`` and head count of
   ``--heads``): what each step ran (``StepStats.compiled_share``), the largest peak over the
-  budget, and how many programs were compiled (more than one: a compile whose buffers did not fit
-  the plan, paid and not run).
+  budget, how many programs were compiled, and how many of those never ran (their buffers did not
+  fit the plan: paid for, then planned again).
 
     python bench/program.py [--quick] [--layers 2 4 8 16] [--factor 1.15] [--out bench/results/program.json]
     python bench/program.py --shares [--layers 2 4 8 16] [--heads 4 2] [--factors 1.0 1.15 1.5 2.0]
@@ -96,24 +96,28 @@ def _heads(spec: dict) -> dict:
 
 
 class _ProgramCount(logging.Handler):
-    """Counts the programs compiled in this process (pscompile's INFO record of each compile)."""
+    """Counts the programs compiled in this process (pscompile's INFO record of each compile), and
+    those whose buffers did not fit the plan (the record says so): paid for, never run."""
 
     def __init__(self):
         super().__init__(logging.INFO)
-        self.count = 0
+        self.count = self.unused = 0
         self._log = logging.getLogger("pscompile")
         self._level = self._log.level
         self._log.addHandler(self)
         self._log.setLevel(logging.INFO)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.count += "compiled as one program" in record.getMessage()
+        message = record.getMessage()
+        if "compiled as one program" in message:
+            self.count += 1
+            self.unused += "over the plan at" in message    # its buffers did not fit: planned again, not run
 
-    def close(self) -> int:
+    def close(self) -> dict:
         self._log.removeHandler(self)
         self._log.setLevel(self._level)
         super().close()
-        return self.count
+        return dict(compiled=self.count, not_run=self.unused)
 
 
 def _run(kind: str, n_layer: int, s: dict, budget, timeout: float, factor: float = 1.15, heads: int | None = None) -> dict:
@@ -171,7 +175,7 @@ def _shares(args, s: dict, layers: list[int]) -> int:
     """``--shares``: per depth, head count and budget factor, the cold run of compiled mode with
     Inductor (its own process, an empty cache): the compiled share of its last step, the steps
     from the first that ran the program on, the largest peak over the budget, the programs
-    compiled, and the seconds to a steady step."""
+    compiled and those of them never run, and the seconds to a steady step."""
     rows, raw = [], []
     for n in layers:
         for h in args.heads:
@@ -183,11 +187,12 @@ def _shares(args, s: dict, layers: list[int]) -> int:
                 rows.append([n, h, f"{f:.2f}x", f"{probe['minimum']:,}", f"{share[-1]:.2f}",
                              "-" if first is None else f"{first + 1}-{len(share)}" if min(share[first:]) == 1.0
                              else f"{first + 1} (not all later)", f"{cold['peak'] / probe['budget']:.3f}",
-                             cold["programs"], f"{cold['to_steady_s']:.1f}"])
+                             cold["programs"]["compiled"], cold["programs"]["not_run"], f"{cold['to_steady_s']:.1f}"])
                 raw.append(dict(layers=n, heads=h, factor=f, probe=probe, cold=cold))
                 print(f"L{n} h{h} x{f}: {rows[-1]}", flush=True)
     headers = ["layers", "heads", "x minimum", "minimum bytes", "last step's compiled share",
-               "steps that ran the program", "peak / budget (largest)", "programs compiled", "s to a steady step"]
+               "steps that ran the program", "peak / budget (largest)", "programs compiled", "of them not run",
+               "s to a steady step"]
     md = table(rows, headers)
     print(f"GPT d={s['d']}, vocabulary {s['vocab']}, batch {s['batch']} x {s['seq']}, float32, one thread; "
           f"{STEPS} steps of compiled mode with Inductor per row, each in a fresh process with a cold cache")

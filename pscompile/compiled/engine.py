@@ -33,7 +33,7 @@ from torch import fx, nn
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.lowering import ScheduleLowering
 from pscompile.compiled.moves import MemoryMoves
-from pscompile.compiled.planning import CompiledPlanning
+from pscompile.compiled.planning import ActivationBases, CompiledPlanning
 from pscompile.compiled.state import CompiledState
 from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.schedule import Schedule, model_summary
@@ -105,8 +105,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         if self.world > 1:    # ZeRO: the ranges see only the sizes the ranks agree on (``_check_batch``),
             self._ranges = ShapeRanges(self._ranges.enabled)      # not a rank's own first batch
         self._captures: dict[CaptureKey, AnalyzedGraph] = {}
-        self._bases: dict[CaptureKey, AnalyzedGraph] = {}         # each capture before its activation plan
-        self._program_reserve: dict[CaptureKey, int] = {}  # room an activation plan leaves Inductor's buffers
+        self._activation_bases = ActivationBases()     # what each capture's activation plan is chosen from
         self._measured: dict[CaptureKey, tuple[int, ...]] = {}    # measured non-model curve per capture
         self._schedules: dict[ScheduleKey, Scheduled] = {}
         self._warm: dict[ScheduleKey, Scheduled] = {}             # warm variants (accum, eval)
@@ -426,7 +425,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
             if other.capture == cap:
                 self._replan(other, measured, measured=True)
         if self._program_capture(key):   # compiled when a run of this key comes (``_runnable``): a batch of
-            self._to_lower.add(key)      # another length may come first and make a range, whose program serves it
+            self._lower_when_run(key)    # another length may come first and make a range, whose program serves it
         else:
             self._lower(key)
 

@@ -152,6 +152,21 @@ class ScheduleLowering:
         return (self._program_capture(key) and key.capture not in self._eager_programs
                 and not (sched is self._schedules.get(key) and self._warm_of(key) is not None))
 
+    def _lower_when_run(self, key: ScheduleKey) -> None:
+        """``key``'s schedule is measured: its program is compiled when a run of it comes
+        (``_lower_if_due``), not now (a batch of another length may come first and form a range,
+        whose program serves it)."""
+        self._to_lower.add(key)
+
+    def _lower_if_due(self, key: ScheduleKey) -> bool:
+        """Compile ``key``'s program now if it waits for this run (True: its schedule may have
+        been planned again meanwhile; read it anew)."""
+        if key not in self._to_lower:
+            return False
+        self._to_lower.discard(key)
+        self._lower(key)
+        return True
+
     def _program_capture(self, key: ScheduleKey) -> bool:
         """Inductor (a range's schedule too: one program for symbolic sizes)."""
         return self.config.backend == Backend.INDUCTOR
@@ -305,8 +320,9 @@ class ScheduleLowering:
         of the capture's schedules planned anew on its static curve (its next run measures it,
         then it is compiled). False when that is done already, the policy is not "auto", the
         budget is that least already, or the choice is the same."""
-        base = self._bases.get(cap)
-        if base is None or cap in self._program_reserve or self.config.activations != Activations.AUTO:
+        bases = self._activation_bases
+        base = bases.base(cap)
+        if base is None or bases.reserved(cap) or self.config.activations != Activations.AUTO:
             return False
         floor = least_budget(base, self.layout, policy=self.config.activations, slot_bytes=self.store.param_chunk_bytes,
                              world=self.world, device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
@@ -315,7 +331,7 @@ class ScheduleLowering:
         chosen = None
         for reserve in dict.fromkeys((min(room, self.budget - floor), self.budget - floor)):   # (none fits below
             if reserve > 0:                                                                  # that least budget)
-                self._program_reserve[cap] = reserve
+                bases.set_reserve(cap, reserve)
                 chosen = self._choose_activations(base, None, cap)
                 if chosen.captured.gm.code != current:
                     break

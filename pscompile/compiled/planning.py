@@ -35,6 +35,36 @@ from pscompile.units import format_bytes
 log = logging.getLogger("pscompile.compiled")
 
 
+class ActivationBases:
+    """Per capture, what its activation plan is chosen from: the capture before the plan
+    (``base``), and the bytes a choice leaves Inductor's buffers (``reserve``: set once, where a
+    program did not fit the plan chosen for the whole budget; ``lowering._rechoose_activations``).
+    The planning notes the bases and chooses with the reserve; the lowering sets it."""
+
+    def __init__(self):
+        self._bases: dict[CaptureKey, AnalyzedGraph] = {}
+        self._reserve: dict[CaptureKey, int] = {}
+
+    def note(self, cap: CaptureKey, analyzed: AnalyzedGraph) -> None:
+        self._bases[cap] = analyzed
+
+    def base(self, cap: CaptureKey) -> AnalyzedGraph | None:
+        return self._bases.get(cap)
+
+    def forget(self, cap: CaptureKey) -> None:
+        """``cap`` is captured again (a range's new bound): its base goes (a reserve stays)."""
+        self._bases.pop(cap, None)
+
+    def reserve(self, cap: CaptureKey | None) -> int:
+        return self._reserve.get(cap, 0)
+
+    def reserved(self, cap: CaptureKey) -> bool:
+        return cap in self._reserve
+
+    def set_reserve(self, cap: CaptureKey, nbytes: int) -> None:
+        self._reserve[cap] = nbytes
+
+
 class CompiledPlanning:
     """Mixin of ``CompiledEngine``: its schedules (the module docstring)."""
 
@@ -131,7 +161,7 @@ class CompiledPlanning:
             bound = self._range_planned[key.capture] = self._ranges.bound(key.batch)
             analyzed = analyze_at_bound(self._symbolic[key.capture], bound,
                                         gathers=gather_bytes(self.layout, self.dtype))
-            self._bases[key.capture] = analyzed
+            self._activation_bases.note(key.capture, analyzed)
             analyzed = self._choose_activations(analyzed, None, key.capture)
             self._captures[key.capture] = analyzed
         if analyzed is None:
@@ -144,7 +174,7 @@ class CompiledPlanning:
                                                dtype=self.dtype, backward=key.kind.backward,
                                                gathers=gather_bytes(self.layout, self.dtype),
                                                sources=self._sources)
-            self._bases[key.capture] = analyzed
+            self._activation_bases.note(key.capture, analyzed)
             analyzed = self._captures[key.capture] = self._choose_activations(analyzed, variants, key.capture)
         self._install_restored(key.capture)
         measured = self._measured.get(key.capture)
@@ -158,7 +188,7 @@ class CompiledPlanning:
                             cap: CaptureKey | None = None) -> AnalyzedGraph:
         """The activation plan of a capture; where Inductor's program needed room the plan did not
         leave (``lowering._rechoose_activations``), chosen for the budget less that room."""
-        budget = self.budget - self._program_reserve.get(cap, 0) if self.budget is not None else None
+        budget = self.budget - self._activation_bases.reserve(cap) if self.budget is not None else None
         return choose_activations(analyzed, self.layout, policy=self.config.activations, budget=budget,
                                   slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                   device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
@@ -284,8 +314,9 @@ class CompiledPlanning:
             warm = self._warm.pop(other, None)
             if warm is not None:
                 self._forget(warm)
-        for table in (self._captures, self._bases, self._measured, self._node_curves, self._range_planned):
+        for table in (self._captures, self._measured, self._node_curves, self._range_planned):
             table.pop(key.capture, None)
+        self._activation_bases.forget(key.capture)
 
     def _device_memory(self) -> DeviceMemory:
         """The device as the pipeline sees it now."""
@@ -391,9 +422,7 @@ class CompiledPlanning:
         leftover chunks (clean: no bytes move)."""
         cold = self._schedule_for(batch, kind)
         key = self._key(batch, kind)
-        if key in self._to_lower:         # measured: its program is compiled now, before this run
-            self._to_lower.discard(key)
-            self._lower(key)
+        if self._lower_if_due(key):       # measured: its program is compiled now, before this run
             cold = self._schedule_for(batch, kind)
         warm = self._warm_of(key)
         if warm is not None and self._residency() == dict(warm.plan.initial):
