@@ -106,9 +106,8 @@ class ScheduleLowering:
             ex = self._program_for(key, sched, between_steps=between_steps)
             if sched.gm in self._executors:          # (this run's, while the capture was planned again)
                 return self._executors[sched.gm]
+            ex = ex if ex is not None else self._compiled_eager(key, sched)
         else:
-            ex = None
-        if ex is None:
             ex = self._compiled_eager(key, sched)
         self._executors[sched.gm] = ex
         return ex
