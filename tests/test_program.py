@@ -303,14 +303,12 @@ def test_the_program_runs_at_every_budget_from_the_minimum_up():
         assert share == 1.0, (factor, share)
 
 
-def test_the_named_minimum_runs_the_program_and_the_plans_own_runs_compiled_eager(caplog):
-    """The issue's GPT (4 layers, d=128, a 2048 vocabulary, batches of 2 x 64). At the plan's own
-    minimum (compiled eager's: ``min_device_memory`` with ``backend="eager"``) Inductor's buffers
-    exceed the plan by a few hundred bytes (its reductions' row buffers): the step runs as compiled
-    eager, within the budget, and the WARNING names the budget a plan with Inductor's buffers
-    counted needs. At the minimum ``min_device_memory`` names for the default backend (1/12 more)
-    the program runs; ``describe()`` names both minima."""
-    torch.manual_seed(0)
+def test_the_named_minimum_and_the_plans_own_run_the_program(caplog):
+    """The issue's GPT (4 layers, d=128, a 2048 vocabulary, batches of 2 x 64). At the minimum
+    ``min_device_memory`` names for the default backend (compiled eager's plus 1/12) the program
+    runs with no WARNING, and ``describe()`` names both minima. At the plan's own minimum (compiled
+    eager's) it runs too: before ``early_drops`` a drop split the loss's kernels there, and
+    Inductor's buffers exceeded the plan by a vocabulary-sized buffer (compiled eager, share 0)."""
     from pscompile.graph.minimum import program_least
     from pscompile.models.gpt import GPT, gpt_config
 
@@ -322,24 +320,39 @@ def test_the_named_minimum_runs_the_program_and_the_plans_own_runs_compiled_eage
     eager_least = pscompile.min_device_memory(model(), batches[0], _config("eager"))
     named = pscompile.min_device_memory(model(), batches[0], _config("inductor"))
     assert named == program_least(eager_least) > eager_least
-    for budget, compiled in ((eager_least, 0.0), (named, 1.0)):
+    for budget in (eager_least, named):
         engine = pscompile.compile(model(), batches[0], config=_config("inductor", budget))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pscompile"):
             for b in batches:
                 engine.step(b)
                 assert engine.stats.peak_device_bytes <= budget
-        assert engine.stats.compiled_share == compiled, budget
-        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        if compiled == 0.0:
-            said = re.search(r"a plan with them counted needs device_memory >= (\d+) \(this budget is (\d+)\)",
-                             warned[0] if warned else "")
-            assert len(warned) == 1 and said and named >= int(said.group(1)) > budget == int(said.group(2)), warned
-        else:
-            assert not warned, warned
+        assert engine.stats.compiled_share == 1.0, budget
+        assert not [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        if budget == named:
             line = engine.describe().splitlines()[1]
             assert "for Inductor's program" in line and "as compiled eager" in line, line
         engine.close()
+
+
+def test_a_program_that_does_not_fit_runs_compiled_eager_and_names_the_budget(caplog):
+    """Hugging Face's tiny Llama at its named minimum: Inductor's buffers exceed the plan (by about
+    62 KB) and a plan with them counted does not fit: the step runs as compiled eager, within the
+    budget, with one WARNING naming the budget at which the program would run."""
+    from pscompile.testing import tiny_model
+    model, batch = tiny_model("llama")
+    budget = pscompile.min_device_memory(model, batch, _config("inductor"))
+    engine = pscompile.compile(tiny_model("llama")[0], batch, config=_config("inductor", budget))
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        for _ in range(3):
+            engine.step(batch)
+            assert engine.stats.peak_device_bytes <= budget
+    assert engine.stats.compiled_share == 0.0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    said = re.search(r"a plan with them counted needs device_memory >= (\d+) \(this budget is (\d+)\)",
+                     warned[0] if warned else "")
+    assert len(warned) == 1 and said and int(said.group(1)) > budget == int(said.group(2)), warned
+    engine.close()
 
 
 @pytest.mark.parametrize("reduction", [0, 1, 2])
@@ -362,12 +375,11 @@ def test_the_programs_nll_loss_backward_is_torchs(reduction, weighted):
         assert torch.allclose(got, want, rtol=1e-6, atol=0), (reduction, weighted, ignore)
 
 
-def test_activations_are_chosen_again_where_inductors_buffers_need_room(caplog):
-    """pscompile's tiny BERT at 598,902 bytes (1.17x compiled eager's minimum): "auto" keeps more
-    activations than Inductor's loss kernels leave room for, and a plan with Inductor's buffers
-    counted does not fit. The activation plan is chosen again for a budget less that room
-    (``lowering._rechoose_activations``), measured and compiled: the program runs, within the
-    budget. Without the re-choice the capture runs as compiled eager (a WARNING)."""
+def test_the_bert_that_needed_its_activations_chosen_again_runs_the_program(caplog):
+    """pscompile's tiny BERT at 598,902 bytes (1.17x compiled eager's minimum). Before
+    ``early_drops`` "auto" kept more activations than Inductor's loss kernels left room for, and the
+    activation plan had to be chosen again (``lowering._rechoose_activations``). Now the program
+    runs within the budget, with no WARNING."""
     from pscompile.testing import tiny_model
     model, batch = tiny_model("bert")
     budget = 598_902
@@ -376,8 +388,6 @@ def test_activations_are_chosen_again_where_inductors_buffers_need_room(caplog):
         for _ in range(5):
             engine.step(batch)
             assert engine.stats.peak_device_bytes <= budget
-    said = [r.getMessage() for r in caplog.records]
-    assert any("it is chosen again" in m for m in said), [m for m in said if "Inductor" in m]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert engine.stats.compiled_share == 1.0
     engine.close()

@@ -15,6 +15,7 @@ stamps each with its provenance (``PassTiming``: name, seconds, summary), which 
 record carries and the printed schedule lists. Adding a pass is one function and one row.
 
     plan_residency       Belady (or ANGEL-PTM) residency of every chunk at every node, static slots
+    early_drops          each drop right after the last read of its chunk (not where its slot is next needed)
     prefetch_fetches     fetches start as early as capacity allows, a wait where they were
     overlap_grad_copies  (a measured micro-batch of accumulation) each gradient's copy to the host
                          runs while later nodes compute; the gradient held until its wait
@@ -51,6 +52,7 @@ from pscompile.config import Config
 from pscompile.kinds import Activations, Collectives, MemKind, Policy, RunKind
 from pscompile.memory.disk_homes import READ_AHEAD as DISK_READ_DEPTH
 from pscompile.memory.layout import ChunkLayout
+from pscompile.passes.early_drops import early_drops
 from pscompile.passes.insert_memory_ops import insert_memory_ops
 from pscompile.passes.overlap_grad_copies import overlap_grad_copies
 from pscompile.passes.plan_disk_reads import plan_disk_reads
@@ -212,6 +214,13 @@ def _budget_error(x: ScheduleInputs, e: ResidencyError) -> BudgetError:
                        f"{x.layout.chunk_size}), a smaller batch or mode='hooks'", minimum=least.nbytes)
 
 
+def _early_drops(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
+    reads = node_reads(x.analyzed.captured, x.layout,
+                       hold_grads=x.analyzed.grad_store_points if x.memory.world > 1 else None)
+    plan, moved = early_drops(s.plan, reads)
+    return replace(s, plan=plan), f"early_drops: {moved} drops moved up to the last read of their chunk"
+
+
 def _prefetch(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
     plan, report = prefetch_fetches(s.plan, x.nonmodel, budget=x.memory.budget,
                                     os_device_bytes=x.memory.os_device_bytes, windows=x.windows)
@@ -284,6 +293,7 @@ def _verify(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
 
 SCHEDULE_PASSES: tuple[SchedulePass, ...] = (
     SchedulePass("plan_residency", _residency),
+    SchedulePass("early_drops", _early_drops),
     SchedulePass("prefetch_fetches", _prefetch),
     # the measuring run keeps each gradient's death where the graph has it
     SchedulePass("overlap_grad_copies", _overlap_grads, lambda r: r.kind is RunKind.ACCUM and r.measured),
