@@ -51,14 +51,14 @@ def test_every_pass_that_ran_is_stamped_in_order_with_its_summary():
     names = [t.name for t in sched.passes]
     assert names[:3] == ["capture_joint", "annotate_params", "estimate_nonmodel"]
     # a training step without lookahead: no gradient overlap, no lookahead
-    assert names[3:] == ["plan_residency", "prefetch_fetches", "insert_memory_ops", "verify_schedule"]
+    assert names[3:] == ["plan_residency", "early_drops", "prefetch_fetches", "insert_memory_ops", "verify_schedule"]
     assert all(t.seconds >= 0 and t.summary for t in sched.passes)
     count = sum(1 for n in sched.gm.graph.nodes if is_memory_node(n))
     assert f"{count} memory nodes" in sched.passes[-2].summary and f"{count} memory nodes ok" in sched.passes[-1].summary
     assert sched.request == PlanRequest(budget, torch.float32)
     only = plan_at_budget(analyzed, layout, PlanRequest(budget, torch.float32, plan_only=True, lookahead=True))
-    assert only.gm is None and [t.name for t in only.passes][3:] == ["plan_residency", "prefetch_fetches",
-                                                                     "plan_lookahead"]
+    assert only.gm is None and [t.name for t in only.passes][3:] == ["plan_residency", "early_drops",
+                                                                     "prefetch_fetches", "plan_lookahead"]
 
 
 def test_a_pass_added_to_the_list_runs_in_its_place_and_the_verifier_catches_what_it_breaks():

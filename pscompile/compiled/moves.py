@@ -17,7 +17,7 @@ import torch
 
 from pscompile.graph.ops import ActivationMove, flat_pieces
 from pscompile.kinds import MemKind
-from pscompile.memory.copies import Copy
+from pscompile.memory.copies import Copy, Landed
 from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.passes.plan_residency import ResidencyPlan
@@ -324,13 +324,16 @@ class MemoryMoves:
         """Fetch the chunks ``plan`` (a warm schedule's) starts with into their slots, outside any run
         (the link counts them as setup traffic, ``_count_outside_steps``), after ``_settle``: the
         chunks a previous run of the loop would have left there. A chunk the plan waits for (it
-        starts in flight: the previous step fetched it ahead) lands at that ``wait``."""
+        starts in flight: the previous step fetched it ahead) lands at that ``wait``; one already in
+        its slot (another run left it there, not a fetch ahead) has landed (``Landed``)."""
         first: dict[int, MemKind] = {}
         for a in plan.actions:
             if a.slot is not None:
                 first.setdefault(a.slot, a.kind)
         for c, k in plan.initial:
-            if self._slot_chunk.get(k) == c:
+            if self._slot_chunk.get(k) == c:      # (left there by the last run: where the plan waits
+                if first.get(k) == MemKind.WAIT and k not in self._in_flight:     # for it, it has landed)
+                    self._in_flight[k] = Landed()
                 continue
             self._allocate_slot(k)
             self.link.count(self.store.param_chunk_bytes, "h2d")     # (now: before the run, setup traffic)

@@ -426,7 +426,8 @@ class CompiledPlanning:
             cold = self._schedule_for(batch, kind)
         warm = self._warm_of(key)
         if warm is not None and self._residency() == dict(warm.plan.initial):
-            return key, warm
+            self._warm_start(warm.plan)     # (nothing to fetch; a chunk it waits for that another run
+            return key, warm                # left in its slot has landed)
         self._settle()
         if warm is not None and self.world == 1 and self._wants_program(key, warm):
             self._warm_start(warm.plan)     # one program per loop: every run takes the warm schedule

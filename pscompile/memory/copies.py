@@ -75,6 +75,20 @@ class Copy(ABC):
         """The copy has landed (a copy not yet waited on may still be running)."""
 
 
+class Landed(Copy):
+    """A copy with nothing left to wait for: the data is already in place (a warm start finds the
+    chunk a plan's ``wait`` expects already in its slot)."""
+
+    def wait(self) -> None:
+        pass
+
+    def wait_host(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True
+
+
 class CopyEngine(ABC):
     """What every copy engine offers (the contract is the module docstring)."""
 
