@@ -35,18 +35,17 @@ def early_drops(plan: ResidencyPlan, reads: Sequence[Sequence[int]]) -> tuple[Re
     plan and how many drops moved."""
     actions = list(plan.actions)
     moved = 0
+    by_slot: dict[int, int] = {}       # the node of the last action so far on each slot, on each chunk
+    by_chunk: dict[int, int] = {}
     for k, a in enumerate(actions):
-        if a.kind != MemKind.DROP:
-            continue
-        floor = _last_read(reads, a.chunk, a.before) + 1
-        if floor == 0:                     # (never read before its drop: left where it is)
-            continue
-        for b in actions[:k]:
-            if b.before <= a.before and (b.chunk == a.chunk or (a.slot is not None and b.slot == a.slot)):
-                floor = max(floor, b.before)
-        if floor < a.before:
-            actions[k] = dataclasses.replace(a, before=floor)
-            moved += 1
+        last = _last_read(reads, a.chunk, a.before) if a.kind == MemKind.DROP else -1
+        if last >= 0:                  # (a drop whose chunk was never read before it stays)
+            floor = max(last + 1, by_chunk.get(a.chunk, 0),
+                        by_slot.get(a.slot, 0) if a.slot is not None else 0)
+            if floor < a.before:
+                actions[k] = dataclasses.replace(a, before=floor)
+                moved += 1
+        by_chunk[a.chunk] = by_slot[a.slot] = actions[k].before       # (actions come in node order)
     if not moved:
         return plan, 0
     order = sorted(range(len(actions)), key=lambda i: actions[i].before)     # (stable: same node, same order)
