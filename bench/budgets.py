@@ -245,10 +245,10 @@ class InductorRow:
 
 
 def run_inductor(arch: str, minimum: int, link: str | None, factors=INDUCTOR_FACTORS,
-                 plain_compile: bool = True) -> InductorRow:
-    cells = tuple(run_cell(arch, int(minimum * f), f, link) for f in factors)
+                 plain_compile: bool = True, dtype: torch.dtype = torch.float32) -> InductorRow:
+    cells = tuple(run_cell(arch, int(minimum * f), f, link, dtype) for f in factors)
     try:
-        plain = plain_compile_first_step(arch) if plain_compile else None
+        plain = plain_compile_first_step(arch, dtype) if plain_compile else None
     except Exception:                                   # noqa: BLE001 -- a model torch.compile cannot take
         plain = None
     failures = tuple(f"{c.factor}x ({c.budget}): {c.error}" for c in cells if not c.ok)
@@ -304,7 +304,13 @@ def main(argv=None) -> int:
     ap.add_argument("--link", metavar="RATE", default=None,
                     help="train under an emulated device<->host link of this bandwidth, e.g. 10MB/s")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="--inductor-only: the compute dtype of every system (16-bit matmuls are slow on a CPU: "
+                         "tiny models only)")
     args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    if dtype != torch.float32 and not args.inductor_only:
+        raise SystemExit("--dtype: only with --inductor-only (the sweep and hooks rows run in float32)")
     torch.set_num_threads(args.threads)
     archs, skipped = architectures(args)
     t0 = time.perf_counter()
@@ -315,9 +321,9 @@ def main(argv=None) -> int:
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} {mode}: {len(rows[-1].failures)} failure(s)",
                   file=sys.stderr, flush=True)
         if args.inductor or args.inductor_only:
-            minimum = pscompile.min_device_memory(*tiny_model(arch), config("compiled", backend="inductor"))
+            minimum = pscompile.min_device_memory(*tiny_model(arch), cpu_config(backend="inductor", dtype=dtype))
             factors = QUICK_INDUCTOR_FACTORS if args.quick else INDUCTOR_FACTORS
-            rows.append(run_inductor(arch, minimum, args.link, factors, plain_compile=not args.quick))
+            rows.append(run_inductor(arch, minimum, args.link, factors, plain_compile=not args.quick, dtype=dtype))
             print(f"[{time.perf_counter() - t0:6.1f} s] {arch} inductor: {len(rows[-1].failures)} failure(s)",
                   file=sys.stderr, flush=True)
     headers = ["architecture", "mode", "minimum bytes", "budgets verified", "failures", "budgets trained",
@@ -334,7 +340,8 @@ def main(argv=None) -> int:
         print(tabulate(table_rows(plain_rows), headers=headers, tablefmt=fmt, disable_numparse=True))
     inductor = [r for r in rows if isinstance(r, InductorRow)]
     if inductor:
-        ind_caption = (f"Inductor at each budget (x the minimum min_device_memory names for the default backend): "
+        ind_caption = (f"Inductor at each budget (x the minimum min_device_memory names for the default backend), "
+                       f"{args.dtype}: "
                        f"the share of compute operators that ran inside compiled code in its last step, the largest "
                        f"peak/budget over every step of Inductor and of compiled eager, Inductor's steady step over "
                        f"compiled eager's and over plain PyTorch's (no budget; medians of {STEADY} interleaved "
@@ -350,6 +357,7 @@ def main(argv=None) -> int:
     for arch, mode, f in failed:
         print(f"FAILED {arch} {mode}: {f}")
     settings = dict(quick=args.quick, inductor=args.inductor or args.inductor_only, link=args.link, steps=STEPS,
+                    dtype=args.dtype,
                     below=BELOW, inductor_factors=[c.factor for c in next(
                         (r.cells for r in inductor), ())] or None, inductor_warmup=WARMUP, inductor_steady=STEADY,
                     train_factors=TRAIN_FACTORS[:1] if args.quick else TRAIN_FACTORS)

@@ -64,9 +64,9 @@ class Cell:
         return self.compiled_share > 0
 
 
-def _engine(arch: str, budget: int, backend: str, link: str | None):
+def _engine(arch: str, budget: int, backend: str, link: str | None, dtype: torch.dtype):
     model, batch = tiny_model(arch)
-    cfg = cpu_config(backend=backend, device_memory=budget, link_bandwidth=link)
+    cfg = cpu_config(backend=backend, device_memory=budget, link_bandwidth=link, dtype=dtype)
     return pscompile.compile(model, batch, config=cfg), batch
 
 
@@ -93,9 +93,11 @@ class _Programs(logging.Handler):
         self.count += "compiled as one program" in record.getMessage()
 
 
-def _plain(arch: str):
-    """Plain PyTorch's training step on the same model (fused AdamW, no budget): ``step() -> seconds``."""
+def _plain(arch: str, dtype: torch.dtype):
+    """Plain PyTorch's training step on the same model in ``dtype`` (fused AdamW, no budget):
+    ``step() -> seconds``."""
     model, batch = tiny_model(arch)
+    model.to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def step() -> float:
@@ -109,8 +111,9 @@ def _plain(arch: str):
     return step
 
 
-def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> Cell:
-    """Inductor and compiled eager at ``budget`` (see the module doc)."""
+def run_cell(arch: str, budget: int, factor: float, link: str | None = None,
+             dtype: torch.dtype = torch.float32) -> Cell:
+    """Inductor and compiled eager at ``budget``, compute in ``dtype`` (see the module doc)."""
     t0 = time.perf_counter()
     peaks, eager_peaks, losses, shares = [], [], [], []
     times, eager_times, plain_times, cut_count = [], [], [], (0, 0)
@@ -122,11 +125,11 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> 
     logger.addHandler(programs)
     logger.setLevel(logging.INFO)
     try:
-        ind, batch = _engine(arch, budget, "inductor", link)
+        ind, batch = _engine(arch, budget, "inductor", link, dtype)
         engines.append(ind)
-        eag, _ = _engine(arch, budget, "eager", link)
+        eag, _ = _engine(arch, budget, "eager", link, dtype)
         engines.append(eag)
-        plain = _plain(arch)
+        plain = _plain(arch, dtype)
         first = sum(_step(ind, batch, budget, peaks, losses) for _ in range(WARMUP))
         shares = [ind.stats.compiled_share]
         eager_first = sum(_step(eag, batch, budget, eager_peaks) for _ in range(WARMUP))
@@ -158,10 +161,11 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None) -> 
                 statistics.median(plain_times) if plain_times else float("nan"), programs.count)
 
 
-def plain_compile_first_step(arch: str) -> float:
+def plain_compile_first_step(arch: str, dtype: torch.dtype = torch.float32) -> float:
     """Plain ``torch.compile``'s first training step (forward, backward, ``torch.optim.AdamW``) on
-    the same model with no budget: seconds until its first step ran."""
+    the same model in ``dtype`` with no budget: seconds until its first step ran."""
     model, batch = tiny_model(arch)
+    model.to(dtype)
     compiled = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     t = time.perf_counter()

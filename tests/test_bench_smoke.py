@@ -259,15 +259,17 @@ def test_budgets_quick(tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("PSCOMPILE_SLOW_TESTS"), reason="cold Inductor compiles of two programs "
                     "(~1 min; test_compiled_parity trains GPT at a tight budget through Inductor): set PSCOMPILE_SLOW_TESTS=1")
-def test_budgets_inductor_only_quick(tmp_path):
-    """bench/budgets.py --inductor-only --quick --arch gpt: compiled mode with Inductor trains at
-    1.15x the minimum (test_regions_fit's budget: Inductor's cache shares their compiles) within
-    the budget beside compiled eager, with most of its operators in compiled
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_budgets_inductor_only_quick(tmp_path, dtype):
+    """bench/budgets.py --inductor-only --quick --arch gpt (and --dtype bfloat16): compiled mode with
+    Inductor trains at 1.15x the minimum (test_regions_fit's budget: Inductor's cache shares their
+    compiles) within the budget beside compiled eager, with most of its operators in compiled
     code, and reports the steady step-time ratio (the quick form; the minimum itself trains through
     Inductor in test_grad_overlap and test_compiled_parity)."""
     out = tmp_path / "budgets.json"
-    _run("budgets.py", "--inductor-only", "--quick", "--arch", "gpt", "--out", str(out))
+    _run("budgets.py", "--inductor-only", "--quick", "--arch", "gpt", "--dtype", dtype, "--out", str(out))
     res = json.loads(out.read_text())
+    assert res["settings"]["dtype"] == dtype
     (row,) = res["rows"]
     assert row["mode"] == "compiled (inductor)" and row["num_failures"] == 0, row["failures"]
     assert [c["factor"] for c in row["cells"]] == res["settings"]["inductor_factors"] == [1.15]

@@ -17,14 +17,18 @@ from conftest import make_batches
 MODELS = {"gpt": (GPT, gpt_config("gpt-tiny")), "bert": (BertMLM, bert_config("bert-tiny"))}
 
 
-def _config(budget):
-    return pscompile.Config(mode="compiled", backend="eager", device="cpu", dtype=torch.float32,
+def _config(budget, backend="eager"):
+    return pscompile.Config(mode="compiled", backend=backend, device="cpu", dtype=torch.float32,
                             device_memory=budget)
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
 @pytest.mark.parametrize("budget", ["unlimited", "tight"])
-def test_meta_device_pipeline_equals_engine_plan(kind, budget):
+def test_meta_device_pipeline_equals_engine_plan(kind, budget, backend):
+    """``schedule_model`` plans what the engine starts with, without an engine; with Inductor both
+    keep its headroom (``minimum.program_headroom``): the layout weighed and the plan made at the
+    budget less it."""
     cls, cfg = MODELS[kind]
     batch = make_batches(kind, 1)[0]
     torch.manual_seed(0)
@@ -33,11 +37,11 @@ def test_meta_device_pipeline_equals_engine_plan(kind, budget):
     probe.close()
 
     torch.manual_seed(0)
-    engine = pscompile.compile(cls(cfg), batch, config=_config(device_memory))
+    engine = pscompile.compile(cls(cfg), batch, config=_config(device_memory, backend))
     expected = engine.schedule
     with torch.device("meta"):
         meta_model = cls(cfg)
-    layout, got = schedule_model(meta_model, batch, _config(device_memory))
+    layout, got = schedule_model(meta_model, batch, _config(device_memory, backend))
 
     assert all(p.is_meta for p in meta_model.parameters()), "the pipeline materialized parameters"
     assert layout == engine.layout
@@ -50,6 +54,7 @@ def test_meta_device_pipeline_equals_engine_plan(kind, budget):
     assert str(got.gm.graph) == str(expected.gm.graph)
     if budget == "tight":     # the case is only worth something if the plan moves chunks
         assert any(a.kind == MemKind.DROP for a in plan.actions)
+        assert (got.request.budget < device_memory) == (backend == "inductor")     # (the headroom)
     engine.close()
 
 
@@ -93,3 +98,22 @@ def test_the_engine_lays_out_chunks_in_first_use_order_as_the_pipeline_does():
     engine.close()
     with pytest.raises(TypeError, match="run must be callable"):   # the swapped call is refused, not guessed at
         collect_params(_DeclaredBackwards(), batch, call_model)
+
+
+def test_plan_within_keeps_the_headroom_where_it_can():
+    """``plan_within``: at the budget less the headroom where that fits; else at the least budget
+    the plan names, where it lies between (the rest stays headroom); else at the whole budget."""
+    from pscompile.graph.pipeline import plan_within
+
+    def planner(least):
+        def plan(b):
+            if b < least:
+                raise pscompile.BudgetError("below", minimum=least)
+            return b
+        return plan
+    assert plan_within(planner(800), 1000, 100) == 900
+    assert plan_within(planner(950), 1000, 100) == 950
+    assert plan_within(planner(1000), 1000, 100) == 1000
+    assert plan_within(planner(800), 1000, 0) == 1000
+    with pytest.raises(pscompile.BudgetError):
+        plan_within(planner(1200), 1000, 100)

@@ -4,7 +4,8 @@
 A schedule's life (docs/compiled-mode.md, "A schedule's life"):
 
 1. **capture and plan** (``compiled/planning.py``): the first plan uses the static estimate of the
-   non-model bytes;
+   non-model bytes; with Inductor every plan keeps headroom for the program's buffers
+   (``minimum.program_headroom``, ``pipeline.plan_within``);
 2. **measure**: its first run runs node by node (``executor.py``, ``split="nodes"``) and measures
    every node; the capture is planned again with the measured curve;
 3. **compile** (``_lower``, when a run of that key comes again, before it starts: a batch of another
@@ -16,7 +17,8 @@ A schedule's life (docs/compiled-mode.md, "A schedule's life"):
    (``_program_over``), before the program ever runs; a range's program again at each new length
    (``_admits``: Inductor's shape guards, its buffers at that length);
 5. **re-plan** (``_fit_program``): where Inductor's buffers exceed the room the plan leaves, the
-   capture is planned again with them counted in the segments that did not fit (deterministic,
+   capture is planned again with them counted in the segments that did not fit and wherever they
+   exceed the measured curve's own peak (``_raised_curve``; deterministic,
    logged, at most ``_MAX_PROGRAM_ROUNDS`` times), and the new schedule is compiled and checked;
    where the budget cannot hold that plan, with ``activations="auto"`` the activation plan is
    chosen once more for the budget less the room Inductor needed (``_rechoose_activations``);
@@ -227,11 +229,13 @@ class ScheduleLowering:
     def _program_over(self, sched: Scheduled, prog: WholeProgram, buffers=None) -> dict[int, int]:
         """Memory node index -> bytes by which Inductor's buffers (``buffers``, by default at the
         sizes it compiled for) plus the step's fixed non-model bytes (the batch, buffers) exceed the
-        room the plan leaves there (``verify_schedule``'s ``room``), before it or while it runs;
-        empty without a budget."""
+        room the plan leaves there (``verify_schedule``'s ``room``, for the budget it was planned
+        at, plus the headroom between that and the budget: ``planning._program_headroom``), before
+        it or while it runs; empty without a budget."""
         if self.budget is None:
             return {}
         fixed = self._fixed_inputs_bytes(sched)
+        headroom = self.budget - sched.request.budget      # (the plan was made for less: ``_plan``)
         over: dict[int, int] = {}
         k, room = 0, None
         buffers = buffers or prog.buffers
@@ -242,8 +246,8 @@ class ScheduleLowering:
             if k < len(prog.memory_nodes) and n is prog.memory_nodes[k]:
                 if room is not None:
                     need = fixed + max(buffers.inside[k], buffers.at[k])
-                    if need > room:
-                        over[k] = need - room
+                    if need > room + headroom:
+                        over[k] = need - room - headroom
                 k, room = k + 1, None
         return over
 
@@ -273,18 +277,7 @@ class ScheduleLowering:
             self._eager_program(cap, f"Inductor's buffers still exceed the plan by up to {max(over.values())} bytes "
                                      f"after {_MAX_PROGRAM_ROUNDS} re-plans")
             return
-        fixed = self._fixed_inputs_bytes(sched)
-        curve = list(self._measured.get(cap) or sched.nonmodel)
-        k = 0
-        for n in sched.gm.graph.nodes:
-            if k < len(prog.memory_nodes) and n is prog.memory_nodes[k]:
-                k += 1
-                continue
-            i = get(n, "src_index")
-            if i is not None and i < len(curve) and (k in over or -1 in over):
-                curve[i] = max(curve[i], fixed + max(prog.buffers.inside[k] if k < len(prog.buffers.inside)
-                                                     else prog.buffers.after, 0))
-        curve = tuple(curve)
+        curve = self._raised_curve(sched, prog, over, list(self._measured.get(cap) or sched.nonmodel))
         if self.comm is not None:
             curve = self.comm.agree_max(curve)
         log.info("pscompile: %s: Inductor's buffers exceed the plan at %d memory nodes (by up to %d bytes): planned "
@@ -311,6 +304,30 @@ class ScheduleLowering:
                                      f"plan with them counted {needs}")
         self._executors[sched.gm] = this_run    # (re-planning forgot it; dropped with it, ``_forget_lowering``)
 
+    def _raised_curve(self, sched: Scheduled, prog: WholeProgram, over: dict[int, int], curve: list[int]
+                      ) -> tuple[int, ...]:
+        """``curve`` (per captured node) raised to Inductor's buffers (with the step's fixed bytes)
+        in each segment between memory nodes that did not fit (``over``; -1: another rank's did not)
+        or where they exceed the curve's own peak there: so the next plan counts every place the
+        program holds more than eager code, not only those this plan left too little room at."""
+        fixed = self._fixed_inputs_bytes(sched)
+        segments: dict[int, list[int]] = {}
+        k = 0
+        for n in sched.gm.graph.nodes:
+            if k < len(prog.memory_nodes) and n is prog.memory_nodes[k]:
+                k += 1
+                continue
+            i = get(n, "src_index")
+            if i is not None and i < len(curve):
+                segments.setdefault(k, []).append(i)
+        buffers = prog.buffers
+        for k, nodes in segments.items():
+            need = fixed + max(buffers.inside[k] if k < len(buffers.inside) else buffers.after, 0)
+            if k in over or -1 in over or need > max(curve[i] for i in nodes):
+                for i in nodes:
+                    curve[i] = max(curve[i], need)
+        return tuple(curve)
+
     def _rechoose_activations(self, cap: CaptureKey, room: int) -> bool:
         """Inductor's buffers do not fit this activation plan even planned with them counted: with
         ``activations="auto"``, choose it again once for the budget less ``room`` (more taken off the
@@ -328,8 +345,9 @@ class ScheduleLowering:
                              host_room=self.host_room).nbytes
         current = self._captures[cap].captured.gm.code
         chosen = None
-        for reserve in dict.fromkeys((min(room, self.budget - floor), self.budget - floor)):   # (none fits below
-            if reserve > 0:                                                                  # that least budget)
+        top = self.budget - self._program_headroom(cap) - floor     # (chosen for the budget less the headroom:
+        for reserve in dict.fromkeys((min(room, top), top)):        # none fits below that least budget)
+            if reserve > 0:
                 bases.set_reserve(cap, reserve)
                 chosen = self._choose_activations(base, None, cap)
                 if chosen.captured.gm.code != current:

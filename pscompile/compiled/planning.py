@@ -21,10 +21,11 @@ from pscompile.errors import BudgetError
 from pscompile.dims import Declared, DynamicShapes
 from pscompile.graph.analysis import analyze_at_bound, guards_refuse_bound, range_refusal
 from pscompile.graph.capture import CapturedGraph, capture_joint
+from pscompile.graph.minimum import minimum_budget, program_headroom
 from pscompile.runtime.batching import digest, signature
 from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, capture_and_analyze, choose_activations,
                                       PlanRequest, engine_layout, gather_bytes, layout_candidates, plan_at_budget,
-                                      regather)
+                                      plan_within, regather)
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
@@ -103,8 +104,10 @@ class CompiledPlanning:
         size = self.comm.agree_max([layout.chunk_size])[0]
         if size == layout.chunk_size:
             return layout
-        return next(c for c in layout_candidates(mp, self.config, self.budget, world=self.world,
-                                                 per_chunk=self.per_chunk) if c.chunk_size == size)
+        headroom = program_headroom(self.budget, self.config)     # (weighed as ``engine_layout`` weighs them)
+        return next(c for weighed in dict.fromkeys((self.budget and self.budget - headroom, self.budget))
+                    for c in layout_candidates(mp, self.config, weighed, world=self.world, per_chunk=self.per_chunk)
+                    if c.chunk_size == size)
 
     def _key(self, batch: Any, kind: RunKind) -> ScheduleKey:
         """The key ``batch`` runs under: its signature, or the ranged one its family shares once
@@ -180,15 +183,30 @@ class CompiledPlanning:
         measured = self._measured.get(key.capture)
         nonmodel = measured if measured is not None else analyzed.nonmodel
         self._fit_optimizer_states(max(nonmodel))
-        sched = self._plan(analyzed, nonmodel, kind=key.kind, measured=measured is not None)
+        sched = self._plan(analyzed, nonmodel, kind=key.kind, measured=measured is not None, cap=key.capture)
         self._schedules[key] = sched
         return sched
 
     def _choose_activations(self, analyzed: AnalyzedGraph, variants: dict | None,
                             cap: CaptureKey | None = None) -> AnalyzedGraph:
-        """The activation plan of a capture; where Inductor's program needed room the plan did not
-        leave (``lowering._rechoose_activations``), chosen for the budget less that room."""
-        budget = self.budget - self._activation_bases.reserve(cap) if self.budget is not None else None
+        """The activation plan of a capture, chosen for the budget less the program's headroom
+        (``_program_headroom``) where the choice fits there, else for the whole budget; where
+        Inductor's program needed room the plan did not leave (``lowering._rechoose_activations``),
+        less that room too."""
+        if self.budget is None:
+            return self._activations_for(None, analyzed, variants)
+        budget = self.budget - self._activation_bases.reserve(cap)
+        headroom = self._program_headroom(cap)
+        if headroom:
+            chosen = self._activations_for(budget - headroom, analyzed, variants)
+            least = minimum_budget(chosen, self.layout, nonmodel=chosen.nonmodel, slot_bytes=self.store.param_chunk_bytes,
+                                   world=self.world, device_homes=self.min_device_homes,
+                                   state_bytes=self.store.os_chunk_bytes).nbytes
+            if least <= budget - headroom:
+                return chosen
+        return self._activations_for(budget, analyzed, variants)
+
+    def _activations_for(self, budget: int | None, analyzed: AnalyzedGraph, variants: dict | None) -> AnalyzedGraph:
         return choose_activations(analyzed, self.layout, policy=self.config.activations, budget=budget,
                                   slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                   device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
@@ -318,26 +336,40 @@ class CompiledPlanning:
             table.pop(key.capture, None)
         self._activation_bases.forget(key.capture)
 
-    def _device_memory(self) -> DeviceMemory:
-        """The device as the pipeline sees it now."""
+    def _device_memory(self, budget: int | None) -> DeviceMemory:
+        """The device as the pipeline sees it now, for a plan made at ``budget``."""
         on_dev = frozenset(c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE)
         # (one rank: such chunks stay in their slots; ZeRO: only this rank's shard lives there)
-        return DeviceMemory(self.budget, self.store.param_chunk_bytes, on_dev if self.world == 1 else frozenset(),
+        return DeviceMemory(budget, self.store.param_chunk_bytes, on_dev if self.world == 1 else frozenset(),
                             self._fixed_device_bytes(), world=self.world, rank=self.rank,
                             per_chunk=self.per_chunk, device_shards=on_dev if self.world > 1 else frozenset(),
                             param_disk=frozenset(self.param_disk_chunks))
 
+    def _program_headroom(self, cap: CaptureKey | None = None) -> int:
+        """Device bytes ``cap``'s schedules leave free for what Inductor's program holds beyond the
+        measured curve (``minimum.program_headroom``); none once ``cap`` runs as compiled eager."""
+        return 0 if cap in self._eager_programs else program_headroom(self.budget, self.config)
+
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
-              start: dict[int, int] | None = None) -> Scheduled:
-        request = PlanRequest(self.budget, self.dtype, kind, self.world, self.rank, self.per_chunk,
+              start: dict[int, int] | None = None, cap: CaptureKey | None = None) -> Scheduled:
+        """``analyzed``'s schedule for ``kind``, within the budget less the program's headroom where
+        it fits (``pipeline.plan_within``)."""
+        return plan_within(lambda b: self._plan_at(b, analyzed, nonmodel, kind, measured, start), self.budget,
+                           self._program_headroom(cap))
+
+    def _plan_at(self, budget: int | None, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], kind: RunKind,
+                 measured: bool, start: dict[int, int] | None) -> Scheduled:
+        request = PlanRequest(budget, self.dtype, kind, self.world, self.rank, self.per_chunk,
                               planner=self.config.planner, measured=measured, start=start,
                               lookahead=self._overlaps_update and measured,
                               early_updates=self._early_update_limit if kind is RunKind.TRAIN else 0,
                               param_disk_chunks=len(self.param_disk_chunks))
-        sched = plan_at_budget(analyzed, self.layout, request, nonmodel=nonmodel, memory=self._device_memory())
-        log.info("pscompile: planned the %s schedule (%s non-model memory, peak %s) in %d device slots: %d fetches, "
+        sched = plan_at_budget(analyzed, self.layout, request, nonmodel=nonmodel, memory=self._device_memory(budget))
+        log.info("pscompile: planned the %s schedule (%s non-model memory, peak %s)%s in %d device slots: %d fetches, "
                  "%s in and %s out per run%s", kind.value, "measured" if measured else "estimated",
-                 format_bytes(max(nonmodel, default=0)), sched.plan.num_slots, sched.plan.num_fetches,
+                 format_bytes(max(nonmodel, default=0)),
+                 "" if budget == self.budget else f" for {format_bytes(budget)} ({self.budget - budget} bytes kept "
+                 "for Inductor's buffers)", sched.plan.num_slots, sched.plan.num_fetches,
                  format_bytes(sched.plan.h2d_bytes), format_bytes(sched.plan.d2h_bytes),
                  "" if start is None else " (warm: starting from the chunks the last run left)")
         self._ensure_slots(sched.plan)
@@ -371,7 +403,7 @@ class CompiledPlanning:
         or a new batch shape, that leaves less margin), and schedules planned for the old placement
         are planned again."""
         peak = max([peak_nonmodel] + [max(s.nonmodel) for s in self._schedules.values()])
-        count = self._device_state_count(peak)
+        count = self._device_state_count(peak + self._program_headroom())
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
             return
@@ -396,7 +428,7 @@ class CompiledPlanning:
         if warm is not None:
             self._forget(warm)
         self._schedules[key] = new = self._plan(self._captures[key.capture], nonmodel, kind=old.kind,
-                                                measured=measured)
+                                                measured=measured, cap=key.capture)
         return new
 
     def _forget(self, sched: Scheduled) -> None:
@@ -409,11 +441,12 @@ class CompiledPlanning:
         cold, warm = self._schedules[key], self._warm.get(key)
         if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
             warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=cold.kind,
-                                                measured=True, start=dict(cold.plan.final))
+                                                measured=True, start=dict(cold.plan.final), cap=key.capture)
         elif warm is None and cold.measured and cold.lookahead is not None and cold.lookahead.fetches:
             # a training step that starts with the chunks the previous one fetched for it
             warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=cold.kind,
-                                                measured=True, start=dict(cold.lookahead.fetches))
+                                                measured=True, start=dict(cold.lookahead.fetches),
+                                                cap=key.capture)
         return warm
 
     def _runnable(self, batch: Any, kind: RunKind) -> tuple[ScheduleKey, Scheduled]:

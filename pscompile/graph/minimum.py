@@ -28,7 +28,7 @@ from pscompile.graph.analysis import (
     node_windows,
     regather,
 )
-from pscompile.kinds import Activations, Collectives
+from pscompile.kinds import Activations, Backend, Collectives, Mode
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates
 from pscompile.memory.model_bytes import ModelBytes, owned_chunks, state_chunks
@@ -296,8 +296,22 @@ def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *
 # fit, and the step runs as compiled eager. What a plan with Inductor's buffers counted needed at
 # the exact minimum (2026-12-06): +0.02% on a 4-layer GPT with a 2048-token vocabulary, +0.39% on a
 # tiny T5, +7.2% on a tiny GPT-NeoX (its attention's backward); the other tiny
-# architectures ran the program there. The minimum named for Inductor adds 1/12 (8.3%).
+# architectures ran the program there. The minimum named for Inductor adds 1/12 (8.3%), and the
+# engine keeps that share of every budget free of its plan (``program_headroom``: 1/13 of the budget):
+# a larger budget would otherwise pick larger chunks and keep more activations, filling it again.
 PROGRAM_MARGIN = 12
+
+
+def program_headroom(budget: int | None, config: Config) -> int:
+    """Device bytes compiled mode keeps free of its plan for what Inductor's program holds beyond
+    the measured (eager) curve (fused kernels allocate all their outputs before they run and free
+    their inputs after): 1/(``PROGRAM_MARGIN`` + 1) of the budget, so that at ``program_least``
+    the plan is made at its own least budget. 0 without a budget, in hooks mode or with another
+    backend. Layouts are weighed, and schedules planned, at the budget less this
+    (``pipeline.plan_within``)."""
+    if budget is None or config.mode != Mode.COMPILED or config.backend != Backend.INDUCTOR:
+        return 0
+    return budget // (PROGRAM_MARGIN + 1)
 
 
 def program_least(least: int) -> int:

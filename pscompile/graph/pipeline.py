@@ -58,6 +58,7 @@ from pscompile.graph.analysis import (
 from pscompile.graph.minimum import (
     choose_activations,
     config_least,
+    program_headroom,
 )
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
@@ -76,6 +77,7 @@ from pscompile.runtime.params import ModelParams, choose_layout, collect_params
 __all__ = ["SCHEDULE_PASSES", "AnalyzedGraph", "BudgetSweep", "DeviceMemory", "LayoutChoice", "PlanRequest",
            "SchedulePass", "Scheduled", "build_schedule", "capture_and_analyze", "choose_activations",
            "config_least", "engine_layout", "layout_candidates", "pick_layout", "plan_at_budget", "plan_inputs",
+           "plan_within",
            "schedule_model"]
 
 
@@ -155,16 +157,39 @@ def layout_candidates(mp: ModelParams, config: Config, budget: int | None, *, wo
 def engine_layout(mp: ModelParams, config: Config, budget: int | None, *, analyze: Callable[[], AnalyzedGraph],
                   world: int = 1, per_chunk: bool = False, variants: dict[tuple, AnalyzedGraph] | None = None
                   ) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
-    """The layout the compiled engine uses at ``budget``: the only candidate of
+    """The layout the compiled engine uses at ``budget`` (less Inductor's headroom,
+    ``minimum.program_headroom``, where a candidate fits there): the only candidate of
     ``layout_candidates``, or the one ``pick_layout`` prefers after planning each on ``analyze()``
     (the training capture, called only then). ``variants``: the activation rewrites of that
     capture, kept for the caller's own ``choose_activations`` on it."""
-    layouts = layout_candidates(mp, config, budget, world=world, per_chunk=per_chunk)
-    if len(layouts) == 1:
-        return layouts[0], ()
-    # every rank weighs rank 0's plans (per-chunk collectives move different bytes on each rank),
-    # so all ranks of a ZeRO run pick one layout
-    return pick_layout(analyze(), layouts, config, budget=budget, world=world, rank=0, variants=variants)[:2]
+    headroom = program_headroom(budget, config)
+    for weighed in ((budget - headroom, budget) if headroom else (budget,)):
+        layouts = layout_candidates(mp, config, weighed, world=world, per_chunk=per_chunk)
+        if len(layouts) == 1:
+            return layouts[0], ()
+        # every rank weighs rank 0's plans (per-chunk collectives move different bytes on each rank),
+        # so all ranks of a ZeRO run pick one layout
+        layout, rows, _ = pick_layout(analyze(), layouts, config, budget=weighed, world=world, rank=0,
+                                      variants=variants)
+        if any(r.moved is not None for r in rows):
+            break
+    return layout, rows
+
+
+def plan_within(plan: Callable[[int | None], Scheduled], budget: int | None, headroom: int) -> Scheduled:
+    """``plan(b)`` at ``b = budget - headroom`` (``minimum.program_headroom``: room kept for
+    Inductor's buffers), else at the least budget it needs where that lies between (the rest is
+    headroom), else at ``budget``."""
+    if headroom:
+        try:
+            return plan(budget - headroom)
+        except BudgetError as e:
+            if e.minimum and budget - headroom < e.minimum < budget:
+                try:
+                    return plan(e.minimum)
+                except BudgetError:
+                    pass
+    return plan(budget)
 
 
 def plan_inputs(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
@@ -210,15 +235,23 @@ class BudgetSweep:
         adds the passes that only measured schedules run (``overlap_grad_copies``)."""
         layout = self._choose(budget)
         analyzed = regather(self.analyzed, gather_bytes(layout, self.config.dtype))
-        request = PlanRequest.for_config(self.config, budget=budget, kind=kind, measured=measured)
-        return plan_at_budget(analyzed, layout, request, rates=rates, variants=self._variants)
+
+        def at(b: int | None) -> Scheduled:
+            request = PlanRequest.for_config(self.config, budget=b, kind=kind, measured=measured)
+            return plan_at_budget(analyzed, layout, request, rates=rates, variants=self._variants)
+        return plan_within(at, budget, program_headroom(budget, self.config))
 
     def _choose(self, budget: int | None) -> ChunkLayout:
-        layouts = layout_candidates(self.mp, self.config, budget)
-        if len(layouts) == 1:
-            return layouts[0]
-        return pick_layout(self.analyzed, layouts, self.config, budget=budget, variants=self._variants,
-                           leasts=self._leasts)[0]
+        headroom = program_headroom(budget, self.config)
+        for weighed in ((budget - headroom, budget) if headroom else (budget,)):     # (as ``engine_layout``)
+            layouts = layout_candidates(self.mp, self.config, weighed)
+            if len(layouts) == 1:
+                return layouts[0]
+            layout, rows, _ = pick_layout(self.analyzed, layouts, self.config, budget=weighed,
+                                          variants=self._variants, leasts=self._leasts)
+            if any(r.moved is not None for r in rows):
+                break
+        return layout
 
 
 def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
@@ -233,9 +266,13 @@ def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKin
     layout, analyzed = plan_inputs(model, batch, config, kind=kind, loss_fn=loss_fn, world=world, per_chunk=per_chunk)
     rates = measure_rates(config.torch_device, config.dtype, config.link_bandwidth) \
         if config.activations == Activations.AUTO and config.device_memory is not None else None
-    request = PlanRequest.for_config(config, budget=config.device_memory, kind=kind, world=world, rank=rank,
-                                     per_chunk=per_chunk)
-    return layout, plan_at_budget(analyzed, layout, request, rates=rates)
+
+    def at(budget: int | None) -> Scheduled:
+        request = PlanRequest.for_config(config, budget=budget, kind=kind, world=world, rank=rank,
+                                         per_chunk=per_chunk)
+        return plan_at_budget(analyzed, layout, request, rates=rates)
+    budget = config.device_memory
+    return layout, plan_within(at, budget, program_headroom(budget, config))
 
 
 def plan_at_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, request: PlanRequest, *,

@@ -139,6 +139,7 @@ class ScheduleInputs:
     nodes: tuple[fx.Node, ...]
     windows: tuple[int, ...]                       # per node: the non-model bytes chunks fit beside
     stores: Mapping[int, Sequence[GradStore]]      # node -> the gradients stored right after it
+    reads: tuple[tuple[int, ...], ...]             # per node: the chunks it reads (``analysis.node_reads``)
 
     @staticmethod
     def of(analyzed: AnalyzedGraph, layout: ChunkLayout, request: PlanRequest, *, nonmodel: Sequence[int],
@@ -149,8 +150,9 @@ class ScheduleInputs:
         stores: dict[int, list[GradStore]] = {}
         for fqn, at in analyzed.grad_store_points.items():
             stores.setdefault(at, []).extend(grad_stores(layout.entry(fqn), elsize))
+        reads = node_reads(captured, layout, hold_grads=analyzed.grad_store_points if memory.world > 1 else None)
         return ScheduleInputs(analyzed, layout, request, memory, nonmodel, tuple(captured.gm.graph.nodes),
-                              tuple(node_windows(captured, nonmodel)), stores)
+                              tuple(node_windows(captured, nonmodel)), stores, tuple(map(tuple, reads)))
 
 
 @dataclass(frozen=True)
@@ -184,11 +186,9 @@ class SchedulePass:
 def _residency(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
     r, m = x.request, x.memory
     warm = r.kind.keeps_warm
-    reads = node_reads(x.analyzed.captured, x.layout,
-                       hold_grads=x.analyzed.grad_store_points if m.world > 1 else None)
     try:
         plan = plan_residency(
-            reads, x.nonmodel, stores=x.stores, num_chunks=x.layout.num_chunks, slot_bytes=m.slot_bytes,
+            x.reads, x.nonmodel, stores=x.stores, num_chunks=x.layout.num_chunks, slot_bytes=m.slot_bytes,
             budget=m.budget, os_device_chunks=m.os_device_chunks, os_device_bytes=m.os_device_bytes,
             accumulate=r.kind is RunKind.ACCUM, start=r.start_slots, keep_at_end=warm,
             end=r.start_slots if warm else None, start_in_flight=r.ahead,
@@ -215,9 +215,7 @@ def _budget_error(x: ScheduleInputs, e: ResidencyError) -> BudgetError:
 
 
 def _early_drops(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]:
-    reads = node_reads(x.analyzed.captured, x.layout,
-                       hold_grads=x.analyzed.grad_store_points if x.memory.world > 1 else None)
-    plan, moved = early_drops(s.plan, reads)
+    plan, moved = early_drops(s.plan, x.reads)
     return replace(s, plan=plan), f"early_drops: {moved} drops moved up to the last read of their chunk"
 
 
@@ -259,7 +257,7 @@ def _early_updates(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, 
     m = x.memory
     host = frozenset(range(x.layout.num_chunks)) - m.os_device_chunks - m.param_disk
     last_use: dict[int, int] = {}
-    for i, chunks in enumerate(node_reads(x.analyzed.captured, x.layout)):
+    for i, chunks in enumerate(x.reads):          # (one rank: no gradients held)
         for c in chunks:
             last_use[c] = i
     for i, stores in x.stores.items():           # (a gradient is stored right after node i)
