@@ -307,10 +307,11 @@ def _share(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> t
 def schedule_summary(engine, s: TrainSettings) -> str:
     """The compiled schedule's provenance header (passes, budget, planned traffic), and what the
     backend means; ``python -m pscompile inspect`` prints and saves the whole schedule."""
-    note = ("# backend eager: the schedule's compute runs node by node; --backend inductor compiles the "
-            "regions between memory nodes (cold compile 20-45 s here)" if s.backend == Backend.EAGER else
-            "# backend inductor: the first step measures node by node, then the regions between memory nodes "
-            "are compiled (cold compile 20-45 s here)")
+    note = ("# backend eager: the schedule's regions between memory nodes run as eager graph code; --backend "
+            "inductor compiles the whole schedule as one program, memory nodes inside (cold compile 20-45 s here)"
+            if s.backend == Backend.EAGER else
+            "# backend inductor: the first step measures node by node, then the whole schedule is compiled as "
+            "one program, memory nodes inside (cold compile 20-45 s here)")
     return engine.schedule.header() + "\n" + note
 
 
