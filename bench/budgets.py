@@ -329,7 +329,8 @@ def main(argv=None) -> int:
     headers = ["architecture", "mode", "minimum bytes", "budgets verified", "failures", "budgets trained",
                "max peak/budget", "1% below refused"]
     n_sweep = next((r.sweep.budgets for r in rows if isinstance(r, Row) and r.sweep), 0)
-    caption = (f"Budgets from the minimum up, float32, one thread; compiled: {n_sweep} budgets planned and verified "
+    dtype = args.dtype if args.inductor_only else "float32"       # (the sweep and hooks mode train float32)
+    caption = (f"Budgets from the minimum up, {dtype}, one thread; compiled: {n_sweep} budgets planned and verified "
                f"per architecture from one capture (minimum to 2x); trained: {STEPS} steps per budget, "
                f"peak measured" + (f", emulated link {args.link}" if args.link else "")
                + f"; {time.perf_counter() - t0:.0f} s")

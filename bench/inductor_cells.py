@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 import pscompile
-from harness.runs import cpu_config
+from harness.runs import ProgramCount, cpu_config
 from pscompile.testing import tiny_model
 
 WARMUP = 6           # steps each engine runs alone before the interleaved ones (measuring, probing, cuts)
@@ -82,17 +82,6 @@ def _step(engine, batch, budget: int, peaks: list, losses: list | None = None) -
     return dt
 
 
-class _Programs(logging.Handler):
-    """Counts the programs compiled (pscompile's INFO line for each)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.count = 0
-
-    def emit(self, record):
-        self.count += "compiled as one program" in record.getMessage()
-
-
 def _plain(arch: str, dtype: torch.dtype):
     """Plain PyTorch's training step on the same model in ``dtype`` (fused AdamW, no budget):
     ``step() -> seconds``."""
@@ -119,7 +108,7 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None,
     times, eager_times, plain_times, cut_count = [], [], [], (0, 0)
     error = None
     engines = []
-    programs = _Programs()
+    programs = ProgramCount()
     logger = logging.getLogger("pscompile")
     level = logger.level
     logger.addHandler(programs)

@@ -60,7 +60,7 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
         if config.chunk_size != "auto":
             if not _programs(config):
                 raise
-            raise BudgetError(f"{e}; {_both_minima(e.minimum)}", minimum=e.minimum, detail=e.detail) from None
+            raise BudgetError(f"{e}; {_both_minima(e.minimum, config)}", minimum=e.minimum, detail=e.detail) from None
         # "auto" sizes chunks by the budget, so the minimum at this budget's chunk size may not hold
         # at the minimum's own: name the budget that really works
         least, chunk_size = _least_budget(model, batch, optimizer, config, loss_fn)
@@ -71,7 +71,7 @@ def compile(model: nn.Module, batch: Any = None, *, optimizer: AdamW | None = No
         needs = (f"it needs {format_bytes(e.minimum)}" if e.minimum > given else "it does not fit") + \
             (f" {e.detail}" if e.detail else "")
         if least > given:
-            program = f"; {_both_minima(least)}" if _programs(config) else ""
+            program = f"; {_both_minima(least, config)}" if _programs(config) else ""
             raise BudgetError(
                 f"{budget} is below the minimum {format_bytes(least)} ({least} bytes) this model needs in "
                 f"{config.mode} mode ({there}); at this budget {needs}; give device_memory >= {least}, a smaller "
@@ -90,9 +90,10 @@ def min_device_memory(model: nn.Module, batch: Any, config: Config | None = None
     compiled code (``config.device_memory`` itself is ignored).
 
     With the default backend (compiled mode, Inductor) that is the budget from which its program
-    runs: the plan's minimum plus 1/12 of it for the buffers Inductor's kernels hold beyond eager
-    code's (``graph.minimum.program_least``). ``compile`` accepts budgets from the plan's minimum,
-    where the schedule runs as compiled eager; ``describe()`` and a ``BudgetError`` name both.
+    runs: the plan's minimum plus 1/7 of it in float32 (1/5 in 16-bit) for the buffers Inductor's
+    kernels hold beyond eager code's (``graph.minimum.program_least``). ``compile`` accepts budgets
+    from the plan's minimum, where the schedule runs as compiled eager; ``describe()`` and a
+    ``BudgetError`` name both.
 
     Compiled mode plans it on fake tensors (nothing is allocated; the model may be on the meta
     device); with ZeRO (an initialized process group) it is one rank's minimum; with a
@@ -165,17 +166,17 @@ def _for_backend(least: int, config: Config) -> int:
     """The least budget named for ``config``: compiled mode with Inductor, the room its program needs
     (``minimum.program_least``); below it (from ``least`` up) the schedule runs as compiled eager."""
     from pscompile.graph.minimum import program_least
-    return program_least(least) if _programs(config) else least
+    return program_least(least, config) if _programs(config) else least
 
 
 def _programs(config: Config) -> bool:
     return config.mode == Mode.COMPILED and config.backend == Backend.INDUCTOR
 
 
-def _both_minima(least: int) -> str:
+def _both_minima(least: int, config: Config) -> str:
     """What a BudgetError adds with Inductor: the two minima, and which is which."""
     from pscompile.graph.minimum import program_least
-    return (f"Inductor's program needs device_memory >= {program_least(least)}; from {least} up to that the "
+    return (f"Inductor's program needs device_memory >= {program_least(least, config)}; from {least} up to that the "
             "schedule runs as compiled eager")
 
 

@@ -279,6 +279,21 @@ def test_budgets_inductor_only_quick(tmp_path, dtype):
         assert c["step_s"] > 0 and c["eager_step_s"] > 0 and c["ratio"] == c["step_s"] / c["eager_step_s"]
 
 
+def test_held_out_quick(tmp_path):
+    """bench/held_out.py --quick: Hugging Face's Gemma (built from its config class here) at the
+    minimum named for the default backend, in a fresh process with an empty Inductor cache: every
+    step within the budget, a program compiled, and the cell in the table and the JSON."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "held_out.json"
+    proc = _run("held_out.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert not res["failed"] and res["factors"] == [1.0]
+    (c,) = res["cells"]
+    assert c["model"] == "gemma" and c["budget"] == c["minimum"] and 0 < c["peak"] <= 1.0, c
+    assert c["programs"] >= 1 and 0.0 <= c["share"] <= 1.0, c
+    assert "gemma" in proc.stdout
+
+
 @pytest.mark.skipif(not os.environ.get("PSCOMPILE_SLOW_TESTS"), reason="five cold Inductor compiles (~3 min): "
                     "set PSCOMPILE_SLOW_TESTS=1")
 def test_program_quick(tmp_path):

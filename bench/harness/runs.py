@@ -3,6 +3,7 @@ train pscompile engines on the CPU (activations, disk, lock_free, plan_check, so
 
 from __future__ import annotations
 
+import logging
 import statistics
 
 import torch
@@ -34,3 +35,15 @@ def median_after(stats: list, stat, skip: int = 1) -> float:
     the first ``skip``."""
     get = stat if callable(stat) else lambda s: getattr(s, stat)
     return statistics.median(get(s) for s in stats[skip:])
+
+
+class ProgramCount(logging.Handler):
+    """Counts the Inductor programs compiled (pscompile's INFO record for each); attach it to the
+    "pscompile" logger at INFO."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "compiled as one program" in record.getMessage()

@@ -435,7 +435,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         if self.config.backend != Backend.INDUCTOR:
             return super()._need()
         least = self.min_device_memory
-        return (f"{format_bytes(program_least(least))} for Inductor's program ({format_bytes(least)} as compiled "
+        return (f"{format_bytes(program_least(least, self.config))} for Inductor's program ({format_bytes(least)} as compiled "
                 "eager)")
 
     @property

@@ -293,28 +293,36 @@ def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *
 
 # Inductor's kernels hold more than eager code at some nodes (per-row statistics of a
 # normalization, a value kept for a fused reader): at a plan's exact minimum the program may not
-# fit, and the step runs as compiled eager. What a plan with Inductor's buffers counted needed at
-# the exact minimum (2026-12-06): +0.02% on a 4-layer GPT with a 2048-token vocabulary, +0.39% on a
-# tiny T5, +7.2% on a tiny GPT-NeoX (its attention's backward); the other tiny
-# architectures ran the program there. The minimum named for Inductor adds 1/12 (8.3%), and the
-# engine keeps that share of every budget free of its plan (``program_headroom``: 1/13 of the budget):
-# a larger budget would otherwise pick larger chunks and keep more activations, filling it again.
-PROGRAM_MARGIN = 12
+# fit, and the step runs as compiled eager. The engine keeps a share of every budget free of its
+# plan (``program_headroom``; a larger budget would otherwise pick larger chunks and keep more
+# activations, filling it again), and the minimum named for Inductor adds it. What the programs
+# held beyond the plan's curve in their worst segment (2026-12-07, the CPU's C++ kernels; the
+# project's ten tiny architectures at 1.0-2x and eight held-out Hugging Face models at 1.0-1.15x,
+# ``bench/held_out.py``): up to 0.114 of the budget in float32, up to 0.167 in bfloat16 (T5 at
+# its minimum: 0.29); at each budget the same bytes whatever share was kept. Hence, by the
+# compute dtype's bytes, 1/8 and 1/6 of the budget kept (least + 1/7 and least + 1/5 named); a
+# program that still does not fit is planned again (``compiled/lowering.py``).
+PROGRAM_MARGINS = {4: 7, 2: 5}
+
+
+def program_margin(config: Config) -> int:
+    """The minimum named for Inductor is the plan's least plus 1/this of it (``PROGRAM_MARGINS``)."""
+    return PROGRAM_MARGINS[config.dtype.itemsize]
 
 
 def program_headroom(budget: int | None, config: Config) -> int:
     """Device bytes compiled mode keeps free of its plan for what Inductor's program holds beyond
     the measured (eager) curve (fused kernels allocate all their outputs before they run and free
-    their inputs after): 1/(``PROGRAM_MARGIN`` + 1) of the budget, so that at ``program_least``
+    their inputs after): 1/(``program_margin`` + 1) of the budget, so that at ``program_least``
     the plan is made at its own least budget. 0 without a budget, in hooks mode or with another
     backend. Layouts are weighed, and schedules planned, at the budget less this
     (``pipeline.plan_within``)."""
     if budget is None or config.mode != Mode.COMPILED or config.backend != Backend.INDUCTOR:
         return 0
-    return budget // (PROGRAM_MARGIN + 1)
+    return budget // (program_margin(config) + 1)
 
 
-def program_least(least: int) -> int:
+def program_least(least: int, config: Config) -> int:
     """The least budget at which Inductor's program runs, for a plan whose least budget is ``least``
-    (at which compiled eager runs): ``least`` plus 1/``PROGRAM_MARGIN`` of it."""
-    return least + -(-least // PROGRAM_MARGIN)
+    (at which compiled eager runs): ``least`` plus 1/``program_margin`` of it."""
+    return least + -(-least // program_margin(config))
