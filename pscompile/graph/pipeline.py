@@ -155,33 +155,23 @@ def layout_candidates(mp: ModelParams, config: Config, budget: int | None, *, wo
 
 
 def engine_layout(mp: ModelParams, config: Config, budget: int | None, *, analyze: Callable[[], AnalyzedGraph],
-                  world: int = 1, per_chunk: bool = False, variants: dict[tuple, AnalyzedGraph] | None = None
-                  ) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
+                  world: int = 1, per_chunk: bool = False, variants: dict[tuple, AnalyzedGraph] | None = None,
+                  leasts: dict[int, int] | None = None) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
     """The layout the compiled engine uses at ``budget`` (less Inductor's headroom,
-    ``minimum.program_headroom``, where a candidate fits there): the only candidate of
-    ``layout_candidates``, or the one ``pick_layout`` prefers after planning each on ``analyze()``
-    (the training capture, called only then). ``variants``: the activation rewrites of that
-    capture, kept for the caller's own ``choose_activations`` on it."""
-    # every rank weighs rank 0's plans (per-chunk collectives move different bytes on each rank),
-    # so all ranks of a ZeRO run pick one layout
-    def pick(layouts, weighed):
-        return pick_layout(analyze(), layouts, config, budget=weighed, world=world, rank=0, variants=variants)[:2]
-    return weighed_layout(mp, config, budget, pick, world=world, per_chunk=per_chunk)
-
-
-def weighed_layout(mp: ModelParams, config: Config, budget: int | None,
-                   pick: Callable[[tuple[ChunkLayout, ...], int | None], tuple[ChunkLayout, tuple[LayoutChoice, ...]]],
-                   *, world: int = 1, per_chunk: bool = False) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
-    """The layout weighed at ``budget`` less Inductor's headroom (``minimum.program_headroom``)
-    where a candidate's plan fits there, else at the whole budget: the only candidate of
-    ``layout_candidates``, or what ``pick(candidates, weighed_budget)`` returns (the layout and the
-    rows it weighed, a row's ``moved`` None where the candidate does not fit)."""
+    ``minimum.program_headroom``, where a candidate fits there, else the whole budget): the only
+    candidate of ``layout_candidates``, or the one ``pick_layout`` prefers after planning each on
+    ``analyze()`` (the training capture, called only then). ``variants``: the activation rewrites
+    of that capture, kept for the caller's own ``choose_activations`` on it; ``leasts``: the least
+    budget per chunk size (``BudgetSweep`` shares both across budgets)."""
     headroom = program_headroom(budget, config)
     for weighed in ((budget - headroom, budget) if headroom else (budget,)):
         layouts = layout_candidates(mp, config, weighed, world=world, per_chunk=per_chunk)
         if len(layouts) == 1:
             return layouts[0], ()
-        layout, rows = pick(layouts, weighed)
+        # every rank weighs rank 0's plans (per-chunk collectives move different bytes on each rank),
+        # so all ranks of a ZeRO run pick one layout
+        layout, rows, _ = pick_layout(analyze(), layouts, config, budget=weighed, world=world, rank=0,
+                                      variants=variants, leasts=leasts)
         if any(r.moved is not None for r in rows):
             break
     return layout, rows
@@ -253,10 +243,8 @@ class BudgetSweep:
         return plan_within(at, budget, program_headroom(budget, self.config))
 
     def _choose(self, budget: int | None) -> ChunkLayout:
-        def pick(layouts, weighed):
-            return pick_layout(self.analyzed, layouts, self.config, budget=weighed,
-                               variants=self._variants, leasts=self._leasts)[:2]
-        return weighed_layout(self.mp, self.config, budget, pick)[0]
+        return engine_layout(self.mp, self.config, budget, analyze=lambda: self.analyzed,
+                             variants=self._variants, leasts=self._leasts)[0]
 
 
 def schedule_model(model: nn.Module, batch: Any, config: Config, *, kind: RunKind = RunKind.TRAIN,
