@@ -129,8 +129,8 @@ def run_cell(arch: str, budget: int, factor: float, link: str | None = None,
             shares.append(ind.stats.compiled_share)
             eager_times.append(_step(eag, batch, budget, eager_peaks))
             plain_times.append(plain())
-        cut_count = (ind._program_rounds.get(next(iter(ind._captures)), 0) if ind._captures else 0,
-                     len(ind._eager_programs))
+        lives = ind.captures()
+        cut_count = (lives[0].program_rounds if lives else 0, sum(bool(c.eager_reason) for c in lives))
     except Exception as e:                              # noqa: BLE001 -- a failed cell is reported, not fatal
         error = f"{type(e).__name__}: {str(e)[:400]}"
         first = eager_first = float("nan")

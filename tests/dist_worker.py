@@ -249,7 +249,7 @@ def inductor(rank: int, world: int, port: int, out_dir: str) -> None:
         peaks.append(engine.stats.peak_device_bytes)
         shares.append(engine.stats.compiled_share)
     torch.save({"losses": losses, "peaks": peaks, "budget": budget, "full": engine.full_state_dict(),
-                "plan": engine.last_plan.actions, "shares": shares, "eager": dict(engine._eager_programs)},
+                "plan": engine.last_plan.actions, "shares": shares, "eager": {c.capture: c.eager_reason for c in engine.captures() if c.eager_reason}},
                os.path.join(out_dir, f"inductor-rank{rank}.pt"))
     engine.close()
     leave()

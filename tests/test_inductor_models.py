@@ -67,7 +67,7 @@ def test_trains_through_inductor_like_plain_pytorch(arch, room):
     assert budget is None or engine.stats.num_evictions > 0
     # from the second step on, one compiled program ran every operator (checked against Inductor's
     # buffer plan before it ran), or the capture runs compiled eager with the reason said
-    assert shares[1:] == [1.0] * (len(shares) - 1) or engine._eager_programs, (arch, shares)
-    assert not engine._eager_programs or all("Inductor's buffers" in w for w in engine._eager_programs.values()), \
-        engine._eager_programs
+    eager = [c.eager_reason for c in engine.captures() if c.eager_reason]
+    assert shares[1:] == [1.0] * (len(shares) - 1) or eager, (arch, shares)
+    assert all("Inductor's buffers" in why for why in eager), eager
     engine.close()

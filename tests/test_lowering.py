@@ -89,7 +89,6 @@ def test_eager_split_runs_like_the_graph():
     assert rep.regions > 1
     assert rep.rebuilt_views == 0, "insert_memory_ops rebuilds parameter views right before each reader"
     assert rep.moved_getitems > 0              # a memory node fell between an op and its getitems
-    print(rep.summary())
 
     # plain graph, recording the memory nodes' arguments
     ref_in = graph_inputs(engine)

@@ -16,7 +16,9 @@ import torch
 from torch import fx
 
 import pscompile
-from pscompile.compiled.whole import ProgramOrderError, WholeProgram, is_memory, order_edges
+from pscompile.compiled.program_store import ProgramStore
+from pscompile.compiled.whole import ProgramOrderError, WholeProgram, order_edges
+from pscompile.graph.ops import runs_as_transfer as is_memory
 from pscompile.graph import meta as gmeta
 from conftest import make_batches, make_model
 
@@ -29,6 +31,11 @@ def _config(backend: str, budget=None, **kw) -> pscompile.Config:
 @pytest.fixture(scope="module")
 def tight():
     """The tiny GPT's measured schedule at its minimum + 128 KiB (compiled eager), and its program."""
+    yield from tight_schedule()
+
+
+def tight_schedule():
+    """``tight``'s making (``tests/test_program_store.py`` makes it too)."""
     batch = make_batches("gpt", 1)[0]
     budget = pscompile.min_device_memory(make_model("gpt"), batch, _config("eager")) + (128 << 10)
     engine = pscompile.compile(make_model("gpt"), batch, config=_config("eager", budget))
@@ -166,7 +173,12 @@ def test_a_range_of_lengths_runs_one_symbolic_program(declared, caplog):
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not warned, warned
     assert _programs_compiled(caplog) == (1 if declared else 2)
-    assert sum(isinstance(ex, WholeProgram) and ex.sizes is not None for ex in engines[0]._executors.values()) == 1
+    ranged = [ex for ex in engines[0]._executors.values() if isinstance(ex, WholeProgram) and ex.sizes is not None]
+    assert len(ranged) == 1
+    if declared and ProgramStore.enabled():       # the range's program, loaded as a later process loads it: the same
+        again = WholeProgram(ranged[0].gm, torch.device("cpu"), sizes=ranged[0].sizes)     # guards and buffers
+        again.compile()
+        assert again.cache_hit and again._guards == ranged[0]._guards and again.buffers == ranged[0].buffers
     for e in engines:
         e.close()
 
@@ -187,7 +199,7 @@ def test_a_second_length_before_any_compile_compiles_only_the_range(caplog):
     engine.close()
 
 
-def test_an_op_inductor_cannot_lower_is_decomposed_where_ci_is_set(monkeypatch):
+def test_an_op_inductor_cannot_lower_is_decomposed_where_ci_is_set(monkeypatch, tmp_path):
     """An in-place op reaches Inductor functional (``clamp_`` as ``aten.clamp``). Inductor has no
     lowering for ``aten.clamp`` and, where the ``CI`` environment variable is set (GitHub Actions and
     most CI systems set it), refuses to fall back to ATen for an op torch can decompose.
@@ -202,8 +214,9 @@ def test_an_op_inductor_cannot_lower_is_decomposed_where_ci_is_set(monkeypatch):
     x = torch.randn(4, 8)
     gm = make_fx(f)(x.clone())
     assert any(n.target is torch.ops.aten.clamp_.default for n in gm.graph.nodes)
-    prog = WholeProgram(gm, torch.device("cpu"))
+    prog = WholeProgram(gm, torch.device("cpu"), store=ProgramStore(tmp_path))    # (an empty store: compiled here)
     prog.compile()
+    assert not prog.cache_hit
     out = prog.run([x.clone()], lambda node, args: None)
     assert torch.equal(out[0], f(x.clone())[0])
 
@@ -244,7 +257,7 @@ def test_the_compute_inductor_sees_mutates_nothing_but_the_memory_ops_do():
     assert torch.equal(traced(slot, torch.ones(4))[0], torch.full((4,), 3.0)) and torch.equal(slot, torch.ones(4))
 
 
-def test_a_mutation_left_after_retracing_stops_the_compile_naming_the_node(monkeypatch):
+def test_a_mutation_left_after_retracing_stops_the_compile_naming_the_node(monkeypatch, tmp_path):
     """Where the compute would reach Inductor still mutating (here: retraced without
     functionalization, the break this guards against), the compile stops with the node named; the
     engine then runs the schedule as compiled eager (``test_a_program_inductor_cannot_compile_...``)."""
@@ -256,10 +269,10 @@ def test_a_mutation_left_after_retracing_stops_the_compile_naming_the_node(monke
             return make_fx(gm, decomposition_table=table, tracing_mode="real")(*examples)
     monkeypatch.setattr(whole, "_retrace", unfunctionalized)
     with pytest.raises(whole.ComputeMutationError, match=r"add_.*Inductor's order of it cannot be trusted"):
-        WholeProgram(_mutating_graph(), torch.device("cpu")).compile()
+        WholeProgram(_mutating_graph(), torch.device("cpu"), store=ProgramStore(tmp_path)).compile()
 
 
-def test_an_accumulating_scatter_adds_in_a_fixed_order():
+def test_an_accumulating_scatter_adds_in_a_fixed_order(tmp_path):
     """An embedding's backward is an accumulating ``index_put``, which Inductor lowers to atomic adds
     whose order changes with the threads' timing (other weights in some processes). The program is
     lowered as under ``torch.use_deterministic_algorithms`` (``deterministic_lowering``): ATen's
@@ -271,9 +284,9 @@ def test_an_accumulating_scatter_adds_in_a_fixed_order():
 
     ids, grad = torch.randint(0, 8, (512,)), torch.randn(512, 32)
     was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    prog = WholeProgram(make_fx(f)(ids, grad), torch.device("cpu"))
+    prog = WholeProgram(make_fx(f)(ids, grad), torch.device("cpu"), store=ProgramStore(tmp_path))  # (lowered here)
     prog.compile()
-    assert "atomic_add" not in prog._fn.source_code
+    assert not prog.cache_hit and "atomic_add" not in prog._fn.source_code
     assert torch.are_deterministic_algorithms_enabled() == was
     assert torch.utils.deterministic.fill_uninitialized_memory == fill
     assert torch.equal(prog.run([ids, grad], lambda node, args: None)[0], f(ids, grad)[0])

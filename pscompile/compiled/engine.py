@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pscompile.compiled.capture_life import CaptureLives, CaptureStatus
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.lowering import ScheduleLowering
 from pscompile.compiled.moves import MemoryMoves
@@ -106,7 +107,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
             self._ranges = ShapeRanges(self._ranges.enabled)      # not a rank's own first batch
         self._captures: dict[CaptureKey, AnalyzedGraph] = {}
         self._activation_bases = ActivationBases()     # what each capture's activation plan is chosen from
-        self._measured: dict[CaptureKey, tuple[int, ...]] = {}    # measured non-model curve per capture
+        self._lives = CaptureLives()                   # what each capture has learned (``capture_life.py``)
         self._schedules: dict[ScheduleKey, Scheduled] = {}
         self._warm: dict[ScheduleKey, Scheduled] = {}             # warm variants (accum, eval)
         self._last_key: ScheduleKey | None = None
@@ -116,9 +117,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         self._check_moved: tuple[Scheduled, Any, bool] | None = None   # a run whose bytes are checked after its update
         self._init_lowering()
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
-        self._node_curves: dict[CaptureKey, tuple[int, ...]] = {}      # measured node by node
         self._restored: dict[str, dict] = {}      # CaptureKey.token -> what a loaded checkpoint measured
-        self._unproven: set[CaptureKey] = set()    # captures planned with those, not yet run within budget
         self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
         self.eval_plan: ResidencyPlan | None = None
@@ -173,7 +172,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         self._disk_acc = acc if isinstance(acc, DiskAccumulation) else None
         tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
                                   exact_windows=not sched.measured)
-        if key.capture in self._unproven and self.comm is None:   # stops at the first sample over
+        if self._lives[key.capture].unproven and self.comm is None:   # stops at the first sample over
             tracker.limit = self.budget                            # (``_distrust_restored``)
         comm_before = self._comm_bytes()
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
@@ -264,8 +263,9 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         record = _RunRecord(key, sched, observer.samples if observer is not None else None)
         value = float(loss.detach().float())
         self.copies.sync_compute()    # (reading the loss waited for compute already)
+        compiled = executor.ops if executor.split == "program" else 0     # (Inductor's; compiled eager's are not)
         return MicroRun(value, tracker, traffic, t_back - t_start, t_end - t_back,
-                        frozenset(self._written), record, (executor.ops, executor.compiled_ops))
+                        frozenset(self._written), record, (executor.ops, compiled))
 
     def _graph_inputs(self, sched: Scheduled, batch: Any, acc: list[torch.Tensor] | None, loss_scale: float,
                       tracker: NonModelTracker) -> list:
@@ -419,7 +419,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
             measured = tuple(map(max, measured, static))   # a measurement (at any length) only adds to it
         if self.comm is not None:          # every rank plans from the same curve: the same collectives
             measured = self.comm.agree_max(measured)
-        self._measured[cap] = self._node_curves[cap] = measured
+        self._lives[cap].measure(measured)
         self._fit_optimizer_states(max(measured))     # first: the new curve may leave less margin
         for other in list(self._schedules):
             if other.capture == cap:
@@ -450,6 +450,12 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
                                   slot_bytes=slot, world=self.world, device_homes=self.min_device_homes,
                                   state_bytes=self.store.os_chunk_bytes).nbytes
                    for key, s in self._schedules.items())
+
+    def captures(self) -> list[CaptureStatus]:
+        """What ran for each capture and why (``compiled/capture_life.py``): its stage (static,
+        measured, restored from a checkpoint, or raised to Inductor's buffers), the re-plans
+        Inductor's buffers caused, and why it runs as compiled eager (None where it runs one program)."""
+        return self._lives.status()
 
     def _mode_title(self) -> str:
         return f"compiled mode ({self.config.backend} backend)"

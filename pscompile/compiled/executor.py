@@ -3,9 +3,9 @@
 One executor serves every way compiled mode runs a schedule. It turns the scheduled graph into a
 *program* of steps and runs them in order, releasing every value after its last use:
 
-    split="nodes"     every compute node is one step, run eagerly (the ``backend="eager"``
-                      engine, and the warm-up step that measures each node's non-model bytes
-                      through an observer);
+    split="nodes"     every compute node is one step, run eagerly: a schedule's measuring run
+                      (its first), which measures each node's non-model bytes through an
+                      observer;
     split="regions"   the graph is cut at its memory nodes into compute regions
                       (``regions.py``), each run as eager graph code (compiled eager: the
                       ``backend="eager"`` engine, and the fallback of ``compiled/lowering.py``).
@@ -19,7 +19,7 @@ is their value.
 ``run`` has the semantics of ``gm(*inputs)`` otherwise: it returns the graph's outputs.
 
 The program (its steps, how regions are cut, described and compiled, when values are released)
-is built in ``compiled/program.py``; this module runs it.
+is built in ``compiled/steps.py``; this module runs it.
 
 Memory: ``split="nodes"`` frees exactly as ``fx.Interpreter(garbage_collect_values=True)`` does,
 and a value nobody reads dies as soon as it is made, which is what ``estimate_nonmodel`` assumes.
@@ -33,7 +33,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 from torch import fx
 
-from pscompile.compiled.program import (LoweringReport, Step, StepKind, attr, by_regions, first_backward,
+from pscompile.compiled.steps import (LoweringReport, Step, StepKind, attr, by_regions, first_backward,
                                         is_compute_op, per_node, release_plan)
 from pscompile.compiled.listing import profiler_node_name, profiler_region_name
 from pscompile.compiled.regions import Region
@@ -68,11 +68,9 @@ class Executor:
     - ``fold_stores``: the ``store_grad`` nodes into device slots (``folds_into_region``) do not
       cut the graph into regions: the regions run them themselves, in graph order. Each region
       lists them in ``effects``; ``around_region`` is where the caller does their bookkeeping.
-    - ``any_sizes``: a range's schedule (the graph's inputs change sizes from run to run).
     """
 
-    def __init__(self, gm: fx.GraphModule, *, split: str = "regions", fold_stores: bool = False,
-                 any_sizes: bool = False):
+    def __init__(self, gm: fx.GraphModule, *, split: str = "regions", fold_stores: bool = False):
         if split not in ("nodes", "regions"):
             raise ValueError(f"split={split!r}: expected 'nodes' or 'regions'")
         self._range_names: dict = {}       # region index or memory node -> its profiler range's name
@@ -81,7 +79,6 @@ class Executor:
                              "of its own)")
         self.gm = gm
         self.split = split
-        self.any_sizes = any_sizes
         nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.output_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -96,10 +93,9 @@ class Executor:
                 s.region.frees = frozenset(i for i, a in enumerate(s.region.inputs) if a in free
                                            and a.op != "get_attr" and not _slot_view(a))
         self._program = program
-        # compute operators a run runs (outside regions: evaluated nodes); none of them compiled
+        # compute operators a run runs (outside regions: evaluated nodes)
         self.ops = sum(s.region.ops if s.kind is StepKind.REGION else int(s.kind is StepKind.EVAL and is_compute_op(s.node))
                        for s in program)
-        self.compiled_ops = 0
         self._views: dict[fx.Node, tuple[list, Any]] = {}   # memo steps: (arguments, the view made of them)
         first_bwd = first_backward(nodes)
         self._first_bwd_step = next(

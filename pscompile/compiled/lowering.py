@@ -62,7 +62,7 @@ _MAX_PROGRAM_ROUNDS = 2   # re-plans with Inductor's buffers counted; then the c
 
 class ScheduleLowering:
     """Mixin of ``CompiledEngine`` (see the module doc); it relies on the engine's ``config``,
-    ``budget``, ``comm``, ``device``, ``store``, ``_schedules``, ``_measured``, ``_replan`` and
+    ``budget``, ``comm``, ``device``, ``store``, ``_schedules``, ``_lives``, ``_replan`` and
     ``_warm_of``."""
 
     def _init_lowering(self) -> None:
@@ -73,8 +73,6 @@ class ScheduleLowering:
         self._region_extra: dict = {}
         self._unlearned: set = set()      # compiled-eager executors whose regions are not learned yet
         self._tails: dict = {}            # scheduled gm -> its memory nodes after the last compute
-        self._eager_programs: dict[CaptureKey, str] = {}   # captures run as compiled eager, and why
-        self._program_rounds: dict[CaptureKey, int] = {}   # re-plans for Inductor's buffer plan
         self._to_lower: set[ScheduleKey] = set()  # measured, its program compiled when a run of it comes
         self._lengths: dict[tuple, bool] = {}   # (range's scheduled gm, its sizes) -> its program runs them
         self._length_eager: dict = {}           # range's scheduled gm -> compiled eager, for lengths refused
@@ -150,7 +148,7 @@ class ScheduleLowering:
         """Compiled as one program: Inductor, fixed sizes, no reason found to run compiled eager, and
         not a cold schedule with a warm variant (one program per loop: steady runs take the warm
         one, which a run starts from, ``_warm_start``)."""
-        return (self._program_capture(key) and key.capture not in self._eager_programs
+        return (self._program_capture(key) and self._lives[key.capture].eager_reason is None
                 and not (sched is self._schedules.get(key) and self._warm_of(key) is not None))
 
     def _lower_when_run(self, key: ScheduleKey) -> None:
@@ -218,8 +216,9 @@ class ScheduleLowering:
         if self.comm is not None:
             agreed = self.comm.agree_max([max(over.values(), default=0)])[0]
             over = over or ({-1: agreed} if agreed else {})
-        log.info("pscompile: %s compiled as one program in %.1f s: %d memory nodes, %d ordering edges, Inductor's "
-                 "buffers at most %d bytes%s", cap.token[:60], prog.compile_s, len(prog.memory_nodes), prog.pinned,
+        log.info("pscompile: %s compiled as one program in %.1f s%s: %d memory nodes, %d ordering edges, Inductor's "
+                 "buffers at most %d bytes%s", cap.token[:60], prog.compile_s,
+                 " (loaded: compiled by an earlier run)" if prog.cache_hit else "", len(prog.memory_nodes), prog.pinned,
                  prog.buffers.peak, f"; over the plan at {len(over)} memory nodes" if over else "")
         if not over:
             return prog
@@ -269,30 +268,27 @@ class ScheduleLowering:
         Between steps, optimizer states kept on the device leave it first where the raised curve
         leaves them less margin (``_fit_optimizer_states``, as a measured curve does). This run
         keeps its plan, run as compiled eager (it holds by construction)."""
-        cap = key.capture
-        rounds = self._program_rounds[cap] = self._program_rounds.get(cap, 0) + 1
+        cap, life = key.capture, self._lives[key.capture]
         this_run = self._compiled_eager(key, sched)
-        if rounds > _MAX_PROGRAM_ROUNDS:
+        if life.program_rounds >= _MAX_PROGRAM_ROUNDS:
             self._executors[sched.gm] = this_run
             self._eager_program(cap, f"Inductor's buffers still exceed the plan by up to {max(over.values())} bytes "
                                      f"after {_MAX_PROGRAM_ROUNDS} re-plans")
             return
-        curve = self._raised_curve(sched, prog, over, list(self._measured.get(cap) or sched.nonmodel))
+        curve = self._raised_curve(sched, prog, over, list(life.curve or sched.nonmodel))
         if self.comm is not None:
             curve = self.comm.agree_max(curve)
+        rounds = life.raise_for_program(curve)
         log.info("pscompile: %s: Inductor's buffers exceed the plan at %d memory nodes (by up to %d bytes): planned "
                  "again with them counted (round %d of %d)", cap.token[:60], len(over), max(over.values()), rounds,
                  _MAX_PROGRAM_ROUNDS)
-        before = self._measured.get(cap)
-        self._measured[cap] = curve
         if between_steps:
             self._fit_optimizer_states(max(curve))
         try:
             for other in [k for k in self._schedules if k.capture == cap]:
                 self._replan(other, curve, measured=True)
         except BudgetError as e:      # the budget does not hold them: the plan that does (compiled eager)
-            if before is not None:
-                self._measured[cap] = before
+            before = life.undo_raise()
             if between_steps and self._rechoose_activations(cap, max(over.values())):
                 self._executors[sched.gm] = this_run
                 return
@@ -357,8 +353,7 @@ class ScheduleLowering:
         log.info("pscompile: %s: Inductor's buffers need %d bytes more than the activation plan leaves: it is chosen "
                  "again for a budget that much smaller", cap.describe(), room)
         self._captures[cap] = chosen
-        self._measured.pop(cap, None)
-        self._node_curves.pop(cap, None)
+        self._lives[cap].refresh()
         for other in [k for k in self._schedules if k.capture == cap]:
             self._replan(other, chosen.nonmodel, measured=False)
         return True
@@ -366,13 +361,12 @@ class ScheduleLowering:
     def _compiled_eager(self, key: ScheduleKey, sched: Scheduled) -> Executor:
         """Compiled eager: the schedule's regions as eager graph code (the fallback rule), learned
         in its first run."""
-        ex = Executor(sched.gm, split="regions", fold_stores=True, any_sizes=ShapeRanges.is_ranged(key.batch))
+        ex = Executor(sched.gm, split="regions", fold_stores=True)
         self._region_extra[sched.gm] = {}
         self._unlearned.add(sched.gm)
         return ex
 
     def _eager_program(self, cap: CaptureKey, why: str) -> None:
         """From now on ``cap`` runs as compiled eager (said once, at WARNING)."""
-        if cap not in self._eager_programs:
+        if self._lives[cap].run_eager(why):
             log.warning("pscompile: %s runs as compiled eager: %s", cap.describe(), why)
-            self._eager_programs[cap] = why

@@ -180,7 +180,7 @@ class CompiledPlanning:
             self._activation_bases.note(key.capture, analyzed)
             analyzed = self._captures[key.capture] = self._choose_activations(analyzed, variants, key.capture)
         self._install_restored(key.capture)
-        measured = self._measured.get(key.capture)
+        measured = self._lives[key.capture].curve
         nonmodel = measured if measured is not None else analyzed.nonmodel
         self._fit_optimizer_states(max(nonmodel))
         sched = self._plan(analyzed, nonmodel, kind=key.kind, measured=measured is not None, cap=key.capture)
@@ -332,8 +332,9 @@ class CompiledPlanning:
             warm = self._warm.pop(other, None)
             if warm is not None:
                 self._forget(warm)
-        for table in (self._captures, self._measured, self._node_curves, self._range_planned):
+        for table in (self._captures, self._range_planned):
             table.pop(key.capture, None)
+        self._lives[key.capture].refresh()
         self._activation_bases.forget(key.capture)
 
     def _device_memory(self, budget: int | None) -> DeviceMemory:
@@ -348,7 +349,8 @@ class CompiledPlanning:
     def _program_headroom(self, cap: CaptureKey | None = None) -> int:
         """Device bytes ``cap``'s schedules leave free for what Inductor's program holds beyond the
         measured curve (``minimum.program_headroom``); none once ``cap`` runs as compiled eager."""
-        return 0 if cap in self._eager_programs else program_headroom(self.budget, self.config)
+        life = self._lives.get(cap)
+        return 0 if life is not None and life.eager_reason else program_headroom(self.budget, self.config)
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
               start: dict[int, int] | None = None, cap: CaptureKey | None = None) -> Scheduled:

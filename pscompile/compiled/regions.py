@@ -80,7 +80,6 @@ class Region:
     inputs: list[fx.Node] = field(default_factory=list)
     outputs: list[fx.Node] = field(default_factory=list)
     graph: fx.Graph | None = None
-    compute: bool = False
     fn: Callable[[list], Sequence[Any]] | None = None
     effects: list[fx.Node] = field(default_factory=list)   # stores into device slots this region's step runs
     ops: int = 0                    # its compute operators (is_compute_op)

@@ -42,11 +42,9 @@ class CompiledState:
         and where the optimizer states live. A resumed engine plans and compiles exactly the program
         this one runs, instead of measuring again in an eager run whose kernels round differently
         from Inductor's."""
-        captures = {cap.token: {"static": list(self._captures[cap].nonmodel), "measured": list(curve),
-                                "node": list(self._node_curves.get(cap, curve)),
-                                "program_rounds": self._program_rounds.get(cap, 0),
-                                "eager": self._eager_programs.get(cap)}
-                    for cap, curve in self._measured.items() if cap in self._captures}
+        entries = ((cap, life.checkpoint_entry(self._captures[cap].nonmodel))
+                   for cap, life in self._lives.items() if cap in self._captures)
+        captures = {cap.token: entry for cap, entry in entries if entry is not None}
         rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
         measurements = {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
                         "rates": rates, "ranges": self._ranges.state(),
@@ -88,9 +86,7 @@ class CompiledState:
             if warm is not None:
                 self._forget(warm)
         del self._captures[cap]
-        for measured in (self._measured, self._node_curves, self._program_rounds, self._eager_programs):
-            measured.pop(cap, None)
-        self._unproven.discard(cap)
+        self._lives[cap].forget()
 
     def _install_restored(self, cap: CaptureKey) -> None:
         """Plan ``cap`` with a loaded checkpoint's measurements, if it has them for this graph."""
@@ -99,15 +95,11 @@ class CompiledState:
             entry = self._restored.pop(repr(cap), None)
         if entry is None or list(self._captures[cap].nonmodel) != list(entry["static"]):
             return
-        self._unproven.add(cap)
-        self._measured[cap] = tuple(entry["measured"])
-        self._node_curves[cap] = tuple(entry["node"])
-        self._program_rounds[cap] = int(entry.get("program_rounds", 0))
-        if entry.get("eager"):              # (what ran as compiled eager runs so again: the same code)
-            self._eager_programs[cap] = str(entry["eager"])
+        life = self._lives[cap]
+        life.restore(entry)                 # (what ran as compiled eager runs so again: the same code)
         for key in list(self._schedules):
             if key.capture == cap:
-                self._replan(key, self._measured[cap], measured=True)
+                self._replan(key, life.curve, measured=True)
 
     def _prove_restored(self, runs: list) -> None:
         """The line behind the tag (``trust.py``): measurements loaded from a checkpoint are kept
@@ -118,9 +110,9 @@ class CompiledState:
         step, and the capture's next run measures again, as a fresh engine's first step does."""
         for r in runs:
             cap = r.context.key.capture
-            if cap not in self._unproven:
+            if not self._lives[cap].unproven:
                 continue
-            self._unproven.discard(cap)
+            self._lives[cap].prove()
             over = self.budget is not None and r.tracker.peak_total > self.budget
             if self.comm is not None:
                 over = bool(self.comm.agree_max([int(over)])[0])
@@ -130,9 +122,8 @@ class CompiledState:
     def _distrust_restored(self, error: OverBudget) -> bool:
         """After a run planned with a checkpoint's measurements stopped over the budget (and was
         undone): drop every capture's unproven measurements; whether there were any."""
-        caps = list(self._unproven)
+        caps = [cap for cap, life in self._lives.items() if life.unproven]
         for cap in caps:
-            self._unproven.discard(cap)
             self._drop_restored(cap, error.total)
         return bool(caps)
 
@@ -143,8 +134,7 @@ class CompiledState:
                     "reached %d bytes, device_memory=%d): dropped; the capture measures again",
                     cap.token[:80], peak, self.budget)
         static = self._captures[cap].nonmodel
-        for measured in (self._measured, self._node_curves, self._program_rounds, self._eager_programs):
-            measured.pop(cap, None)
+        self._lives[cap].forget()
         self._fit_optimizer_states(max(static))       # (the curve may leave less margin)
         for key in [k for k in self._schedules if k.capture == cap]:
             self._replan(key, static, measured=False)

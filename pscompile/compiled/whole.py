@@ -52,16 +52,18 @@ import torch
 from torch import fx
 
 from pscompile.compiled.buffer_plan import BufferPlan, KeepGraph, buffer_events, replay
-from pscompile.graph.ops import ACTIVATION_OPS, MEMORY_OPS, memory_runner
+from pscompile.compiled.program_store import Learned, ProgramStore
+from pscompile.compiled.regions import is_view_op
+from pscompile.graph.ops import memory_runner, runs_as_transfer
 
 log = logging.getLogger("pscompile.compiled")
 
 __all__ = ["WholeProgram", "ProgramOrderError", "ComputeMutationError", "compute_mutations", "order_edges",
            "BufferPlan", "SymbolicSizes"]
 
-_MEMORY = frozenset(MEMORY_OPS) | frozenset(ACTIVATION_OPS)
 # Inductor's options for the program: random ops call ATen in graph order (dropout masks equal
-# eager's); the plan's order is kept (no reordering for peak memory, which is the plan's job)
+# eager's); the plan's order is kept (no reordering for peak memory, which is the plan's job); no FX
+# graph cache (its ordering edges make Inductor bypass it: ``program_store.py`` keeps the program)
 PATCHES: dict[str, Any] = {"fallback_random": True, "reorder_for_peak_memory": False,
                            "fx_graph_cache": False}
 
@@ -147,7 +149,7 @@ def compute_mutations(gm: fx.GraphModule) -> list[fx.Node]:
     found = []
     for n in gm.graph.nodes:
         schema = getattr(n.target, "_schema", None)
-        if n.op != "call_function" or is_memory(n) or schema is None or not schema.is_mutable:
+        if n.op != "call_function" or runs_as_transfer(n) or schema is None or not schema.is_mutable:
             continue
         if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
             continue
@@ -186,19 +188,10 @@ def deterministic_lowering():
         torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
-def is_memory(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in _MEMORY
-
-
 def _is_view(n: fx.Node) -> bool:
-    """A node Inductor lowers to a view of its input: no kernel, so no place in the order of its own."""
-    if n.op != "call_function":
-        return False
-    if n.target is operator.getitem:
-        return True
-    schema = getattr(n.target, "_schema", None)
-    return (schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is not None
-            and not schema.returns[0].alias_info.is_write)
+    """A node Inductor lowers to a view of its input (a getitem, a view op): no kernel, so no place
+    in the order of its own."""
+    return n.op == "call_function" and (n.target is operator.getitem or is_view_op(n))
 
 
 def order_edges(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
@@ -213,13 +206,13 @@ def order_edges(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     last_use: dict[fx.Node, int] = {}
     for n in reversed(nodes):          # a view's uses are its base's
         last_use[n] = max((last_use[u] if _is_view(u) else pos[u] for u in n.users), default=-1)
-    computed = lambda n: (n.op == "call_function" and not is_memory(n) and not _is_view(n)  # noqa: E731
+    computed = lambda n: (n.op == "call_function" and not runs_as_transfer(n) and not _is_view(n)  # noqa: E731
                           and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)))
     edges: dict[fx.Node, list[fx.Node]] = {}
     prev: fx.Node | None = None
     live: list[fx.Node] = []          # computed values so far (pruned as they die)
     for n in nodes:
-        if is_memory(n):
+        if runs_as_transfer(n):
             live = [v for v in live if last_use[v] > pos[n]]
             deps = ([prev] if prev is not None else []) + [v for v in live if v not in n.all_input_nodes]
             if deps:
@@ -325,8 +318,11 @@ class WholeProgram:
 
     def __init__(self, gm: fx.GraphModule, device: torch.device,
                  edges: Callable[[fx.GraphModule], dict[fx.Node, list[fx.Node]]] = None,
-                 sizes: SymbolicSizes | None = None):
+                 sizes: SymbolicSizes | None = None, store: ProgramStore | None = None):
         self.gm = gm
+        self.store = store if store is not None else ProgramStore()
+        self.cache_hit = False                   # its code came from the store (``compile``)
+        self.key: str | None = None              # its key there
         self.sizes = sizes                       # a range's program: these sizes are symbols
         self._symbols: list[sympy.Symbol] = []
         self._guards: list[sympy.Expr] = []      # what Inductor assumed of the symbols
@@ -334,24 +330,63 @@ class WholeProgram:
         self._plans: dict[tuple, BufferPlan] = {}
         self.edges = edges or order_edges        # (tests drop some, to see parity break)
         self.device = torch.device(device)
-        self.memory_nodes = [n for n in gm.graph.nodes if is_memory(n)]
-        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_memory(n))
-        self.compiled_ops = self.ops
+        self.memory_nodes = [n for n in gm.graph.nodes if runs_as_transfer(n)]
+        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and not runs_as_transfer(n))
         self.buffers: BufferPlan | None = None
         self.compile_s = 0.0
         self.pinned = 0
         self._fn: Callable[[list], Sequence[Any]] | None = None
-        from pscompile.compiled.program import first_backward
+        from pscompile.compiled.steps import first_backward
         first_bwd = first_backward(list(gm.graph.nodes))
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
         at = pos.get(first_bwd, len(pos))
         self._first_bwd_op = next((k for k, n in enumerate(self.memory_nodes) if pos[n] > at), None)
 
     def compile(self) -> None:
+        """Lower the program (see the class doc), or load it from the ``store`` where a process
+        lowered the same graph before (its buffer plan and guards with it)."""
         from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
         t0 = time.perf_counter()
         mode, examples, self._symbols = _examples(self.gm, self.device, self.sizes)
+        # (the key is the scheduled graph's: what it is traced and pinned into follows from it, the
+        # decompositions and the edges; only the default edges' programs are kept)
+        key = self.key = self.store.key(self.gm, examples, self._symbols, self.device) \
+            if self.edges is order_edges else None
+        with torch._guards.tracing(torch._guards.TracingContext(mode)), mode:
+            found = self.store.load(key, self.gm, examples, self._symbols) if key else None
+        if found is not None:
+            self._fn, learned = found
+            self.cache_hit = True
+            self._events, self._guards, self.pinned = list(learned.events), list(learned.guards), learned.pinned
+        else:
+            traced = self._traced(mode, examples)
+            self.pinned = _pin(traced, self.edges)
+            keep = KeepGraph()
+            with torch._inductor.config.patch({**PATCHES, "_post_fusion_custom_pass": keep}), \
+                    torch._guards.tracing(torch._guards.TracingContext(mode)), mode, deterministic_lowering():
+                self._fn = compile_fx_inner(traced, examples)
+            env = mode.shape_env
+            self._guards = [g.expr for g in env.guards] + [a.expr for asserts in env.deferred_runtime_asserts.values()
+                                                           for a in asserts]
+            try:
+                self._events = buffer_events(keep.graph)
+            except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
+                log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
+                self.compile_s = time.perf_counter() - t0
+                return
+            if key:
+                with torch._guards.tracing(torch._guards.TracingContext(mode)), mode:
+                    self.store.save(key, self._fn, examples, self._symbols,
+                                    Learned(tuple(self._events), tuple(self._guards), self.pinned))
+        try:
+            self.buffers = replay(self._events, self._hints())
+        except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
+            log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
+        self.compile_s = time.perf_counter() - t0
+
+    def _traced(self, mode, examples: list) -> fx.GraphModule:
+        """The graph functionalized and decomposed until Inductor lowers every op (``_RETRACES``)."""
+        from torch._inductor.decomposition import select_decomp_table
         with torch._inductor.config.patch(PATCHES):     # (fallback_random: random ops are not decomposed)
             table = {**select_decomp_table(), **PROGRAM_DECOMPOSITIONS}
         traced = self.gm
@@ -368,20 +403,7 @@ class WholeProgram:
             raise ComputeMutationError(
                 f"the compute still mutates after functionalization: {mutating[0].format_node()} "
                 f"({len(mutating)} such nodes); Inductor's order of it cannot be trusted")
-        self.pinned = _pin(traced, self.edges)
-        keep = KeepGraph()
-        with torch._inductor.config.patch({**PATCHES, "_post_fusion_custom_pass": keep}), \
-                torch._guards.tracing(torch._guards.TracingContext(mode)), mode, deterministic_lowering():
-            self._fn = compile_fx_inner(traced, examples)
-        try:
-            self._events = buffer_events(keep.graph)
-            self.buffers = replay(self._events, self._hints())
-        except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
-            log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
-        env = mode.shape_env
-        self._guards = [g.expr for g in env.guards] + [a.expr for found in env.deferred_runtime_asserts.values()
-                                                       for a in found]
-        self.compile_s = time.perf_counter() - t0
+        return traced
 
     def _hints(self) -> dict:
         return dict(zip(self._symbols, self.sizes.hints)) if self.sizes is not None else {}

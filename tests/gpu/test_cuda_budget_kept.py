@@ -60,7 +60,8 @@ def test_cuda_one_program_at_a_tight_budget():
     """From the second step on, one Inductor program per schedule, within the budget by the
     allocator's count every step (``_train``), or compiled eager with the reason said."""
     engine, stats = _train(1.15)
-    assert stats[-1].compiled_share == 1.0 or engine._eager_programs, [s.compiled_share for s in stats]
+    assert stats[-1].compiled_share == 1.0 or any(c.eager_reason for c in engine.captures()), \
+        [s.compiled_share for s in stats]
     engine.close()
 
 

@@ -1,5 +1,6 @@
-"""The program an executor runs (``compiled/executor.py``): its steps, built one per node or by
-regions between memory nodes, and when each value is released.
+"""The steps an executor runs (``compiled/executor.py``), built one per node or by regions between
+memory nodes, and when each value is released. (Not a compiled program: that is ``whole.py``'s
+``WholeProgram``, a schedule as one Inductor program.)
 
 ``per_node``: every node is a step. ``by_regions`` (compiled eager, the fallback rule of
 ``compiled/lowering.py``), in three phases over the scheduled graph: assign the nodes to steps (a
@@ -34,9 +35,6 @@ class LoweringReport:
     memory_nodes: int
     rebuilt_views: int      # buffer views re-created in a later region (should be 0)
     moved_getitems: int     # getitems moved back into their op's region
-
-    def summary(self) -> str:
-        return f"regions: {self.regions} regions, {self.memory_nodes} memory nodes, eager code"
 
 
 class StepKind(StrEnum):
@@ -211,7 +209,6 @@ def _build_graph(r: Region, region_of: dict[fx.Node, Region], aliases: set[fx.No
     g.lint()
     r.graph = g
     r.ops = sum(1 for n in r.nodes if is_compute_op(n))
-    r.compute = r.ops > 0
     return rebuilt
 
 

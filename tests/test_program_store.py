@@ -1,0 +1,117 @@
+"""Every process after the first starts warm: a compiled program is kept (``compiled/program_store.py``)
+and a later process that schedules the same graph loads it instead of compiling it again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pscompile.compiled.program_store import ProgramStore
+from pscompile.compiled.whole import WholeProgram
+
+HERE = Path(__file__).parent
+
+
+def _worker(out: Path, cache: Path, *args: str) -> dict:
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(HERE / "program_cache_worker.py"), str(out), *args], cwd=HERE, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Equal to the bit: every tensor of the (nested) state, and every other value."""
+    from torch.utils._pytree import tree_flatten
+    (xs, sa), (ys, sb) = tree_flatten(a), tree_flatten(b)
+    return sa == sb and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(xs, ys))
+
+
+def test_a_second_process_loads_the_program_and_trains_bit_for_bit(tmp_path):
+    """Three fresh processes, one Inductor cache folder: the first compiles the program (after
+    its measuring step) and saves a checkpoint after step 1; a rerun loads the program (no
+    compile) and gives the first's losses and weights to the bit; a resume from the checkpoint
+    loads it too, runs it from its first step (no measuring step: the checkpoint's measurements),
+    and continues the first run's losses and weights to the bit. Every step within the budget,
+    nothing said at WARNING."""
+    cache, ckpt = tmp_path / "inductor", str(tmp_path / "run.pscompile")
+    first = _worker(tmp_path / "1.pt", cache, "--save", ckpt)
+    rerun = _worker(tmp_path / "2.pt", cache)
+    resume = _worker(tmp_path / "3.pt", cache, "--load", ckpt)
+    for run, loaded in ((first, False), (rerun, True), (resume, True)):
+        programs = [m for m in run["messages"] if "compiled as one program" in m]
+        assert len(programs) == 1 and ("(loaded:" in programs[0]) == loaded, run["messages"]
+        assert not [m for m in run["messages"] if m.startswith("WARNING")], run["messages"]
+        assert max(run["peaks"]) <= run["budget"], (run["peaks"], run["budget"])
+    assert first["shares"] == rerun["shares"] == [0.0, 1.0, 1.0, 1.0]
+    assert resume["shares"] == [1.0, 1.0]
+    assert rerun["losses"] == first["losses"] and _same_state(rerun["state"], first["state"])
+    assert resume["losses"] == first["losses"][2:] and _same_state(resume["state"], first["state"])
+
+
+@pytest.fixture(scope="module")
+def stored():
+    """The tiny GPT's measured schedule (``test_program.tight``'s), compiled once into the process's
+    store, and its inputs."""
+    from test_program import tight_schedule
+    yield from tight_schedule()
+
+
+def _outputs(prog: WholeProgram, inputs: list) -> list:
+    copies = [t.clone() for t in inputs]
+    return [*prog._fn(list(copies)), *copies]
+
+
+def test_the_same_graph_loads_its_program_and_an_unusable_entry_is_compiled_afresh(stored, caplog):
+    """The same scheduled graph again: the program is loaded (``cache_hit``). An entry made
+    unreadable is a miss said once at WARNING: compiled afresh, and stored again (the next one is
+    loaded). The loaded program's buffer plan and outputs (every input it writes included) equal
+    the fresh compile's to the bit."""
+    gm, inputs, prog = stored
+    if not ProgramStore.enabled():
+        pytest.skip("Inductor's FX graph cache is off in this process")
+    again = WholeProgram(gm, torch.device("cpu"))
+    again.compile()
+    assert again.cache_hit and again.key == prog.key
+    entry = prog.store.root / f"{prog.key}.json"
+    entry.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        afresh = WholeProgram(gm, torch.device("cpu"))
+        afresh.compile()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "cannot be used" in warned[0] and "compiled afresh" in warned[0], warned
+    assert not afresh.cache_hit and afresh.buffers == again.buffers == prog.buffers
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(again, inputs), _outputs(afresh, inputs)))
+    json.loads(entry.read_text())
+    last = WholeProgram(gm, torch.device("cpu"))
+    last.compile()
+    assert last.cache_hit
+
+
+@pytest.mark.parametrize("change", ["torch", "code", "events", "symbols"])
+def test_an_entry_of_another_torch_or_other_code_is_a_miss_with_a_warning(stored, tmp_path, caplog, change):
+    """An entry written by another torch, one naming other code than Inductor's cache holds for the
+    key, one with an event this version does not know, or one for other size symbols: ``load``
+    returns None (a miss: the program is compiled afresh) and says so at WARNING; nothing raises."""
+    gm, _, prog = stored
+    if not ProgramStore.enabled():
+        pytest.skip("Inductor's FX graph cache is off in this process")
+    data = json.loads((prog.store.root / f"{prog.key}.json").read_text())
+    data.update({"torch": "1.0.0"} if change == "torch" else {"code": "f" + "0" * 51} if change == "code" else
+                {"events": [["grow", "buf0", 8]]} if change == "events" else {"symbols": ["s0", "s1"]})
+    store = ProgramStore(tmp_path)
+    (tmp_path / f"{prog.key}.json").write_text(json.dumps(data))
+    from pscompile.compiled.whole import _examples
+    mode, examples, symbols = _examples(gm, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="pscompile"), \
+            torch._guards.tracing(torch._guards.TracingContext(mode)), mode:
+        assert store.load(prog.key, gm, examples, symbols) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "cannot be used" in warned[0], warned
+    assert store.warned == [prog.key]
