@@ -56,8 +56,8 @@ def rss_bytes() -> int:
 
 def device_model_bytes(engine) -> int:
     """Model data on the device now: compiled mode's slots and device-homed states, or the store's."""
-    if hasattr(engine, "_model_bytes"):
-        return engine._model_bytes()
+    if hasattr(engine, "moves"):
+        return engine.moves.model_bytes()
     return engine.store.device_model_bytes()
 
 

@@ -128,7 +128,7 @@ def _compiled_minimum(model: nn.Module, batch: Any, config: Config, loss_fn: Los
     of them fits in it. From 1 up: the least budget over the candidates at the probed budget, until
     that is no more than the probe."""
     from pscompile.dist.comm import resolve_comm
-    from pscompile.graph.pipeline import capture_and_analyze, config_least, gather_bytes, layout_candidates, regather
+    from pscompile.graph.pipeline import config_least, gather_bytes, layout_candidates, regather
     from pscompile.runtime.batching import call_model
     from pscompile.runtime.params import collect_params
     batch = to_device(batch, config.torch_device)

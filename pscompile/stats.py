@@ -3,7 +3,7 @@ with units (``print(engine.stats)``); ``repr`` is the dataclass's, every field."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from pscompile.units import format_bytes
 

@@ -250,7 +250,6 @@ class InplaceZoo(nn.Module):
     @staticmethod
     def apply(op: str, h: torch.Tensor) -> torch.Tensor:
         """``op`` on ``h`` (a fresh intermediate), in place where the op is; the value to go on with."""
-        d = h.shape[-1]
         if op == "add_":
             return h.add_(0.5)
         if op == "mul_":

@@ -461,7 +461,7 @@ def lengths(rank: int, world: int, port: int, out_dir: str, modes: list[str]) ->
             refused = str(e)
         unchanged = all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
         losses.append(engine.step(rank_batch(full, 16, rank, world)))
-        symbolic = None if mode == "hooks" else sum(s is not None for s in engine.built._symbolic.values())
+        symbolic = None if mode == "hooks" else engine.built.ranges.symbolic_count()
         torch.save({"losses": losses, "stats": stats, "budget": budget, "refused": refused, "unchanged": unchanged,
                     "symbolic": symbolic}, os.path.join(out_dir, f"lengths-{mode}-rank{rank}.pt"))
         engine.close()

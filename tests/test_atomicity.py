@@ -57,10 +57,9 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
 
 def _assert_idle(engine) -> None:
     """No copy left queued or running, nothing in flight."""
-    queue = getattr(engine, "_queue", None)
-    if queue is not None:
-        assert queue.idle()
-        assert not engine._in_flight and not engine._copying and not engine._reading and not engine._deferred
+    assert engine.copies.idle()
+    moves = getattr(engine, "moves", None)          # (compiled mode's slots and their copies)
+    assert moves is None or moves.idle()
 
 
 def _continue_alike(faulty, clean) -> None:
@@ -117,7 +116,7 @@ def _after_region_stores(engine, nth: int, error: BaseException):
 
 def _on_memory_node(engine, kind: MemKind, nth: int, error: BaseException, *, after: bool = False):
     """Raise ``error`` at the ``nth`` memory node of ``kind`` (after performing it: ``after``)."""
-    real, seen = engine._run_memory_node, [0]
+    real, seen = engine.moves.run, [0]
 
     def run(mem, args, **kw):
         if mem.kind == kind:
@@ -127,7 +126,7 @@ def _on_memory_node(engine, kind: MemKind, nth: int, error: BaseException, *, af
                     real(mem, args, **kw)
                 raise error
         return real(mem, args, **kw)
-    engine._run_memory_node = run
+    engine.moves.run = run
     return lambda: seen[0]
 
 
@@ -176,7 +175,7 @@ def test_compiled_step_loses_nothing_wherever_it_fails(point):
         faulty.link.copy = copy
         error = RuntimeError
     _fails(faulty, error)
-    faulty.__dict__.pop("_run_memory_node", None)
+    faulty.moves.__dict__.pop("run", None)
     faulty.link.__dict__.pop("copy", None)
     _continue_alike(faulty, clean)
 

@@ -57,7 +57,7 @@ def _train(arch: str, mode: str, budget: int, steps: int = 3) -> None:
         loss = engine.step(batch)
         assert loss == loss and engine.stats.peak_device_bytes <= budget, (arch, mode, budget)
         if mode == "compiled":         # the tracker's running count is what the slots really hold
-            assert engine._slot_bytes_allocated == sum(s.untyped_storage().nbytes() for s in engine._slots)
+            assert engine.moves.slot_bytes == sum(s.untyped_storage().nbytes() for s in engine.moves.slots)
     engine.close()
 
 

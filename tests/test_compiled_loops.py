@@ -169,7 +169,7 @@ def test_state_dict_round_trip_with_warm_chunks_resident():
     saved = engine.state_dict()
     engine.step(bs[2:4])                       # moves away from the saved state
     engine.evaluate(bs[2]), engine.evaluate(bs[2])
-    assert len(engine._residency()) > sum(t is pscompile.Tier.DEVICE for t in engine.store.os_tier)
+    assert len(engine.moves.residency()) > sum(t is pscompile.Tier.DEVICE for t in engine.store.os_tier)
     engine.load_state_dict(saved)
     with torch.no_grad():
         expected = float(ref.model(*bs[2]))

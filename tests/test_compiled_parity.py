@@ -97,7 +97,7 @@ def test_scheduled_graph_runs_as_plain_fx():
     b = make_batches(kind, 1)[0]
     engine = pscompile.compile(make_model(kind), b, config=compiled_config(dtype, budget))
     sched = engine.schedule
-    slots = [torch.empty_like(s) for s in engine._slots[:sched.plan.num_slots]]
+    slots = [torch.empty_like(s) for s in engine.moves.slots[:sched.plan.num_slots]]
     for c, k in sched.plan.initial:
         engine.store.cast_master_into(c, slots[k])      # device-homed: the cast of its master
     hosts = [h.clone() for h in engine.store.host_param]

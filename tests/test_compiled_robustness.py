@@ -94,12 +94,12 @@ def test_a_second_batch_shape_gets_its_own_schedule(dynamic):
         assert engine.stats.peak_device_bytes <= budget
         assert (engine.stats.chunk_h2d_bytes, engine.stats.chunk_d2h_bytes) == \
             (engine.last_plan.h2d_bytes, engine.last_plan.d2h_bytes)
-        planned = engine._schedules[engine._last_key].offload_bytes
+        planned = engine.book.cold(engine._last_key).offload_bytes
         if dynamic is False or b is long_batch:
             assert engine.stats.offload_bytes == engine.stats.reload_bytes == planned
         else:
             assert engine.stats.offload_bytes == engine.stats.reload_bytes < planned
-    assert len({k.batch for k in engine._schedules}) == 2
+    assert len({k.batch for k in engine.book.keys()}) == 2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (hf extra)")

@@ -138,7 +138,7 @@ def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
         e.step(BATCHES[0])
     before = snapshot(faulty)
     if where == "backward":                     # a memory node after the third update node fails
-        run, count = faulty._run_memory_node, [0]
+        run, count = faulty.moves.run, [0]
 
         def failing(mem, *a, **k):
             count[0] += mem.kind == MemKind.UPDATE
@@ -146,7 +146,7 @@ def test_a_failed_step_drops_the_updates_already_made(where, monkeypatch):
                 faulty.early.wait()             # (the updates so far have really run)
                 raise _Boom()
             return run(mem, *a, **k)
-        monkeypatch.setattr(faulty, "_run_memory_node", failing)
+        monkeypatch.setattr(faulty.moves, "run", failing)
     elif where == "update thread":              # the fourth early chunk's norm fails on its thread
         monkeypatch.setattr(early_update, "grad_norm", _fails_on_call(4, early_update.grad_norm))
     else:                                       # the global norm fails after every early update

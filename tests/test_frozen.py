@@ -144,7 +144,7 @@ def _check_run(engine, ref, before, initial, out, budget, dtype, evicts=True):
             assert (ours[n] - theirs[n]).abs().mean().item() <= tol * max(moved, 1e-5), n
     if engine.config.mode.value == "compiled":            # frozen chunks are fetched, never written back
         frozen, key = engine.layout.frozen_chunks, engine._last_key     # the cold plan and the warm one that
-        plans = [s.plan for s in (engine._schedules[key], engine._warm.get(key)) if s is not None]   # runs
+        plans = [s.plan for s in (engine.book.cold(key), engine.book.warm(key)) if s is not None]   # runs
         writes = (MemKind.WRITEBACK, MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD, MemKind.UPDATE)
         assert not {a.chunk for p in plans for a in p.actions if a.kind in writes} & frozen
         assert not evicts or {a.chunk for p in plans for a in p.actions if a.kind is MemKind.FETCH} & frozen

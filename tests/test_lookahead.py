@@ -99,7 +99,7 @@ def test_steps_across_the_boundary_give_the_same_bits(monkeypatch):
                 s, plan = engine.stats, engine.last_plan
                 assert (s.chunk_h2d_bytes, s.chunk_d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes), f"step {i}"
                 assert s.peak_device_bytes <= budget and s.num_evictions > 0
-                warm.append(any(c not in engine._schedules[engine._last_key].os_device for c, _ in plan.initial))
+                warm.append(any(c not in engine.book.cold(engine._last_key).os_device for c, _ in plan.initial))
             runs[overlap] = (losses, engine.state_dict(), warm)
             engine.close()
     (l0, sd0, warm0), (l1, sd1, warm1) = runs[False], runs[True]
@@ -120,19 +120,19 @@ def test_a_step_that_fails_after_a_lookahead_loses_nothing():
     for b in batches[:3]:
         engine.step(b)
         clean.step(b)
-    assert engine._in_flight or any(engine.store.resident(c) for c in range(engine.layout.num_chunks))
+    assert not engine.moves.idle() or any(engine.store.resident(c) for c in range(engine.layout.num_chunks))
     before = {k: v.clone() for k, v in engine.state_dict()["master"].items()}
-    real = engine._run_memory_node
+    real = engine.moves.run
 
     def fail(mem, args, **kw):
         if mem.kind is MemKind.WRITEBACK:
             raise RuntimeError("injected")
         return real(mem, args, **kw)
-    engine._run_memory_node = fail
+    engine.moves.run = fail
     with pytest.raises(RuntimeError, match="injected"):
         engine.step(batches[3])
-    del engine._run_memory_node
-    assert not engine._in_flight and not engine._deferred and engine.copies.idle()
+    del engine.moves.run
+    assert engine.moves.idle()
     after = engine.state_dict()["master"]
     assert all(torch.equal(before[k], after[k]) for k in before)
     for b in batches[3:]:
@@ -157,9 +157,9 @@ def test_chunks_are_updated_as_their_writebacks_land():
     n = engine.layout.num_chunks
     assert n >= 4
     copies = {c: _Landing() for c in range(n)}
-    engine._ahead = [(c, 100 + c) for c in range(n)]                 # the next step needs 0, 1, 2, ...
-    engine._deferred = {200 + c: (c, copies[c]) for c in range(n)}
-    engine._wb_seq = {c: n - c for c in range(n)}                    # the backward wrote n-1 first
+    engine.moves.ahead = [(c, 100 + c) for c in range(n)]            # the next step needs 0, 1, 2, ...
+    engine.moves.still_landing = lambda: {c for c in range(n) if not copies[c].landed}
+    engine.moves.issued = lambda c: n - c                            # the backward wrote n-1 first
     copies[1].landed = True
     order = engine._update_order()
     assert next(order) == 1                                          # landed: before the rest

@@ -48,7 +48,7 @@ def engine_for(n_layer: int, budget: str, dropout: float = 0.0):
 def graph_inputs(engine) -> list[torch.Tensor]:
     """Fresh slot and host buffers in the plan's initial state, then buffers and batch."""
     sched = engine.schedule
-    slots = [torch.empty_like(s) for s in engine._slots[:sched.plan.num_slots]]
+    slots = [torch.empty_like(s) for s in engine.moves.slots[:sched.plan.num_slots]]
     for c, k in sched.plan.initial:      # device-homed chunks: the cast of their master
         engine.store.cast_master_into(c, slots[k])
     hosts = [h.clone() for h in engine.store.host_param]

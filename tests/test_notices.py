@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 

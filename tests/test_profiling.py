@@ -47,7 +47,7 @@ def test_a_profiled_step_shows_every_memory_node_its_copies_and_the_waits(tmp_pa
     # a synchronous copy (a gradient stored to the host) runs on the step's own thread (``move``)
     inline = [e for e in lane if e["name"].startswith("copy ") and e["name"].endswith(" (inline)")]
     # the schedule that ran: the cold one, or a warm one starting from what the last run left
-    ran = [engine.schedule.gm] + [w.gm for w in engine._warm.values()]
+    ran = [engine.schedule.gm] + [w.gm for w in engine.book.warm_variants()]
     seen = collections.Counter(e["name"] for e in lane)
     inside_regions = {s for e in lane if e["name"].startswith("region ") and " + " in e["name"]
                       for s in e["name"].split(" + ")[1].split(", ")}     # stores a region runs inside

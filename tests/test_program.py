@@ -41,7 +41,7 @@ def tight_schedule():
     engine = pscompile.compile(make_model("gpt"), batch, config=_config("eager", budget))
     engine.step(batch)
     sched = engine.schedule
-    slots = [torch.zeros(s.shape) for s in engine._slots[:sched.plan.num_slots]]
+    slots = [torch.zeros(s.shape) for s in engine.moves.slots[:sched.plan.num_slots]]
     for c, k in sched.plan.initial:
         engine.store.cast_master_into(c, slots[k])
     inputs = [*slots, *[h.clone() for h in engine.store.host_param], *sched.captured.flatten_batch(batch)]

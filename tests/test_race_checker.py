@@ -142,7 +142,7 @@ def test_a_dropped_wait_computes_on_poison(monkeypatch):
     and the step is refused before its update (a real stream might land the copy in time, or not)."""
     engine, batch = _tight_engine()
     ref = ReferenceTrainer(make_model("gpt"), optimizer=pscompile.AdamW(), dtype=torch.float32)
-    run = engine._run_memory_node
+    run = engine.moves.run
     waits: list[str] = []
     drop: list[str] = []
 
@@ -152,7 +152,7 @@ def test_a_dropped_wait_computes_on_poison(monkeypatch):
             if node in drop:
                 return None                          # the wait forgotten: the copy stays in flight
         return run(mem, args, at_end=at_end, node=node)
-    monkeypatch.setattr(engine, "_run_memory_node", without_one_wait)
+    monkeypatch.setattr(engine.moves, "run", without_one_wait)
     for _ in range(2):                               # measured, then the steady schedule
         waits.clear()
         assert engine.step(batch) == pytest.approx(ref.step(batch), rel=1e-5)
@@ -171,7 +171,7 @@ def test_a_drop_before_its_writeback_landed_raises_naming_the_node(monkeypatch):
         def pop(self, key, default=None):          # the drop no longer finds the writeback to wait for
             super().pop(key, default)
             return None
-    monkeypatch.setattr(engine, "_reading", Forgetful())
+    monkeypatch.setattr(engine.moves, "_reading", Forgetful())
     with pytest.raises(CopyRaceError, match=r"node drop\w* frees memory the d2h copy of node writeback\w* still owns"):
         engine.step(batch)
 

@@ -2,8 +2,9 @@
 
 A capture (one traced iteration of a batch shape and run kind, ``keys.CaptureKey``) is planned from a
 non-model curve. Which curve, and whether its schedules run as one compiled program, is the
-capture's life, owned here by a ``CaptureLife`` (one per capture, ``CaptureLives`` holds them). Its
-stage is one of ``Stage``, and only the events in ``LIFE`` move it:
+capture's life, owned here by a ``CaptureLife`` (one per capture). ``CaptureBook`` holds every
+capture's analysis, schedules and life: one owner. A life's stage is one of ``Stage``, and only the
+events in ``LIFE`` move it:
 
 ======================  =========================================  =================  ===========================
 event                   from                                       to                 where it happens
@@ -28,9 +29,9 @@ event                   from                                       to           
                                                                                       capture dropped (``state``)
 ======================  =========================================  =================  ===========================
 
-Each change of stage plans the capture's schedules again (the engine does that where the event
-happens). An event in a stage the table does not allow raises ``LifeError`` (a bug, never the
-user's input). ``CaptureLives.status()`` is the public view of every life (``CaptureStatus``,
+Each change of stage plans the capture's schedules again: where the event happens, the engine
+calls ``planning._replan_capture``, the one place a capture is re-planned. An event in a stage the table does not allow raises ``LifeError`` (a bug, never the
+user's input). ``CaptureBook.status()`` is the public view of every life (``CaptureStatus``,
 ``CompiledEngine.captures()``).
 """
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 from pscompile.kinds import StrEnum
 
-__all__ = ["CaptureLife", "CaptureLives", "CaptureStatus", "LIFE", "Stage"]
+__all__ = ["ActivationBases", "CaptureBook", "CaptureLife", "CaptureStatus", "LIFE", "Stage"]
 
 
 class Stage(StrEnum):
@@ -158,26 +159,108 @@ class CaptureLife:
                 "program_rounds": self.program_rounds, "eager": self.eager_reason}
 
 
-class CaptureLives:
-    """Every capture's ``CaptureLife``, made at first use."""
+class ActivationBases:
+    """Per capture, what its activation plan is chosen from: the capture before the plan
+    (``base``), and the bytes a choice leaves Inductor's buffers (``reserve``: set once, where a
+    program did not fit the plan chosen for the whole budget; ``lowering._rechoose_activations``).
+    The planning notes the bases and chooses with the reserve; the lowering sets it."""
 
     def __init__(self):
-        self._lives: dict = {}
+        self._bases: dict = {}
+        self._reserve: dict = {}
 
-    def __getitem__(self, cap) -> CaptureLife:
+    def note(self, cap, analyzed) -> None:
+        self._bases[cap] = analyzed
+
+    def base(self, cap):
+        return self._bases.get(cap)
+
+    def forget(self, cap) -> None:
+        """``cap`` is captured again (a range's new bound): its base goes (a reserve stays)."""
+        self._bases.pop(cap, None)
+
+    def reserve(self, cap) -> int:
+        return self._reserve.get(cap, 0)
+
+    def reserved(self, cap) -> bool:
+        return cap in self._reserve
+
+    def set_reserve(self, cap, nbytes: int) -> None:
+        self._reserve[cap] = nbytes
+
+
+class CaptureBook:
+    """Every capture compiled mode holds, and all it holds of each: its analysis (the captured
+    graph with its activation plan, ``pipeline.AnalyzedGraph``), what that plan was chosen from
+    (``bases``), its schedules (the cold one of each ``ScheduleKey`` and its warm variant,
+    ``pipeline.Scheduled``) and its ``CaptureLife``. The engine's planning asks and tells through
+    these methods; the schedules of one capture are dropped together (``drop_schedules``)."""
+
+    def __init__(self):
+        self._analyses: dict = {}      # CaptureKey -> AnalyzedGraph
+        self._cold: dict = {}          # ScheduleKey -> Scheduled, in planning order
+        self._warm: dict = {}          # ScheduleKey -> its warm variant
+        self._lives: dict = {}         # CaptureKey -> CaptureLife (made at first use)
+        self.bases = ActivationBases()
+
+    # the analysis
+    def analysis(self, cap):
+        """``cap``'s analysis; None while it has none (captured at its next use)."""
+        return self._analyses.get(cap)
+
+    def set_analysis(self, cap, analyzed) -> None:
+        self._analyses[cap] = analyzed
+
+    def drop_analysis(self, cap) -> None:
+        self._analyses.pop(cap, None)
+
+    def analyzed(self) -> list:
+        """The captures that have an analysis now."""
+        return list(self._analyses)
+
+    # the schedules
+    def cold(self, key):
+        return self._cold.get(key)
+
+    def set_cold(self, key, sched) -> None:
+        self._cold[key] = sched
+
+    def warm(self, key):
+        return self._warm.get(key)
+
+    def set_warm(self, key, sched) -> None:
+        self._warm[key] = sched
+
+    def keys(self, cap=None) -> list:
+        """The keys with a schedule (``cap``'s only, if given), in the order they were planned."""
+        return [k for k in self._cold if cap is None or k.capture == cap]
+
+    def last_key(self):
+        """The key planned last (None: none is)."""
+        return next(reversed(self._cold), None)
+
+    def drop_schedules(self, key) -> list:
+        """``key``'s cold schedule and warm variant go; returned (what was made for them goes too)."""
+        return [s for s in (self._cold.pop(key, None), self._warm.pop(key, None)) if s is not None]
+
+    def drop_warm(self, key):
+        return self._warm.pop(key, None)
+
+    def warm_variants(self) -> list:
+        return list(self._warm.values())
+
+    # the lives
+    def life(self, cap) -> CaptureLife:
         life = self._lives.get(cap)
         if life is None:
             life = self._lives[cap] = CaptureLife()
         return life
 
-    def get(self, cap) -> CaptureLife | None:
+    def known_life(self, cap) -> CaptureLife | None:
+        """``cap``'s life if it has one yet (None: nothing learned)."""
         return self._lives.get(cap)
 
-    def drop(self, cap) -> None:
-        """The capture is gone (captured again at its next use): its life starts over."""
-        self._lives.pop(cap, None)
-
-    def items(self):
+    def lives(self):
         return self._lives.items()
 
     def status(self) -> list[CaptureStatus]:

@@ -12,7 +12,7 @@ an observer); the schedules of that capture are then planned again with the meas
 with ``backend="inductor"`` later runs execute one program Inductor compiled from the whole schedule,
 memory nodes inside, checked against Inductor's own buffer plan before it runs
 (``compiled/lowering.py`` tells a schedule's life, ``compiled/whole.py`` the program). Memory nodes
-always run in ``compiled/moves.py`` (``_run_memory_node``), through the copy engine, and the bytes a
+always run in ``compiled/moves.py`` (``ChunkMoves``, the part that owns the slots), through the copy engine, and the bytes a
 run moved must equal the bytes its plan promised; what a checkpoint carries of compiled mode is
 ``compiled/state.py``. The optimizer runs after the graph, chunk by chunk, where
 each chunk's optimizer states live (``ChunkEngine``).
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pscompile.compiled.capture_life import CaptureLives, CaptureStatus
+from pscompile.compiled.capture_life import CaptureBook, CaptureStatus
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
 from pscompile.compiled.lowering import ScheduleLowering
-from pscompile.compiled.moves import MemoryMoves
-from pscompile.compiled.planning import ActivationBases, CompiledPlanning
+from pscompile.compiled.moves import ChunkMoves
+from pscompile.compiled.planning import CompiledPlanning
 from pscompile.compiled.state import CompiledState
 from pscompile.compiled.ranges import ShapeRanges
 from pscompile.compiled.schedule import Schedule, model_summary
@@ -42,10 +42,9 @@ from pscompile.config import AdamW, Config
 from pscompile.resolved import resolve
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
-from pscompile.graph.ops import activation_move, is_memory_node, mem_op
+from pscompile.graph.ops import activation_move, mem_op
 from pscompile.graph.minimum import minimum_budget, program_least
-from pscompile.graph.capture import CapturedGraph
-from pscompile.graph.pipeline import AnalyzedGraph, Scheduled
+from pscompile.graph.pipeline import Scheduled
 from pscompile.kinds import Backend, MemKind, RunKind
 from pscompile.memory.disk_homes import DiskAccumulation
 from pscompile.memory.rates import Rates, measure_rates
@@ -88,7 +87,7 @@ class _RunRecord:
     samples: dict[int, int] | None      # measured non-model bytes per captured node (measuring run)
 
 
-class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledState, ChunkEngine):
+class CompiledEngine(CompiledPlanning, ScheduleLowering, CompiledState, ChunkEngine):
     def __init__(self, model: nn.Module, batch: Any, *, optimizer: AdamW, config: Config,
                  loss_fn: LossFn | None = None):
         config = resolve(config)
@@ -99,26 +98,21 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
                 raise ValueError(f"backend='inductor' needs Inductor's control_deps (torch._inductor.fx_passes."
                                  f"control_dependencies), which torch {torch.__version__} lacks (pscompile is "
                                  "tested with torch 2.13); use backend='eager' or a newer torch") from None
-        self._ranges = ShapeRanges(config.dynamic is not False)      # batches whose sizes change
-        self._symbolic: dict[CaptureKey, CapturedGraph | None] = {}  # a range's symbolic capture (None: failed)
-        self._range_planned: dict[CaptureKey, tuple[int, ...]] = {}  # the bound a range's capture is planned for
+        self.ranges = ShapeRanges(config.dynamic is not False)      # batches whose sizes change
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         if self.world > 1:    # ZeRO: the ranges see only the sizes the ranks agree on (``_check_batch``),
-            self._ranges = ShapeRanges(self._ranges.enabled)      # not a rank's own first batch
-        self._captures: dict[CaptureKey, AnalyzedGraph] = {}
-        self._activation_bases = ActivationBases()     # what each capture's activation plan is chosen from
-        self._lives = CaptureLives()                   # what each capture has learned (``capture_life.py``)
-        self._schedules: dict[ScheduleKey, Scheduled] = {}
-        self._warm: dict[ScheduleKey, Scheduled] = {}             # warm variants (accum, eval)
+            self.ranges.restart()                               # not a rank's own first batch
+        # every capture's analysis, schedules (cold and warm variants) and life (``capture_life.py``)
+        self.book = CaptureBook()
         self._last_key: ScheduleKey | None = None
         self._last_run: Scheduled | None = None        # the schedule the last step ran (cold or warm)
-        self._init_moves()
+        self.moves = ChunkMoves(self.store, self.copies, self.link, device=self.device, dtype=self.dtype,
+                                chunk_size=self.layout.chunk_size, start_update=self._start_update)
         self._os_placed = False
         self._check_moved: tuple[Scheduled, Any, bool] | None = None   # a run whose bytes are checked after its update
         self._init_lowering()
         self._sample_every_op = False      # regions too (tests: the boundary samples against every operator)
         self._restored: dict[str, dict] = {}      # CaptureKey.token -> what a loaded checkpoint measured
-        self._written: set[str] = set()            # parameters whose gradients the current run stored
         self.last_plan: ResidencyPlan | None = None
         self.eval_plan: ResidencyPlan | None = None
         self._rates: Rates | None = None
@@ -169,25 +163,25 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         and what it is measuring; the steps before and after are methods of their own."""
         t_start = time.perf_counter()
         self._count_outside_steps()
-        self._disk_acc = acc if isinstance(acc, DiskAccumulation) else None
-        tracker = NonModelTracker(self.device, self._is_model_storage, self._model_bytes,
+        tracker = NonModelTracker(self.device, self.moves.is_model_storage, self.moves.model_bytes,
                                   exact_windows=not sched.measured)
-        if self._lives[key.capture].unproven and self.comm is None:   # stops at the first sample over
+        if self.book.life(key.capture).unproven and self.comm is None:   # stops at the first sample over
             tracker.limit = self.budget                            # (``_distrust_restored``)
         comm_before = self._comm_bytes()
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
-        self._written = set()
+        self.moves.begin_run(disk_acc=acc if isinstance(acc, DiskAccumulation) else None, fresh_acc=self._fresh_acc,
+                             disk_prefetch=self.disk_prefetch)
         executor = self._executor_for(key, sched, inputs)
         observer = _NodeMemory(tracker) if not sched.measured else None
         t_bwd: list[float] = []
-        extra = self._region_extra.get(sched.gm, {})
 
         # node by node, the tracker sees every operator (a dispatch mode); eager regions are sampled
         # at every step boundary instead: live storages plus what each region allocates inside (learned
         # by the tracker in the executor's first run, which samples every operator and records each
         # region's rise above its start); a compiled program at its memory nodes, with Inductor's
         # buffer plan (``compiled/whole.py``). Steps after measurement pay no per-operator cost.
-        learning = executor.split == "regions" and sched.gm in self._unlearned
+        learning = executor.split == "regions" and not executor.learned
+        extra = executor.region_extra if executor.split == "regions" else {}
         learned: dict[int, int] = {}
         if learning:
             tracker.exact_windows = True
@@ -201,7 +195,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
 
         def around_region(r) -> contextlib.AbstractContextManager:   # what the tracker cannot see inside
             for n in r.effects:
-                self._mark_stored(mem_op(n))
+                self.moves.mark_stored(mem_op(n))
             if learning and r.index not in extra:
                 return learn(r)
             tracker.sample_with(extra.get(r.index, 0))
@@ -213,17 +207,17 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         tail = self._tail(sched) if overlapping else frozenset()
 
         def run_memory(n: fx.Node, args: tuple) -> torch.Tensor | None:
-            moves = activation_move(n)
+            act = activation_move(n)
             with pause():
-                if moves is None:
+                if act is None:
                     mem = mem_op(n)
-                    made = self._run_memory_node(mem, args, at_end=n in tail, node=n.name)
+                    made = self.moves.run(mem, args, at_end=n in tail, node=n.name)
                 else:
-                    made = self._move_activation(moves, args, node=n.name)
-            if moves is not None and moves.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
+                    made = self.moves.move_activation(act, args, node=n.name)
+            if act is not None and act.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
                 if executor.split != "program":          # (there: one of Inductor's buffers, counted by them)
                     tracker.add_tensor(made)             # back on the device (the host copy is not)
-            elif not dispatching and moves is None and not mem.kind.arrives:
+            elif not dispatching and act is None and not mem.kind.arrives:
                 return made       # no device memory was taken: the total cannot have risen here
             tracker.sample_now()
             return made
@@ -241,13 +235,9 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
                                            on_outputs=count if executor.split == "regions" else None,
                                            on_backward=lambda: t_bwd.append(time.perf_counter()),
                                            around_region=around_region if executor.split == "regions" else None)
-            if not self._deferred:
-                self.copies.flush()
+            self.moves.end_run()
             if learning:                     # (a failed run learns nothing: its next run measures again)
-                extra.update(learned)
-                self._unlearned.discard(sched.gm)
-            self._reading.clear()
-            self._homing.clear()
+                executor.learn(learned)
         except BaseException:
             self._abort_run(acc)
             raise
@@ -265,7 +255,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         self.copies.sync_compute()    # (reading the loss waited for compute already)
         compiled = executor.ops if executor.split == "program" else 0     # (Inductor's; compiled eager's are not)
         return MicroRun(value, tracker, traffic, t_back - t_start, t_end - t_back,
-                        frozenset(self._written), record, (executor.ops, compiled))
+                        frozenset(self.moves.written), record, (executor.ops, compiled))
 
     def _graph_inputs(self, sched: Scheduled, batch: Any, acc: list[torch.Tensor] | None, loss_scale: float,
                       tracker: NonModelTracker) -> list:
@@ -274,7 +264,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         accs = acc if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in sched.plan.actions) else []
         if isinstance(accs, DiskAccumulation):     # (on disk: the accumulate_grad nodes open them)
             accs = [torch.empty(0)] * len(accs)
-        model_inputs = [*self._slots[:sched.plan.num_slots], *self.store.host_param, *accs]
+        model_inputs = [*self.moves.slots[:sched.plan.num_slots], *self.store.host_param, *accs]
         rest = [*[self.model.get_buffer(f) for f in sched.captured.buffer_fqns],
                 *sched.captured.flatten_batch(batch)]
         if self.scaler is not None and sched.kind.backward:        # float16: the graph's loss-scale input
@@ -283,20 +273,6 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
             tracker.add_tensor(t)
         tracker.reset_peaks()
         return model_inputs + rest
-
-    def _tail(self, sched: Scheduled) -> frozenset[fx.Node]:
-        """The memory nodes of ``sched`` after its last compute node (the end of the step)."""
-        known = self._tails.get(sched.gm)
-        if known is None:
-            tail = []
-            for n in reversed(list(sched.gm.graph.nodes)):
-                if n.op == "output":
-                    continue
-                if not is_memory_node(n):
-                    break
-                tail.append(n)
-            known = self._tails[sched.gm] = frozenset(tail)
-        return known
 
     # ---------------------------------------------------------------- the step (ChunkEngine.step)
     def _run_micro(self, batch: Any, *, acc: list[torch.Tensor] | None, scale: float, k: int) -> MicroRun:
@@ -310,7 +286,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
 
     def _update(self, last: MicroRun, written: frozenset[str], divisor: float,
                 acc: list[torch.Tensor] | None) -> bool:
-        self._settle()               # accumulation left clean chunks resident; updates need them home
+        self.moves.settle()          # accumulation left clean chunks resident; updates need them home
         sched = last.context.scheduled
         if acc is not None or sched.kind is not RunKind.TRAIN or not self._overlaps_update:
             with last.tracker:
@@ -326,23 +302,23 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         the next step as soon as it is updated (``plan_lookahead``; bytes counted now). The bytes
         the run and these fetches moved are checked against the plan here, once all has landed."""
         tracker = last.tracker
-        self._ahead = list(sched.lookahead.fetches) if sched.measured and sched.lookahead is not None else []
+        self.moves.ahead = list(sched.lookahead.fetches) if sched.measured and sched.lookahead is not None else []
         # a measured schedule's update allocates no device memory but 4-byte norms: no per-operator
         # dispatch mode (the fetches ahead, which take slots, are sampled where they start)
         try:
             with tracker if not sched.measured or self._sample_every_op else contextlib.nullcontext():
-                skipped = self._optimizer_step(set(written), divisor, tracker, before_update=self._land,
+                skipped = self._optimizer_step(set(written), divisor, tracker, before_update=self.moves.land,
                                                norm_source=self._norm_source, order=self._update_order(),
-                                               after_update=lambda c: self._fetch_ahead(c, tracker))
-                for c, _ in list(self._ahead) if skipped else ():    # (a skipped step changed no chunk)
-                    self._fetch_ahead(c, tracker)
-            self._land()
+                                               after_update=lambda c: self.moves.fetch_ahead(c, tracker))
+                for c, _ in list(self.moves.ahead) if skipped else ():    # (a skipped step changed no chunk)
+                    self.moves.fetch_ahead(c, tracker)
+            self.moves.land()
         except BaseException:
-            self._land(errors=False)
-            self._settle()           # a failed step leaves no copy in flight: the chunks fetched ahead go
+            self.moves.land(errors=False)
+            self.moves.settle()         # a failed step leaves no copy in flight: the chunks fetched ahead go
             raise
         finally:
-            self._ahead = []
+            self.moves.ahead = []
         check, self._check_moved = self._check_moved, None
         if check is not None:
             run_sched, traffic, ranged = check
@@ -355,13 +331,13 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
     def _norm_source(self, c: int, frozen: list) -> torch.Tensor | None:
         """Chunk ``c``'s gradient for the norm: its device slot while its writeback lands (unless
         ranges of it got no gradient: those are zeroed at home, so it lands first)."""
-        slot = next((k for k, (chunk, _) in self._deferred.items() if chunk == c), None)
+        slot = self.moves.landing_slot(c)
         if slot is None:
             return None
         if frozen:
-            self._land(c)
+            self.moves.land(c)
             return None
-        return self._slots[slot]
+        return self.moves.slots[slot]
 
     def _update_order(self):
         """Every chunk once: the next step's lookahead chunks first, then the others; a chunk whose
@@ -369,18 +345,18 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         ready one is left. When none is, the next is the one whose writeback was issued first
         (the link carries each direction in order, so it lands first), not the first in order,
         whose writeback may land last while the others could be updated and fetched ahead."""
-        first = [c for c, _ in self._ahead]
+        first = [c for c, _ in self.moves.ahead]
         todo = first + [c for c in range(self.layout.num_chunks) if c not in set(first)]
         while todo:
-            landing = {c for c, fut in self._deferred.values() if not fut.done()} | self.early.running()
+            landing = self.moves.still_landing() | self.early.running()
             c = next((c for c in todo if c not in landing), None)
             if c is None:                                        # all landing: the first issued
-                c = min(todo, key=lambda c: self._wb_seq.get(c, 0))
+                c = min(todo, key=self.moves.issued)
             todo.remove(c)
             yield c
 
     def _undo_all(self, only=None) -> None:
-        self._land(errors=False)       # the homes being undone: no writeback still lands in them
+        self.moves.land(errors=False)  # the homes being undone: no writeback still lands in them
         super()._undo_all(only)
 
     def _after_step(self, batches: list, runs: list[MicroRun], *, accumulate: bool) -> None:
@@ -413,17 +389,15 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         the bound fell short of a shorter batch's needs on Hugging Face's GPT-2: 846,340 bytes
         against a budget of 813,431 planned from it)."""
         cap = key.capture
-        static = self._captures[cap].nonmodel     # kept where nothing runs: placeholders, output,
+        static = self.book.analysis(cap).nonmodel     # kept where nothing runs: placeholders, output,
         measured = tuple(samples.get(i, est) for i, est in enumerate(static))   # parameter views
         if ShapeRanges.is_ranged(key.batch):    # the estimate at the bound is what grows with the sizes:
             measured = tuple(map(max, measured, static))   # a measurement (at any length) only adds to it
         if self.comm is not None:          # every rank plans from the same curve: the same collectives
             measured = self.comm.agree_max(measured)
-        self._lives[cap].measure(measured)
+        self.book.life(cap).measure(measured)
         self._fit_optimizer_states(max(measured))     # first: the new curve may leave less margin
-        for other in list(self._schedules):
-            if other.capture == cap:
-                self._replan(other, measured, measured=True)
+        self._replan_capture(cap, measured, measured=True)
         if self._program_capture(key):   # compiled when a run of this key comes (``_runnable``): a batch of
             self._lower_when_run(key)    # another length may come first and make a range, whose program serves it
         else:
@@ -446,16 +420,16 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         the activation policy chose for this budget; with more recomputation a smaller budget may
         work (``pscompile.min_device_memory`` says how small)."""
         slot = self.store.param_chunk_bytes
-        return max(minimum_budget(self._captures[key.capture], self.layout, nonmodel=s.nonmodel,
+        return max(minimum_budget(self.book.analysis(key.capture), self.layout, nonmodel=self.book.cold(key).nonmodel,
                                   slot_bytes=slot, world=self.world, device_homes=self.min_device_homes,
                                   state_bytes=self.store.os_chunk_bytes).nbytes
-                   for key, s in self._schedules.items())
+                   for key in self.book.keys())
 
     def captures(self) -> list[CaptureStatus]:
         """What ran for each capture and why (``compiled/capture_life.py``): its stage (static,
         measured, restored from a checkpoint, or raised to Inductor's buffers), the re-plans
         Inductor's buffers caused, and why it runs as compiled eager (None where it runs one program)."""
-        return self._lives.status()
+        return self.book.status()
 
     def _mode_title(self) -> str:
         return f"compiled mode ({self.config.backend} backend)"
@@ -470,9 +444,10 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, MemoryMoves, CompiledSt
         the latest one planned):
         ``print`` it, ``.table()``, ``.save(folder)``. ``schedule_of(batch, kind)`` gives any other,
         e.g. the evaluation schedule."""
-        key = self._last_key if self._last_key in self._schedules else next(reversed(self._schedules))
-        ran = self._last_run if self._last_run in (self._schedules[key], self._warm.get(key)) else None
-        return self._as_schedule(ran or self._schedules[key])
+        key = self._last_key if self.book.cold(self._last_key) is not None else self.book.last_key()
+        cold = self.book.cold(key)
+        ran = self._last_run if self._last_run in (cold, self.book.warm(key)) else None
+        return self._as_schedule(ran or cold)
 
     def schedule_of(self, batch: Any, kind: str = "train") -> Schedule:
         """The schedule for ``batch``: kind "train", "accum" (one micro-batch of gradient

@@ -79,6 +79,10 @@ class Executor:
                              "of its own)")
         self.gm = gm
         self.split = split
+        # regions: what each allocates beyond what is live at its start (region index -> bytes),
+        # learned by the engine's tracker, operator by operator, in the executor's first run (``learn``)
+        self.region_extra: dict[int, int] = {}
+        self.learned = split != "regions"
         nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.output_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -101,6 +105,12 @@ class Executor:
         self._first_bwd_step = next(
             (i for i, s in enumerate(program)
              if (s.kind is StepKind.REGION and first_bwd in s.region.nodes) or s.node is first_bwd), None)
+
+    def learn(self, extra: dict[int, int]) -> None:
+        """What the regions allocate inside, measured in this executor's first run (a failed run
+        learns nothing: the next measures again)."""
+        self.region_extra.update(extra)
+        self.learned = True
 
     # ------------------------------------------------------------------ running
     def run(self, inputs: Sequence[torch.Tensor], run_memory: Callable[[fx.Node, tuple], Any], *,

@@ -29,8 +29,7 @@ The one fallback rule: a schedule that is not compiled as one program runs as **
 cold schedule that has a warm variant under ZeRO, a program Inductor could not compile, a capture
 whose re-plans did not fit, the last two said at WARNING with the reason, and a length a range's
 program does not admit, at INFO). An eager region's inside (what it allocates beyond what is live
-at its start) is learned by the tracker in its executor's first run (``_unlearned``,
-``_region_extra``).
+at its start) is learned by the tracker in its executor's first run (``Executor.learn``).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+from torch import fx
 
 from pscompile.compiled.executor import Executor
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
@@ -47,6 +47,7 @@ from pscompile.compiled.whole import SymbolicSizes, WholeProgram
 from pscompile.errors import BudgetError
 from pscompile.graph.meta import get
 from pscompile.graph.minimum import least_budget
+from pscompile.graph.ops import is_memory_node
 from pscompile.kinds import Activations, Backend
 
 log = logging.getLogger("pscompile.compiled")
@@ -62,16 +63,12 @@ _MAX_PROGRAM_ROUNDS = 2   # re-plans with Inductor's buffers counted; then the c
 
 class ScheduleLowering:
     """Mixin of ``CompiledEngine`` (see the module doc); it relies on the engine's ``config``,
-    ``budget``, ``comm``, ``device``, ``store``, ``_schedules``, ``_lives``, ``_replan`` and
+    ``budget``, ``comm``, ``device``, ``store``, ``book``, ``_replan_capture`` and
     ``_warm_of``."""
 
     def _init_lowering(self) -> None:
         # (every table keyed by a schedule's graph keeps it alive until _forget_lowering drops it)
         self._executors: dict = {}        # scheduled gm -> its Executor or WholeProgram
-        # scheduled gm -> region index -> bytes an eager region allocates beyond what is live at its
-        # start, learned by the tracker, operator by operator, in the first run of its executor
-        self._region_extra: dict = {}
-        self._unlearned: set = set()      # compiled-eager executors whose regions are not learned yet
         self._tails: dict = {}            # scheduled gm -> its memory nodes after the last compute
         self._to_lower: set[ScheduleKey] = set()  # measured, its program compiled when a run of it comes
         self._lengths: dict[tuple, bool] = {}   # (range's scheduled gm, its sizes) -> its program runs them
@@ -79,10 +76,23 @@ class ScheduleLowering:
 
     def _forget_lowering(self, gm) -> None:
         """Drop what was made for the schedule of ``gm`` (it is being replaced)."""
-        for made in (self._executors, self._region_extra, self._tails, self._length_eager):
+        for made in (self._executors, self._tails, self._length_eager):
             made.pop(gm, None)
         self._lengths = {k: v for k, v in self._lengths.items() if k[0] is not gm}
-        self._unlearned.discard(gm)
+
+    def _tail(self, sched: Scheduled) -> frozenset[fx.Node]:
+        """The memory nodes of ``sched`` after its last compute node (the end of the step)."""
+        known = self._tails.get(sched.gm)
+        if known is None:
+            tail = []
+            for n in reversed(list(sched.gm.graph.nodes)):
+                if n.op == "output":
+                    continue
+                if not is_memory_node(n):
+                    break
+                tail.append(n)
+            known = self._tails[sched.gm] = frozenset(tail)
+        return known
 
     def _executor_for(self, key: ScheduleKey, sched: Scheduled, inputs: list | None = None, *,
                       between_steps: bool = False) -> Executor | WholeProgram:
@@ -136,20 +146,20 @@ class ScheduleLowering:
         program steady runs take (the warm variant, if any); where its buffers make the capture
         plan again, the new one (bounded)."""
         for _ in range(_MAX_PROGRAM_ROUNDS + 2):
-            cold = self._schedules.get(key)
+            cold = self.book.cold(key)
             if cold is None:
                 return
             target = self._warm_of(key) if self._program_capture(key) and cold.measured else None
             self._executor_for(key, target or cold, between_steps=True)
-            if self._schedules.get(key) is cold:       # (no re-plan: done)
+            if self.book.cold(key) is cold:            # (no re-plan: done)
                 return
 
     def _wants_program(self, key: ScheduleKey, sched: Scheduled) -> bool:
         """Compiled as one program: Inductor, fixed sizes, no reason found to run compiled eager, and
         not a cold schedule with a warm variant (one program per loop: steady runs take the warm
-        one, which a run starts from, ``_warm_start``)."""
-        return (self._program_capture(key) and self._lives[key.capture].eager_reason is None
-                and not (sched is self._schedules.get(key) and self._warm_of(key) is not None))
+        one, which a run starts from, ``ChunkMoves.warm_start``)."""
+        return (self._program_capture(key) and self.book.life(key.capture).eager_reason is None
+                and not (sched is self.book.cold(key) and self._warm_of(key) is not None))
 
     def _lower_when_run(self, key: ScheduleKey) -> None:
         """``key``'s schedule is measured: its program is compiled when a run of it comes
@@ -175,9 +185,9 @@ class ScheduleLowering:
         symbolic capture), hinted at the bound the capture was planned for. None for fixed sizes."""
         if not ShapeRanges.is_ranged(key.batch):
             return None
-        dims = self._ranges.dims(key.batch)
-        bound = self._range_planned.get(key.capture) or self._ranges.bound(key.batch)
-        sym = self._symbolic[key.capture]
+        dims = self.ranges.dims(key.batch)
+        bound = self.ranges.planned(key.capture) or self.ranges.bound(key.batch)
+        sym = self.ranges.symbolic(key.capture)
         offset = sym.num_params + len(sym.buffer_fqns)
         phs = list(sched.gm.graph.find_nodes(op="placeholder"))
         scale = 1 if self.scaler is not None and key.kind.backward else 0
@@ -268,7 +278,7 @@ class ScheduleLowering:
         Between steps, optimizer states kept on the device leave it first where the raised curve
         leaves them less margin (``_fit_optimizer_states``, as a measured curve does). This run
         keeps its plan, run as compiled eager (it holds by construction)."""
-        cap, life = key.capture, self._lives[key.capture]
+        cap, life = key.capture, self.book.life(key.capture)
         this_run = self._compiled_eager(key, sched)
         if life.program_rounds >= _MAX_PROGRAM_ROUNDS:
             self._executors[sched.gm] = this_run
@@ -285,15 +295,13 @@ class ScheduleLowering:
         if between_steps:
             self._fit_optimizer_states(max(curve))
         try:
-            for other in [k for k in self._schedules if k.capture == cap]:
-                self._replan(other, curve, measured=True)
+            self._replan_capture(cap, curve, measured=True)
         except BudgetError as e:      # the budget does not hold them: the plan that does (compiled eager)
             before = life.undo_raise()
             if between_steps and self._rechoose_activations(cap, max(over.values())):
                 self._executors[sched.gm] = this_run
                 return
-            for other in [k for k in self._schedules if k.capture == cap]:
-                self._replan(other, before or self._schedules[other].nonmodel, measured=True)
+            self._replan_capture(cap, before, measured=True)     # (None: each its own curve)
             needs = (f"needs device_memory >= {e.minimum} (this budget is {self.budget})" if e.minimum
                      else f"does not fit device_memory={self.budget} ({str(e)[:160]})")
             self._eager_program(cap, f"Inductor's buffers exceed the plan by up to {max(over.values())} bytes, and a "
@@ -332,14 +340,14 @@ class ScheduleLowering:
         of the capture's schedules planned anew on its static curve (its next run measures it,
         then it is compiled). False when that is done already, the policy is not "auto", the
         budget is that least already, or the choice is the same."""
-        bases = self._activation_bases
+        bases = self.book.bases
         base = bases.base(cap)
         if base is None or bases.reserved(cap) or self.config.activations != Activations.AUTO:
             return False
         floor = least_budget(base, self.layout, policy=self.config.activations, slot_bytes=self.store.param_chunk_bytes,
                              world=self.world, device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
                              host_room=self.host_room).nbytes
-        current = self._captures[cap].captured.gm.code
+        current = self.book.analysis(cap).captured.gm.code
         chosen = None
         top = self.budget - self._program_headroom(cap) - floor     # (chosen for the budget less the headroom:
         for reserve in dict.fromkeys((min(room, top), top)):        # none fits below that least budget)
@@ -352,21 +360,17 @@ class ScheduleLowering:
             return False
         log.info("pscompile: %s: Inductor's buffers need %d bytes more than the activation plan leaves: it is chosen "
                  "again for a budget that much smaller", cap.describe(), room)
-        self._captures[cap] = chosen
-        self._lives[cap].refresh()
-        for other in [k for k in self._schedules if k.capture == cap]:
-            self._replan(other, chosen.nonmodel, measured=False)
+        self.book.set_analysis(cap, chosen)
+        self.book.life(cap).refresh()
+        self._replan_capture(cap, chosen.nonmodel, measured=False)
         return True
 
     def _compiled_eager(self, key: ScheduleKey, sched: Scheduled) -> Executor:
         """Compiled eager: the schedule's regions as eager graph code (the fallback rule), learned
         in its first run."""
-        ex = Executor(sched.gm, split="regions", fold_stores=True)
-        self._region_extra[sched.gm] = {}
-        self._unlearned.add(sched.gm)
-        return ex
+        return Executor(sched.gm, split="regions", fold_stores=True)
 
     def _eager_program(self, cap: CaptureKey, why: str) -> None:
         """From now on ``cap`` runs as compiled eager (said once, at WARNING)."""
-        if self._lives[cap].run_eager(why):
+        if self.book.life(cap).run_eager(why):
             log.warning("pscompile: %s runs as compiled eager: %s", cap.describe(), why)

@@ -1,17 +1,18 @@
-"""Compiled mode's device slots and memory nodes: the part of ``CompiledEngine`` that moves bytes.
+"""Compiled mode's device slots and memory nodes: ``ChunkMoves``, the part of ``CompiledEngine`` that
+moves bytes. It owns every slot and every copy still in flight; the engine holds one and talks to it
+through its public methods only.
 
-A slot holds device memory only while it holds a chunk (``_allocate_slot`` / ``_free_slot``, so the
-bytes the plan gives activations after a drop really are free). ``_run_memory_node`` performs one
-memory node of a schedule through the copy engine (``memory/copies.py``): fetch, wait, writeback,
-drop, store_grad, accumulate_grad and its wait, the ZeRO gathers and reductions; ``_move_activation``
-one offload, reload or wait_copy. ``_land`` and ``_fetch_ahead`` serve the training step that overlaps
-its update with the last writebacks and fetches for the next step. The state these methods share is
-created by ``_init_moves``.
+A slot holds device memory only while it holds a chunk (``_allocate`` / ``_free``, so the bytes the
+plan gives activations after a drop really are free). ``run`` performs one memory node of a schedule
+through the copy engine (``memory/copies.py``): fetch, wait, writeback, drop, store_grad,
+accumulate_grad and its wait, the ZeRO gathers and reductions; ``move_activation`` one offload,
+reload or wait_copy. ``land`` and ``fetch_ahead`` serve the training step that overlaps its update
+with the last writebacks and fetches for the next step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,7 +34,7 @@ def _add_landed(copies: list) -> None:
             target.add_(host)                    # fp32 += compute dtype, on the host
 
 
-# the ``MemoryMoves`` method that performs each kind of memory node
+# the ``ChunkMoves`` method that performs each kind of memory node
 _MEM_HANDLERS: dict[MemKind, str] = {
     MemKind.DISK_READ: "_mem_disk_read", MemKind.UPDATE: "_mem_update", MemKind.FETCH: "_mem_fetch",
     MemKind.ALLGATHER: "_mem_gather", MemKind.BROADCAST: "_mem_gather", MemKind.REDUCE_SCATTER: "_mem_reduce",
@@ -43,13 +44,21 @@ _MEM_HANDLERS: dict[MemKind, str] = {
 }
 
 
-class MemoryMoves:
-    """Mixin of ``CompiledEngine``: its device slots and memory nodes (the module docstring)."""
+class ChunkMoves:
+    """Compiled mode's device slots and the copies of its memory nodes (the module docstring).
 
-    def _init_moves(self) -> None:
-        self._slots: list[torch.Tensor] = []
+    ``store``, ``copies`` and ``link`` are the engine's chunk store, copy engine and link;
+    ``start_update(chunk, landed, written)`` starts a chunk's early update at its ``update`` node.
+    A run is bracketed by ``begin_run`` and ``end_run`` (or ``abort``, after a failure)."""
+
+    def __init__(self, store, copies, link, *, device: torch.device, dtype: torch.dtype, chunk_size: int,
+                 start_update: Callable[[int, Copy | None, set[str]], None]):
+        self.store, self.copies, self.link = store, copies, link
+        self.device, self.dtype, self.chunk_size = device, dtype, chunk_size
+        self._on_update = start_update
+        self.slots: list[torch.Tensor] = []        # every slot tensor (without memory while it holds no chunk)
         self._slot_ptrs: set[int] = set()         # storages of the slots holding memory now
-        self._slot_bytes_allocated = 0             # their bytes (the tracker reads it after every op)
+        self.slot_bytes = 0                        # their bytes (the tracker reads it after every op)
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._in_flight: dict[int, Any] = {}       # slot -> its asynchronous fetch (a Copy, or a collective's work)
         self._reading: dict[int, Copy] = {}        # slot -> the writeback reading it
@@ -59,82 +68,129 @@ class MemoryMoves:
         self._copying: dict[int, Copy] = {}        # id(activation copy) -> its asynchronous copy
         # (parameter, chunk) -> [(copy, fp32 target, host copy or None)] of an asynchronous accumulate_grad
         self._grad_copies: dict[tuple[str, int], list] = {}
-        # the end of a training step (``_overlaps_update``): slot -> (chunk, its writeback still landing),
-        # dropped by the plan but released only once landed, while the optimizer step starts
+        # the end of a training step (the engine's ``_overlaps_update``): slot -> (chunk, its writeback
+        # still landing), dropped by the plan but released only once landed, while the optimizer step starts
         self._deferred: dict[int, tuple[int, Copy]] = {}
-        self._ahead: list[tuple[int, int]] = []    # (chunk, slot) to fetch for the next step after its update
+        self.ahead: list[tuple[int, int]] = []     # (chunk, slot) to fetch for the next step after its update
         self._disk_acc = None                      # this run's accumulation buffers when they are on disk
+        self._acc_zero = False                    # this run's accumulation buffers are zero: copied into
+        self._disk_prefetch = True                 # disk_read nodes read ahead
+        self.written: set[str] = set()             # parameters whose gradients the current run stored
 
-    def _ensure_slots(self, plan: ResidencyPlan) -> None:
-        """Slot tensors for ``plan`` (a slot holds memory only while it holds a chunk: a fetch
-        allocates it, a drop gives it back), with the device-updated chunks in their fixed slots."""
-        while len(self._slots) < plan.num_slots:
-            self._slots.append(self._empty_slot())
+    # ---------------------------------------------------------------- a run
+    def begin_run(self, *, disk_acc=None, fresh_acc: bool = False, disk_prefetch: bool = True) -> None:
+        """A run starts: ``disk_acc``, its accumulation buffers when they are on disk; ``fresh_acc``,
+        they are zero (the run copies into them, not adds)."""
+        self._disk_acc, self._acc_zero, self._disk_prefetch = disk_acc, fresh_acc, disk_prefetch
+        self.written = set()
+
+    def end_run(self) -> None:
+        """A run ended well: its copies are flushed (unless writebacks still land, ``land`` waits)."""
+        if not self._deferred:
+            self.copies.flush()
+        self._reading.clear()
+        self._homing.clear()
+
+    def abort(self) -> None:
+        """After a failed run: no copy left running into memory the recovery frees, nothing in
+        flight remembered."""
+        self.copies.drain()
+        self.land(errors=False)
+        self._abandon_in_flight()
+        self._grad_copies.clear()
+        self._reading.clear()
+        self._homing.clear()
+        self._copying.clear()
+
+    def idle(self) -> bool:
+        """No copy of a memory node is in flight or remembered, and none of the copy engine's."""
+        return not (self._in_flight or self._copying or self._reading or self._deferred) and self.copies.idle()
+
+    # ---------------------------------------------------------------- slots
+    def ensure(self, plan: ResidencyPlan, extra: int = 0) -> None:
+        """Slot tensors for ``plan`` (and for slot indices below ``extra``: a lookahead's), with the
+        device-updated chunks in their fixed slots."""
+        while len(self.slots) < max(plan.num_slots, extra):
+            self.slots.append(self._empty_slot())
         for c, k in plan.initial:                  # device-updated chunks live in fixed slots
             if self.store.os_tier[c] is not Tier.DEVICE:
                 continue                           # a warm start: the previous run left it there
             if self._slot_chunk.get(k) != c:
-                self._allocate_slot(k)
-                self.store.cast_master_into(c, self._slots[k])   # device-homed: the cast of its master
-                self.store.attach(c, self._slots[k])
+                self._allocate(k)
+                self.store.cast_master_into(c, self.slots[k])   # device-homed: the cast of its master
+                self.store.attach(c, self.slots[k])
                 self._slot_chunk[k] = c
-        self._count_outside_steps()
 
     def _empty_slot(self) -> torch.Tensor:
-        slot = torch.empty(self.layout.chunk_size, dtype=self.dtype, device=self.device)
+        slot = torch.empty(self.chunk_size, dtype=self.dtype, device=self.device)
         slot.untyped_storage().resize_(0)
         return slot
 
-    def _allocate_slot(self, k: int) -> None:
+    def _allocate(self, k: int) -> None:
         """Give slot ``k`` its chunk of device memory (a fetch into it is about to start)."""
-        storage = self._slots[k].untyped_storage()
+        storage = self.slots[k].untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.store.param_chunk_bytes)
             self._slot_ptrs.add(storage.data_ptr())
-            self._slot_bytes_allocated += storage.nbytes()
+            self.slot_bytes += storage.nbytes()
 
-    def _release_slot(self, k: int, node: str | None = None) -> None:
+    def release(self, k: int, node: str | None = None) -> None:
         """Slot ``k`` no longer holds its chunk: forget it and give its memory back (on CUDA to
         the caching allocator), so the bytes the plan lets activations use really are free."""
         self.store.detach(self._slot_chunk.pop(k))
-        self._free_slot(k, node)
+        self._free(k, node)
 
-    def _free_slot(self, k: int, node: str | None = None) -> None:
+    def release_where(self, keep: Callable[[int], bool]) -> None:
+        """Release every slot whose chunk ``keep`` says no to."""
+        for k, c in list(self._slot_chunk.items()):
+            if not keep(c):
+                self.release(k)
+
+    def _free(self, k: int, node: str | None = None) -> None:
         pending = self._in_flight.pop(k, None)      # a fetch for this step, issued by the last one
         if pending is not None:                     # (``plan_lookahead``): no copy into freed memory
             pending.wait()
-        storage = self._slots[k].untyped_storage()
+        storage = self.slots[k].untyped_storage()
         if storage.nbytes():
-            self.copies.check_free(self._slots[k], node)    # (the race checker: no copy still owns it)
+            self.copies.check_free(self.slots[k], node)    # (the race checker: no copy still owns it)
             self._slot_ptrs.discard(storage.data_ptr())
-            self._slot_bytes_allocated -= storage.nbytes()
+            self.slot_bytes -= storage.nbytes()
             storage.resize_(0)
 
-    def _residency(self) -> dict[int, int]:
+    def residency(self) -> dict[int, int]:
         """chunk -> slot of the chunks on the device now."""
         for k, c in list(self._slot_chunk.items()):
             if not self.store.resident(c):             # dropped behind our back (load_state_dict)
                 del self._slot_chunk[k]
-                self._free_slot(k)
+                self._free(k)
         return {c: k for k, c in self._slot_chunk.items()}
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Back to the start of a cold run: only chunks whose optimizer states live on the device
         stay. The others are clean here (warm runs update nothing), so they are dropped, not copied."""
-        for c, k in self._residency().items():
+        for c, k in self.residency().items():
             if not self.store.device_homed(c):
                 assert not self.store.dirty[c], f"chunk {c} left dirty on the device by a warm run"
-                self._release_slot(k)
+                self.release(k)
 
-    def _run_memory_node(self, mem, args, at_end: bool = False, node: str | None = None) -> None:
+    def model_bytes(self) -> int:
+        """Model bytes the device holds now: the memory of every slot (allocated, whether or not
+        a chunk sits in it yet) and the optimizer states kept there."""
+        return self.slot_bytes + self.store.dev_os_pool.bytes_in_use
+
+    def is_model_storage(self, ptr: int) -> bool:
+        return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
+
+    # ---------------------------------------------------------------- memory nodes
+    def run(self, mem, args, at_end: bool = False, node: str | None = None) -> None:
         """Perform one memory node. Copies go to the transfer queue (in order per direction); only a fetch with
         a ``wait`` and a writeback return before their copy is done (the drop after a writeback
         waits for it before giving the slot's memory back). Gradient stores to the host and a
         synchronous accumulate_grad wait for their copy, so the gradient dies where the plan says;
         an asynchronous accumulate_grad (``overlap_grad_copies``) is added into its buffer at its
         ``wait_grad``, which also keeps the gradient alive until then. ``at_end``
-        (a training step's memory nodes after its last compute, ``_overlaps_update``): a drop whose
-        chunk's writeback is still landing keeps the slot's memory until ``_land`` releases it.
+        (a training step's memory nodes after its last compute): a drop whose chunk's writeback is
+        still landing keeps the slot's memory until ``land`` releases it.
         Every copy goes through the copy engine (``memory/copies.py``) and names ``node``; waits are
         compute-side, except where the host reads what landed (gradients it adds or updates from).
         One handler per kind (``_MEM_HANDLERS``): a dictionary lookup, not a chain of comparisons,
@@ -142,17 +198,17 @@ class MemoryMoves:
         getattr(self, _MEM_HANDLERS[mem.kind])(mem, args, at_end, node)
 
     def _mem_disk_read(self, mem, args, at_end, node) -> None:
-        if self.disk_prefetch:                  # (disk_prefetch False: each read when its fetch needs it)
+        if self._disk_prefetch:                  # (disk_prefetch False: each read when its fetch needs it)
             self.store.read_ahead(mem.chunk)
 
     def _mem_update(self, mem, args, at_end, node) -> None:
         """Its writeback was the chunk's last move: its update starts."""
-        self._start_update(mem.chunk, self._homing.get(mem.chunk), self._written)
+        self._on_update(mem.chunk, self._homing.get(mem.chunk), self.written)
 
     def _mem_fetch(self, mem, args, at_end, node) -> None:
         store = self.store
         slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
-        self._allocate_slot(mem.slot)
+        self._allocate(mem.slot)
         # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
         fut = self.copies.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk),
                                  node=node)
@@ -168,7 +224,7 @@ class MemoryMoves:
     def _mem_gather(self, mem, args, at_end, node) -> None:
         """ZeRO: the chunk/group arrives (allgather, broadcast)."""
         slot, q = args[0], self.copies
-        self._allocate_slot(mem.slot)
+        self._allocate(mem.slot)
         handle = self.store.gather_into(mem.chunk, slot, async_op=mem.asynchronous,
                                         copy=lambda d, s_: q.move(d, s_, "h2d", node=node))
         self.link.traffic.num_fetches += 1
@@ -213,7 +269,7 @@ class MemoryMoves:
         else:
             if pending is not None:    # the slot's memory goes back only once its writeback has read it
                 pending.wait()
-            self._release_slot(mem.slot, node)
+            self.release(mem.slot, node)
         self.link.traffic.num_evictions += 1
 
     def _mem_accumulate(self, mem, args, at_end, node) -> None:
@@ -225,7 +281,7 @@ class MemoryMoves:
         copies = []
         for piece, at in flat_pieces(grad, *page):                  # the gradient, or one page of it
             target = acc[offset + at:offset + at + piece.numel()].view(piece.shape)
-            if self._fresh_acc:                                     # a zero buffer: 0 + g is g
+            if self._acc_zero:                                     # a zero buffer: 0 + g is g
                 copies.append((q.submit(target, piece, "d2h", node=node), target, None))
                 continue
             host = q.host_empty(piece.shape, piece.dtype)           # the gradient crosses the link
@@ -236,7 +292,7 @@ class MemoryMoves:
             _add_landed(copies)
             if disk_acc is not None:
                 disk_acc.close(mem.chunk, dirty=True)
-        self._written.add(mem.fqn)
+        self.written.add(mem.fqn)
 
     def _mem_store_grad(self, mem, args, at_end, node) -> None:
         dest, grad, offset, *page = args
@@ -250,17 +306,17 @@ class MemoryMoves:
                 self.copies.move(target, piece, "d2h", node=node)           # optimizer reads it)
         if mem.slot is None:
             self.store.close_home(mem.chunk, dirty=True)
-        self._mark_stored(mem)
+        self.mark_stored(mem)
 
-    def _mark_stored(self, mem) -> None:
+    def mark_stored(self, mem) -> None:
         """The bookkeeping of a ``store_grad``: a slot's chunk is dirty, the parameter written. An
         eager region that runs stores itself has it done before it starts, so a region that fails
-        part-way has its chunks restored (``_recover``) whether or not its copies ran."""
+        part-way has its chunks restored (the engine's ``_recover``) whether or not its copies ran."""
         if mem.slot is not None:
             self.store.dirty[mem.chunk] = True
-        self._written.add(mem.fqn)
+        self.written.add(mem.fqn)
 
-    def _move_activation(self, moves: ActivationMove, args: tuple, node: str | None = None) -> torch.Tensor | None:
+    def move_activation(self, moves: ActivationMove, args: tuple, node: str | None = None) -> torch.Tensor | None:
         """Offload a saved activation into a new host buffer, or reload it into a new device
         tensor, on the transfer queue; waited for at once, or (asynchronous) at its ``wait_copy``."""
         src = args[0]
@@ -279,15 +335,20 @@ class MemoryMoves:
             fut.wait()
         return dst
 
-    def _model_bytes(self) -> int:
-        """Model bytes the device holds now: the memory of every slot (allocated, whether or not
-        a chunk sits in it yet) and the optimizer states kept there."""
-        return self._slot_bytes_allocated + self.store.dev_os_pool.bytes_in_use
+    # ---------------------------------------------------------------- the end of a training step
+    def landing_slot(self, c: int) -> int | None:
+        """The slot chunk ``c``'s writeback still reads at the end of a step (None: not landing)."""
+        return next((k for k, (chunk, _) in self._deferred.items() if chunk == c), None)
 
-    def _is_model_storage(self, ptr: int) -> bool:
-        return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
+    def still_landing(self) -> set[int]:
+        """The chunks whose writeback at the end of a step has not landed yet."""
+        return {c for c, fut in self._deferred.values() if not fut.done()}
 
-    def _land(self, chunk: int | None = None, *, errors: bool = True) -> None:
+    def issued(self, c: int) -> int:
+        """When chunk ``c``'s last writeback was issued (a count; 0: never)."""
+        return self._wb_seq.get(c, 0)
+
+    def land(self, chunk: int | None = None, *, errors: bool = True) -> None:
         """Wait for the writebacks still landing (``chunk``'s, or all) and give their slots back;
         raise the first that failed (``errors``)."""
         failed = None
@@ -298,31 +359,31 @@ class MemoryMoves:
                     fut.wait_host()             # the optimizer reads the home it writes
                 except BaseException as e:      # noqa: BLE001 -- raised below, after every slot is back
                     failed = failed or e
-                self._free_slot(k)
+                self._free(k)
         if failed is not None and errors:
             raise failed
 
-    def _fetch_ahead(self, c: int, tracker: NonModelTracker) -> None:
+    def fetch_ahead(self, c: int, tracker: NonModelTracker) -> None:
         """Chunk ``c`` is updated: if the next step starts with it, fetch it into its slot now."""
-        slot = next((k for chunk, k in self._ahead if chunk == c), None)
+        slot = next((k for chunk, k in self.ahead if chunk == c), None)
         if slot is None:
             return
         held = self._deferred.get(slot)
         if held is not None:                      # (another chunk's writeback still reads the slot)
-            self._land(held[0])
-        self._allocate_slot(slot)
+            self.land(held[0])
+        self._allocate(slot)
         self.link.count(self.store.param_chunk_bytes, "h2d")
-        self._in_flight[slot] = self.copies.submit(self._slots[slot], self.store.fetch_source(c), "h2d",
+        self._in_flight[slot] = self.copies.submit(self.slots[slot], self.store.fetch_source(c), "h2d",
                                                    counted=True, node=f"(the next step's fetch of chunk {c})")
         self.store.close_home(c, copy=self._in_flight[slot])
         self.link.traffic.num_fetches += 1
-        self.store.attach(c, self._slots[slot])
+        self.store.attach(c, self.slots[slot])
         self._slot_chunk[slot] = c
         tracker.sample_now()
 
-    def _warm_start(self, plan: ResidencyPlan) -> None:
+    def warm_start(self, plan: ResidencyPlan) -> None:
         """Fetch the chunks ``plan`` (a warm schedule's) starts with into their slots, outside any run
-        (the link counts them as setup traffic, ``_count_outside_steps``), after ``_settle``: the
+        (the link counts them as setup traffic, the engine's ``_count_outside_steps``), after ``settle``: the
         chunks a previous run of the loop would have left there. A chunk the plan waits for (it
         starts in flight: the previous step fetched it ahead) lands at that ``wait``; one already in
         its slot (another run left it there, not a fetch ahead) has landed (``Landed``)."""
@@ -335,12 +396,12 @@ class MemoryMoves:
                 if first.get(k) == MemKind.WAIT and k not in self._in_flight:     # for it, it has landed)
                     self._in_flight[k] = Landed()
                 continue
-            self._allocate_slot(k)
+            self._allocate(k)
             self.link.count(self.store.param_chunk_bytes, "h2d")     # (now: before the run, setup traffic)
-            fut = self.copies.submit(self._slots[k], self.store.fetch_source(c), "h2d", counted=True,
+            fut = self.copies.submit(self.slots[k], self.store.fetch_source(c), "h2d", counted=True,
                                      after=self._homing.get(c), node=f"(warm start: chunk {c})")
             self.store.close_home(c, copy=fut)
-            self.store.attach(c, self._slots[k])
+            self.store.attach(c, self.slots[k])
             self._slot_chunk[k] = c
             if first.get(k) == MemKind.WAIT:
                 self._in_flight[k] = fut
@@ -353,8 +414,8 @@ class MemoryMoves:
         replaced by a new empty one; the collective keeps the old memory until it ends."""
         for k, pending in self._in_flight.items():
             if getattr(pending, "running", lambda: False)():
-                storage = self._slots[k].untyped_storage()
+                storage = self.slots[k].untyped_storage()
                 self._slot_ptrs.discard(storage.data_ptr())
-                self._slot_bytes_allocated -= storage.nbytes()
-                self._slots[k] = self._empty_slot()
+                self.slot_bytes -= storage.nbytes()
+                self.slots[k] = self._empty_slot()
         self._in_flight.clear()

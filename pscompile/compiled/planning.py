@@ -36,36 +36,6 @@ from pscompile.units import format_bytes
 log = logging.getLogger("pscompile.compiled")
 
 
-class ActivationBases:
-    """Per capture, what its activation plan is chosen from: the capture before the plan
-    (``base``), and the bytes a choice leaves Inductor's buffers (``reserve``: set once, where a
-    program did not fit the plan chosen for the whole budget; ``lowering._rechoose_activations``).
-    The planning notes the bases and chooses with the reserve; the lowering sets it."""
-
-    def __init__(self):
-        self._bases: dict[CaptureKey, AnalyzedGraph] = {}
-        self._reserve: dict[CaptureKey, int] = {}
-
-    def note(self, cap: CaptureKey, analyzed: AnalyzedGraph) -> None:
-        self._bases[cap] = analyzed
-
-    def base(self, cap: CaptureKey) -> AnalyzedGraph | None:
-        return self._bases.get(cap)
-
-    def forget(self, cap: CaptureKey) -> None:
-        """``cap`` is captured again (a range's new bound): its base goes (a reserve stays)."""
-        self._bases.pop(cap, None)
-
-    def reserve(self, cap: CaptureKey | None) -> int:
-        return self._reserve.get(cap, 0)
-
-    def reserved(self, cap: CaptureKey) -> bool:
-        return cap in self._reserve
-
-    def set_reserve(self, cap: CaptureKey, nbytes: int) -> None:
-        self._reserve[cap] = nbytes
-
-
 class CompiledPlanning:
     """Mixin of ``CompiledEngine``: its schedules (the module docstring)."""
 
@@ -114,25 +84,25 @@ class CompiledPlanning:
         its sizes changed (``compiled/ranges.py``)."""
         sig = signature(batch)
         self._declare(batch, sig)
-        return ScheduleKey(RunKind(kind), self.model.training, self._ranges.key(sig))
+        return ScheduleKey(RunKind(kind), self.model.training, self.ranges.key(sig))
 
     def _declare(self, batch: Any, sig: tuple) -> None:
         """``Config.dynamic``'s sizes named up front (``pscompile/dims.py``), resolved at a family's
         first batch. A spec that does not fit the engine's first batch raises ValueError; a later
         family of another structure (an evaluation batch without labels) keeps automatic dynamic."""
         spec = self.config.dynamic
-        if not isinstance(spec, DynamicShapes) or self.world > 1 or not self._ranges.enabled \
-                or self._ranges.declared(sig):
+        if not isinstance(spec, DynamicShapes) or self.world > 1 or not self.ranges.enabled \
+                or self.ranges.declared(sig):
             return
         try:
             declared = spec.resolve(batch)
         except ValueError as e:
-            if not self._ranges.declared():
+            if not self.ranges.declared():
                 raise
             log.info("pscompile: sizes %s are not described by Config.dynamic (%s): automatic dynamic for them",
                      sig[1:], e)
             declared = Declared((), ())
-        self._ranges.declare(sig, declared)
+        self.ranges.declare(sig, declared)
 
     def _schedule_for(self, batch: Any, kind: RunKind) -> Scheduled:
         """The (cold) schedule of ``batch`` for ``kind``; captured and planned on first use."""
@@ -146,27 +116,28 @@ class CompiledPlanning:
             except BudgetError as e:     # the range's bound needs more than this budget: a plan per shape
                 log.info("pscompile: sizes %s run under a plan of their own: the range's bound does not fit (%s)",
                          signature(batch)[1:], str(e)[:300])
-                self._symbolic[key.capture] = None
-                self._captures.pop(key.capture, None)
+                self.ranges.set_symbolic(key.capture, None)
+                self.book.drop_analysis(key.capture)
                 self._zero_fallback(f"the range's bound does not fit ({str(e)[:300]})", e)
-                self._ranges.refuse(signature(batch))
+                self.ranges.refuse(signature(batch))
                 return self._schedule_for(batch, kind)
         return self._planned_for(key, batch)
 
     def _planned_for(self, key: ScheduleKey, batch: Any) -> Scheduled:
         """``key``'s schedule, captured (for ``batch``) and planned on first use."""
-        kind = key.kind
-        sched = self._schedules.get(key)
+        book = self.book
+        sched = book.cold(key)
         if sched is not None:
             return sched
-        analyzed = self._captures.get(key.capture)
+        analyzed = book.analysis(key.capture)
         if analyzed is None and ShapeRanges.is_ranged(key.batch):
-            bound = self._range_planned[key.capture] = self._ranges.bound(key.batch)
-            analyzed = analyze_at_bound(self._symbolic[key.capture], bound,
+            bound = self.ranges.bound(key.batch)
+            self.ranges.plan_at(key.capture, bound)
+            analyzed = analyze_at_bound(self.ranges.symbolic(key.capture), bound,
                                         gathers=gather_bytes(self.layout, self.dtype))
-            self._activation_bases.note(key.capture, analyzed)
+            book.bases.note(key.capture, analyzed)
             analyzed = self._choose_activations(analyzed, None, key.capture)
-            self._captures[key.capture] = analyzed
+            book.set_analysis(key.capture, analyzed)
         if analyzed is None:
             first, self._first_capture = self._first_capture, None
             variants = None
@@ -177,14 +148,15 @@ class CompiledPlanning:
                                                dtype=self.dtype, backward=key.kind.backward,
                                                gathers=gather_bytes(self.layout, self.dtype),
                                                sources=self._sources)
-            self._activation_bases.note(key.capture, analyzed)
-            analyzed = self._captures[key.capture] = self._choose_activations(analyzed, variants, key.capture)
+            book.bases.note(key.capture, analyzed)
+            analyzed = self._choose_activations(analyzed, variants, key.capture)
+            book.set_analysis(key.capture, analyzed)
         self._install_restored(key.capture)
-        measured = self._lives[key.capture].curve
+        measured = book.life(key.capture).curve
         nonmodel = measured if measured is not None else analyzed.nonmodel
         self._fit_optimizer_states(max(nonmodel))
         sched = self._plan(analyzed, nonmodel, kind=key.kind, measured=measured is not None, cap=key.capture)
-        self._schedules[key] = sched
+        book.set_cold(key, sched)
         return sched
 
     def _choose_activations(self, analyzed: AnalyzedGraph, variants: dict | None,
@@ -195,7 +167,7 @@ class CompiledPlanning:
         less that room too."""
         if self.budget is None:
             return self._activations_for(None, analyzed, variants)
-        budget = self.budget - self._activation_bases.reserve(cap)
+        budget = self.budget - self.book.bases.reserve(cap)
         headroom = self._program_headroom(cap)
         if headroom:
             chosen = self._activations_for(budget - headroom, analyzed, variants)
@@ -220,23 +192,23 @@ class CompiledPlanning:
         batch refused is keyed by its own signature from then on, with an INFO line saying why; one
         admitted is not checked again (evaluating the guards costs milliseconds, a step)."""
         sig = signature(batch)
-        why = None if self._ranges.admitted(key.capture, sig) else self._refusal(key, batch)
+        why = None if self.ranges.admitted(key.capture, sig) else self._refusal(key, batch)
         if self.comm is not None:
             why = self._agreed_refusal(key, why)
         if why is None:
-            self._ranges.admit(key.capture, sig)
+            self.ranges.admit(key.capture, sig)
             return True
         log.info("pscompile: sizes %s run under a plan of their own: %s", sig[1:], why)
-        self._ranges.refuse(sig)
+        self.ranges.refuse(sig)
         return False
 
     def _refusal(self, key: ScheduleKey, batch: Any) -> str | None:
         """Why the range's symbolic capture (made now if it is the first) does not run ``batch``,
         or None when it does (``_admitted``)."""
-        sym = self._symbolic.get(key.capture)
-        if sym is None and key.capture not in self._symbolic:
+        sym = self.ranges.symbolic(key.capture)
+        if not self.ranges.tried(key.capture):
             sym, why = self._capture_range(key, batch)
-            self._symbolic[key.capture] = sym
+            self.ranges.set_symbolic(key.capture, sym)
             if why is not None:
                 return why
         if sym is None:
@@ -253,15 +225,15 @@ class CompiledPlanning:
         batch: a graph that differs, a size traced into it, would plan other collectives). A refusal
         holds on every rank for the range from then on. Ranks whose sizes differ this step then
         cannot fall back to a plan per shape (``_zero_fallback``)."""
-        sym = self._symbolic.get(key.capture)
+        sym = self.ranges.symbolic(key.capture)
         code = digest(sym.gm.code) if sym is not None else 0
         refused, high, low = self.comm.agree_max([int(why is not None or sym is None), code, -code])
         if not refused and high == -low:
             return None
         why = why or ("another rank's symbolic capture refused its batch" if refused else
                       "the ranks' symbolic captures differ (each traced its own batch)")
-        self._symbolic[key.capture] = None
-        self._captures.pop(key.capture, None)
+        self.ranges.set_symbolic(key.capture, None)
+        self.book.drop_analysis(key.capture)
         self._zero_fallback(why, None)
         return why
 
@@ -282,20 +254,20 @@ class CompiledPlanning:
         super()._check_batch(batch, micro, call)
         if self.comm is not None:
             for low, high in zip(self._agreed.low, self._agreed.high):
-                self._ranges.agree(low, high)
+                self.ranges.agree(low, high)
 
     def _range_analysis(self, key: ScheduleKey, batch: Any, params) -> AnalyzedGraph | None:
         """A declared range's capture analyzed at its bound, for choosing the layout before the
         engine has its parameters (None, with an INFO line, when the symbolic capture is refused)."""
         sym, why = self._capture_range(key, batch, params)
-        self._symbolic[key.capture] = sym
+        self.ranges.set_symbolic(key.capture, sym)
         if sym is None:
             log.info("pscompile: sizes %s run under a plan of their own: %s", signature(batch)[1:], why)
             return None
-        return analyze_at_bound(sym, self._ranges.bound(key.batch))
+        return analyze_at_bound(sym, self.ranges.bound(key.batch))
 
     def _capture_range(self, key: ScheduleKey, batch: Any, params=None) -> tuple[CapturedGraph | None, str | None]:
-        dims = self._ranges.dims(key.batch)
+        dims = self.ranges.dims(key.batch)
         try:
             sym = capture_joint(self.model, batch, params=dict(self.params if params is None else params),
                                 loss_fn=self.loss_fn, param_dtype=self.dtype, backward=key.kind.backward,
@@ -307,35 +279,31 @@ class CompiledPlanning:
             return None, why
         log.info("pscompile: sizes change at %s: one symbolic capture serves them (%s)",
                  ", ".join(f"batch tensor {i} dim {d}" for i, d in dims), sym.summary)
-        refusing = guards_refuse_bound(sym, self._ranges.bound(key.batch))
-        if refusing is not None and self._ranges.declared(signature(batch)):
+        refusing = guards_refuse_bound(sym, self.ranges.bound(key.batch))
+        if refusing is not None and self.ranges.declared(signature(batch)):
             log.warning("pscompile: the range's bound %s breaks the model's traced shape guards (%s): a Dim's max "
                         "(Config.dynamic) above what the model runs plans room no batch uses; lower it",
-                        list(self._ranges.bound(key.batch)), refusing)
+                        list(self.ranges.bound(key.batch)), refusing)
         return sym, None
 
     def _replan_range(self, key: ScheduleKey) -> None:
         """A ranged batch above the bound its capture was planned for: every schedule of that
         capture is made again for the new bound (the symbolic capture stays)."""
-        planned = self._range_planned.get(key.capture)
-        bound = self._ranges.bound(key.batch)
+        planned = self.ranges.planned(key.capture)
+        bound = self.ranges.bound(key.batch)
         if planned is None or planned == bound:
             return
-        over = self._ranges.over_declared(key.batch)
+        over = self.ranges.over_declared(key.batch)
         if over:
             log.warning("pscompile: a batch above the sizes named up front, %s: planning again for %s (a larger "
                         "max plans for it from the first batch)", "; ".join(over), list(bound))
         else:
             log.info("pscompile: a batch above the planned sizes %s: planning again for %s", list(planned), list(bound))
-        for other in [k for k in self._schedules if k.capture == key.capture]:
-            self._forget(self._schedules.pop(other))
-            warm = self._warm.pop(other, None)
-            if warm is not None:
-                self._forget(warm)
-        for table in (self._captures, self._range_planned):
-            table.pop(key.capture, None)
-        self._lives[key.capture].refresh()
-        self._activation_bases.forget(key.capture)
+        self._drop_schedules(key.capture)
+        self.book.drop_analysis(key.capture)
+        self.ranges.unplan(key.capture)
+        self.book.life(key.capture).refresh()
+        self.book.bases.forget(key.capture)
 
     def _device_memory(self, budget: int | None) -> DeviceMemory:
         """The device as the pipeline sees it now, for a plan made at ``budget``."""
@@ -349,7 +317,7 @@ class CompiledPlanning:
     def _program_headroom(self, cap: CaptureKey | None = None) -> int:
         """Device bytes ``cap``'s schedules leave free for what Inductor's program holds beyond the
         measured curve (``minimum.program_headroom``); none once ``cap`` runs as compiled eager."""
-        life = self._lives.get(cap)
+        life = self.book.known_life(cap)
         return 0 if life is not None and life.eager_reason else program_headroom(self.budget, self.config)
 
     def _plan(self, analyzed: AnalyzedGraph, nonmodel: tuple[int, ...], *, kind: RunKind, measured: bool,
@@ -374,10 +342,9 @@ class CompiledPlanning:
                  "for Inductor's buffers)", sched.plan.num_slots, sched.plan.num_fetches,
                  format_bytes(sched.plan.h2d_bytes), format_bytes(sched.plan.d2h_bytes),
                  "" if start is None else " (warm: starting from the chunks the last run left)")
-        self._ensure_slots(sched.plan)
-        if sched.lookahead is not None:
-            while len(self._slots) <= max((k for _, k in sched.lookahead.fetches), default=-1):
-                self._slots.append(self._empty_slot())
+        ahead = sched.lookahead.fetches if sched.lookahead is not None else ()
+        self.moves.ensure(sched.plan, extra=1 + max((k for _, k in ahead), default=-1))   # (and the lookahead's)
+        self._count_outside_steps()
         return sched
 
     @property
@@ -404,7 +371,7 @@ class CompiledPlanning:
         The first placement decides; later ones only move states off the device (a measurement,
         or a new batch shape, that leaves less margin), and schedules planned for the old placement
         are planned again."""
-        peak = max([peak_nonmodel] + [max(s.nonmodel) for s in self._schedules.values()])
+        peak = max([peak_nonmodel] + [max(self.book.cold(k).nonmodel) for k in self.book.keys()])
         count = self._device_state_count(peak + self._program_headroom())
         now = sum(t is Tier.DEVICE for t in self.store.os_tier)
         if self._os_placed and count >= now:
@@ -415,40 +382,52 @@ class CompiledPlanning:
     def _place_states(self, on_device: set[int]) -> None:
         """Put the optimizer states of ``on_device``'s chunks on the device, the others on the
         host, and plan every schedule again for the new placement."""
-        for k, c in list(self._slot_chunk.items()):     # states leaving the device: between steps a
-            if c not in on_device:                      # param chunk is its master's cast, which
-                self._release_slot(k)                   # goes home with them (place_optimizer_states)
+        # states leaving the device: between steps a param chunk is its master's cast, which goes
+        # home with them (place_optimizer_states)
+        self.moves.release_where(on_device.__contains__)
         self.store.place_optimizer_states(on_device)
         self._count_outside_steps()
-        for key, s in list(self._schedules.items()):    # planned for the old placement
+        for key in self.book.keys():                    # planned for the old placement
+            s = self.book.cold(key)
             self._replan(key, s.nonmodel, measured=s.measured)
 
+    def _replan_capture(self, cap: CaptureKey, nonmodel: tuple[int, ...] | None, *, measured: bool) -> None:
+        """Every re-plan of a capture comes here: each of its schedules is planned again with
+        ``nonmodel`` (None: each with its own curve), after an event of its life
+        (``capture_life.LIFE``: measured, raised for Inductor's buffers, restored, forgotten,
+        refreshed) or a change of the device it plans for (optimizer states moved)."""
+        for key in self.book.keys(cap):
+            self._replan(key, nonmodel if nonmodel is not None else self.book.cold(key).nonmodel, measured=measured)
+
     def _replan(self, key: ScheduleKey, nonmodel: tuple[int, ...], *, measured: bool) -> Scheduled:
-        old = self._schedules[key]
-        self._forget(old)
-        warm = self._warm.pop(key, None)
-        if warm is not None:
-            self._forget(warm)
-        self._schedules[key] = new = self._plan(self._captures[key.capture], nonmodel, kind=old.kind,
-                                                measured=measured, cap=key.capture)
+        old = self.book.cold(key)            # (replaced in place: the keys keep their order)
+        for s in (old, self.book.drop_warm(key)):
+            if s is not None:
+                self._forget_lowering(s.gm)
+        new = self._plan(self.book.analysis(key.capture), nonmodel, kind=old.kind, measured=measured, cap=key.capture)
+        self.book.set_cold(key, new)
         return new
 
-    def _forget(self, sched: Scheduled) -> None:
-        """Drop what was made for a schedule that is being replaced."""
-        self._forget_lowering(sched.gm)
+    def _drop_schedules(self, cap: CaptureKey) -> None:
+        """``cap``'s schedules go, with what was made for them (planned again at the next use)."""
+        for key in self.book.keys(cap):
+            for s in self.book.drop_schedules(key):
+                self._forget_lowering(s.gm)
 
     def _warm_of(self, key: ScheduleKey) -> Scheduled | None:
         """The warm variant of ``key``'s measured schedule (planned now if needed), None if it has
         none: the schedule a loop's steady runs take (``_runnable``)."""
-        cold, warm = self._schedules[key], self._warm.get(key)
+        book = self.book
+        cold, warm = book.cold(key), book.warm(key)
+        start = None
         if warm is None and cold.measured and len(cold.plan.final) > len(cold.os_device):
-            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=cold.kind,
-                                                measured=True, start=dict(cold.plan.final), cap=key.capture)
+            start = dict(cold.plan.final)
         elif warm is None and cold.measured and cold.lookahead is not None and cold.lookahead.fetches:
-            # a training step that starts with the chunks the previous one fetched for it
-            warm = self._warm[key] = self._plan(self._captures[key.capture], cold.nonmodel, kind=cold.kind,
-                                                measured=True, start=dict(cold.lookahead.fetches),
-                                                cap=key.capture)
+            start = dict(cold.lookahead.fetches)   # a training step that starts with the chunks the previous one fetched
+        if start is not None:
+            warm = self._plan(book.analysis(key.capture), cold.nonmodel, kind=cold.kind, measured=True, start=start,
+                              cap=key.capture)
+            book.set_warm(key, warm)
         return warm
 
     def _runnable(self, batch: Any, kind: RunKind) -> tuple[ScheduleKey, Scheduled]:
@@ -460,11 +439,11 @@ class CompiledPlanning:
         if self._lower_if_due(key):       # measured: its program is compiled now, before this run
             cold = self._schedule_for(batch, kind)
         warm = self._warm_of(key)
-        if warm is not None and self._residency() == dict(warm.plan.initial):
-            self._warm_start(warm.plan)     # (nothing to fetch; a chunk it waits for that another run
+        if warm is not None and self.moves.residency() == dict(warm.plan.initial):
+            self.moves.warm_start(warm.plan)     # (nothing to fetch; a chunk it waits for that another run
             return key, warm                # left in its slot has landed)
-        self._settle()
+        self.moves.settle()
         if warm is not None and self.world == 1 and self._wants_program(key, warm):
-            self._warm_start(warm.plan)     # one program per loop: every run takes the warm schedule
+            self.moves.warm_start(warm.plan)     # one program per loop: every run takes the warm schedule
             return key, warm
         return key, cold

@@ -6,7 +6,9 @@ dimensions dynamic; from then on every signature of the family maps to one *rang
 (``graph.dynamic.ranged``: those sizes None) and shares its capture and schedule, planned for the
 range's upper bound, the largest size seen at each dynamic dimension. A size above the bound
 raises it (the engine plans again, once). A signature the symbolic capture's guards refuse is
-``refuse``d and keeps a schedule of its own. Plain data: the engine asks, this answers.
+``refuse``d and keeps a schedule of its own. It also keeps each ranged capture's symbolic capture
+(``symbolic``; None once refused) and the bound its schedules were planned for (``planned``).
+Plain data: the engine asks, this answers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ from pscompile.runtime.batching import with_sizes
 class ShapeRanges:
     def __init__(self, enabled: bool):
         self.enabled = enabled
+        self._symbolic: dict = {}      # capture -> its symbolic capture (a CapturedGraph; None: refused)
+        self._planned: dict = {}       # capture -> the bound its schedules are planned for
+        self._clear_sizes()
+
+    def restart(self) -> None:
+        """Forget every size seen (ZeRO: the ranges are fed only the sizes the ranks agree on, not
+        a rank's own first batch); the symbolic captures stay."""
+        self._clear_sizes()
+
+    def _clear_sizes(self) -> None:
         self._first: dict[tuple, tuple] = {}          # family -> its first signature
         self._dims: dict[tuple, dynamic.Dims] = {}    # family -> its dynamic dimensions
         self._bound: dict[tuple, tuple[int, ...]] = {}   # ranged signature -> its upper bound
@@ -26,6 +38,34 @@ class ShapeRanges:
         self._admitted: set[tuple] = set()            # (capture, signature) pairs whose guards held (checked once)
         self._declared: dict[tuple, Declared] = {}     # family -> the sizes Config.dynamic named up front
         self._saved: dict[str, dict] = {}             # repr(family) -> its range in a loaded checkpoint
+
+    # a ranged capture's symbolic capture, and the bound its schedules are planned for
+
+    def tried(self, capture) -> bool:
+        """Whether ``capture``'s symbolic capture was made (or refused)."""
+        return capture in self._symbolic
+
+    def symbolic(self, capture):
+        """``capture``'s symbolic capture; None if not made yet or refused."""
+        return self._symbolic.get(capture)
+
+    def set_symbolic(self, capture, sym) -> None:
+        """``capture``'s symbolic capture (None: refused, a plan per shape from now on)."""
+        self._symbolic[capture] = sym
+
+    def symbolic_count(self) -> int:
+        """How many symbolic captures serve ranges now."""
+        return sum(s is not None for s in self._symbolic.values())
+
+    def planned(self, capture) -> tuple[int, ...] | None:
+        return self._planned.get(capture)
+
+    def plan_at(self, capture, bound: tuple[int, ...]) -> None:
+        self._planned[capture] = tuple(bound)
+
+    def unplan(self, capture) -> None:
+        """``capture``'s schedules are gone: planned again at the bound when next used."""
+        self._planned.pop(capture, None)
 
     def key(self, sig: tuple) -> tuple:
         """The signature ``sig`` is planned under: itself, or its family's ranged signature (which

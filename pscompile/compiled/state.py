@@ -42,12 +42,13 @@ class CompiledState:
         and where the optimizer states live. A resumed engine plans and compiles exactly the program
         this one runs, instead of measuring again in an eager run whose kernels round differently
         from Inductor's."""
-        entries = ((cap, life.checkpoint_entry(self._captures[cap].nonmodel))
-                   for cap, life in self._lives.items() if cap in self._captures)
+        book = self.book
+        entries = ((cap, life.checkpoint_entry(book.analysis(cap).nonmodel))
+                   for cap, life in book.lives() if book.analysis(cap) is not None)
         captures = {cap.token: entry for cap, entry in entries if entry is not None}
         rates = None if self._rates is None else [self._rates.flops_per_s, self._rates.link_bytes_per_s]
         measurements = {"context": self._context(), "captures": captures, "os_placed": self._os_placed,
-                        "rates": rates, "ranges": self._ranges.state(),
+                        "rates": rates, "ranges": self.ranges.state(),
                         "os_device": [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]}
         return {"compiled": trust.seal(measurements, self.device)}
 
@@ -63,43 +64,37 @@ class CompiledState:
         if not trusted:
             return                         # another budget or layout, or untrusted: measured anew
         self._restored = dict(saved["captures"])
-        self._ranges.restore(saved.get("ranges") or {})     # its batch ranges: planned from the first batch
+        self.ranges.restore(saved.get("ranges") or {})     # its batch ranges: planned from the first batch
         rates = saved.get("rates")
         if rates is not None and self.config.activations == Activations.AUTO and Rates(*rates) != self._rates:
             # the rates the saved run chose its activations with (a measurement on a busy machine
             # may choose otherwise, and recomputed or offloaded segments round differently)
             self._rates = Rates(*map(float, rates))
-            for cap in list(self._captures):
+            for cap in self.book.analyzed():
                 self._drop_capture(cap)
         now = [c for c in range(self.layout.num_chunks) if self.store.os_tier[c] is Tier.DEVICE]
         if saved["os_placed"] and list(saved["os_device"]) != now:
             self._place_states(set(saved["os_device"]))
         self._os_placed = self._os_placed or saved["os_placed"]
-        for cap in list(self._captures):
+        for cap in self.book.analyzed():
             self._install_restored(cap)
 
     def _drop_capture(self, cap: CaptureKey) -> None:
         """Forget a capture and its schedules: captured and planned again at its next use."""
-        for key in [k for k in self._schedules if k.capture == cap]:
-            self._forget(self._schedules.pop(key))
-            warm = self._warm.pop(key, None)
-            if warm is not None:
-                self._forget(warm)
-        del self._captures[cap]
-        self._lives[cap].forget()
+        self._drop_schedules(cap)
+        self.book.drop_analysis(cap)
+        self.book.life(cap).forget()
 
     def _install_restored(self, cap: CaptureKey) -> None:
         """Plan ``cap`` with a loaded checkpoint's measurements, if it has them for this graph."""
         entry = self._restored.pop(cap.token, None)
         if entry is None:                   # a checkpoint written before captures had a token
             entry = self._restored.pop(repr(cap), None)
-        if entry is None or list(self._captures[cap].nonmodel) != list(entry["static"]):
+        if entry is None or list(self.book.analysis(cap).nonmodel) != list(entry["static"]):
             return
-        life = self._lives[cap]
+        life = self.book.life(cap)
         life.restore(entry)                 # (what ran as compiled eager runs so again: the same code)
-        for key in list(self._schedules):
-            if key.capture == cap:
-                self._replan(key, life.curve, measured=True)
+        self._replan_capture(cap, life.curve, measured=True)
 
     def _prove_restored(self, runs: list) -> None:
         """The line behind the tag (``trust.py``): measurements loaded from a checkpoint are kept
@@ -110,9 +105,9 @@ class CompiledState:
         step, and the capture's next run measures again, as a fresh engine's first step does."""
         for r in runs:
             cap = r.context.key.capture
-            if not self._lives[cap].unproven:
+            if not self.book.life(cap).unproven:
                 continue
-            self._lives[cap].prove()
+            self.book.life(cap).prove()
             over = self.budget is not None and r.tracker.peak_total > self.budget
             if self.comm is not None:
                 over = bool(self.comm.agree_max([int(over)])[0])
@@ -122,7 +117,7 @@ class CompiledState:
     def _distrust_restored(self, error: OverBudget) -> bool:
         """After a run planned with a checkpoint's measurements stopped over the budget (and was
         undone): drop every capture's unproven measurements; whether there were any."""
-        caps = [cap for cap, life in self._lives.items() if life.unproven]
+        caps = [cap for cap, life in self.book.lives() if life.unproven]
         for cap in caps:
             self._drop_restored(cap, error.total)
         return bool(caps)
@@ -133,22 +128,15 @@ class CompiledState:
         log.warning("pscompile: the measurements loaded from the checkpoint understate what %s takes (a run "
                     "reached %d bytes, device_memory=%d): dropped; the capture measures again",
                     cap.token[:80], peak, self.budget)
-        static = self._captures[cap].nonmodel
-        self._lives[cap].forget()
+        static = self.book.analysis(cap).nonmodel
+        self.book.life(cap).forget()
         self._fit_optimizer_states(max(static))       # (the curve may leave less margin)
-        for key in [k for k in self._schedules if k.capture == cap]:
-            self._replan(key, static, measured=False)
+        self._replan_capture(cap, static, measured=False)
 
     def _abort_run(self, acc: list[torch.Tensor] | None) -> None:
         """After a failed run: no copy left running into memory the recovery frees, nothing in
         flight remembered, stored gradients undone and slots back at the plan's start."""
-        self.copies.drain()
-        self._land(errors=False)
-        self._abandon_in_flight()
-        self._grad_copies.clear()
-        self._reading.clear()
-        self._homing.clear()
-        self._copying.clear()
+        self.moves.abort()
         self._recover(restore=acc is None)
 
     def _comm_bytes(self) -> tuple[int, int]:
@@ -190,10 +178,8 @@ class CompiledState:
         """After a failed graph run: undo stored gradients (``restore``; accumulation leaves the
         parameters intact), put slots back to the plan's start."""
         self.early.undo()              # (chunks updated in the backward get their masters back first)
-        touched = {c for f in self._written for c in self.layout.entry(f).chunks} if restore else set()
-        for k, c in list(self._slot_chunk.items()):
-            if not self.store.device_homed(c):
-                self._release_slot(k)
+        touched = {c for f in self.moves.written for c in self.layout.entry(f).chunks} if restore else set()
+        self.moves.release_where(self.store.device_homed)
         for c in sorted(touched):
             self.store.restore_from_master(c)
         self._count_outside_steps()
