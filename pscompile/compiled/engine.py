@@ -169,7 +169,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, CompiledState, ChunkEng
             tracker.limit = self.budget                            # (``_distrust_restored``)
         comm_before = self._comm_bytes()
         inputs = self._graph_inputs(sched, batch, acc, loss_scale, tracker)
-        self.moves.begin_run(disk_acc=acc if isinstance(acc, DiskAccumulation) else None, fresh_acc=self._fresh_acc,
+        self.moves.begin_run(disk_acc=acc if isinstance(acc, DiskAccumulation) else None, fresh_acc=self._acc_is_zero(),
                              disk_prefetch=self.disk_prefetch)
         executor = self._executor_for(key, sched, inputs)
         observer = _NodeMemory(tracker) if not sched.measured else None

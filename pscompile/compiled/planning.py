@@ -240,7 +240,7 @@ class CompiledPlanning:
     def _zero_fallback(self, why: str, cause: BaseException | None) -> None:
         """ZeRO, a range refused (``why``): a plan per shape serves only a step whose ranks pass the
         same shapes; else a ``ValueError`` on every rank (they agree on all it depends on)."""
-        agreed = getattr(self, "_agreed", None) if self.comm is not None else None
+        agreed = self._agreed_shapes() if self.comm is not None else None
         if agreed is None or agreed.uniform:
             return
         raise ValueError(f"under ZeRO the ranks' batches differ in size this step (from {list(agreed.low)} to "
@@ -253,7 +253,8 @@ class CompiledPlanning:
         (``ShapeRanges.agree``) before any key is made from this rank's own batch."""
         super()._check_batch(batch, micro, call)
         if self.comm is not None:
-            for low, high in zip(self._agreed.low, self._agreed.high):
+            agreed = self._agreed_shapes()
+            for low, high in zip(agreed.low, agreed.high):
                 self.ranges.agree(low, high)
 
     def _range_analysis(self, key: ScheduleKey, batch: Any, params) -> AnalyzedGraph | None:

@@ -42,7 +42,7 @@ from pscompile.memory.tiers import Tier
 from pscompile.memory.tracker import NonModelTracker
 from pscompile.optim.placement import UPDATE_TEMP_BYTES_PER_ELEMENT, first_state_chunks
 from pscompile.runtime.rng import rng_state, set_rng_state
-from pscompile.runtime.batching import LossFn, check_ranks_agree, extract_loss, signature, to_device
+from pscompile.runtime.batching import LossFn, extract_loss, signature, to_device
 from pscompile.runtime.engine import ChunkEngine, MicroRun
 from pscompile.runtime.order import direct_params
 from pscompile.stats import StepStats
@@ -71,7 +71,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
         self._eval_plans: dict[tuple, AccessPlan] = {}  # forward-only moments, per batch signature
         self.stats: StepStats | None = None
         try:      # ZeRO: the ranks' first batches may differ in size; their plan is traced together
-            self._agreed = check_ranks_agree([batch], self.comm, "compile") if self.comm is not None else None
+            self._agree_shapes([batch], "compile")
             self._plan_for(batch)
         except BaseException:
             self.close()          # a failed compile hands the model its weights back
@@ -176,7 +176,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
             for saved in list(ps.saved):     # (a backward that ran has freed all of them)
                 saved.t = None
             for f, p in self.params.items():
-                p.data = self._dummy.expand(p.shape)
+                p.data = self._released(p.shape)
                 p.grad = None
                 self.states[f] = TensorState.HOLD
 
@@ -236,7 +236,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
         the same decisions from the same (agreed) peaks: a plan per rank's own shape, its peaks
         agreed with whatever another rank traced then, evicted (and so all-gathered) differently
         from the other ranks' plans, and the ranks' collectives no longer matched."""
-        agreed = getattr(self, "_agreed", None)
+        agreed = self._agreed_shapes()
         return signature(batch) if agreed is None else agreed.plan_key(signature(batch), i)
 
     def _plan_for(self, batch: Any, sig: tuple | None = None) -> AccessPlan:

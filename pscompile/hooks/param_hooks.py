@@ -152,7 +152,7 @@ class ParamHooks:
         for f in fqns:
             if self.layout.entry(f).spans:
                 ps.span_bufs.pop(self.params[f].untyped_storage().data_ptr(), None)
-            self.params[f].data = self._dummy.expand(self.params[f].shape)
+            self.params[f].data = self._released(self.params[f].shape)
             self.states[f] = TensorState.HOLD_AFTER_FWD
         for c in self._chunks_of(fqns):
             ps.pins[c] -= 1
@@ -259,7 +259,7 @@ class ParamHooks:
             self.copies.move(host, piece, "d2h")
             ps.acc.open(p.chunk)[p.chunk_offset:p.chunk_offset + p.numel].add_(host.float())
             ps.acc.close(p.chunk, dirty=True)
-        elif self._fresh_acc:    # a zero buffer (lock-free): 0 + g is g
+        elif self._acc_is_zero():    # a zero buffer (lock-free): 0 + g is g
             self.copies.move(ps.acc[p.chunk][p.chunk_offset:p.chunk_offset + p.numel], piece, "d2h")
         else:                    # accumulate in fp32 on the host; the parameter stays
             host = self.copies.host_empty(p.numel, piece.dtype)

@@ -56,8 +56,7 @@ class CheckpointState:
         when it is written (a host buffer as it is; a device one through a host copy of one
         chunk). Lock-free: after every queued update."""
         self._apply_queued_updates()
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
+        self._refuse_if_stopped()
         return [(f"{key}.{c}", torch.float32, n, partial(self._state_on_host, c, i, n))
                 for c, n in enumerate(self._state_used()) if n for i, key in enumerate(LISTS)]
 

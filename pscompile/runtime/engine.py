@@ -117,15 +117,11 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         # -- host and disk tiers, copies, the chunk store -------------------------------------
         self._place_host_tiers(config)
         self._make_store(config)
-        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
-        # Released parameters point at one NaN element broadcast to their shape: any use outside
-        # the hooks' access/release gives NaN instead of stale values.
-        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        self._init_model_access()
         with torch.no_grad():
             self._load_into_chunks()
         self._make_update(config)
         self._make_optimizer()             # engine.optimizer: the groups for torch's LR schedulers
-        self._chunk_groups_cache: dict[int, list] = {}
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_growth_interval) if self.dtype == torch.float16 else None
         self._move_buffers()
         self._acc: list[torch.Tensor] | None = None     # gradient accumulation chunks (fp32, host)
@@ -133,7 +129,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         self.eval_peak_device_bytes: int | None = None   # of the last evaluate()
         self.eval_bytes_moved: int | None = None
         self.closed = False
-        self._broken: str | None = None    # why the engine cannot go on (a failure inside the update)
+        self._go_on()                      # (a failure inside the update stops it: ``_stop``)
         # queue the next disk chunk's reads before this one's update, and read the disk homes ahead
         # of their fetches (False: read each when it is needed; bench/disk.py compares the two)
         self.disk_prefetch = True
@@ -146,13 +142,10 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                         if config.lock_free else None)
         if self.updater is not None:      # (its gradient buffer sets are host model data)
             self.store.host_meter.add(sum(b.numel() * 4 for s in self.updater.sets for b in s))
-        # lock-free: the update thread casts new masters here (trainable chunks); publishing swaps them
-        # in (zeroed: the cast covers the state extent, and the padding after it stays zero)
-        self._next_params = ([self.store.host_param_pool.acquire(zero=True) if self.store.state_numel(c) else torch.empty(0)
-                              for c in range(self.layout.num_chunks)] if config.lock_free else [])
+        self._init_update_state(config.lock_free)
         self._fresh_acc = False      # the gradient buffers are zero: the run copies into them, not adds
         self.notices = SetupNotices()      # a slow first step of a batch shape is said (pscompile/runtime/notices.py)
-        self._steps_run = 0          # successful steps (lock-free jobs are numbered by them)
+        self.steps_run = 0           # successful steps (lock-free jobs are numbered by them)
         self._lock, self._busy = threading.Lock(), ""   # one call at a time (``exclusive``)
 
     def _make_store(self, config: Config) -> None:
@@ -181,8 +174,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
                                    copies=self.copies, **tiers))
         # ZeRO: every rank plans its moves around the largest device-homes footprint of any rank
         # (ranks own different chunks), so all ranks make the same gathers and releases
-        self._zero_home_bytes = (self.comm.agree_max([self.store.dev_os_pool.bytes_in_use])[0]
-                                 if self.comm is not None else 0)
+        self._agree_home_bytes()
         # the copy threads, the disk tier's I/O thread and file: released by close(), or when the
         # engine is garbage-collected without it
         self._release = weakref.finalize(self, _release_resources, self.copies, self.store.param_disk, self.store.disk)
@@ -238,7 +230,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
             if values:
                 self.store.load_params(values, flush=False)
                 for fqn in values:
-                    self.params[fqn].data = self._dummy.expand(self.params[fqn].shape)
+                    self.params[fqn].data = self._released(self.params[fqn].shape)
         self.store.flush_disk()
 
     def _move_buffers(self) -> None:
@@ -335,15 +327,27 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
     def _check_batch(self, batch: Any, micro: list | None, call: str = "step") -> None:
         """A ``TypeError`` naming the argument when ``batch`` (or a micro-batch) is not of the form
         compiled for, a ``ValueError`` when ZeRO's ranks' batches differ in more than sizes; before anything
-        changes. ZeRO: what the ranks agreed on is ``self._agreed`` (``batching.RanksShapes``)."""
-        batches = check_form(self.batch_structure, batch, micro, call)
+        changes. ZeRO: what the ranks agreed on is ``_agreed_shapes()`` (``batching.RanksShapes``)."""
+        self._agree_shapes(check_form(self.batch_structure, batch, micro, call), call)
+
+    def _agree_shapes(self, batches: list, call: str) -> None:
+        """ZeRO: the ranks' batches this call (``batching.check_ranks_agree``, a ``ValueError`` where
+        they differ in more than sizes)."""
         self._agreed = check_ranks_agree(batches, self.comm, call) if self.comm is not None else None
+
+    def _agreed_shapes(self):
+        """What the ranks agreed on at the last ``_agree_shapes`` (None: one process, or none yet)."""
+        return getattr(self, "_agreed", None)
+
+    def _acc_is_zero(self) -> bool:
+        """The run now adds into zero gradient buffers (lock-free, its first micro-batch): it copies
+        into them instead."""
+        return self._fresh_acc
 
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError(closed_message(self._busy))
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
+        self._refuse_if_stopped()
         check_frozen(self.layout, self.params)
 
     def __enter__(self):
@@ -413,7 +417,7 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         finally:
             if acc is not None and self.updater is None:
                 zero_accumulation(acc)
-        self._steps_run += 1
+        self.steps_run += 1
         loss = self._global_mean(sum(r.loss for r in runs) / k)
         disk1 = self._disk_bytes()
         t_end = time.perf_counter()

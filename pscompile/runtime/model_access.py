@@ -28,6 +28,17 @@ class ModelAccess:
     """Mixin of ``ChunkEngine``: ``materialize``, ``save_pretrained`` and ``export``, and the
     weights given back at ``close``."""
 
+    def _init_model_access(self) -> None:
+        """Each parameter's own device and dtype (the weights go back to them), and the NaN that
+        released parameters show: one element broadcast to their shape, so any use outside the
+        engine's access gives NaN instead of stale values (``_released``)."""
+        self._orig = {fqn: (p.device, p.dtype) for fqn, p in self.params.items()}
+        self._dummy = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+
+    def _released(self, shape) -> torch.Tensor:
+        """What a released parameter of ``shape`` points at (NaN, no memory of its own)."""
+        return self._dummy.expand(shape)
+
     @contextlib.contextmanager
     def materialize(self, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
         """Within the ``with`` block the model holds the current weights (after every queued
@@ -50,7 +61,7 @@ class ModelAccess:
                 yield self.model
             finally:
                 for p in self.params.values():
-                    p.data = self._dummy.expand(p.shape)
+                    p.data = self._released(p.shape)
                 for mod, name, buf, persistent in buffers:
                     mod.register_buffer(name, buf, persistent=persistent)
                 self._count_outside_steps()

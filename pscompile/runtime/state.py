@@ -33,13 +33,27 @@ class EngineState:
         with self.exclusive("state_dict"):
             return self._state_dict()
 
+    # an engine a failed update stopped (its weights partly updated) until a state is loaded: this
+    # file owns that state; the update stops it, a load lets it go on
+    def _stop(self, why: str) -> None:
+        self._broken: str | None = why
+
+    def _go_on(self) -> None:
+        self._broken = None
+
+    def _stopped(self) -> bool:
+        return self._broken is not None
+
+    def _refuse_if_stopped(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
     def _state_dict(self) -> dict:
         if self.closed:
             raise RuntimeError("state_dict() of a closed engine: its state went back to the model at close() "
                                "(model.state_dict() holds the trained weights); save before closing")
         self._apply_queued_updates()
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
+        self._refuse_if_stopped()
         if self.comm is not None:
             return shard_ckpt.shard_state_dict(self.store, self.layout, rank=self.rank, world=self.world,
                                                extra=self._scalar_state())
@@ -149,7 +163,7 @@ class EngineState:
         """Mode hook: take back what ``_mode_state`` saved."""
 
     def _load_scalars(self, sd: dict, hps: list[AdamW] | None = None) -> None:
-        self._broken = None                 # every chunk holds the loaded state now
+        self._go_on()                       # every chunk holds the loaded state now
         self._load_mode_state(sd)
         if hps is not None:
             self._put_groups(hps, sd.get("param_groups"))

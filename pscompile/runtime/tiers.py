@@ -99,6 +99,13 @@ class HostTiers:
             "device_memory, or Config(disk_dir=...) to keep the optimizer states the host cannot hold on disk",
             minimum=device_need, detail=detail)
 
+    def _agree_home_bytes(self) -> None:
+        """ZeRO: every rank plans its moves around the largest device-homes footprint of any rank
+        (ranks own different chunks), so all ranks make the same gathers and releases (a collective:
+        every rank calls it once, when its store is made)."""
+        self._zero_home_bytes = (self.comm.agree_max([self.store.dev_os_pool.bytes_in_use])[0]
+                                 if self.comm is not None else 0)
+
     def _fixed_device_bytes(self) -> int:
         """Device bytes the chunk moves must leave alone: the optimizer states (and, under ZeRO,
         gradient buffers) homed there; under ZeRO the most any rank has, so every rank decides alike."""

@@ -26,6 +26,14 @@ from pscompile.runtime.interrupts import deferred_interrupts
 class ChunkUpdate:
     """Mixin of ``ChunkEngine``: its optimizer step (the module docstring)."""
 
+    def _init_update_state(self, lock_free: bool) -> None:
+        """What the step keeps: each chunk's groups (made at first use) and, ``lock_free``, the new
+        masters the update thread casts (trainable chunks; publishing swaps them in; zeroed: the
+        cast covers the state extent, and the padding after it stays zero)."""
+        self._chunk_groups_cache: dict[int, list] = {}
+        self._next_params = ([self.store.host_param_pool.acquire(zero=True) if self.store.state_numel(c) else torch.empty(0)
+                              for c in range(self.layout.num_chunks)] if lock_free else [])
+
     def _chunk_groups(self, c: int) -> list[tuple[int, list[tuple[int, int]] | None]]:
         """Chunk ``c``'s parameter groups with their ranges in its home buffers (None: the whole
         chunk, when one group holds all its parameters)."""
@@ -138,7 +146,7 @@ class ChunkUpdate:
                 g.zero_()
             return True
         chunks = tuple(c for c in range(n) if has_grad[c])
-        job = UpdateJob(step=self._steps_run, grads=grads, chunks=chunks, factor=factor,
+        job = UpdateJob(step=self.steps_run, grads=grads, chunks=chunks, factor=factor,
                         frozen=tuple(self._frozen_ranges(c, written) for c in chunks),
                         groups=tuple(self._chunk_groups(c) for c in chunks), hps=tuple(self.adam.hps))
         with deferred_interrupts(), tracker.paused():     # queued and the bound kept, or neither
@@ -198,13 +206,13 @@ class ChunkUpdate:
             self._mark_update_failed(e)
 
     def _mark_update_failed(self, e: BaseException) -> None:
-        self._broken = (f"this engine failed inside the optimizer update ({type(e).__name__}: {e}); its "
-                        "weights and optimizer states are partly updated: load a checkpoint "
-                        "(pscompile.load or load_state_dict) before training or saving again")
+        self._stop(f"this engine failed inside the optimizer update ({type(e).__name__}: {e}); its "
+                   "weights and optimizer states are partly updated: load a checkpoint "
+                   "(pscompile.load or load_state_dict) before training or saving again")
 
     def _apply_queued_updates(self) -> None:
         """Lock-free: apply every queued update now (state dicts and ``close`` see them all)."""
-        if self.updater is None or self._broken is not None:
+        if self.updater is None or self._stopped():
             return
         try:
             with deferred_interrupts():
