@@ -208,73 +208,68 @@ def _emit(graph: fx.Graph, a, op: "_Operands") -> None:
     slots, hosts, accs, env, grad_node_of = op.slots, op.hosts, op.accs, op.env, op.grad_node_of
     resident, rank, world = op.resident, op.rank, op.world
     if a.kind == MemKind.FETCH:
-        node = graph.call_function(torch.ops.pscompile.fetch.default, (slots[a.slot], hosts[a.chunk]))
-        resident[a.chunk] = a.slot
+        args = (slots[a.slot], hosts[a.chunk])
         mem = MemOp(MemKind.FETCH, a.chunk, a.slot, "host", "device", a.nbytes,
                     asynchronous=a.asynchronous)
     elif a.kind == MemKind.ALLGATHER:
-        node = graph.call_function(torch.ops.pscompile.allgather.default,
-                                   (slots[a.slot], hosts[a.chunk], rank, world))
-        resident[a.chunk] = a.slot
+        args = (slots[a.slot], hosts[a.chunk], rank, world)
         mem = MemOp(MemKind.ALLGATHER, a.chunk, a.slot, "host+ranks", "device", a.nbytes,
                     asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
     elif a.kind == MemKind.BROADCAST:
         owner = a.chunk % world
-        node = graph.call_function(torch.ops.pscompile.broadcast.default,
-                                   (slots[a.slot], hosts[a.chunk], owner, rank))
-        resident[a.chunk] = a.slot
+        args = (slots[a.slot], hosts[a.chunk], owner, rank)
         mem = MemOp(MemKind.BROADCAST, a.chunk, a.slot, "host" if owner == rank else f"rank {owner}", "device",
                     a.nbytes, asynchronous=a.asynchronous, comm_bytes=a.comm_bytes, world=world)
     elif a.kind == MemKind.REDUCE:
         owner = a.chunk % world
         dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
-        node = graph.call_function(torch.ops.pscompile.reduce.default,
-                                   (dest, slots[a.slot], owner, rank, a.to_acc))
+        args = (dest, slots[a.slot], owner, rank, a.to_acc)
         mem = MemOp(MemKind.REDUCE, a.chunk, a.slot, "device+ranks",
                     ("acc" if a.to_acc else "host") if owner == rank else f"rank {owner}",
                     a.nbytes, comm_bytes=a.comm_bytes, world=world)
     elif a.kind == MemKind.RELEASE_REMOTE:
-        node = graph.call_function(torch.ops.pscompile.release_remote.default, (slots[a.slot],))
-        del resident[a.chunk]
+        args = (slots[a.slot],)
         mem = MemOp(MemKind.RELEASE_REMOTE, a.chunk, a.slot, "device", "-", 0, world=world)
     elif a.kind == MemKind.REDUCE_SCATTER:
         dest = accs[a.chunk] if a.to_acc else hosts[a.chunk]
-        node = graph.call_function(torch.ops.pscompile.reduce_scatter.default,
-                                   (dest, slots[a.slot], rank, world, a.to_acc))
+        args = (dest, slots[a.slot], rank, world, a.to_acc)
         mem = MemOp(MemKind.REDUCE_SCATTER, a.chunk, a.slot, "device+ranks", "acc" if a.to_acc else "host",
                     a.nbytes, comm_bytes=a.comm_bytes, world=world)
     elif a.kind == MemKind.WAIT and a.slot is None:     # an asynchronous accumulate_grad has landed
         g = a.grad
-        node = graph.call_function(torch.ops.pscompile.wait_grad.default, (env[grad_node_of[g.fqn]],))
+        args = (env[grad_node_of[g.fqn]],)
         mem = MemOp(MemKind.WAIT, a.chunk, None, "-", "-", 0, g.fqn)
     elif a.kind == MemKind.WAIT:
-        node = graph.call_function(torch.ops.pscompile.wait.default, (slots[a.slot],))
+        args = (slots[a.slot],)
         mem = MemOp(MemKind.WAIT, a.chunk, a.slot, "-", "-", 0, world=world)
     elif a.kind == MemKind.WRITEBACK:
-        node = graph.call_function(torch.ops.pscompile.writeback.default, (hosts[a.chunk], slots[a.slot]))
+        args = (hosts[a.chunk], slots[a.slot])
         mem = MemOp(MemKind.WRITEBACK, a.chunk, a.slot, "device", "host", a.nbytes)
     elif a.kind == MemKind.DISK_READ:
-        node = graph.call_function(torch.ops.pscompile.disk_read.default, (hosts[a.chunk],))
+        args = (hosts[a.chunk],)
         mem = MemOp(MemKind.DISK_READ, a.chunk, None, "disk", "host", a.nbytes)
     elif a.kind == MemKind.UPDATE:
-        node = graph.call_function(torch.ops.pscompile.update.default, (hosts[a.chunk],))
+        args = (hosts[a.chunk],)
         mem = MemOp(MemKind.UPDATE, a.chunk, None, "host", "host", 0)
     elif a.kind == MemKind.DROP:
-        node = graph.call_function(torch.ops.pscompile.drop.default, (slots[a.slot],))
-        del resident[a.chunk]
+        args = (slots[a.slot],)
         mem = MemOp(MemKind.DROP, a.chunk, a.slot, "device", "-", 0)
     elif a.kind == MemKind.ACCUMULATE_GRAD:
         g = a.grad
-        node = graph.call_function(torch.ops.pscompile.accumulate_grad.default,
-                                   (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset, *_page(g)))
+        args = (accs[a.chunk], env[grad_node_of[g.fqn]], g.offset, *_page(g))
         mem = MemOp(MemKind.ACCUMULATE_GRAD, a.chunk, None, "device", "host", a.nbytes, g.fqn,
                     asynchronous=a.asynchronous)
     else:
         g = a.grad
         grad = env[grad_node_of[g.fqn]]
         dest = slots[a.slot] if a.slot is not None else hosts[a.chunk]
-        node = graph.call_function(torch.ops.pscompile.store_grad.default, (dest, grad, g.offset, *_page(g)))
+        args = (dest, grad, g.offset, *_page(g))
         mem = MemOp(MemKind.STORE_GRAD, a.chunk, a.slot, "device", "device" if a.slot is not None else "host",
                     a.nbytes, g.fqn)
+    node = graph.call_function(mem.decl.op, args)      # the op its declaration names
+    if mem.decl.arrives:
+        resident[a.chunk] = a.slot
+    elif mem.decl.leaves:
+        del resident[a.chunk]
     node.meta["val"] = None
     gmeta.put(node, "mem", mem)

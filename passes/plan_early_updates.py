@@ -40,7 +40,7 @@ def _final_writebacks(plan: ResidencyPlan, host_chunks: frozenset[int]) -> dict[
             continue
         if a.kind == MemKind.WRITEBACK:
             out[a.chunk] = i
-        elif not a.kind.leaves:
+        elif not a.decl.leaves:
             out.pop(a.chunk, None)          # touched again: not final (a later writeback may be)
     return out
 

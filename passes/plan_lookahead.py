@@ -63,9 +63,9 @@ def resident_at_end(plan: ResidencyPlan) -> dict[int, int]:
     for a in plan.actions:
         if a.before >= plan.num_nodes:
             break
-        if a.kind.arrives:
+        if a.decl.arrives:
             holds[a.slot] = a.chunk
-        elif a.kind.leaves:
+        elif a.decl.leaves:
             holds.pop(a.slot, None)
     return {c: k for k, c in holds.items()}
 

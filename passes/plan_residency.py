@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from pscompile.errors import ResidencyError
+from pscompile.graph.ops import OpDecl, decl_for
 from pscompile.kinds import MemKind, Policy
 from pscompile.memory.belady import NextUse, farthest
 from pscompile.units import format_bytes
@@ -95,6 +96,11 @@ class Action:
     asynchronous: bool = False  # a fetch started early (prefetch_fetches); a WAIT action marks its old place
     comm_bytes: int = 0        # ALLGATHER: bytes received from other ranks; REDUCE_SCATTER: bytes sent
     to_acc: bool = False       # REDUCE_SCATTER: added into the fp32 accumulation shard, not the host home
+
+    @property
+    def decl(self) -> OpDecl:
+        """The declaration of the op that performs it (what it does to residency among it)."""
+        return decl_for(self.kind, slot=self.slot)
 
 
 @dataclass(frozen=True)
@@ -440,7 +446,7 @@ def _replayed_peak(actions: Sequence[Action], resident: int, T: int, window, slo
     peak, node, k = 0, 0, 0
     for i in range(T):
         while k < len(actions) and actions[k].before == i:
-            resident += actions[k].kind.arrives - actions[k].kind.leaves
+            resident += actions[k].decl.arrives - actions[k].decl.leaves
             k += 1
         used = resident * slot_bytes + os_device_bytes + window(i)
         if used > peak:

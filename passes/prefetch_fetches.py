@@ -52,7 +52,7 @@ def resident_counts(plan: ResidencyPlan) -> list[int]:
     out = []
     for i in range(plan.num_nodes):
         for a in by_node.get(i, ()):
-            count += 1 if a.kind.arrives else -1 if a.kind.leaves else 0
+            count += 1 if a.decl.arrives else -1 if a.decl.leaves else 0
         out.append(count)
     return out
 
@@ -80,7 +80,7 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
     new_actions: list[Action] = []
     moved, distances, total = 0, [], 0
     for a in actions:
-        if a.kind.arrives and a.before < T:
+        if a.decl.arrives and a.before < T:
             total += 1
             earliest = max(last_slot_free.get(a.slot, 0), last_chunk_touch.get(a.chunk, 0),
                            a.before - max_distance, 0)
@@ -99,7 +99,7 @@ def prefetch_fetches(plan: ResidencyPlan, nonmodel: Sequence[int], *, budget: in
                 new_actions.append(a)
         else:
             new_actions.append(a)
-        if a.kind.leaves:
+        if a.decl.leaves:
             last_slot_free[a.slot] = a.before
         last_chunk_touch[a.chunk] = a.before
     # actions must stay ordered by the node they precede; within a node, keep the original order

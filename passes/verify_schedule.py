@@ -122,44 +122,36 @@ class _Replay:
         mem = mem_op(node)
         if mem is None:
             _fail(node, "memory node without its MemOp metadata")
-        if (mem.kind.arrives or mem.kind.leaves or mem.kind.reduces) and \
+        if (mem.decl.arrives or mem.decl.leaves or mem.decl.reduces) and \
                 mem.kind not in (self.arrive, self.leave, self.reduce_kind):
             where = "sharded over " + str(self.world) + " ranks" if self.sharded else "of one rank"
             _fail(node, f"{mem.kind} in a schedule {where}; chunks arrive by {self.arrive}, leave by "
                         f"{self.leave} and reduce by {self.reduce_kind} here")
-        if mem.chunk in self.updated and not mem.kind.leaves:
+        if mem.chunk in self.updated and not mem.decl.leaves:
             _fail(node, f"{mem.kind} of chunk {mem.chunk} after its update started on the host")
-        if mem.kind == MemKind.UPDATE:
-            self._update(node, mem)
-        elif mem.kind == MemKind.DISK_READ:
-            self._disk_read(node, mem)
-        elif mem.kind.arrives:
-            self._arrive(node, mem)
-        elif mem.kind == MemKind.WAIT and mem.slot is None:     # a gradient's copy has landed
-            self._grad_landed(node, mem)
-        elif mem.kind == MemKind.WAIT:
-            slot = self.slot_of.get(node.args[0])
-            if slot not in self.pending or self.holds.get(slot) != mem.chunk:
-                _fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
-            self.pending.discard(slot)
-        elif mem.kind.leaves:
-            self._leave(node, mem)
-        elif mem.kind.reduces:
-            self._reduce(node, mem)
-        elif mem.kind == MemKind.WRITEBACK:
-            slot = self.slot_of.get(node.args[1])
-            if self.holds.get(slot) != mem.chunk or self.host_of.get(node.args[0]) != mem.chunk:
-                _fail(node, f"writeback of chunk {mem.chunk} from slot {slot}, which holds {self.holds.get(slot)}")
-            self.dirty.discard(mem.chunk)
-        elif mem.kind == MemKind.ACCUMULATE_GRAD:
-            if self.acc_of.get(node.args[0]) != mem.chunk:
-                _fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
-            self._check_page(node, mem)
-            if mem.asynchronous:          # the gradient stays on the device until its wait
-                self.copying[(mem.fqn, mem.chunk)] = (node.args[1], mem.nbytes)
-                self.held = gmeta.held_grad_bytes(self.copying.values())
-        elif mem.kind == MemKind.STORE_GRAD:
-            self._store(node, mem)
+        getattr(self, "_" + mem.decl.check)(node, mem)     # each op's check, named by its declaration
+        if not mem.decl.link and mem.nbytes:
+            _fail(node, f"{mem.kind} moves no bytes by its declaration, but its MemOp says {mem.nbytes}")
+
+    def _wait(self, node: fx.Node, mem) -> None:
+        slot = self.slot_of.get(node.args[0])
+        if slot not in self.pending or self.holds.get(slot) != mem.chunk:
+            _fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
+        self.pending.discard(slot)
+
+    def _writeback(self, node: fx.Node, mem) -> None:
+        slot = self.slot_of.get(node.args[1])
+        if self.holds.get(slot) != mem.chunk or self.host_of.get(node.args[0]) != mem.chunk:
+            _fail(node, f"writeback of chunk {mem.chunk} from slot {slot}, which holds {self.holds.get(slot)}")
+        self.dirty.discard(mem.chunk)
+
+    def _accumulate(self, node: fx.Node, mem) -> None:
+        if self.acc_of.get(node.args[0]) != mem.chunk:
+            _fail(node, f"gradient of {mem.fqn} added into another chunk's accumulation buffer")
+        self._check_page(node, mem)
+        if mem.asynchronous:          # the gradient stays on the device until its wait
+            self.copying[(mem.fqn, mem.chunk)] = (node.args[1], mem.nbytes)
+            self.held = gmeta.held_grad_bytes(self.copying.values())
 
     def _arrive(self, node: fx.Node, mem) -> None:
         if mem.kind == MemKind.BROADCAST and node.args[2] != mem.chunk % self.world:

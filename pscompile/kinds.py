@@ -38,21 +38,7 @@ class MemKind(StrEnum):
                                          # on a host thread while the backward goes on (plan_early_updates)
     OFFLOAD = "offload"                  # a saved activation: device -> host, after its last forward use
     RELOAD = "reload"                    # ... and host -> device, before its first backward use
-
-    @property
-    def arrives(self) -> bool:
-        """A chunk (or gathered group) takes a slot."""
-        return self in (MemKind.FETCH, MemKind.ALLGATHER, MemKind.BROADCAST)
-
-    @property
-    def reduces(self) -> bool:
-        """ZeRO: the gradients of a gathered chunk or group go to their owners."""
-        return self in (MemKind.REDUCE_SCATTER, MemKind.REDUCE)
-
-    @property
-    def leaves(self) -> bool:
-        """A chunk (or gathered group) gives its slot up."""
-        return self in (MemKind.DROP, MemKind.RELEASE_REMOTE)
+    # (What a kind does to residency, arrives, leaves, reduces, is declared with its op: graph/ops.py.)
 
 
 class RunKind(StrEnum):

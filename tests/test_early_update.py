@@ -81,7 +81,7 @@ def test_the_schedule_lists_each_update_after_its_final_writeback():
         assert f"update chunk {c}: its AdamW step starts on a host thread" in line
         before = [get(n, "mem") for n in nodes[:nodes.index(u)] if is_memory_node(n) and get(n, "mem").chunk == c]
         after = [get(n, "mem") for n in nodes[nodes.index(u) + 1:] if is_memory_node(n) and get(n, "mem").chunk == c]
-        assert before[-1].kind == MemKind.WRITEBACK and all(m.kind.leaves for m in after)
+        assert before[-1].kind == MemKind.WRITEBACK and all(m.decl.leaves for m in after)
     assert "chunks updated while the backward goes on" in text        # the pass's line in the header
 
 

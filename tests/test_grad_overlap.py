@@ -59,7 +59,7 @@ def _replay(plan, windows, sizes) -> tuple[int, dict]:
         by_node.setdefault(a.before, []).append(a)
     for i in range(plan.num_nodes + 1):
         for a in by_node.get(i, ()):
-            resident += a.kind.arrives - a.kind.leaves
+            resident += a.decl.arrives - a.decl.leaves
             if a.kind is MemKind.ACCUMULATE_GRAD and a.asynchronous:
                 inflight.setdefault(a.grad.fqn, set()).add(a.chunk)
                 spans.setdefault(a.grad.fqn, [i, None])

@@ -15,12 +15,31 @@ from typing import Any, Sequence
 import sympy
 import torch
 
-from pscompile.graph.ops import ACTIVATION_OPS, MEMORY_OPS
+from pscompile.graph.ops import DECLS
 
-__all__ = ["BufferPlan", "KeepGraph", "buffer_events", "replay"]
+__all__ = ["BufferPlan", "KeepGraph", "UnreadWrapperLine", "buffer_events", "replay"]
 
-_MEMORY = frozenset(MEMORY_OPS) | frozenset(ACTIVATION_OPS)
-_OFFLOAD = torch.ops.pscompile.offload.default
+_MEMORY = frozenset(d.op for d in DECLS.values())
+# ops whose output Inductor allocates as a host buffer (their declarations say so): not device bytes
+_HOST_OUTPUT = frozenset(d.op for d in DECLS.values() if d.returns == "host")
+
+# Inductor's wrapper lines, by class name (a class that a torch version drops is simply never seen):
+# those ``buffer_events`` reads, and those that allocate nothing (they call kernels into buffers
+# allocated by other lines, assert, comment, define symbols, or enter and leave a device context).
+_READ = frozenset({"AllocateLine", "ReuseLine", "ReinterpretLine", "FreeIfNotReusedLine", "FreeLine",
+                   "MultiOutputLine", "ExternKernelAllocLine"})
+_NO_ALLOCATION = frozenset({
+    "ExternKernelOutLine", "ExternKernelMultiOutLine", "IndexPutFallbackLine", "ScatterFallbackLine",
+    "KernelCallLine", "KernelDefinitionLine", "DynamicScalarLine", "SymbolicCallArgLine",
+    "UnbackedSymbolDefsLine", "AssertDivByZeroLine", "AssertSizeStrideLine", "CommentLine", "NullLine",
+    "EnterDeviceContextManagerLine", "ExitDeviceContextManagerLine", "EnterCudaStreamContextLine",
+    "ExitCudaStreamContextLine", "EnterDeviceContextManagerWithStreamInfoLine",
+    "ExitDeviceContextManagerWithStreamInfoLine"})
+
+
+class UnreadWrapperLine(ValueError):
+    """Inductor's wrapper has a line ``buffer_events`` does not know (a subgraph, or a class a newer
+    torch added): its buffer plan cannot be read, so the program's bytes are not known."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,10 @@ def buffer_events(graph) -> list[tuple]:
     events: list[tuple] = []
     host: set[str] = set()               # offload kernels: their outputs are host copies
     for line in graph.wrapper_code.lines:
+        name = type(line).__name__
+        if isinstance(line, w.WrapperLine) and name not in _READ and name not in _NO_ALLOCATION:
+            raise UnreadWrapperLine(f"Inductor's wrapper line {name} is not one pscompile reads for its buffer "
+                                    f"plan (torch {torch.__version__}); known: {sorted(_READ | _NO_ALLOCATION)}")
         if isinstance(line, w.AllocateLine):
             events.append(("new", line.node.get_name(), nbytes(line.node)))
         elif isinstance(line, (w.ReuseLine, w.ReinterpretLine)):
@@ -90,7 +113,7 @@ def buffer_events(graph) -> list[tuple]:
             node, op = line.node, getattr(line.node, "op_overload", None)
             if op in _MEMORY:
                 events.append(("before",))
-            if op is _OFFLOAD:
+            if op in _HOST_OUTPUT:
                 host.add(node.get_name())
             elif isinstance(node.layout, ir.MultiOutputLayout):
                 events.append(("new", node.get_name(), 0))         # (its outputs: MultiOutputLine)

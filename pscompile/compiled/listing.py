@@ -12,8 +12,6 @@ from torch import fx
 
 from pscompile.graph.meta import get
 from pscompile.graph.ops import MemOp, activation_move, is_memory_node, mem_op
-from pscompile.kinds import MemKind
-from pscompile.units import format_bytes
 
 _MAX_ARGS = 100          # characters of an argument list before it is cut with "..."
 _NONE = "-"              # an empty cell
@@ -63,59 +61,13 @@ def _slot_of(n: fx.Node) -> int | None:
 def _tier(n: fx.Node, mem: MemOp | None) -> str:
     if mem is None:
         return "device" if (get(n, "param") is not None or get(n, "reads")) else ""
-    if mem.kind.leaves:
-        return "device (evict)" if mem.kind == MemKind.DROP else "device (release remote)"
-    if mem.kind == MemKind.WAIT:
-        return "device->host (wait)" if mem.slot is None else "host->device (wait)"
-    return f"{mem.src}->{mem.dst}"
+    return mem.decl.tier or f"{mem.src}->{mem.dst}"
 
 
 def _memory_comment(mem: MemOp, layout, n: fx.Node) -> str:
-    b = format_bytes(mem.nbytes)
-    if mem.kind == MemKind.FETCH:
-        early = ", started early (async)" if mem.asynchronous else ""
-        return f"fetch chunk {mem.chunk} -> slot {mem.slot} ({mem.src}->{mem.dst}), {b}{early}"
-    if mem.kind == MemKind.WAIT and mem.slot is None:
-        return f"wait for the copy of {mem.fqn}'s gradient to chunk {mem.chunk}'s accumulation buffer (then freed), 0 B"
-    if mem.kind == MemKind.WAIT:
-        what = "group" if mem.world > 1 else "chunk"
-        return f"wait for {what} {mem.chunk} in slot {mem.slot} (prefetched), 0 B"
-    if mem.kind == MemKind.ALLGATHER:
-        early = ", started early (async)" if mem.asynchronous else ""
-        return (f"allgather group {mem.chunk} -> slot {mem.slot}: own shard host->device {b}, "
-                f"{format_bytes(mem.comm_bytes)} from ranks 0-{mem.world - 1}{early}")
-    if mem.kind == MemKind.BROADCAST:
-        early = ", started early (async)" if mem.asynchronous else ""
-        return (f"broadcast chunk {mem.chunk} -> slot {mem.slot} from its owner rank {mem.chunk % mem.world} "
-                f"({mem.src}->device), link {b}, {format_bytes(mem.comm_bytes)} received{early}")
-    if mem.kind == MemKind.REDUCE:
-        return (f"reduce chunk {mem.chunk} in slot {mem.slot} to its owner rank {mem.chunk % mem.world} "
-                f"(-> {mem.dst}), {format_bytes(mem.comm_bytes)} sent, link {b}")
-    if mem.kind == MemKind.RELEASE_REMOTE:
-        return f"release group {mem.chunk} from slot {mem.slot} (remote shards dropped, slot freed), 0 B moved"
-    if mem.kind == MemKind.REDUCE_SCATTER:
-        where = "added into its fp32 accumulation shard" if mem.dst == "acc" else "to its host shard"
-        return (f"reduce_scatter group {mem.chunk} in slot {mem.slot}: sum over ranks 0-{mem.world - 1}, "
-                f"{format_bytes(mem.comm_bytes)} sent, own shard {where}, {b}")
-    if mem.kind == MemKind.WRITEBACK:
-        return f"writeback chunk {mem.chunk} <- slot {mem.slot} ({mem.src}->{mem.dst}), {b}"
-    if mem.kind == MemKind.DROP:
-        return f"evict chunk {mem.chunk} from slot {mem.slot} (device, slot freed), {b} moved"
-    if mem.kind == MemKind.UPDATE:
-        return (f"update chunk {mem.chunk}: its AdamW step starts on a host thread while the backward "
-                f"goes on, {b} moved")
-    if mem.kind == MemKind.ACCUMULATE_GRAD:
-        early = ", async: the gradient lives until its wait" if mem.asynchronous else ""
-        return (f"accumulate_grad {mem.fqn} += into the fp32 accumulation buffer of chunk {mem.chunk} "
-                f"({mem.src}->{mem.dst}), {b} moved{early}")
-    if mem.kind == MemKind.STORE_GRAD:
-        grad = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], fx.Node) else None
-        val = grad.meta.get("val") if grad is not None else None
-        size = f"grad {format_bytes(val.numel() * val.element_size())}, " if isinstance(val, torch.Tensor) else ""
-        where = f"slot {mem.slot}" if mem.slot is not None else "its host copy"
-        return (f"store_grad {mem.fqn} -> chunk {mem.chunk} in {where} ({mem.src}->{mem.dst}), "
-                f"{size}{b} moved")
-    return mem.describe()
+    """The op's own comment (its declaration's), else its ``describe``."""
+    comment = mem.decl.comment
+    return comment(mem, n) if comment is not None else mem.describe()
 
 
 def _signature(names: list[str]) -> str:

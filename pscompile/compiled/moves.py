@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from pscompile.graph.ops import ActivationMove, flat_pieces
+from pscompile.graph.ops import DECLS, ActivationMove, flat_pieces
 from pscompile.kinds import MemKind
 from pscompile.memory.copies import Copy, Landed
 from pscompile.memory.tiers import Tier
@@ -32,16 +32,6 @@ def _add_landed(copies: list) -> None:
         copy.wait_host()
         if host is not None:
             target.add_(host)                    # fp32 += compute dtype, on the host
-
-
-# the ``ChunkMoves`` method that performs each kind of memory node
-_MEM_HANDLERS: dict[MemKind, str] = {
-    MemKind.DISK_READ: "_mem_disk_read", MemKind.UPDATE: "_mem_update", MemKind.FETCH: "_mem_fetch",
-    MemKind.ALLGATHER: "_mem_gather", MemKind.BROADCAST: "_mem_gather", MemKind.REDUCE_SCATTER: "_mem_reduce",
-    MemKind.REDUCE: "_mem_reduce", MemKind.WAIT: "_mem_wait", MemKind.WRITEBACK: "_mem_writeback",
-    MemKind.DROP: "_mem_leave", MemKind.RELEASE_REMOTE: "_mem_leave", MemKind.ACCUMULATE_GRAD: "_mem_accumulate",
-    MemKind.STORE_GRAD: "_mem_store_grad",
-}
 
 
 class ChunkMoves:
@@ -76,6 +66,8 @@ class ChunkMoves:
         self._acc_zero = False                    # this run's accumulation buffers are zero: copied into
         self._disk_prefetch = True                 # disk_read nodes read ahead
         self.written: set[str] = set()             # parameters whose gradients the current run stored
+        # each declared op's handler (``OpDecl.handler``): op name -> bound method
+        self._handlers = {name: getattr(self, d.handler) for name, d in DECLS.items()}
 
     # ---------------------------------------------------------------- a run
     def begin_run(self, *, disk_acc=None, fresh_acc: bool = False, disk_prefetch: bool = True) -> None:
@@ -193,9 +185,9 @@ class ChunkMoves:
         still landing keeps the slot's memory until ``land`` releases it.
         Every copy goes through the copy engine (``memory/copies.py``) and names ``node``; waits are
         compute-side, except where the host reads what landed (gradients it adds or updates from).
-        One handler per kind (``_MEM_HANDLERS``): a dictionary lookup, not a chain of comparisons,
-        since it runs for every memory node of every step."""
-        getattr(self, _MEM_HANDLERS[mem.kind])(mem, args, at_end, node)
+        Each op's declaration names its handler (``OpDecl.handler``), looked up once: a dictionary
+        lookup, not a chain of comparisons, since it runs for every memory node of every step."""
+        self._handlers[mem.op](mem, args, at_end, node)
 
     def _mem_disk_read(self, mem, args, at_end, node) -> None:
         if self._disk_prefetch:                  # (disk_prefetch False: each read when its fetch needs it)
@@ -242,10 +234,11 @@ class ChunkMoves:
         self.store.dirty[mem.chunk] = False
 
     def _mem_wait(self, mem, args, at_end, node) -> None:
-        if mem.slot is None:           # a gradient's copy (overlap_grad_copies; none: added at once, on disk)
-            _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk), []))
-        else:
-            self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
+        self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
+
+    def _mem_grad_landed(self, mem, args, at_end, node) -> None:
+        """A gradient's copy (overlap_grad_copies; none: added at once, on disk)."""
+        _add_landed(self._grad_copies.pop((mem.fqn, mem.chunk), []))
 
     def _mem_writeback(self, mem, args, at_end, node) -> None:
         store = self.store
@@ -319,16 +312,20 @@ class ChunkMoves:
     def move_activation(self, moves: ActivationMove, args: tuple, node: str | None = None) -> torch.Tensor | None:
         """Offload a saved activation into a new host buffer, or reload it into a new device
         tensor, on the transfer queue; waited for at once, or (asynchronous) at its ``wait_copy``."""
-        src = args[0]
-        if moves.kind == MemKind.WAIT:
-            self._copying.pop(id(src)).wait()
-            return None
-        if moves.kind == MemKind.OFFLOAD:
-            dst = self.copies.host_empty(src.shape, src.dtype, src.stride())
-            fut = self.copies.submit(dst, src, "d2h", activation=True, node=node)
-        else:
-            dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=self.device)
-            fut = self.copies.submit(dst, src, "h2d", activation=True, node=node)
+        return self._handlers[moves.op](moves, args[0], node)
+
+    def _offload(self, moves: ActivationMove, src: torch.Tensor, node: str | None) -> torch.Tensor:
+        dst = self.copies.host_empty(src.shape, src.dtype, src.stride())
+        return self._activation_copy(moves, dst, self.copies.submit(dst, src, "d2h", activation=True, node=node))
+
+    def _reload(self, moves: ActivationMove, src: torch.Tensor, node: str | None) -> torch.Tensor:
+        dst = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=self.device)
+        return self._activation_copy(moves, dst, self.copies.submit(dst, src, "h2d", activation=True, node=node))
+
+    def _copy_landed(self, moves: ActivationMove, copy: torch.Tensor, node: str | None) -> None:
+        self._copying.pop(id(copy)).wait()
+
+    def _activation_copy(self, moves: ActivationMove, dst: torch.Tensor, fut) -> torch.Tensor:
         if moves.asynchronous:
             self._copying[id(dst)] = fut          # a wait_copy of dst follows (the graph keeps src alive until it)
         else:

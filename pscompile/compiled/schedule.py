@@ -44,7 +44,7 @@ from torch import fx
 
 from pscompile.kinds import MemKind, Phase, RunKind
 from pscompile.graph.meta import get, held_grad_bytes
-from pscompile.graph.ops import MemOp, activation_move, is_memory_node, mem_op
+from pscompile.graph.ops import DECLS, MemOp, decl_for, activation_move, is_memory_node, mem_op
 from pscompile.compiled.listing import _NONE, _code, _cut, _few, _kind, _memory_comment, _module_of, _op_name, _short_trace, _signature, _slot_of, _tier
 from pscompile.units import format_bytes
 
@@ -149,9 +149,9 @@ class Schedule:
                 held.pop((mem.fqn, mem.chunk), None)
                 held_bytes = held_grad_bytes(held.values())
             if mem is not None and mem.slot is not None:
-                if mem.kind.arrives:
+                if mem.decl.arrives:
                     holds[mem.slot] = mem.chunk
-                elif mem.kind.leaves:
+                elif mem.decl.leaves:
                     holds.pop(mem.slot, None)
             model_bytes = len(holds) * self.slot_bytes + self.os_device_bytes
             kind = _kind(n)
@@ -281,8 +281,8 @@ class Schedule:
                          f"{counts.get(MemKind.BROADCAST, 0)} broadcasts ({format_bytes(plan.allgather_bytes)} received "
                          f"from owners), {counts.get(MemKind.REDUCE, 0)} reduces ({format_bytes(plan.reduce_scatter_bytes)} "
                          f"sent to owners), {counts.get(MemKind.RELEASE_REMOTE, 0)} release_remote")
-        fetches = sum(v for k, v in counts.items() if MemKind(k).arrives)
-        prefetched = sum(1 for r in mem_rows if r.mem.kind.arrives and r.mem.asynchronous)
+        fetches = sum(v for k, v in counts.items() if decl_for(MemKind(k)).arrives)
+        prefetched = sum(1 for r in mem_rows if r.mem.decl.arrives and r.mem.asynchronous)
         host_grads = sum(1 for r in mem_rows if r.mem.kind in (MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD)
                          and r.mem.slot is None)
         overlapped = sum(1 for r in mem_rows if r.mem.kind == MemKind.ACCUMULATE_GRAD and r.mem.asynchronous)
@@ -291,9 +291,9 @@ class Schedule:
                      f"{format_bytes(plan.d2h_bytes)} ({counts.get(MemKind.WRITEBACK, 0)} writebacks, {host_grads} "
                      f"gradient stores to the host"
                      + (f", {overlapped} of them copied while compute goes on" if overlapped else "")
-                     + (f", {sum(v for k, v in counts.items() if MemKind(k).reduces)} reductions" if plan.world > 1
+                     + (f", {sum(v for k, v in counts.items() if decl_for(MemKind(k)).reduces)} reductions" if plan.world > 1
                         else "")
-                     + f"), {sum(v for k, v in counts.items() if MemKind(k).leaves)} evictions"
+                     + f"), {sum(v for k, v in counts.items() if decl_for(MemKind(k)).leaves)} evictions"
                      + (f"; activations {format_bytes(self.scheduled.offload_bytes)} offloaded and reloaded "
                         f"(each way, on top of the chunks)" if self.scheduled.offload_bytes else ""))
         if ahead is not None and ahead.fetches:
@@ -435,14 +435,11 @@ class Schedule:
         if self.budget is not None:
             ax.axhline(self.budget / mib, color="tab:red", linestyle="--", linewidth=1.2,
                        label=f"budget {format_bytes(self.budget)}")
-        marks = {MemKind.FETCH: ("^", "tab:green", "fetch"), MemKind.DROP: ("v", "tab:red", "evict (drop)"),
-                 MemKind.WRITEBACK: ("s", "tab:purple", "writeback"), MemKind.WAIT: ("|", "tab:gray", "wait"),
-                 MemKind.ALLGATHER: ("^", "tab:cyan", "allgather"),
-                 MemKind.RELEASE_REMOTE: ("v", "tab:pink", "release_remote"),
-                 MemKind.REDUCE_SCATTER: ("D", "tab:olive", "reduce_scatter"),
-                 MemKind.BROADCAST: ("^", "tab:blue", "broadcast"), MemKind.REDUCE: ("D", "tab:brown", "reduce")}
-        for kind, (marker, color, label) in marks.items():
-            pts = [(r.idx, r.total_bytes / mib) for r in rows if r.mem is not None and r.mem.kind == kind]
+        for decl in DECLS.values():                # each op's marker, as its declaration gives it
+            if decl.mark is None:
+                continue
+            marker, color, label = decl.mark
+            pts = [(r.idx, r.total_bytes / mib) for r in rows if r.mem is not None and r.mem.op == decl.name]
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, s=18, color=color,
                            zorder=3, label=f"{label} ({len(pts)})")

@@ -51,7 +51,7 @@ import sympy
 import torch
 from torch import fx
 
-from pscompile.compiled.buffer_plan import BufferPlan, KeepGraph, buffer_events, replay
+from pscompile.compiled.buffer_plan import BufferPlan, KeepGraph, UnreadWrapperLine, buffer_events, replay
 from pscompile.compiled.program_store import Learned, ProgramStore
 from pscompile.compiled.regions import is_view_op
 from pscompile.graph.ops import memory_runner, runs_as_transfer
@@ -370,6 +370,10 @@ class WholeProgram:
                                                            for a in asserts]
             try:
                 self._events = buffer_events(keep.graph)
+            except UnreadWrapperLine as e:     # a torch whose wrapper pscompile does not read: say so
+                log.warning("pscompile: %s; the schedule runs as compiled eager", e)
+                self.compile_s = time.perf_counter() - t0
+                return
             except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
                 log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
                 self.compile_s = time.perf_counter() - t0

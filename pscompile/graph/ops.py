@@ -53,146 +53,72 @@ while they have users; ``is_activation_node`` tells them apart and their ``moves
 Run eagerly, every op completes at once (``wait`` does nothing); the executor runs a fetch that
 has a ``wait`` asynchronously (prefetch) and blocks at the ``wait``.
 
+**Each op is declared once** (``declare``, an ``OpDecl`` in ``DECLS``): its eager body, from which
+its schema is inferred, its fake, its kind, the link its bytes cross, what it does to residency
+(arrives, leaves, reduces, waits), the engine's handler and the verifier's check that it names,
+its listing (tier, comment, plot marker) and its Inductor properties (a side effect, or a new
+buffer on the device or the host). The verifier, the engine, the listing, the planner's cost
+model and the reader of Inductor's buffer plan all consult the declaration; adding an op means
+declaring it here, naming its kind in ``MemKind``, and emitting it in the pass that inserts it
+(plus, if it does something new, the handler and the check it names).
+
 Each memory node carries a ``MemOp`` in its pscompile metadata (``mem``): which chunk, which slot,
 the tiers, and the bytes it moves. The executor counts what actually moves against these numbers.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from pscompile.graph.declare import DECLS, OpDecl, declare, memory_runner  # noqa: F401 - memory_runner re-exported
 from pscompile.graph.meta import get as get_meta
 from pscompile.kinds import MemKind
-
-# The engine that performs memory ops called from compiled code (``memory_runner``): scoped to one
-# call of a compiled program, like a dispatch mode, and empty otherwise (the ops then run as above).
-_RUNNER: ContextVar[Optional[Callable[..., Any]]] = ContextVar("pscompile_memory_runner", default=None)
+from pscompile.units import format_bytes
 
 
-@contextmanager
-def memory_runner(call: Callable[..., Any]):
-    """Inside, every ``pscompile::`` memory op calls ``call(op, args)`` instead of its own body
-    (``compiled/whole.py``: the compiled program's memory nodes go to the engine)."""
-    token = _RUNNER.set(call)
-    try:
-        yield
-    finally:
-        _RUNNER.reset(token)
+def _early(mem) -> str:
+    return ", started early (async)" if mem.asynchronous else ""
 
 
-# The ops' library: each op defined with ``Library.define`` (its schema inferred from the function, as
-# ``torch.library.custom_op`` would) and one CompositeExplicitAutograd kernel. Not ``custom_op``:
-# a compiled program calls one op per memory node, and custom_op's autograd and ADInplaceOrView
-# layers, run in Python, cost about ten times the dispatcher's own call (``docs/design.md``).
-# The ops are never differentiated (the captured graph is already the joint graph) and nothing
-# autograd saved reads the buffers they write, so those layers have nothing to do here.
-_LIB = torch.library.Library("pscompile", "DEF")
+def _fetch_comment(mem, n) -> str:
+    return (f"fetch chunk {mem.chunk} -> slot {mem.slot} ({mem.src}->{mem.dst}), "
+            f"{format_bytes(mem.nbytes)}{_early(mem)}")
 
 
-def _no_value(*args, **kwargs) -> None:
-    return None
-
-
-def _op(name: str, mutates_args: tuple[str, ...] = ()):
-    """Decorator: define ``pscompile::name`` from ``fn``'s signature, ``fn`` its routed body
-    (``_routed``); an op that returns nothing gets its fake implementation here, and an op that
-    mutates its own kernel under functionalization (``_in_place_under_functionalization``)."""
-    def wrap(fn):
-        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
-        _LIB.impl(name, _routed(name)(fn), "CompositeExplicitAutograd")
-        if inspect.signature(fn).return_annotation in (None, "None"):
-            torch.library.register_fake(f"pscompile::{name}", _no_value, lib=_LIB)
-        if mutates_args:
-            _LIB.impl(name, _in_place_under_functionalization(name), "Functionalize")
-        return fn
-    return wrap
-
-
-def _in_place_under_functionalization(op_name: str):
-    """The op's Functionalize kernel: it stays an in-place call on the real buffers.
-
-    A compiled program's compute is functionalized (``compiled/whole.py``: Inductor orders only
-    what it sees as data flow, and an in-place op on an intermediate, such as dropout's
-    ``bernoulli_``, can be read before it ran). The memory ops must still write the real slots and
-    host chunks, not functional copies of them, so under functionalization they are performed on
-    the unwrapped tensors (each synced first), as they were written: the traced graph keeps them
-    as calls of these ops, with the mutations their schemas declare."""
-    import torch.utils._pytree as pytree
-    below = torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
-
-    def unwrap(t: Tensor) -> Tensor:
-        if not torch._is_functional_tensor(t):
-            return t
-        torch._sync(t)
-        return torch._from_functional_tensor(t)
-
-    def kernel(*args, **kwargs):
-        args, kwargs = pytree.tree_map_only(Tensor, unwrap, (args, kwargs))
-        with torch._C._ExcludeDispatchKeyGuard(below):
-            return getattr(torch.ops.pscompile, op_name).default(*args, **kwargs)
-    return kernel
-
-
-def _fake(name: str):
-    """Decorator: ``fn`` is the fake implementation of ``pscompile::name`` (shapes, no data)."""
-    def wrap(fn):
-        torch.library.register_fake(f"pscompile::{name}", fn, lib=_LIB)
-        return fn
-    return wrap
-
-
-def _routed(op_name: str):
-    """Decorator: the op's body runs only when no runner is set; else the runner performs it."""
-    def wrap(fn):
-        sig = inspect.signature(fn)
-        op: list = []            # the op's overload, looked up once (it exists only after registration)
-
-        def body(*args, **kwargs):
-            run = _RUNNER.get()
-            if run is None:
-                return fn(*args, **kwargs)
-            if kwargs:
-                bound = sig.bind(*args, **kwargs)
-                bound.apply_defaults()
-                args = bound.args
-            if not op:
-                op.append(getattr(torch.ops.pscompile, op_name).default)
-            return run(op[0], args)
-        functools.update_wrapper(body, fn)
-        body.__signature__ = sig
-        return body
-    return wrap
-
-
-@_op("fetch", mutates_args=("slot",))
+@declare("fetch", MemKind.FETCH, mutates=("slot",), handler="_mem_fetch", check="arrive", link="h2d",
+         arrives=True, mark=("^", "tab:green", "fetch"), comment=_fetch_comment)
 def fetch(slot: Tensor, host: Tensor) -> None:
     slot.copy_(host)
 
 
-@_op("writeback", mutates_args=("host",))
+@declare("writeback", MemKind.WRITEBACK, mutates=("host",), handler="_mem_writeback", check="writeback",
+         link="d2h", mark=("s", "tab:purple", "writeback"),
+         comment=lambda mem, n: (f"writeback chunk {mem.chunk} <- slot {mem.slot} ({mem.src}->{mem.dst}), "
+                                 f"{format_bytes(mem.nbytes)}"))
 def writeback(host: Tensor, slot: Tensor) -> None:
     host.copy_(slot)
 
 
-@_op("disk_read")
+@declare("disk_read", MemKind.DISK_READ, handler="_mem_disk_read", check="disk_read", link="disk")
 def disk_read(host: Tensor) -> None:
     return None               # (eager: the host chunk is the home; the engine reads a disk home ahead)
 
 
-@_op("update")
+@declare("update", MemKind.UPDATE, handler="_mem_update", check="update",
+         comment=lambda mem, n: (f"update chunk {mem.chunk}: its AdamW step starts on a host thread while "
+                                 f"the backward goes on, {format_bytes(mem.nbytes)} moved"))
 def update(host: Tensor) -> None:
     return None               # (eager: the engine starts the chunk's update on its host thread)
 
 
-@_op("drop")
+@declare("drop", MemKind.DROP, handler="_mem_leave", check="leave", leaves=True, tier="device (evict)",
+         mark=("v", "tab:red", "evict (drop)"),
+         comment=lambda mem, n: (f"evict chunk {mem.chunk} from slot {mem.slot} (device, slot freed), "
+                                 f"{format_bytes(mem.nbytes)} moved"))
 def drop(slot: Tensor) -> None:
     return None
 
@@ -237,24 +163,44 @@ def copy_grad_into(dest: Tensor, grad: Tensor, offset: int, start: int = 0, nume
     _into(dest, grad, offset, start, numel, "copy_")
 
 
-@_op("store_grad", mutates_args=("dest",))
+def _store_comment(mem, n) -> str:
+    grad = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], torch.fx.Node) else None
+    val = grad.meta.get("val") if grad is not None else None
+    size = f"grad {format_bytes(val.numel() * val.element_size())}, " if isinstance(val, Tensor) else ""
+    where = f"slot {mem.slot}" if mem.slot is not None else "its host copy"
+    return (f"store_grad {mem.fqn} -> chunk {mem.chunk} in {where} ({mem.src}->{mem.dst}), "
+            f"{size}{format_bytes(mem.nbytes)} moved")
+
+
+@declare("store_grad", MemKind.STORE_GRAD, mutates=("dest",), handler="_mem_store_grad", check="store",
+         link="d2h", comment=_store_comment)
 def store_grad(dest: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
     copy_grad_into(dest, grad, offset, start, numel)
 
 
-@_op("wait")
+@declare("wait", MemKind.WAIT, handler="_mem_wait", check="wait", waits=True, tier="host->device (wait)",
+         mark=("|", "tab:gray", "wait"),
+         comment=lambda mem, n: (f"wait for {'group' if mem.world > 1 else 'chunk'} {mem.chunk} in slot "
+                                 f"{mem.slot} (prefetched), 0 B"))
 def wait(slot: Tensor) -> None:
     return None
 
 
-@_op("wait_grad")
+@declare("wait_grad", MemKind.WAIT, handler="_mem_grad_landed", check="grad_landed", waits=True,
+         tier="device->host (wait)", mark=("|", "tab:olive", "wait (gradient copy)"),
+         comment=lambda mem, n: (f"wait for the copy of {mem.fqn}'s gradient to chunk {mem.chunk}'s "
+                                 "accumulation buffer (then freed), 0 B"))
 def wait_grad(grad: Tensor) -> None:
     """The copy of ``grad`` an asynchronous accumulate_grad started has landed (the executor
     waits); as an argument, the gradient stays alive until here."""
     return None
 
 
-@_op("accumulate_grad", mutates_args=("acc",))
+@declare("accumulate_grad", MemKind.ACCUMULATE_GRAD, mutates=("acc",), handler="_mem_accumulate",
+         check="accumulate", link="d2h",
+         comment=lambda mem, n: (f"accumulate_grad {mem.fqn} += into the fp32 accumulation buffer of chunk "
+                                 f"{mem.chunk} ({mem.src}->{mem.dst}), {format_bytes(mem.nbytes)} moved"
+                                 + (", async: the gradient lives until its wait" if mem.asynchronous else "")))
 def accumulate_grad(acc: Tensor, grad: Tensor, offset: int, start: int = 0, numel: int = -1) -> None:
     _into(acc, grad, offset, start, numel, "add_")
 
@@ -269,7 +215,11 @@ def _distributed(world: int) -> bool:
     return world > 1 and dist.is_available() and dist.is_initialized()
 
 
-@_op("allgather", mutates_args=("slot",))
+@declare("allgather", MemKind.ALLGATHER, mutates=("slot",), handler="_mem_gather", check="arrive", link="h2d",
+         comm="alongside", arrives=True, mark=("^", "tab:cyan", "allgather"),
+         comment=lambda mem, n: (f"allgather group {mem.chunk} -> slot {mem.slot}: own shard host->device "
+                                 f"{format_bytes(mem.nbytes)}, {format_bytes(mem.comm_bytes)} from ranks "
+                                 f"0-{mem.world - 1}{_early(mem)}"))
 def allgather(slot: Tensor, host: Tensor, rank: int, world: int) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     _shard(slot, rank, world).copy_(host)
@@ -278,12 +228,23 @@ def allgather(slot: Tensor, host: Tensor, rank: int, world: int) -> None:
         dist.all_gather_into_tensor(slot, _shard(slot, rank, world).clone())
 
 
-@_op("release_remote")
+@declare("release_remote", MemKind.RELEASE_REMOTE, handler="_mem_leave", check="leave", leaves=True,
+         tier="device (release remote)", mark=("v", "tab:pink", "release_remote"),
+         comment=lambda mem, n: (f"release group {mem.chunk} from slot {mem.slot} (remote shards dropped, "
+                                 "slot freed), 0 B moved"))
 def release_remote(slot: Tensor) -> None:
     return None
 
 
-@_op("reduce_scatter", mutates_args=("dest", "slot"))
+def _reduce_scatter_comment(mem, n) -> str:
+    where = "added into its fp32 accumulation shard" if mem.dst == "acc" else "to its host shard"
+    return (f"reduce_scatter group {mem.chunk} in slot {mem.slot}: sum over ranks 0-{mem.world - 1}, "
+            f"{format_bytes(mem.comm_bytes)} sent, own shard {where}, {format_bytes(mem.nbytes)}")
+
+
+@declare("reduce_scatter", MemKind.REDUCE_SCATTER, mutates=("dest", "slot"), handler="_mem_reduce",
+         check="reduce", link="d2h", comm="before", reduces=True, mark=("D", "tab:olive", "reduce_scatter"),
+         comment=_reduce_scatter_comment)
 def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     mine = _shard(slot, rank, world).clone()
@@ -296,7 +257,11 @@ def reduce_scatter(dest: Tensor, slot: Tensor, rank: int, world: int, accumulate
         dest.copy_(mine)
 
 
-@_op("broadcast", mutates_args=("slot",))
+@declare("broadcast", MemKind.BROADCAST, mutates=("slot",), handler="_mem_gather", check="arrive", link="h2d",
+         comm="alongside", arrives=True, mark=("^", "tab:blue", "broadcast"),
+         comment=lambda mem, n: (f"broadcast chunk {mem.chunk} -> slot {mem.slot} from its owner rank "
+                                 f"{mem.chunk % mem.world} ({mem.src}->device), link {format_bytes(mem.nbytes)}, "
+                                 f"{format_bytes(mem.comm_bytes)} received{_early(mem)}"))
 def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     if rank == owner:
@@ -306,7 +271,11 @@ def broadcast(slot: Tensor, host: Tensor, owner: int, rank: int) -> None:
         dist.broadcast(slot, src=owner)
 
 
-@_op("reduce", mutates_args=("dest", "slot"))
+@declare("reduce", MemKind.REDUCE, mutates=("dest", "slot"), handler="_mem_reduce", check="reduce", link="d2h",
+         comm="before", reduces=True, mark=("D", "tab:brown", "reduce"),
+         comment=lambda mem, n: (f"reduce chunk {mem.chunk} in slot {mem.slot} to its owner rank "
+                                 f"{mem.chunk % mem.world} (-> {mem.dst}), {format_bytes(mem.comm_bytes)} sent, "
+                                 f"link {format_bytes(mem.nbytes)}"))
 def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) -> None:
     """Eagerly on the default process group (the executor runs it on the engine's group)."""
     import torch.distributed as dist
@@ -316,46 +285,48 @@ def reduce(dest: Tensor, slot: Tensor, owner: int, rank: int, accumulate: bool) 
         dest.add_(slot) if accumulate else dest.copy_(slot)
 
 
-@_op("offload")
-def offload(value: Tensor) -> Tensor:
-    host = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
-    return host.copy_(value)
-
-
-@_fake("offload")
-def _(value):
+def _host_like(value, *rest):
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
 
 
-@_op("reload")
-def reload(host: Tensor, device: torch.device) -> Tensor:
-    value = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-    return value.copy_(host)
+@declare("offload", MemKind.OFFLOAD, fake=_host_like, handler="_offload", link="d2h", activation=True,
+         returns="host")
+def offload(value: Tensor) -> Tensor:
+    return _host_like(value).copy_(value)
 
 
-@_fake("reload")
-def _(host, device):
+def _device_like(host, device):
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
-@_op("wait_copy")
+@declare("reload", MemKind.RELOAD, fake=_device_like, handler="_reload", link="h2d", activation=True,
+         returns="device")
+def reload(host: Tensor, device: torch.device) -> Tensor:
+    return _device_like(host, device).copy_(host)
+
+
+@declare("wait_copy", MemKind.WAIT, handler="_copy_landed", waits=True, activation=True)
 def wait_copy(copy: Tensor, source: Optional[Tensor] = None) -> None:
     return None
 
 
-ACTIVATION_OPS = (torch.ops.pscompile.offload.default, torch.ops.pscompile.reload.default,
-                  torch.ops.pscompile.wait_copy.default)
-torch.fx.has_side_effect(torch.ops.pscompile.wait_copy.default)
+ACTIVATION_OPS = tuple(d.op for d in DECLS.values() if d.activation)
+MEMORY_OPS = tuple(d.op for d in DECLS.values() if not d.activation)
+_BY_OP = {d.op: d for d in DECLS.values()}
 
-MEMORY_OPS = (torch.ops.pscompile.fetch.default, torch.ops.pscompile.writeback.default,
-              torch.ops.pscompile.drop.default, torch.ops.pscompile.store_grad.default,
-              torch.ops.pscompile.wait.default, torch.ops.pscompile.accumulate_grad.default,
-              torch.ops.pscompile.allgather.default, torch.ops.pscompile.release_remote.default,
-              torch.ops.pscompile.reduce_scatter.default, torch.ops.pscompile.broadcast.default,
-              torch.ops.pscompile.reduce.default, torch.ops.pscompile.wait_grad.default,
-              torch.ops.pscompile.disk_read.default, torch.ops.pscompile.update.default)
-for _op in MEMORY_OPS:
-    torch.fx.has_side_effect(_op)
+
+def decl_of(node: torch.fx.Node) -> OpDecl | None:
+    """The declaration of the memory op ``node`` calls; None for any other node."""
+    return _BY_OP.get(node.target) if node.op == "call_function" else None
+
+
+def decl_for(kind: MemKind, *, slot: int | None = 0, activation: bool = False) -> OpDecl:
+    """The declaration of the op that performs a plan action (or a node's MemOp / ActivationMove)
+    of ``kind``: every kind but WAIT names its op; a WAIT waits for a fetch into a slot, a
+    gradient's copy (no slot) or an activation's copy."""
+    if kind is MemKind.WAIT:
+        return DECLS["wait_copy" if activation else "wait" if slot is not None else "wait_grad"]
+    return DECLS[kind.value]
 
 
 @dataclass(frozen=True)
@@ -372,6 +343,15 @@ class MemOp:
     asynchronous: bool = False  # fetch: started early (prefetch); a wait node marks where it must have landed
     comm_bytes: int = 0  # allgather: bytes received from the other ranks; reduce_scatter: bytes sent
     world: int = 1       # ranks the chunk (a communication group) is sharded over
+    op: str = field(default="", compare=False, repr=False)   # the declared op's name (``decl_for``)
+
+    def __post_init__(self):
+        if not self.op:
+            object.__setattr__(self, "op", decl_for(self.kind, slot=self.slot).name)
+
+    @property
+    def decl(self) -> OpDecl:
+        return DECLS[self.op]
 
     def describe(self) -> str:
         if self.kind == MemKind.UPDATE:
@@ -393,6 +373,15 @@ class ActivationMove:
     value: str           # the captured graph's node whose storage moves
     nbytes: int
     asynchronous: bool = False
+    op: str = field(default="", compare=False, repr=False)   # the declared op's name (``decl_for``)
+
+    def __post_init__(self):
+        if not self.op:
+            object.__setattr__(self, "op", decl_for(self.kind, activation=True).name)
+
+    @property
+    def decl(self) -> OpDecl:
+        return DECLS[self.op]
 
     def describe(self) -> str:
         if self.kind == MemKind.WAIT:
@@ -403,12 +392,14 @@ class ActivationMove:
 
 def is_memory_node(node: torch.fx.Node) -> bool:
     """A chunk memory node (fetch, writeback, drop, gradient stores, collectives)."""
-    return node.op == "call_function" and node.target in MEMORY_OPS
+    d = decl_of(node)
+    return d is not None and not d.activation
 
 
 def is_activation_node(node: torch.fx.Node) -> bool:
     """An offload or reload of a saved activation."""
-    return node.op == "call_function" and node.target in ACTIVATION_OPS
+    d = decl_of(node)
+    return d is not None and d.activation
 
 
 def mem_op(node: torch.fx.Node) -> MemOp | None:
@@ -423,7 +414,8 @@ def activation_move(node: torch.fx.Node) -> ActivationMove | None:
 
 def is_offload(node: torch.fx.Node) -> bool:
     """An offload: its value is a host copy (no device bytes)."""
-    return node.op == "call_function" and node.target is torch.ops.pscompile.offload.default
+    d = decl_of(node)
+    return d is not None and d.returns == "host"
 
 
 def folds_into_region(node: torch.fx.Node) -> bool:
@@ -438,4 +430,4 @@ def folds_into_region(node: torch.fx.Node) -> bool:
 
 def runs_as_transfer(node: torch.fx.Node) -> bool:
     """Memory and activation nodes: the executor hands them to the engine, never to a compiled region."""
-    return node.op == "call_function" and (node.target in MEMORY_OPS or node.target in ACTIVATION_OPS)
+    return decl_of(node) is not None

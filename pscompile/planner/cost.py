@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from pscompile.graph.meta import get
-from pscompile.graph.ops import is_activation_node, is_offload
+from pscompile.graph.ops import decl_for, is_activation_node, is_offload
 from pscompile.kinds import MemKind
 from pscompile.planner.hardware import ADAM_BYTES_PER_PARAM, Hardware
 
@@ -175,20 +175,16 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
         for i in range(len(nodes) + 1):
             for a in by_node.get(i, ()):
                 key = (a.chunk, a.grad is not None)
-                if a.kind == MemKind.WAIT:
+                decl = decl_for(a.kind, slot=a.slot)
+                if decl.waits:
                     t = max(t, pending.pop(key, t))
                     continue
-                if a.kind in (MemKind.FETCH,):
-                    end = on_link("h2d", t, a.nbytes)
-                elif a.kind in (MemKind.WRITEBACK, MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD):
-                    end = on_link("d2h", t, a.nbytes) if a.nbytes else t
-                elif a.kind in (MemKind.ALLGATHER, MemKind.BROADCAST):
-                    end = max(on_link("h2d", t, a.nbytes) if a.nbytes else t, collective(t, a.comm_bytes))
-                elif a.kind.reduces:
-                    end = collective(t, a.comm_bytes)
-                    end = on_link("d2h", end, a.nbytes) if a.nbytes else end
-                else:                      # DROP, RELEASE_REMOTE: no bytes
+                if decl.link not in ("h2d", "d2h"):      # no bytes, or a disk read (the optimizer's term)
                     continue
+                start = collective(t, a.comm_bytes) if decl.comm == "before" else t
+                end = on_link(decl.link, start, a.nbytes) if a.nbytes else start
+                if decl.comm == "alongside":
+                    end = max(end, collective(t, a.comm_bytes))
                 if a.asynchronous:
                     pending[key] = max(pending.get(key, 0.0), end)
                 else:
