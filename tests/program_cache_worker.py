@@ -5,7 +5,8 @@ budget that evicts, its Inductor cache the folder the test names (``TORCHINDUCTO
 
 Trains steps 0-3 (``--load``: loads the checkpoint, then steps 2-3; ``--save``: saves it after step
 1) and writes to OUT (``torch.save``): the losses, the state, each step's compiled share and
-measuring flag, and how many programs were compiled and how many loaded from Inductor's cache."""
+measuring flag, how many programs were compiled and how many loaded from Inductor's cache, and the
+layout chosen (its chunk size and what was weighed) and whether it was taken from the layout store."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def main() -> None:
         if args.save and i == 1:
             pscompile.save(engine, args.save)
     torch.save({"losses": losses, "shares": shares, "peaks": peaks, "budget": budget, "messages": seen.messages,
-                "state": engine.state_dict()}, args.out)
+                "state": engine.state_dict(), "layout_hits": engine.layouts_kept.hits,
+                "layout": (engine.layout.chunk_size, [tuple(vars(r).values()) for r in engine.layout_choices])},
+               args.out)
     engine.close()
 
 

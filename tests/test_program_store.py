@@ -51,6 +51,10 @@ def test_a_second_process_loads_the_program_and_trains_bit_for_bit(tmp_path):
         assert max(run["peaks"]) <= run["budget"], (run["peaks"], run["budget"])
     assert first["shares"] == rerun["shares"] == [0.0, 1.0, 1.0, 1.0]
     assert resume["shares"] == [1.0, 1.0]
+    # the layout weighed once: the later processes take the first's choice (compiled/layout_store.py)
+    assert len(first["layout"][1]) > 1 and first["layout_hits"] == 0
+    assert rerun["layout_hits"] == resume["layout_hits"] == 1
+    assert rerun["layout"] == resume["layout"] == first["layout"]
     assert rerun["losses"] == first["losses"] and _same_state(rerun["state"], first["state"])
     assert resume["losses"] == first["losses"][2:] and _same_state(resume["state"], first["state"])
 
@@ -115,3 +119,34 @@ def test_an_entry_of_another_torch_or_other_code_is_a_miss_with_a_warning(stored
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "cannot be used" in warned[0], warned
     assert store.warned == [prog.key]
+
+
+def _layout_store_entry(tmp_path):
+    from types import SimpleNamespace
+
+    from pscompile.compiled.layout_store import LayoutStore
+    from pscompile.graph.pipeline import LayoutChoice
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    layouts = [SimpleNamespace(chunk_size=4096), SimpleNamespace(chunk_size=1024)]
+    store = LayoutStore(tmp_path)
+    key = store.key(gm, layouts, (1 << 20, 1, False, "config"))
+    rows = (LayoutChoice(4096, 0, 0.9, 100, 5000), LayoutChoice(1024, 2, 0.95, 90, None))
+    store.keep(key, layouts[1], rows)
+    return store, key, layouts, rows, gm
+
+
+def test_a_layout_choice_is_kept_and_an_unusable_entry_is_weighed_again(tmp_path, caplog):
+    """The choice comes back as it was kept; other facts are another key; an entry that is not JSON,
+    or names a chunk size no candidate has, is a miss said once at WARNING."""
+    from pscompile.compiled.layout_store import LayoutStore
+    store, key, layouts, rows, gm = _layout_store_entry(tmp_path)
+    again = LayoutStore(tmp_path)
+    assert again.recall(key, layouts) == (layouts[1], rows) and again.hits == 1
+    assert again.key(gm, layouts, (1 << 20, 2, False, "config")) != key
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        assert again.recall(key, layouts[:1]) is None          # its chunk size is no candidate's
+        (tmp_path / f"{key}.json").write_text("{not json")
+        assert again.recall(key, layouts) is None
+    warned = [r.getMessage() for r in caplog.records if "stored layout choice" in r.getMessage()]
+    assert len(warned) == 2 and "none of the candidates" in warned[0] and "JSONDecodeError" in warned[1]
+    assert again.hits == 1

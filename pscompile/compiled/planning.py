@@ -61,7 +61,8 @@ class CompiledPlanning:
                                    analyzed, variants)
             return analyzed
         layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
-                                                    per_chunk=self.per_chunk, variants=variants)
+                                                    per_chunk=self.per_chunk, variants=variants,
+                                                    kept=self.layouts_kept)
         return self._agreed_layout(mp, layout)
 
     def _agreed_layout(self, mp: ModelParams, layout: ChunkLayout) -> ChunkLayout:

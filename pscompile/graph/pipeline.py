@@ -156,22 +156,33 @@ def layout_candidates(mp: ModelParams, config: Config, budget: int | None, *, wo
 
 def engine_layout(mp: ModelParams, config: Config, budget: int | None, *, analyze: Callable[[], AnalyzedGraph],
                   world: int = 1, per_chunk: bool = False, variants: dict[tuple, AnalyzedGraph] | None = None,
-                  leasts: dict[int, int] | None = None) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
+                  leasts: dict[int, int] | None = None, kept=None) -> tuple[ChunkLayout, tuple[LayoutChoice, ...]]:
     """The layout the compiled engine uses at ``budget`` (less Inductor's headroom,
     ``minimum.program_headroom``, where a candidate fits there, else the whole budget): the only
     candidate of ``layout_candidates``, or the one ``pick_layout`` prefers after planning each on
     ``analyze()`` (the training capture, called only then). ``variants``: the activation rewrites
     of that capture, kept for the caller's own ``choose_activations`` on it; ``leasts``: the least
-    budget per chunk size (``BudgetSweep`` shares both across budgets)."""
+    budget per chunk size (``BudgetSweep`` shares both across budgets); ``kept``: choices kept across
+    processes (``compiled.layout_store.LayoutStore``), consulted before weighing and told after."""
     headroom = program_headroom(budget, config)
     for weighed in ((budget - headroom, budget) if headroom else (budget,)):
         layouts = layout_candidates(mp, config, weighed, world=world, per_chunk=per_chunk)
         if len(layouts) == 1:
             return layouts[0], ()
-        # every rank weighs rank 0's plans (per-chunk collectives move different bytes on each rank),
-        # so all ranks of a ZeRO run pick one layout
-        layout, rows, _ = pick_layout(analyze(), layouts, config, budget=weighed, world=world, rank=0,
-                                      variants=variants, leasts=leasts)
+        analyzed = analyze()
+        key = found = None
+        if kept is not None:
+            key = kept.key(analyzed.captured.gm, layouts, (weighed, world, per_chunk, config))
+            found = kept.recall(key, layouts)
+        if found is not None:
+            layout, rows = found
+        else:
+            # every rank weighs rank 0's plans (per-chunk collectives move different bytes on each rank),
+            # so all ranks of a ZeRO run pick one layout
+            layout, rows, _ = pick_layout(analyzed, layouts, config, budget=weighed, world=world, rank=0,
+                                          variants=variants, leasts=leasts)
+            if kept is not None:
+                kept.keep(key, layout, rows)
         if any(r.moved is not None for r in rows):
             break
     return layout, rows
