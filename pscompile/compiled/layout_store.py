@@ -25,11 +25,13 @@ import json
 import logging
 import os
 import tempfile
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from pscompile.compiled.program_store import cache_folder, caches_on
 from pscompile.memory.layout import ChunkLayout
 
 log = logging.getLogger("pscompile.compiled")
@@ -45,21 +47,17 @@ class LayoutStore:
     ``pscompile-layouts`` in Inductor's cache folder). ``hits`` counts the choices taken from it."""
 
     def __init__(self, root: str | os.PathLike | None = None):
-        self._root = Path(root) if root is not None else None
+        self._given = Path(root) if root is not None else None
         self._sources: str | None = None
         self.hits = 0
 
-    @property
+    @cached_property
     def root(self) -> Path:
-        if self._root is None:
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-            self._root = Path(cache_dir()) / "pscompile-layouts"
-        return self._root
+        return self._given or cache_folder("pscompile-layouts")
 
     @staticmethod
     def enabled() -> bool:
-        cfg = torch._inductor.config
-        return bool(cfg.fx_graph_cache) and not cfg.force_disable_caches
+        return caches_on()
 
     def key(self, gm: torch.fx.GraphModule, layouts: Sequence[ChunkLayout], facts: Any) -> str:
         """The key of weighing ``layouts`` on capture ``gm``; ``facts``: the budget, ranks and config

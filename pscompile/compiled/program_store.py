@@ -36,6 +36,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -65,21 +66,17 @@ class ProgramStore:
     ``pscompile-programs`` in Inductor's cache folder). ``warned`` lists the entries said at WARNING."""
 
     def __init__(self, root: str | os.PathLike | None = None):
-        self._root = Path(root) if root is not None else None
+        self._given = Path(root) if root is not None else None
         self.warned: list[str] = []
 
-    @property
+    @cached_property
     def root(self) -> Path:
-        if self._root is None:
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-            self._root = Path(cache_dir()) / "pscompile-programs"
-        return self._root
+        return self._given or cache_folder("pscompile-programs")
 
     @staticmethod
     def enabled() -> bool:
         """Whether programs are kept: Inductor's FX graph cache is on and caches are not disabled."""
-        cfg = torch._inductor.config
-        return bool(cfg.fx_graph_cache) and not cfg.force_disable_caches
+        return caches_on()
 
     @staticmethod
     def key(gm: fx.GraphModule, examples: Sequence[torch.Tensor], symbols: Sequence[sympy.Symbol],
@@ -144,6 +141,18 @@ class ProgramStore:
             os.replace(tmp, self.root / f"{key}.json")
         except Exception as e:  # noqa: BLE001 - not kept: the next process compiles it again
             log.info("pscompile: the program was not stored (%s: %s)", type(e).__name__, e)
+
+
+def cache_folder(name: str) -> Path:
+    """Folder ``name`` in Inductor's cache folder (``$TORCHINDUCTOR_CACHE_DIR``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return Path(cache_dir()) / name
+
+
+def caches_on() -> bool:
+    """Inductor's FX graph cache is on and caches are not disabled: pscompile keeps what it may."""
+    cfg = torch._inductor.config
+    return bool(cfg.fx_graph_cache) and not cfg.force_disable_caches
 
 
 def _load_code(key: str, gm: fx.GraphModule, examples: Sequence[torch.Tensor]) -> Any:
