@@ -34,6 +34,7 @@ while a copy still owns it raises ``CopyRaceError`` naming the node. ``CudaCopie
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
@@ -220,7 +221,7 @@ class ThreadCopies(CopyEngine):
         pool = self._pools.get(direction)
         if pool is None:
             pool = self._pools[direction] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pscompile-{direction}")
-        fut = pool.submit(self._copy, [dst, src, direction, activation, wait_for, counted, node])
+        fut = pool.submit(self._copy, [dst, src, direction, activation, wait_for, counted, node, time.perf_counter()])
         if len(self._pending) >= 256:          # (a caller that never flushes: forget the copies that landed)
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         self._pending.append(fut)
@@ -228,12 +229,13 @@ class ThreadCopies(CopyEngine):
         return _FutureCopy(fut, node)
 
     def _copy(self, job: list) -> None:
-        dst, src, direction, activation, after, counted, node = job
+        dst, src, direction, activation, after, counted, node, ready = job
         job.clear()
-        if after is not None:
+        if after is not None and not after.done():
             after.result()            # what this copy reads or overwrites is written by that one
+            ready = time.perf_counter()
         with profiling.maybe(f"copy {direction} {node or ''}"):     # (this thread's lane in a trace)
-            self.link.copy(dst, src, direction, activation, counted=counted)
+            self.link.copy(dst, src, direction, activation, counted=counted, ready=ready)
 
     def move(self, dst, src, direction, *, node=None) -> None:
         """Synchronous: runs here, after the copies of its direction still queued."""

@@ -163,21 +163,31 @@ class Link:
         self.bandwidth = bandwidth
         self.traffic = Traffic()
         self._lock = threading.Lock()
+        self._free: dict[str, float] = {}     # emulated: when each direction's link is next free
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, activation: bool = False, *,
-             counted: bool = False) -> None:
+             counted: bool = False, ready: float | None = None) -> None:
         """Copy ``src`` into ``dst`` and count it; ``activation``: a saved activation, not a chunk;
-        ``counted``: its bytes were counted when it was issued (``count``), only its time is."""
+        ``counted``: its bytes were counted when it was issued (``count``), only its time is;
+        ``ready``: when the copy could have started (issued, and what it follows landed; default:
+        now). An emulated link carries it from when both it is ready and the link is free, and the
+        copy returns once that ends: a copy thread that wakes late does not push the copies queued
+        behind it later, and its time is the link's, ``nbytes / bandwidth``."""
         start = time.perf_counter()
         dst.copy_(src, non_blocking=False)
         nbytes = src.numel() * src.element_size()
+        busy = time.perf_counter() - start
         if self.bandwidth is not None:
-            remaining = nbytes / self.bandwidth - (time.perf_counter() - start)
+            with self._lock:
+                begin = max(start if ready is None else min(ready, start), self._free.get(direction, 0.0))
+                end = self._free[direction] = begin + nbytes / self.bandwidth
+            remaining = end - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
+            busy = max(busy, nbytes / self.bandwidth)
         if not counted:
             self.count(nbytes, direction, activation)
-        self.add_time(time.perf_counter() - start)
+        self.add_time(busy)
 
     def count(self, nbytes: int, direction: str, activation: bool = False) -> None:
         """Count a copy now, as it is issued (one that may land after the counters are next read:
