@@ -58,7 +58,7 @@ def main() -> None:
         if args.save and i == 1:
             pscompile.save(engine, args.save)
     torch.save({"losses": losses, "shares": shares, "peaks": peaks, "budget": budget, "messages": seen.messages,
-                "state": engine.state_dict(), "layout_hits": engine.layouts_kept.hits,
+                "state": engine.state_dict(), "choice_hits": engine.choices_kept.hits,
                 "layout": (engine.layout.chunk_size, [tuple(vars(r).values()) for r in engine.layout_choices])},
                args.out)
     engine.close()

@@ -88,6 +88,17 @@ def _run(script: str, *args: str, timeout: int = 600, fresh: bool = False):
     return proc
 
 
+def test_dequant_quick(tmp_path):
+    """bench/dequant.py --quick: the copy bound, eager and Inductor dequantization (and bitsandbytes'
+    where installed) each timed in both compute dtypes."""
+    out = tmp_path / "dequant.json"
+    _run("dequant.py", "--quick", "--repeats", "2", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    ways = {r["way"] for r in rows}
+    assert {"copy (the bound)", "eager", "inductor"} <= ways and len(rows) == 2 * len(ways)
+    assert all(r["seconds"] > 0 and r["out_gb_per_s"] > 0 for r in rows)
+
+
 def test_loops_quick(tmp_path):
     """bench/loops.py --quick --link 100MB/s: accumulation and evaluate rows exist for every system, none failed,
     they match plain PyTorch, stay within the budget, and the budget is one the whole batch would

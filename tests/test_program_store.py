@@ -59,9 +59,11 @@ def test_a_second_process_loads_the_program_and_trains_bit_for_bit(tmp_path):
         assert max(run["peaks"]) <= run["budget"], (run["peaks"], run["budget"])
     assert first["shares"] == rerun["shares"] == [0.0, 1.0, 1.0, 1.0]
     assert resume["shares"] == [1.0, 1.0]
-    # the layout weighed once: the later processes take the first's choice (compiled/layout_store.py)
-    assert len(first["layout"][1]) > 1 and first["layout_hits"] == 0
-    assert rerun["layout_hits"] == resume["layout_hits"] == 1
+    # the layout weighed and the activations chosen once: the later processes take the first's
+    # choices (compiled/choice_store.py)
+    assert len(first["layout"][1]) > 1 and first["choice_hits"] == {"layout": 0, "activations": 0}
+    assert rerun["choice_hits"] == resume["choice_hits"] == {"layout": 1, "activations": 1}, \
+        (rerun["choice_hits"], resume["choice_hits"])
     assert rerun["layout"] == resume["layout"] == first["layout"]
     assert rerun["losses"] == first["losses"] and _same_state(rerun["state"], first["state"])
     assert resume["losses"] == first["losses"][2:] and _same_state(resume["state"], first["state"])
@@ -132,11 +134,11 @@ def test_an_entry_of_another_torch_or_other_code_is_a_miss_with_a_warning(stored
 def _layout_store_entry(tmp_path):
     from types import SimpleNamespace
 
-    from pscompile.compiled.layout_store import LayoutStore
+    from pscompile.compiled.choice_store import ChoiceStore
     from pscompile.graph.pipeline import LayoutChoice
     gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
     layouts = [SimpleNamespace(chunk_size=4096), SimpleNamespace(chunk_size=1024)]
-    store = LayoutStore(tmp_path)
+    store = ChoiceStore(tmp_path)
     key = store.key(gm, layouts, (1 << 20, 1, False, "config"))
     rows = (LayoutChoice(4096, 0, 0.9, 100, 5000), LayoutChoice(1024, 2, 0.95, 90, None))
     store.keep(key, layouts[1], rows)
@@ -146,10 +148,10 @@ def _layout_store_entry(tmp_path):
 def test_a_layout_choice_is_kept_and_an_unusable_entry_is_weighed_again(tmp_path, caplog):
     """The choice comes back as it was kept; other facts are another key; an entry that is not JSON,
     or names a chunk size no candidate has, is a miss said once at WARNING."""
-    from pscompile.compiled.layout_store import LayoutStore
+    from pscompile.compiled.choice_store import ChoiceStore
     store, key, layouts, rows, gm = _layout_store_entry(tmp_path)
-    again = LayoutStore(tmp_path)
-    assert again.recall(key, layouts) == (layouts[1], rows) and again.hits == 1
+    again = ChoiceStore(tmp_path)
+    assert again.recall(key, layouts) == (layouts[1], rows) and again.hits["layout"] == 1
     assert again.key(gm, layouts, (1 << 20, 2, False, "config")) != key
     with caplog.at_level(logging.WARNING, logger="pscompile"):
         assert again.recall(key, layouts[:1]) is None          # its chunk size is no candidate's
@@ -157,4 +159,46 @@ def test_a_layout_choice_is_kept_and_an_unusable_entry_is_weighed_again(tmp_path
         assert again.recall(key, layouts) is None
     warned = [r.getMessage() for r in caplog.records if "stored layout choice" in r.getMessage()]
     assert len(warned) == 2 and "none of the candidates" in warned[0] and "JSONDecodeError" in warned[1]
-    assert again.hits == 1
+    assert again.hits["layout"] == 1
+
+
+def test_an_activation_choice_is_kept_checked_and_made_again_when_it_does_not_hold(tmp_path, caplog):
+    """Over budgets from the graph's own minimum down to the least "auto" reaches: a process with
+    an empty store chooses and keeps; a fresh store takes each choice (no rewrite weighed) and it is
+    the same plan; an entry naming segments the graph lacks, or a fit that no longer holds, is a miss
+    said at WARNING and the choice is made again, the same as before."""
+    import json
+
+    from pscompile.compiled.choice_store import ChoiceStore
+    from pscompile.graph.minimum import least_budget
+    from pscompile.graph.pipeline import choose_activations, plan_inputs
+    from pscompile import Config
+    from conftest import make_batches, make_model
+    config = Config(device="cpu", dtype=torch.float32)
+    layout, analyzed = plan_inputs(make_model("gpt", dropout=0.1), make_batches("gpt", 1)[0], config)
+    sizes = dict(slot_bytes=layout.chunk_size * 4)
+    least = least_budget(analyzed, layout, policy="auto", **sizes).nbytes
+    keep = least_budget(analyzed, layout, policy="keep", **sizes).nbytes
+    budgets = [keep - (keep - least) * k // 4 for k in range(5)]
+    first, variants = ChoiceStore(tmp_path), {}
+    chosen = [choose_activations(analyzed, layout, policy="auto", budget=b, variants=variants, kept=first, **sizes)
+              for b in budgets]
+    assert first.hits["activations"] == 0 and len({c.activations.recomputed for c in chosen}) >= 3
+    again, fresh = ChoiceStore(tmp_path), {}
+    taken = [choose_activations(analyzed, layout, policy="auto", budget=b, variants=fresh, kept=again, **sizes)
+             for b in budgets]
+    assert again.hits["activations"] == len(budgets)
+    assert [t.activations for t in taken] == [c.activations for c in chosen]
+    assert len(fresh) <= len(budgets) + 1 < len(variants)      # one rewrite per choice, not the search's
+    entries = sorted(tmp_path.glob("a*.json"))
+    assert len(entries) == len(budgets)
+    with caplog.at_level(logging.WARNING, logger="pscompile"):
+        for entry, bad in zip(entries, ({"segments": 99}, {"fits": None})):
+            data = json.loads(entry.read_text())
+            entry.write_text(json.dumps({**data, **({"fits": not data["fits"]} if "fits" in bad else bad)}))
+        third = ChoiceStore(tmp_path)
+        made = [choose_activations(analyzed, layout, policy="auto", budget=b, kept=third, **sizes) for b in budgets]
+    assert [m.activations for m in made] == [c.activations for c in chosen]
+    warned = [r.getMessage() for r in caplog.records if "stored activations choice" in r.getMessage()]
+    assert len(warned) == 2 and third.hits["activations"] == len(budgets) - 2, warned
+    assert any("segments, this graph has" in w for w in warned) and any("budget then" in w for w in warned)

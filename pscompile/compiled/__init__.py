@@ -8,7 +8,7 @@
   ``trust`` (whether a checkpoint's measurements are planned with);
 - ``whole`` (the schedule as one Inductor program, memory nodes inside), ``buffer_plan``
   (Inductor's buffers around each memory node), ``program_store`` (programs kept for later
-  processes), ``layout_store`` (layout choices kept for later processes);
+  processes), ``choice_store`` (layout and activation choices kept for later processes);
 - ``executor`` (node by node, or eager regions: compiled eager), ``steps`` (the steps it runs),
   ``regions`` (splitting at memory nodes);
 - ``schedule`` and ``listing`` (the readable listing, table and timeline).

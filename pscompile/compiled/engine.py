@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from pscompile.compiled.capture_life import CaptureBook, CaptureStatus
 from pscompile.compiled.keys import CaptureKey, ScheduleKey
-from pscompile.compiled.layout_store import LayoutStore
+from pscompile.compiled.choice_store import ChoiceStore
 from pscompile.compiled.lowering import ScheduleLowering
 from pscompile.compiled.moves import ChunkMoves
 from pscompile.compiled.planning import CompiledPlanning
@@ -100,7 +100,7 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, CompiledState, ChunkEng
                                  f"control_dependencies), which torch {torch.__version__} lacks (pscompile is "
                                  "tested with torch 2.13); use backend='eager' or a newer torch") from None
         self.ranges = ShapeRanges(config.dynamic is not False)      # batches whose sizes change
-        self.layouts_kept = LayoutStore()                       # layout choices kept across processes
+        self.choices_kept = ChoiceStore()         # layout and activation choices kept across processes
         super().__init__(model, batch, optimizer=optimizer, config=config, loss_fn=loss_fn)
         if self.world > 1:    # ZeRO: the ranges see only the sizes the ranks agree on (``_check_batch``),
             self.ranges.restart()                               # not a rank's own first batch

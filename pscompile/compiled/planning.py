@@ -62,7 +62,7 @@ class CompiledPlanning:
             return analyzed
         layout, self.layout_choices = engine_layout(mp, self.config, self.budget, analyze=analyze, world=self.world,
                                                     per_chunk=self.per_chunk, variants=variants,
-                                                    kept=self.layouts_kept)
+                                                    kept=self.choices_kept)
         return self._agreed_layout(mp, layout)
 
     def _agreed_layout(self, mp: ModelParams, layout: ChunkLayout) -> ChunkLayout:
@@ -184,7 +184,7 @@ class CompiledPlanning:
                                   slot_bytes=self.store.param_chunk_bytes, world=self.world,
                                   device_homes=self.min_device_homes, state_bytes=self.store.os_chunk_bytes,
                                   rates=self.rates if self.config.activations == Activations.AUTO else None,
-                                  host_room=self.host_room, variants=variants)
+                                  host_room=self.host_room, variants=variants, kept=self.choices_kept)
 
     def _admitted(self, key: ScheduleKey, batch: Any) -> bool:
         """Whether the range's symbolic capture (made now if it is the first) runs ``batch``: it

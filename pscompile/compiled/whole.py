@@ -375,7 +375,8 @@ class WholeProgram:
                 self.compile_s = time.perf_counter() - t0
                 return
             except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
-                log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
+                log.warning("pscompile: Inductor's buffer plan could not be read (%s: %s); the schedule runs as "
+                            "compiled eager", type(e).__name__, e)
                 self.compile_s = time.perf_counter() - t0
                 return
             if key:
@@ -385,7 +386,8 @@ class WholeProgram:
         try:
             self.buffers = replay(self._events, self._hints())
         except Exception as e:  # noqa: BLE001 - no plan: the engine runs the schedule as compiled eager
-            log.info("pscompile: Inductor's buffer plan could not be read: %s: %s", type(e).__name__, e)
+            log.warning("pscompile: Inductor's buffer plan could not be read (%s: %s); the schedule runs as "
+                        "compiled eager", type(e).__name__, e)
         self.compile_s = time.perf_counter() - t0
 
     def _traced(self, mode, examples: list) -> fx.GraphModule:

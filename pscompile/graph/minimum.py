@@ -13,8 +13,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from torch import fx
 
@@ -155,10 +156,33 @@ def loss_segment_last(by_size: list, segments: Sequence) -> list:
     return [s for s in by_size if s.index != last] + [s for s in by_size if s.index == last]
 
 
+@dataclass(frozen=True)
+class ActivationChoice:
+    """What ``choose_activations`` chose: the first ``segments`` of the segments by saved bytes,
+    each taken off the device as ``ways`` says (one per segment, "keep" / "recompute" /
+    "offload"), offloads overlapped with compute or not, and whether the result fits the budget (a
+    refusal does not)."""
+
+    segments: int
+    ways: tuple[str, ...]
+    overlap: bool
+    fits: bool
+
+
+class ChoicesKept(Protocol):
+    """Activation choices kept across processes (``compiled.choice_store.ChoiceStore``): ``facts``
+    are everything a choice depends on besides the capture ``gm``."""
+
+    def recall_activations(self, gm: fx.GraphModule, facts: tuple,
+                           check: Callable[[ActivationChoice], None]) -> ActivationChoice | None: ...
+
+    def keep_activations(self, gm: fx.GraphModule, facts: tuple, choice: ActivationChoice) -> None: ...
+
+
 def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, budget: int | None,
                        slot_bytes: int, world: int = 1, device_homes: int = 0, state_bytes: int = 0,
                        variants: dict[tuple, AnalyzedGraph] | None = None, rates: Rates | None = None,
-                       host_room: int | None = None) -> AnalyzedGraph:
+                       host_room: int | None = None, kept: ChoicesKept | None = None) -> AnalyzedGraph:
     """The analyzed graph to plan with under ``policy`` (``Config.activations``).
 
     "keep": ``analyzed`` as it is. "recompute": every segment with saved activations recomputed.
@@ -173,7 +197,9 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
     fewest recomputed, or else offloaded, that fit. Below the least budget of all recomputed and
     all offloaded it refuses (the graph it returns does not fit), even where a mix would fit: the
     least budget (``least_budget``) must not depend on the measured rates. ``variants`` (a dict, initially empty) lets a
-    caller that plans one capture at many budgets rewrite each graph once."""
+    caller that plans one capture at many budgets rewrite each graph once. ``kept``: a choice made
+    by an earlier process on the same capture and facts is taken from it (checked: its segments
+    exist and it fits as it did), and a choice made here is told to it."""
     if policy == Activations.KEEP or not analyzed.captured.backward:
         return analyzed
     segments = find_segments(analyzed.captured)
@@ -189,52 +215,99 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
         raise ValueError(f"activations='offload': the saved activations need {format_bytes(total_offload)} of host "
                          f"memory besides the chunks and host_memory leaves {format_bytes(host_room)}; give more "
                          f"host_memory, or activations='auto' (recomputes what the host cannot take)")
-    every = {Activations.RECOMPUTE: [Activations.RECOMPUTE] * len(by_size),
-             Activations.OFFLOAD: [Activations.OFFLOAD if s.index in offloads else Activations.KEEP for s in by_size]}
     mixed = _cheaper_ways(by_size, offloads, offload_bytes, rates, host_room)
-    variant = variants_of.make
+    choosing = _Choosing(variants_of, layout, budget, dict(slot_bytes=slot_bytes, world=world,
+                                                           device_homes=device_homes, state_bytes=state_bytes))
+    if kept is None:
+        choice = choosing.choose(mixed, host_fits_all)
+    else:
+        # (the host's room and the rates count only through whether it holds every offload and ``mixed``:
+        # both are measured, a little differently in each process)
+        facts = (policy, budget, slot_bytes, world, device_homes, state_bytes, host_fits_all, tuple(mixed),
+                 _layout_digest(layout), hash_ints(analyzed.nonmodel), sorted((analyzed.gathers or {}).items()))
+        choice = kept.recall_activations(analyzed.captured.gm, facts, choosing.check)
+        if choice is None:
+            choice = choosing.choose(mixed, host_fits_all)
+            kept.keep_activations(analyzed.captured.gm, facts, choice)
+    return variants_of.make(choice.segments, choice.ways, overlap=choice.overlap)
 
-    def least(a: AnalyzedGraph) -> int:
-        return minimum_budget(a, layout, nonmodel=a.nonmodel, slot_bytes=slot_bytes, world=world,
-                              device_homes=device_homes, state_bytes=state_bytes).nbytes
 
-    def fits_graph(a: AnalyzedGraph) -> bool:
-        return budget is None or least(a) <= budget
+class _Choosing:
+    """``choose_activations``'s search over the variants at one budget: ``choose`` finds the choice,
+    ``check`` says whether a kept one holds for this graph."""
 
-    def fits(m: int, how_each: Sequence[str] = mixed) -> bool:
-        return fits_graph(variant(m, how_each))
+    def __init__(self, variants: _Variants, layout: ChunkLayout, budget: int | None, sizes: dict):
+        self.variants, self.layout, self.budget, self.sizes = variants, layout, budget, sizes
+        self.n = len(variants.by_size)
+        policy = variants.policy
+        self.every = {Activations.RECOMPUTE: [Activations.RECOMPUTE] * self.n,
+                      Activations.OFFLOAD: [Activations.OFFLOAD if s.index in variants.offloads else Activations.KEEP
+                                            for s in variants.by_size]}
+        self.policy = policy
 
-    def with_first(m: int, how_each: Sequence[str]) -> AnalyzedGraph:
+    def least(self, a: AnalyzedGraph) -> int:
+        return minimum_budget(a, self.layout, nonmodel=a.nonmodel, **self.sizes).nbytes
+
+    def fits_graph(self, a: AnalyzedGraph) -> bool:
+        return self.budget is None or self.least(a) <= self.budget
+
+    def fits(self, m: int, how_each: Sequence[str]) -> bool:
+        return self.fits_graph(self.variants.make(m, how_each))
+
+    def with_first(self, m: int, how_each: Sequence[str]) -> ActivationChoice:
         """The choice: offloads overlapped with compute where that still fits (a reload issued one
         ahead holds its bytes longer), else waited for where they are."""
-        overlapped = variant(m, how_each, overlap=True)
-        return overlapped if fits_graph(overlapped) else variant(m, how_each)
+        make = self.variants.make
+        overlap = Activations.OFFLOAD in how_each[:m] and self.fits_graph(make(m, how_each, overlap=True))
+        return ActivationChoice(m, tuple(how_each), overlap, self.fits_graph(make(m, how_each, overlap=overlap)))
 
-    n = len(by_size)
-    if policy in every:
-        return with_first(n, every[policy])
-    if n == 0 or fits(0):
-        return with_first(0, mixed)
-    fallbacks = [Activations.RECOMPUTE] + ([Activations.OFFLOAD] if host_fits_all and offloads else [])
+    def check(self, choice: ActivationChoice) -> None:
+        """Raises ValueError unless ``choice`` names this graph's segments and fits as it did."""
+        by_size, offloads = self.variants.by_size, self.variants.offloads
+        if not 0 <= choice.segments <= self.n or len(choice.ways) != self.n:
+            raise ValueError(f"it takes {choice.segments} of {len(choice.ways)} segments, this graph has {self.n}")
+        for s, way in zip(by_size[:choice.segments], choice.ways):
+            if way not in (Activations.KEEP, Activations.RECOMPUTE, Activations.OFFLOAD) or (way == Activations.OFFLOAD and s.index not in offloads):
+                raise ValueError(f"segment {s.index} cannot be taken off the device as {way!r}")
+        got = self.variants.make(choice.segments, choice.ways, overlap=choice.overlap)
+        if self.fits_graph(got) != choice.fits:
+            raise ValueError(f"it {'fit' if choice.fits else 'did not fit'} the budget then and does not now")
 
-    def least_of(way: str) -> int:
-        return least(variant(n, every[way]))
-    smallest = min(fallbacks, key=least_of)
-    if budget < least_of(smallest):
-        # below what all recomputed or all offloaded fits in, auto refuses (the least budget must not
-        # depend on the measured rates), whatever a mix might fit in
-        return with_first(n, every[smallest])
-    # the fewest segments that fit, each the cheaper way; if even all of them that way do not fit,
-    # the fewest recomputed, or else offloaded (one of the two fits all: the budget is above its least)
-    how = next(h for h in (mixed, *(every[w] for w in fallbacks)) if fits(n, h))
-    lo, hi = 1, n                      # the smallest m with fits(m)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid, how):
-            hi = mid
-        else:
-            lo = mid + 1
-    return with_first(lo if fits(lo, how) else n, how)
+    def choose(self, mixed: Sequence[str], host_fits_all: bool) -> ActivationChoice:
+        n, every, fits = self.n, self.every, self.fits
+        if self.policy in every:
+            return self.with_first(n, every[self.policy])
+        if n == 0 or fits(0, mixed):
+            return self.with_first(0, mixed)
+        fallbacks = [Activations.RECOMPUTE] + ([Activations.OFFLOAD] if host_fits_all and self.variants.offloads else [])
+
+        def least_of(way: str) -> int:
+            return self.least(self.variants.make(n, every[way]))
+        smallest = min(fallbacks, key=least_of)
+        if self.budget < least_of(smallest):
+            # below what all recomputed or all offloaded fits in, auto refuses (the least budget must not
+            # depend on the measured rates), whatever a mix might fit in
+            return self.with_first(n, every[smallest])
+        # the fewest segments that fit, each the cheaper way; if even all of them that way do not fit,
+        # the fewest recomputed, or else offloaded (one of the two fits all: the budget is above its least)
+        how = next(h for h in (mixed, *(every[w] for w in fallbacks)) if fits(n, h))
+        lo, hi = 1, n                      # the smallest m with fits(m)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid, how):
+                hi = mid
+            else:
+                lo = mid + 1
+        return self.with_first(lo if fits(lo, how) else n, how)
+
+
+def hash_ints(values: Sequence[int]) -> str:
+    """A short digest of a sequence of ints (a non-model curve)."""
+    return hashlib.sha256(repr(tuple(values)).encode()).hexdigest()
+
+
+def _layout_digest(layout: ChunkLayout) -> str:
+    return hashlib.sha256(repr((layout.chunk_size, layout.num_chunks, layout.entries, layout.aliases)).encode()).hexdigest()
 
 
 def least_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: str, slot_bytes: int, world: int = 1,

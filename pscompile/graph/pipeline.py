@@ -163,7 +163,7 @@ def engine_layout(mp: ModelParams, config: Config, budget: int | None, *, analyz
     ``analyze()`` (the training capture, called only then). ``variants``: the activation rewrites
     of that capture, kept for the caller's own ``choose_activations`` on it; ``leasts``: the least
     budget per chunk size (``BudgetSweep`` shares both across budgets); ``kept``: choices kept across
-    processes (``compiled.layout_store.LayoutStore``), consulted before weighing and told after."""
+    processes (``compiled.choice_store.ChoiceStore``), consulted before weighing and told after."""
     headroom = program_headroom(budget, config)
     for weighed in ((budget - headroom, budget) if headroom else (budget,)):
         layouts = layout_candidates(mp, config, weighed, world=world, per_chunk=per_chunk)

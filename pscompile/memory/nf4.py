@@ -1,0 +1,89 @@
+"""NF4: 4-bit NormalFloat, the format QLoRA keeps a frozen base in (bitsandbytes' ``quant_type="nf4"``).
+
+A tensor is flattened and cut into blocks of ``block`` elements (64, bitsandbytes' default; the
+last block may be shorter). Each block keeps its largest magnitude (``absmax``, float32, the
+block's statistic) and each element the nearest of the 16 NF4 levels to ``x / absmax``: the
+quantiles of a normal distribution scaled to [-1, 1], with an exact zero. Two codes share a byte,
+the first element in the high nibble. That is bitsandbytes' layout (``quantize_4bit`` with
+``compress_statistics=False``), so a tensor quantized here dequantizes there to the same values and
+the other way round (``tests/test_nf4.py`` checks both where bitsandbytes is installed).
+
+    quantize(x, block=64)                      -> Quantized(codes uint8 [(n+1)//2], absmax fp32 [blocks])
+    dequantize(q, dtype)                       -> tensor of q.shape in dtype
+    Quantized.nbytes                           the bytes it keeps: n/2 + 4 per block (0.5625 B per
+                                               element at block 64, 28% of bfloat16's 2 B)
+
+Both are plain tensor code (``torch.bucketize``, indexing, a multiply), so they run on any device
+and Inductor fuses ``dequantize`` into one kernel where a compiled program holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LEVELS", "Quantized", "quantize", "dequantize"]
+
+# the 16 NF4 levels (QLoRA, appendix E; bitsandbytes' table), in code order
+LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+          -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+          0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+          0.7229568362236023, 1.0)
+# the decision points between neighbours (a value on one takes the lower level)
+_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(LEVELS, LEVELS[1:]))
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A tensor in NF4: ``codes`` (uint8, two per byte, the first in the high nibble), ``absmax``
+    (float32, one per block of ``block`` elements) and the ``shape`` it dequantizes to."""
+
+    codes: torch.Tensor
+    absmax: torch.Tensor
+    shape: torch.Size
+    block: int = 64
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.absmax.numel() * self.absmax.element_size()
+
+
+def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` as rows of ``block`` elements, the last padded with zeros (zeros change no absmax)."""
+    pad = -flat.numel() % block
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, block)
+
+
+def quantize(x: torch.Tensor, block: int = 64) -> Quantized:
+    """``x`` (any floating dtype and shape) in NF4 with blocks of ``block`` elements."""
+    if not x.is_floating_point():
+        raise ValueError(f"NF4 quantizes floating-point tensors; this one has dtype {x.dtype}")
+    if block < 2 or block % 2:
+        raise ValueError(f"NF4 block must be an even number of elements >= 2 (bitsandbytes uses 64), got {block}")
+    n = x.numel()
+    rows = _blocks(x.detach().reshape(-1).float(), block)
+    absmax = rows.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    normed = (rows * scale[:, None]).reshape(-1)[:n]
+    mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=x.device)
+    codes = torch.bucketize(normed, mids).to(torch.uint8)
+    if n % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    packed = (pairs[:, 0] << 4) | pairs[:, 1]
+    return Quantized(packed.contiguous(), absmax.contiguous(), x.shape, block)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensor ``q`` stands for, in ``dtype`` (each code's level times its block's absmax)."""
+    levels = torch.tensor(LEVELS, dtype=torch.float32, device=q.codes.device)
+    codes = torch.stack([q.codes >> 4, q.codes & 0xF], dim=1).reshape(-1)[:q.numel].long()
+    values = _blocks(levels[codes], q.block) * q.absmax[:, None]
+    return values.reshape(-1)[:q.numel].to(dtype).view(q.shape)
