@@ -208,9 +208,9 @@ def _chunk_times(hp, grad_dtype: torch.dtype, shared: bool, s: dict, g) -> tuple
     def run_chunks():
         for p, m, ea, eas in chunks:
             if shared:                          # p: the gradient's own buffer; m: params and master
-                opt.update_chunk(None, m, ea, eas, grad_factor=1.0, frozen=[], grad=p)
+                opt.update_chunk(None, m, ea, eas, grad_factor=1.0, gradless=[], grad=p)
             else:
-                opt.update_chunk(p, m, ea, eas, grad_factor=1.0, frozen=[])
+                opt.update_chunk(p, m, ea, eas, grad_factor=1.0, gradless=[])
 
     def run_kernel():
         for p, m, ea, eas in chunks:

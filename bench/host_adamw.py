@@ -102,9 +102,9 @@ class _Ours:
         self.adam.begin_step()
         for i, m in enumerate(b.master):
             if b.param is None:                        # fp32: the master is the param chunk
-                self.adam.update_chunk(None, m, b.ea[i], b.eas[i], grad_factor=1.0, frozen=[], grad=b.grad[i])
+                self.adam.update_chunk(None, m, b.ea[i], b.eas[i], grad_factor=1.0, gradless=[], grad=b.grad[i])
             else:                                      # 16-bit: the gradient over the param chunk
-                self.adam.update_chunk(b.param[i], m, b.ea[i], b.eas[i], grad_factor=1.0, frozen=[])
+                self.adam.update_chunk(b.param[i], m, b.ea[i], b.eas[i], grad_factor=1.0, gradless=[])
 
 
 class _Recipe:

@@ -271,7 +271,7 @@ def test_a_commit_takes_over_an_update_that_has_not_started():
     its own update and takes its buffers."""
     gate, ran = threading.Event(), []
 
-    def update(c, factor, frozen, groups, spare):
+    def update(c, factor, gradless, groups, spare):
         if c == 0:
             gate.wait(10)
         ran.append(c)

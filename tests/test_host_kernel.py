@@ -1,6 +1,6 @@
 """The host AdamW kernels (optim/host_kernel.py: the C++ one and the Inductor one): the same update
 as torch's fused AdamW on the same numbers, for every gradient/param dtype pair and thread count,
-frozen ranges and padding kept; the two kernels bit for bit alike; and an engine that uses them
+gradless ranges and padding kept; the two kernels bit for bit alike; and an engine that uses them
 tracks plain PyTorch."""
 
 import threading
@@ -44,7 +44,7 @@ CASES = [(torch.bfloat16, "param"), (torch.float16, "param"), (torch.bfloat16, "
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype,where", CASES, ids=[f"{str(d)[6:]}-{w}" for d, w in CASES])
 def test_kernel_matches_fused_adamw(dtype, where, kernel):
-    """Three steps with a loss-scale factor and frozen ranges, against ChunkAdamW's eager path
+    """Three steps with a loss-scale factor and gradless ranges, against ChunkAdamW's eager path
     (``torch._fused_adamw_``, checked against torch.optim.AdamW in test_optimizer.py)."""
     runs = []
     for kernels in (None, HostKernels(kernel)):
@@ -56,7 +56,7 @@ def test_kernel_matches_fused_adamw(dtype, where, kernel):
             if where == "param":
                 param.copy_(grad)
             adam.begin_step()
-            adam.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30), (2000, 7)],
+            adam.update_chunk(param, master, ea, eas, grad_factor=0.5, gradless=[(100, 30), (2000, 7)],
                               grad=None if where == "param" else grad)
             if param is not None:
                 assert torch.equal(param, master.to(dtype))      # every element: its master's cast
@@ -83,7 +83,7 @@ def test_kernel_thread_counts_agree(kernel):
             master, ea, eas = (torch.cat([t] * 13)[:-5] for t in (master, ea, eas))
             param = torch.cat([param] * 13)[:-5]
         adam.begin_step()
-        adam.update_chunk(param, master, ea, eas, grad_factor=1.0, frozen=[])
+        adam.update_chunk(param, master, ea, eas, grad_factor=1.0, gradless=[])
         outs.append((param, master, ea, eas))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
@@ -138,10 +138,10 @@ def test_out_of_place_kernel_equals_in_place(kernel):
     param_out = torch.empty(N, dtype=torch.bfloat16)
     for adam in (adam_in, adam_out):
         adam.begin_step()
-    adam_out.update_chunk_out(param_out, master, ea, eas, spares, grad=grad, grad_factor=0.5, frozen=[(100, 30)])
+    adam_out.update_chunk_out(param_out, master, ea, eas, spares, grad=grad, grad_factor=0.5, gradless=[(100, 30)])
     assert all(torch.equal(a, b) for a, b in zip((grad, master, ea, eas), before))
     param = grad.clone()
-    adam_in.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30)])
+    adam_in.update_chunk(param, master, ea, eas, grad_factor=0.5, gradless=[(100, 30)])
     assert torch.equal(param_out, param)
     assert all(torch.equal(a, b) for a, b in zip(spares, (master, ea, eas)))
     assert (kernel, "out_to", torch.bfloat16, torch.bfloat16) in adam_out.kernels.used
@@ -165,7 +165,7 @@ def test_a_background_update_beside_a_main_thread_one_keeps_its_bits():
 
         def one(i: int, background: bool):
             for _ in range(3):
-                adam.update_chunk(params[i], masters[i], *states[i], grad_factor=1.0, frozen=[], background=background)
+                adam.update_chunk(params[i], masters[i], *states[i], grad_factor=1.0, gradless=[], background=background)
         if together:
             t = threading.Thread(target=one, args=(1, True))
             t.start()

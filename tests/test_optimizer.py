@@ -1,4 +1,4 @@
-"""ChunkAdamW equals torch.optim.AdamW on the same numbers; frozen ranges are untouched."""
+"""ChunkAdamW equals torch.optim.AdamW on the same numbers; gradless ranges are untouched."""
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ def test_chunk_update_matches_torch_adamw(dtype):
         opt.step()
         param[:1000] = torch.cat(grads)       # the gradient overwrites the param chunk
         adam.begin_step()
-        adam.update_chunk(param, master, exp_avg, exp_avg_sq, grad_factor=1.0, frozen=[])
+        adam.update_chunk(param, master, exp_avg, exp_avg_sq, grad_factor=1.0, gradless=[])
         ours = torch.split(master[:1000], sizes)
         for o, r in zip(ours, ref_params):
             torch.testing.assert_close(o, r.detach(), rtol=1e-6, atol=1e-7)
@@ -36,7 +36,7 @@ def test_chunk_update_matches_torch_adamw(dtype):
         assert torch.count_nonzero(master[1000:]) == 0  # padding stays zero
 
 
-def test_frozen_ranges_are_skipped_like_grad_none():
+def test_gradless_ranges_are_skipped_like_grad_none():
     hp = AdamW(lr=1e-2, weight_decay=0.5)
     master = torch.randn(64)
     before = master.clone()
@@ -44,7 +44,7 @@ def test_frozen_ranges_are_skipped_like_grad_none():
     param = torch.randn(64)   # "gradients"
     adam = ChunkAdamW(hp)
     adam.begin_step()
-    adam.update_chunk(param, master, exp_avg, exp_avg_sq, grad_factor=1.0, frozen=[(10, 6)])
+    adam.update_chunk(param, master, exp_avg, exp_avg_sq, grad_factor=1.0, gradless=[(10, 6)])
     assert torch.equal(master[10:16], before[10:16])         # no decay, no update
     assert torch.count_nonzero(exp_avg[10:16]) == 0
     assert not torch.equal(master[:10], before[:10])
@@ -59,7 +59,7 @@ def test_grad_factor_equals_scaled_gradient():
         master, ea, eas = torch.ones(100), torch.zeros(100), torch.zeros(100)
         adam = ChunkAdamW(hp)
         adam.begin_step()
-        adam.update_chunk(grad, master, ea, eas, grad_factor=factor, frozen=[])
+        adam.update_chunk(grad, master, ea, eas, grad_factor=factor, gradless=[])
         outs.append((master, ea, eas))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
@@ -82,7 +82,7 @@ def test_clip_coefficient():
 
 def test_blocked_16bit_update_equals_one_block(monkeypatch):
     """A 16-bit gradient is updated block by block (``UPDATE_BLOCK``) on the CPU and a range at a
-    time on a GPU; the kernel is elementwise, so any block size gives the same bits, and every element of the param chunk -- frozen ranges,
+    time on a GPU; the kernel is elementwise, so any block size gives the same bits, and every element of the param chunk -- gradless ranges,
     elements of no group, padding -- ends as the cast of its master."""
     import pscompile.optim.adamw as adamw
 
@@ -101,7 +101,7 @@ def test_blocked_16bit_update_equals_one_block(monkeypatch):
         param = grad.clone()                     # the gradient over the param chunk
         adam = ChunkAdamW(hp, blocked=blocked)
         adam.begin_step()
-        adam.update_chunk(param, master, ea, eas, grad_factor=0.5, frozen=[(100, 30), (720, 10)], groups=groups)
+        adam.update_chunk(param, master, ea, eas, grad_factor=0.5, gradless=[(100, 30), (720, 10)], groups=groups)
         assert torch.equal(param, master.bfloat16())
         assert torch.equal(master[100:130], master0[100:130]) and torch.equal(master[300:400], master0[300:400])
         results.append((master, ea, eas))

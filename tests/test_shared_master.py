@@ -24,9 +24,9 @@ def test_the_shared_update_equals_the_cast_back_bit_for_bit():
         grad = torch.randn(1000)
         a.begin_step()
         b.begin_step()
-        a.update_chunk(None, shared, ea, eas, grad_factor=0.5, frozen=[(100, 50)], grad=grad.clone())
+        a.update_chunk(None, shared, ea, eas, grad_factor=0.5, gradless=[(100, 50)], grad=grad.clone())
         param.copy_(grad)                               # the gradient over the param chunk
-        b.update_chunk(param, apart, ea2, eas2, grad_factor=0.5, frozen=[(100, 50)])
+        b.update_chunk(param, apart, ea2, eas2, grad_factor=0.5, gradless=[(100, 50)])
         assert torch.equal(shared, apart) and torch.equal(shared, param)
         assert torch.equal(ea, ea2) and torch.equal(eas, eas2)
 

@@ -330,13 +330,13 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, CompiledState, ChunkEng
             self._check_traffic(run_sched, both, None, ranged=ranged)
         return skipped
 
-    def _norm_source(self, c: int, frozen: list) -> torch.Tensor | None:
+    def _norm_source(self, c: int, gradless: list) -> torch.Tensor | None:
         """Chunk ``c``'s gradient for the norm: its device slot while its writeback lands (unless
         ranges of it got no gradient: those are zeroed at home, so it lands first)."""
         slot = self.moves.landing_slot(c)
         if slot is None:
             return None
-        if frozen:
+        if gradless:
             self.moves.land(c)
             return None
         return self.moves.slots[slot]

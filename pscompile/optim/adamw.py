@@ -140,7 +140,7 @@ class ChunkAdamW:
 
     def update_chunk(self, param: torch.Tensor | None, master: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, *, grad_factor: float,
-                     frozen: list[tuple[int, int]], grad: torch.Tensor | None = None,
+                     gradless: list[tuple[int, int]], grad: torch.Tensor | None = None,
                      groups: list[tuple[int, list[tuple[int, int]] | None]] | None = None,
                      hps: tuple[AdamW, ...] | None = None, background: bool = False) -> None:
         """Update one chunk in place. ``param`` holds the gradient on entry (unless ``grad``, e.g.
@@ -148,7 +148,7 @@ class ChunkAdamW:
         caller (lock-free updating publishes them later).
 
         ``grad_factor`` multiplies the fp32 gradient (loss-scale inverse times clip coefficient).
-        ``frozen`` lists (offset, numel) ranges of parameters without a gradient this step.
+        ``gradless`` lists (offset, numel) ranges of parameters without a gradient this step.
         ``groups`` lists each group's index and its (offset, numel) ranges in this chunk (None: the
         whole chunk); None updates the whole chunk with ``hp`` (the last group). ``hps`` replaces
         the groups' hyper-parameters (a queued update keeps the values of the step it belongs to).
@@ -158,7 +158,7 @@ class ChunkAdamW:
         src = param if grad is None else grad               # the gradient, in its own dtype
         param, master, src = _to_extent(exp_avg.numel(), param, master, src)
         saved = [(o, n, master[o:o + n].clone(), exp_avg[o:o + n].clone(), exp_avg_sq[o:o + n].clone())
-                 for o, n in frozen]
+                 for o, n in gradless]
         step = [self._step_tensor(master.device)]
         if groups is None:
             groups = [(len(hps) - 1, None)]
@@ -168,7 +168,7 @@ class ChunkAdamW:
             self.kernels.update(src, master, exp_avg, exp_avg_sq, hp, coefficients(hp, self.step_count, grad_factor),
                                 param, background=background)
             self._restore(saved, master, exp_avg, exp_avg_sq)
-            if param is not None:                 # the frozen ranges' params: their masters' cast
+            if param is not None:                 # the gradless ranges' params: their masters' cast
                 for o, n, *_ in saved:
                     param[o:o + n].copy_(master[o:o + n])
             return
@@ -205,14 +205,14 @@ class ChunkAdamW:
                     if param is not None:
                         param[b0:b1].copy_(master[b0:b1])
         self._restore(saved, master, exp_avg, exp_avg_sq)
-        if param is not None:     # what no block wrote (frozen ranges, padding) is the master's cast too
+        if param is not None:     # what no block wrote (gradless ranges, padding) is the master's cast too
             for o, n in [*(r[:2] for r in saved), *_gaps([r for _, ranges in groups for r in ranges],
                                                           master.numel())]:
                 param[o:o + n].copy_(master[o:o + n])
 
     def update_chunk_out(self, param_out: torch.Tensor | None, master: torch.Tensor, exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor, states_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
-                         grad: torch.Tensor, grad_factor: float, frozen: list[tuple[int, int]],
+                         grad: torch.Tensor, grad_factor: float, gradless: list[tuple[int, int]],
                          groups: list[tuple[int, list[tuple[int, int]] | None]] | None = None) -> None:
         """``update_chunk`` out of place: the new master and moments go into ``states_out``, the new
         params into ``param_out`` (None: the master is the param chunk); ``grad``, ``master`` and the
@@ -227,7 +227,7 @@ class ChunkAdamW:
             hp = self.hps[groups_[0][0]]
             self.kernels.update(grad, master, exp_avg, exp_avg_sq, hp, coefficients(hp, self.step_count, grad_factor),
                                 param_out, states_out=states_out, background=True)
-            for o, n in frozen:                  # no gradient: the old values, and their params' cast
+            for o, n in gradless:                  # no gradient: the old values, and their params' cast
                 mo[o:o + n].copy_(master[o:o + n])
                 eo[o:o + n].copy_(exp_avg[o:o + n])
                 vo[o:o + n].copy_(exp_avg_sq[o:o + n])
@@ -239,12 +239,12 @@ class ChunkAdamW:
         vo.copy_(exp_avg_sq)
         if grad.dtype == torch.float32 and grad_factor != 1.0:
             grad = grad.clone()                  # (its fp32 path scales the gradient in place)
-        self.update_chunk(param_out, mo, eo, vo, grad_factor=grad_factor, frozen=frozen, grad=grad, groups=groups,
+        self.update_chunk(param_out, mo, eo, vo, grad_factor=grad_factor, gradless=gradless, grad=grad, groups=groups,
                           background=True)
 
     @staticmethod
     def _restore(saved, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Put the frozen ranges' masters and states back (no gradient: no update, no decay)."""
+        """Put the gradless ranges' masters and states back (no gradient: no update, no decay)."""
         for o, n, ms, ea, eas in saved:
             master[o:o + n].copy_(ms)
             exp_avg[o:o + n].copy_(ea)

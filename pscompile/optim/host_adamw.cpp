@@ -111,7 +111,7 @@ struct V16 {
     static void store_bf16(uint16_t* p, T x) {
 #ifdef __AVX512BF16__
         // one instruction, which flushes subnormals and quiets NaNs: vectors with a lane that is
-        // not a normal number (zero included: padding, frozen ranges) take the exact path below
+        // not a normal number (zero included: padding, gradless ranges) take the exact path below
         const __m512 tiny = _mm512_set1_ps(FLT_MIN);
         if (!_mm512_cmp_ps_mask(_mm512_abs_ps(x), tiny, _CMP_NGE_UQ)) {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));

@@ -36,7 +36,7 @@ class UpdateJob:
     grads: list[torch.Tensor]                  # the gradient buffer set (fp32, one per chunk)
     chunks: tuple[int, ...]                    # chunks with a gradient: updated, then published
     factor: float                              # what the gradients are multiplied by (clip, mean)
-    frozen: tuple[list[tuple[int, int]], ...]  # per chunk of ``chunks``: ranges without a gradient
+    gradless: tuple[list[tuple[int, int]], ...]  # per chunk of ``chunks``: ranges without a gradient
     groups: tuple[list, ...]                   # per chunk of ``chunks``: its parameter groups
     hps: tuple[AdamW, ...]                     # the groups' hyper-parameters when the step ran
 

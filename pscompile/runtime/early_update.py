@@ -86,7 +86,7 @@ def release_spare(store, shared: bool, bufs: list[torch.Tensor | None]) -> None:
 class EarlyUpdates:
     """The early updates of one engine's steps.
 
-    ``update(c, factor, frozen, groups, spare)`` is the engine's out-of-place chunk update, on
+    ``update(c, factor, gradless, groups, spare)`` is the engine's out-of-place chunk update, on
     ``store``'s host chunks (spare sets from ``spare_home``, swapped in by ``swap_home``). Spare
     sets stay between steps (as many as the most chunks one step updated early) until ``close``."""
 
@@ -109,7 +109,7 @@ class EarlyUpdates:
         self.factor = factor
         self.last_count = 0
 
-    def submit(self, c: int, landed, frozen: list[tuple[int, int]], groups) -> None:
+    def submit(self, c: int, landed, gradless: list[tuple[int, int]], groups) -> None:
         """Chunk ``c``'s gradients are final at home once ``landed`` (a copy, or None) has landed:
         start its update on the host thread (main thread: it takes the spares and holds Ctrl-C)."""
         if self.factor is None:
@@ -125,20 +125,20 @@ class EarlyUpdates:
         spare = free.pop() if free else spare_home(self._store, c)     # (kept from the last step: no page faults)
         self._done[c] = spare
         norm = self._norms[c] = Future()
-        self._jobs[c] = self._pool.submit(self._run, c, landed, frozen, groups, self.factor, spare, norm)
+        self._jobs[c] = self._pool.submit(self._run, c, landed, gradless, groups, self.factor, spare, norm)
 
-    def _run(self, c: int, landed, frozen, groups, factor: float, spare: list, norm: Future) -> None:
+    def _run(self, c: int, landed, gradless, groups, factor: float, spare: list, norm: Future) -> None:
         try:
             if landed is not None:
                 landed.wait_host()
             grad = self._store.grad_home(c)
-            for o, n in frozen:                # no gradient: counts as zero (as the step's norm does)
+            for o, n in gradless:                # no gradient: counts as zero (as the step's norm does)
                 grad[o:o + n].zero_()
             norm.set_result(grad_norm(grad))
         except BaseException as e:
             norm.set_exception(e)
             raise
-        self._update(c, factor, frozen, groups, spare)
+        self._update(c, factor, gradless, groups, spare)
 
     def _fits(self, c: int) -> tuple[bool, int]:
         """Which kept spare sets chunk ``c`` may take: those of chunks whose master is their param

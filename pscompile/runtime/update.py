@@ -48,8 +48,10 @@ class ChunkUpdate:
             self._chunk_groups_cache[c] = out
         return self._chunk_groups_cache[c]
 
-    def _frozen_ranges(self, c: int, written: set[str]) -> list[tuple[int, int]]:
-        """Ranges of chunk ``c``'s home buffers whose parameters got no gradient."""
+    def _gradless_ranges(self, c: int, written: set[str]) -> list[tuple[int, int]]:
+        """Ranges of chunk ``c``'s home buffers whose parameters got no gradient this step: the
+        "gradless" ranges, which the update leaves as they are. (Not "frozen": that names a chunk
+        kind, parameters with ``requires_grad=False``, which have no ranges here at all.)"""
         return self.store.home_ranges([(p.chunk_offset, p.numel) for e, p in self.layout.chunk_members(c)
                                        if e.fqn not in written])
 
@@ -64,7 +66,7 @@ class ChunkUpdate:
         for every chunk). ``written`` names the
         parameters whose gradients are in their chunks, or in ``grads`` (fp32 host chunks that
         accumulated several micro-batches; the param chunks then still hold the parameters).
-        ``norm_source(c, frozen ranges)``: where chunk ``c``'s gradient is read for the norm, if not
+        ``norm_source(c, gradless ranges)``: where chunk ``c``'s gradient is read for the norm, if not
         from ``store.gradient`` (None: from there); ``order``: the chunks in the order to update
         (each once; the updates are independent, so any order gives the same bits).
         Returns True if the step was skipped."""
@@ -117,19 +119,19 @@ class ChunkUpdate:
         return False
 
     # ================================================================ updates in the backward
-    def _early_update(self, c: int, factor: float, frozen: list[tuple[int, int]], groups, spare: list) -> None:
+    def _early_update(self, c: int, factor: float, gradless: list[tuple[int, int]], groups, spare: list) -> None:
         """On the early-update thread: chunk ``c``'s update from its gradient at home, as
         ``_update_chunk`` does it for a host home, into ``spare`` (``runtime/early_update.spare_home``)."""
         store = self.store
         with profiling.maybe(f"update chunk {c} (early)"):
             self.adam.update_chunk_out(spare[3], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                       tuple(spare[:3]), grad=store.grad_home(c), grad_factor=factor, frozen=frozen,
+                                       tuple(spare[:3]), grad=store.grad_home(c), grad_factor=factor, gradless=gradless,
                                        groups=groups)
 
     def _start_update(self, c: int, landed, written: set[str]) -> None:
         """An ``update`` node: chunk ``c``'s gradients are final at home once ``landed`` has."""
         if self.store.os_tier[c] is Tier.HOST and any(e.fqn in written for e, _ in self.layout.chunk_members(c)):
-            self.early.submit(c, landed, self._frozen_ranges(c, written), self._chunk_groups(c))
+            self.early.submit(c, landed, self._gradless_ranges(c, written), self._chunk_groups(c))
 
     # ================================================================ lock-free updating
     def _queue_update(self, written: set[str], scale: float, tracker: NonModelTracker, has_grad: list[bool],
@@ -147,7 +149,7 @@ class ChunkUpdate:
             return True
         chunks = tuple(c for c in range(n) if has_grad[c])
         job = UpdateJob(step=self.steps_run, grads=grads, chunks=chunks, factor=factor,
-                        frozen=tuple(self._frozen_ranges(c, written) for c in chunks),
+                        gradless=tuple(self._gradless_ranges(c, written) for c in chunks),
                         groups=tuple(self._chunk_groups(c) for c in chunks), hps=tuple(self.adam.hps))
         with deferred_interrupts(), tracker.paused():     # queued and the bound kept, or neither
             try:
@@ -167,7 +169,7 @@ class ChunkUpdate:
         on_disk = [c for c in job.chunks if store.os_tier[c] is Tier.DISK]
         self.adam.begin_step()
         try:
-            for c, frozen, groups in zip(job.chunks, job.frozen, job.groups):
+            for c, gradless, groups in zip(job.chunks, job.gradless, job.groups):
                 disk = store.os_tier[c] is Tier.DISK
                 if disk:
                     k = bisect.bisect_right(on_disk, c)
@@ -176,7 +178,7 @@ class ChunkUpdate:
                     store.master[c], store.exp_avg[c], store.exp_avg_sq[c] = store.disk.take(c)
                 # the next params get the new masters' cast in the same pass (the compiled kernel)
                 self.adam.update_chunk(self._next_params[c], store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                       grad_factor=job.factor, frozen=frozen, grad=job.grads[c], groups=groups,
+                                       grad_factor=job.factor, gradless=gradless, grad=job.grads[c], groups=groups,
                                        hps=job.hps, background=True)
                 job.grads[c].zero_()
                 if disk:
@@ -239,28 +241,28 @@ class ChunkUpdate:
         for c in range(n):
             if not has_grad[c]:
                 continue
-            frozen = self._frozen_ranges(c, written)
+            gradless = self._gradless_ranges(c, written)
             if early and c in early:
-                buf = norm_source(c, frozen) if norm_source is not None and not frozen else None
+                buf = norm_source(c, gradless) if norm_source is not None and not gradless else None
                 norms.append(grad_norm(buf) if buf is not None else early[c].result())
                 continue
-            buf = norm_source(c, frozen) if norm_source is not None else None
-            if buf is not None:                              # (a device copy of it, no frozen ranges)
+            buf = norm_source(c, gradless) if norm_source is not None else None
+            if buf is not None:                              # (a device copy of it, no gradless ranges)
                 norms.append(grad_norm(buf))
                 continue
             buf = store.gradient(c) if grads is None else _acc_of(grads, c)
             with ExitStack() as stack:
                 if grads is not None or not store.resident(c):
                     stack.enter_context(tracker.paused())    # host-side work is not device memory
-                for o, k in frozen:                              # no gradient: count as zero
+                for o, k in gradless:                              # no gradient: count as zero
                     buf[o:o + k].zero_()
-                if frozen and grads is None and store.resident(c):
+                if gradless and grads is None and store.resident(c):
                     store.dirty[c] = True
                 norms.append(grad_norm(buf))
                 if grads is None and not store.resident(c):
-                    store.close_home(c, dirty=bool(frozen))      # (a disk home: opened by gradient)
+                    store.close_home(c, dirty=bool(gradless))      # (a disk home: opened by gradient)
                 if grads is not None:
-                    _done_with_acc(grads, c, dirty=bool(frozen))
+                    _done_with_acc(grads, c, dirty=bool(gradless))
         with tracker.paused():
             sq = sum_of_squares(norms)
         if self.comm is not None:          # the global norm: every rank's shards
@@ -326,7 +328,7 @@ class ChunkUpdate:
             if store.shares_master(c):          # the new master is the new param chunk: no cast back
                 buf, grad = None, buf if grad is None else grad
             self.adam.update_chunk(buf, store.master[c], store.exp_avg[c], store.exp_avg_sq[c],
-                                   grad_factor=factor, frozen=self._frozen_ranges(c, written), grad=grad,
+                                   grad_factor=factor, gradless=self._gradless_ranges(c, written), grad=grad,
                                    groups=self._chunk_groups(c))
             store.mark_updated(c)
             if grads is not None:
