@@ -81,6 +81,10 @@ def verify_schedule(gm: fx.GraphModule, layout: ChunkLayout, *, slot_bytes: int,
     return VerifyReport(replay.count, replay.peak, replay.peak_node)
 
 
+# the ops that carry a chunk's gradient
+_GRADIENT_OPS = frozenset({MemKind.STORE_GRAD, MemKind.ACCUMULATE_GRAD, MemKind.REDUCE_SCATTER, MemKind.REDUCE})
+
+
 def _fail(node: fx.Node, why: str):
     raise ScheduleError(f"verify_schedule: node {node.name} ({node.format_node()[:120]}): {why}")
 
@@ -129,6 +133,7 @@ class _Replay:
                         f"{self.leave} and reduce by {self.reduce_kind} here")
         if mem.chunk in self.updated and not mem.decl.leaves:
             _fail(node, f"{mem.kind} of chunk {mem.chunk} after its update started on the host")
+        self._check_kind(node, mem)
         getattr(self, "_" + mem.decl.check)(node, mem)     # each op's check, named by its declaration
         if not mem.decl.link and mem.nbytes:
             _fail(node, f"{mem.kind} moves no bytes by its declaration, but its MemOp says {mem.nbytes}")
@@ -138,6 +143,20 @@ class _Replay:
         if slot not in self.pending or self.holds.get(slot) != mem.chunk:
             _fail(node, f"wait on slot {slot} without an asynchronous fetch of chunk {mem.chunk} in flight")
         self.pending.discard(slot)
+
+    def _check_kind(self, node: fx.Node, mem) -> None:
+        """What the chunk's kind allows (``memory/chunk_kinds.py``): a gradient (stored, accumulated,
+        reduced) only into a kind that has one, an update only of a kind that is updated, and a
+        writeback only of a kind whose device copy can change (a frozen chunk's never does)."""
+        if mem.chunk is None or not 0 <= mem.chunk < self.layout.num_chunks:
+            return
+        kind = self.layout.kind(mem.chunk)
+        if mem.kind in _GRADIENT_OPS and not kind.grad:
+            _fail(node, f"{mem.kind} into chunk {mem.chunk}, a {kind} chunk, which has no gradient")
+        if mem.kind == MemKind.UPDATE and not kind.updated:
+            _fail(node, f"update of chunk {mem.chunk}, a {kind} chunk, which the optimizer does not update")
+        if mem.kind == MemKind.WRITEBACK and not (kind.updated or kind.grad):
+            _fail(node, f"writeback of chunk {mem.chunk}, a {kind} chunk, whose device copy never changes")
 
     def _writeback(self, node: fx.Node, mem) -> None:
         slot = self.slot_of.get(node.args[1])

@@ -134,7 +134,7 @@ def consolidate(shards: Iterable[Any]) -> dict:
     per_chunk = world if sds[0].get("collectives") == Collectives.PER_CHUNK else 0
     shard = layout.chunk_size // world
     out: dict = {key: {} for key in _LISTS}
-    for e in (e for e in layout.entries if e.trainable):      # (a frozen parameter has no state)
+    for e in (e for e in layout.entries if e.kind.has_states):     # (a frozen parameter has no state)
         for key in _LISTS:
             flat = torch.empty(e.numel, dtype=torch.float32)
             for r in range(world):
@@ -169,4 +169,4 @@ def full_groups(store, comm) -> list[torch.Tensor]:
 def _weights(store, c: int) -> torch.Tensor:
     """This rank's part of chunk ``c``'s weights in fp32: its master, or a frozen chunk's
     compute-dtype home (it has no master)."""
-    return store.host_param[c].float() if store.frozen(c) else store._states(c)[0]
+    return store.host_param[c].float() if not store.kind(c).master else store._states(c)[0]

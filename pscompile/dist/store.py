@@ -130,7 +130,7 @@ class _ZeroStore(ChunkStore):
         for fqn, value in params.items():
             flat = value.detach().reshape(-1)
             for c, off, to, n in self._pieces(self.layout.entry(fqn)):
-                if self.frozen(c):                              # (no master: the weight's home is its copy)
+                if not self.kind(c).master:                     # (no master: the weight's home is its copy)
                     self.host_param[c][off:off + n].copy_(flat[to:to + n])
                     continue
                 master = self._states(c, write=True)[0]        # (a disk home's through the cache)

@@ -32,7 +32,8 @@ from pscompile.graph.analysis import (
 from pscompile.kinds import Activations, Backend, Collectives, Mode
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates
-from pscompile.memory.model_bytes import ModelBytes, owned_chunks, state_chunks
+from pscompile.memory.model_bytes import ModelBytes, device_homable, owned_chunks
+from pscompile.memory.tiers import Tier
 from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import (
     ActivationPlan,
@@ -69,7 +70,7 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     reads = node_reads(analyzed.captured, layout, hold_grads=analyzed.grad_store_points if world > 1 else None)
     windows = node_windows(analyzed.captured, nonmodel)
     best = Minimum(0, 0, 0, slot_bytes, 0)
-    homes = set(state_chunks(layout)[:device_homes])     # (the first trainable chunks)
+    homes = set(device_homable(layout)[:device_homes])     # (the first chunks whose kind may live there)
     # their states: over each one's state extent (ZeRO: whole shards, ``state_bytes`` each)
     states = device_homes * state_bytes if world > 1 else \
         sum(map(layout.state_extent, homes)) * state_bytes // layout.chunk_size
@@ -347,15 +348,15 @@ def config_least(analyzed: AnalyzedGraph, layout: ChunkLayout, config: Config, *
     mb = ModelBytes(config.dtype.itemsize)
     slot_bytes, state_bytes = mb.param_chunk(layout.chunk_size), mb.state_chunk(layout.chunk_size)
     disk = config.disk_dir is not None and world == 1      # the host's shortfall goes to disk, not the device
-    frozen = mb.host_bytes(layout, layout.frozen_chunks)    # (frozen chunks are never homed on the device)
+    host_only = mb.host_bytes(layout, [c for c in range(layout.num_chunks) if not layout.homed_on(c, Tier.DEVICE)])
     homes = 0 if config.host_memory is None or world > 1 or disk else host_shortfall_chunks(
-        num_chunks=len(state_chunks(layout)), chunk_bytes=mb.chunk(layout.chunk_size),
-        host_budget=max(0, config.host_memory - frozen))
+        num_chunks=len(device_homable(layout)), chunk_bytes=mb.chunk(layout.chunk_size),
+        host_budget=max(0, config.host_memory - host_only))
     host = config.host_memory if config.host_memory is not None else int(0.8 * available_host_bytes())
     n, cs = layout.num_chunks, layout.chunk_size            # host room for activations, as the engine counts it
     per_chunk = config.collectives == Collectives.PER_CHUNK
     owned = owned_chunks(n, rank=rank, world=world, per_chunk=per_chunk)
-    on_host = [c for c in owned if c not in set(state_chunks(layout, owned)[:homes])]
+    on_host = [c for c in owned if c not in set(device_homable(layout, owned)[:homes])]
     room = max(0, host - mb.host_bytes(layout, on_host, cs if per_chunk or world == 1 else cs // world))
     if disk and room == 0:
         room = max(0, host_state_chunks(num_chunks=n, chunk_size=cs, param_bytes=config.dtype.itemsize,

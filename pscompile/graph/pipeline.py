@@ -62,7 +62,7 @@ from pscompile.graph.minimum import (
 )
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
-from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, state_chunks
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, device_homable, state_chunks
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.optim.placement import device_state_chunks, first_state_chunks
 from pscompile.graph.schedule_passes import (
@@ -311,7 +311,7 @@ def _zero_homes(layout: ChunkLayout, request: PlanRequest) -> tuple[frozenset[in
     """ZeRO: the groups (per chunk: owned chunks) whose shard ``request.device_homes`` puts on
     the device, and their bytes there (fp32 master, Adam states, gradient buffer)."""
     owned = [c for c in range(layout.num_chunks) if not request.per_chunk or c % request.world == request.rank]
-    homes = frozenset(state_chunks(layout, owned)[:request.device_homes])
+    homes = frozenset(device_homable(layout, owned)[:request.device_homes])
     unit = layout.chunk_size if request.per_chunk else layout.chunk_size // request.world
     return homes, len(homes) * unit * (STATE_BYTES + GRAD_BYTES)
 

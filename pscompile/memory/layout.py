@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
 
+from pscompile.memory.chunk_kinds import FROZEN, TRAINABLE, ChunkKind
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -44,6 +46,11 @@ class TensorEntry:
     @property
     def chunks(self) -> tuple[int, ...]:
         return tuple(p.chunk for p in self.pieces)
+
+    @property
+    def kind(self) -> ChunkKind:
+        """The kind of the chunks it lies in (``memory/chunk_kinds.py``)."""
+        return TRAINABLE if self.trainable else FROZEN
 
     @property
     def spans(self) -> bool:
@@ -105,13 +112,22 @@ class ChunkLayout:
         end of its last trainable piece; 0 for a frozen chunk."""
         return self._extents[chunk]
 
+    def kind(self, chunk: int) -> ChunkKind:
+        """``chunk``'s kind (``memory/chunk_kinds.py``): ``FROZEN`` when it holds frozen parameters
+        only, else ``TRAINABLE`` (the two are packed apart)."""
+        return TRAINABLE if self._extents[chunk] else FROZEN
+
     def is_frozen(self, chunk: int) -> bool:
         """``chunk`` holds frozen parameters only: its compute-dtype copy is all it has."""
-        return self._extents[chunk] == 0
+        return self.kind(chunk) is FROZEN
+
+    def homed_on(self, chunk: int, tier) -> bool:
+        """Whether ``chunk``'s kind may have its home on ``tier`` (``memory.tiers.Tier``)."""
+        return self.kind(chunk).homed_on(tier)
 
     @cached_property
     def frozen_chunks(self) -> frozenset[int]:
-        return frozenset(c for c in range(self.num_chunks) if self._extents[c] == 0)
+        return frozenset(c for c in range(self.num_chunks) if self.kind(c) is FROZEN)
 
     @property
     def state_numel(self) -> int:

@@ -7,8 +7,10 @@ of ``chunk_size`` elements is one of each. Lock-free updating (``Config(lock_fre
 the host a second compute-dtype copy (the next parameters, written by the update thread) and
 ``staleness + 1`` fp32 gradient buffer sets.
 
-A frozen chunk (``ChunkLayout.is_frozen``) is its compute-dtype copy alone, and a trainable chunk's
-states cover its state extent (``ChunkLayout.state_extent``): ``host_bytes`` counts both.
+What a chunk holds besides its compute-dtype copy is its kind's (``ChunkLayout.kind``,
+``memory/chunk_kinds.py``): a frozen chunk is its compute-dtype copy alone, and a trainable chunk's
+states (``ChunkKind.state_bytes`` per element) cover its state extent (``ChunkLayout.state_extent``):
+``host_bytes`` counts both.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Iterable
 
 import torch
 
+from pscompile.memory.chunk_kinds import TRAINABLE
 from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.tiers import Tier
 
 # fp32 master + exp_avg + exp_avg_sq, per element
-STATE_BYTES = 3 * 4
+STATE_BYTES = TRAINABLE.state_bytes       # 3 x 4
 # fp32 gradient accumulation (and lock-free gradient buffers), per element
 GRAD_BYTES = 4
 
@@ -67,10 +71,10 @@ class ModelBytes:
         home = layout.chunk_size if home_numel is None else home_numel
         total = 0
         for c in chunks:
-            extent = layout.state_extent(c)
-            states = 0 if extent == 0 else extent if home == layout.chunk_size else home
-            total += home * self.param_bytes + states * STATE_BYTES
-            if lock_free and extent:
+            kind = layout.kind(c)
+            states = 0 if not kind.has_states else layout.state_extent(c) if home == layout.chunk_size else home
+            total += home * self.param_bytes + states * kind.state_bytes
+            if lock_free and kind.updated:
                 total += home * (self.param_bytes + GRAD_BYTES * (staleness + 1))
         return total
 
@@ -82,8 +86,14 @@ def owned_chunks(num_chunks: int, *, rank: int = 0, world: int = 1, per_chunk: b
 
 
 def state_chunks(layout: ChunkLayout, chunks: Iterable[int] | None = None) -> list[int]:
-    """Of ``chunks`` (default: all), in order, those with optimizer states (not frozen)."""
-    return [c for c in (range(layout.num_chunks) if chunks is None else chunks) if not layout.is_frozen(c)]
+    """Of ``chunks`` (default: all), in order, those whose kind has optimizer states (not frozen)."""
+    return [c for c in (range(layout.num_chunks) if chunks is None else chunks) if layout.kind(c).has_states]
+
+
+def device_homable(layout: ChunkLayout, chunks: Iterable[int] | None = None) -> list[int]:
+    """Of ``chunks`` (default: all), in order, those whose kind may have its home on the device
+    when the host cannot hold it (``ChunkKind.tiers``): the device homes are the first of these."""
+    return [c for c in (range(layout.num_chunks) if chunks is None else chunks) if layout.homed_on(c, Tier.DEVICE)]
 
 
 def owned_elements(num_chunks: int, chunk_size: int, *, rank: int = 0, world: int = 1, per_chunk: bool = False,

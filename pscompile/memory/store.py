@@ -18,9 +18,10 @@ fp32 master (the same values, so one buffer), and its gradients go home into a b
 (``grad_home``) instead of over the parameters: the update writes the new parameters where it
 writes the new master and leaves no cast to copy back. Host bytes are the same (16 B/param).
 
-Frozen chunks (``ChunkLayout.is_frozen``: parameters with ``requires_grad=False``) hold their
-compute-dtype copy only: no master, no moments, no gradient; their home is the host (or the disk),
-fetched like any chunk and never written back. A trainable chunk's states cover its state extent
+What a chunk holds is its kind's (``kind(c)``, declared in ``memory/chunk_kinds.py``). Frozen
+chunks (parameters with ``requires_grad=False``) hold their compute-dtype copy only: no master, no
+moments, no gradient; their home is the host (or the disk), fetched like any chunk and never
+written back. A trainable chunk's states cover its state extent
 (``state_numel``), not the padding after its last trainable piece.
 
 Every copy between tiers goes through the copy engine (``memory/copies.py``) and is counted by the ``Link``.
@@ -34,6 +35,7 @@ import torch
 from pscompile.memory.disk import DiskQueue
 from pscompile.memory.disk_homes import ACC_BUFFERS, DiskHomes
 from pscompile.memory.disk_states import DiskStates
+from pscompile.memory.chunk_kinds import ChunkKind
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.store_values import BufferKind, StoreValues  # noqa: F401 -- (BufferKind: callers import it here)
 from pscompile.memory.copies import CopyEngine, ThreadCopies
@@ -57,9 +59,9 @@ class ChunkStore(StoreValues):
         whose compute-dtype home is there too (``memory/disk_homes.py``). ``master_is_param`` (float32
         only): host-homed chunks share one buffer for their param chunk and master. ``copies``: the
         copy engine its moves go through (default: the CPU's, over ``link``)."""
-        frozen = layout.frozen_chunks
-        os_on_device, os_on_disk = os_on_device - frozen, os_on_disk - frozen     # (nothing to place)
-        if not params_on_disk <= os_on_disk | frozen:
+        stateless = frozenset(c for c in range(layout.num_chunks) if not layout.kind(c).has_states)
+        os_on_device, os_on_disk = os_on_device - stateless, os_on_disk - stateless     # (nothing to place)
+        if not params_on_disk <= os_on_disk | stateless:
             raise ValueError("a chunk whose parameters live on disk keeps its optimizer states there too")
         if master_is_param and dtype != torch.float32:
             raise ValueError(f"master_is_param needs float32 chunks, not {dtype}")
@@ -120,9 +122,9 @@ class ChunkStore(StoreValues):
             return 0
         return extent if self.home_numel == self.layout.chunk_size else self.home_numel
 
-    def frozen(self, c: int) -> bool:
-        """Chunk ``c`` holds frozen parameters only (no states, no gradient, never written back)."""
-        return self.layout.is_frozen(c)
+    def kind(self, c: int) -> ChunkKind:
+        """Chunk ``c``'s kind (``memory/chunk_kinds.py``): what it holds besides its compute copy."""
+        return self.layout.kind(c)
 
     # ---- one buffer for the param chunk and the master (fp32) ------------------------------
     def shares_master(self, c: int) -> bool:
@@ -132,7 +134,7 @@ class ChunkStore(StoreValues):
     def _share_master(self, c: int) -> None:
         """Make the host param chunk the master (where the store shares them and ``c`` is host-homed)."""
         if not self.master_is_param or self.os_tier[c] is not Tier.HOST or c not in self.homes \
-                or self.shares_master(c) or self.frozen(c):
+                or self.shares_master(c) or not self.kind(c).master:
             return
         self.host_param[c][:self.master[c].numel()].copy_(self.master[c])   # (equal already: its cast)
         self.host_os_pool.release(self.master[c])
@@ -210,7 +212,7 @@ class ChunkStore(StoreValues):
         device, the rest on the host. Moves happen here only (placement time, not in a step)."""
         on_device = set(on_device)
         for c in range(self.layout.num_chunks):
-            want = Tier.DEVICE if c in on_device and not self.frozen(c) else Tier.HOST
+            want = Tier.DEVICE if c in on_device and self.kind(c).has_states else Tier.HOST
             if self.os_tier[c] is want or self.os_tier[c] is Tier.DISK:    # disk homes stay
                 continue
             self._unshare_master(c)
@@ -444,7 +446,7 @@ class ChunkStore(StoreValues):
     def restore_from_master(self, c: int) -> None:
         """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""
         self._home_copy.discard(c)
-        if self.frozen(c):                 # (no gradient ever lands in it: its home is untouched)
+        if not self.kind(c).grad:          # (no gradient ever lands in it: its home is untouched)
             self.drop(c)
             return
         if self.os_tier[c] is Tier.DEVICE and self.resident(c):

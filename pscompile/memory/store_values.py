@@ -34,7 +34,7 @@ class StoreValues:
             for p in e.pieces:
                 src = flat[p.tensor_offset:p.tensor_offset + p.numel]
                 touched.add(p.chunk)
-                if self.frozen(p.chunk):            # no master: the compute-dtype copy is the weight
+                if not self.kind(p.chunk).master:   # no master: the compute-dtype copy is the weight
                     self._write_frozen(p.chunk, p.chunk_offset, src)
                     continue
                 master = self._states(p.chunk, write=True)[0][p.chunk_offset:p.chunk_offset + p.numel]
@@ -65,7 +65,7 @@ class StoreValues:
     def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
         """A CPU fp32 (or compute dtype for ``which='param'``) copy of one tensor from a chunk list."""
         e = self.layout.entry(fqn)
-        if not e.trainable:
+        if not e.kind.master:
             if which not in ("master", "param"):
                 raise KeyError(f"{fqn!r} is frozen (requires_grad=False): it has no {which}")
             return self._frozen_weight(e, torch.float32 if which == "master" else self.dtype)

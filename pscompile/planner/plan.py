@@ -112,7 +112,7 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     mine = owned_chunks(layout.num_chunks, world=world, per_chunk=per_chunk)
     host_need = mb.host_bytes(layout, mine, home)       # (frozen chunks: their compute-dtype copy only)
     trained = sum(layout.state_extent(c) if home == layout.chunk_size else home
-                  for c in mine if not layout.is_frozen(c))      # elements the optimizer updates
+                  for c in mine if layout.kind(c).updated)      # elements the optimizer updates
     disk_budget = (hw.disk or 0) // world
     tier = _disk_tier(hw, home, owned, elsize, disk_budget, world=world, host_need=host_need)
     disk_bytes, overflow = tier.disk_bytes, tier.overflow

@@ -46,7 +46,7 @@ class CheckpointState:
         parameters; the rest is padding (or frozen: no states), which a checkpoint neither writes nor reads."""
         used = [0] * len(self.store.master)
         per_chunk = self.world if hasattr(self.store, "owner") else 0
-        for e in (e for e in self.layout.entries if e.trainable):
+        for e in (e for e in self.layout.entries if e.kind.has_states):
             for g, so, _, n in own_pieces(e, self.store.home_numel, self.rank, per_chunk_world=per_chunk):
                 used[g] = max(used[g], so + n)
         return used
@@ -126,7 +126,7 @@ def full_state_from(readers: Sequence[CheckpointReader]) -> dict:
     per_chunk = world if shard and shard["collectives"] == str(Collectives.PER_CHUNK) else 0
     size = layout.chunk_size if per_chunk or world == 1 else layout.chunk_size // world
     out: dict = {key: {} for key in LISTS}
-    for e in (e for e in layout.entries if e.trainable):      # (a frozen parameter has no state)
+    for e in (e for e in layout.entries if e.kind.has_states):     # (a frozen parameter has no state)
         for key in LISTS:
             flat = torch.empty(e.numel, dtype=torch.float32)
             for r in range(world):

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from pscompile.checkpoint.file_format import CheckpointReader, TensorSource
+from pscompile.memory.chunk_kinds import FROZEN
 
 PREFIX = "frozen."
 
@@ -51,7 +52,7 @@ def digest(engine) -> str:
 
 def record(engine) -> dict | None:
     """What a checkpoint keeps of the frozen base (None: nothing is frozen)."""
-    frozen = {e.fqn: list(e.shape) for e in engine.layout.entries if not e.trainable}
+    frozen = {e.fqn: list(e.shape) for e in engine.layout.entries if e.kind is FROZEN}
     if not frozen:
         return None
     return {"params": frozen, "dtype": str(engine.dtype).replace("torch.", ""), "digest": digest(engine)}

@@ -69,7 +69,7 @@ class EngineState:
 
     def _trained(self) -> list[str]:
         """The parameters that train (a frozen one has no master or Adam states to save)."""
-        return [f for f in self.params if self.layout.entry(f).trainable]
+        return [f for f in self.params if self.layout.entry(f).kind.has_states]
 
     def scalar_problems(self, state: Any) -> list[str]:
         """What keeps a checkpoint's scalars (step, loss scale, parameter groups) from loading."""

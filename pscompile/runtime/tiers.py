@@ -16,7 +16,8 @@ from pscompile.config import Config, available_host_bytes
 from pscompile.errors import BudgetError
 from pscompile.memory.disk_homes import ACC_BUFFERS, HOME_BUFFERS, disk_staging_bytes
 from pscompile.memory.disk_states import STAGED_SETS
-from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, owned_chunks, state_chunks
+from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, device_homable, owned_chunks, state_chunks
+from pscompile.memory.tiers import Tier
 from pscompile.optim.placement import device_state_chunks, host_shortfall_chunks, host_state_chunks
 from pscompile.units import format_bytes
 
@@ -74,11 +75,12 @@ class HostTiers:
         takes its optimizer states there (and under ZeRO an fp32 gradient buffer: the shard's
         compute-dtype copy is the master's cast). Raises when the device budget cannot take them."""
         owned = owned_chunks(self.layout.num_chunks, rank=self.rank, world=self.world, per_chunk=self.per_chunk)
-        frozen_need = mb.host_bytes(self.layout, [c for c in owned if self.layout.is_frozen(c)], self.home_numel)
-        owned = state_chunks(self.layout, owned)        # (a frozen chunk has no states to home there)
+        # (a kind never homed on the device, a frozen chunk, stays on the host whatever the room)
+        host_only = [c for c in owned if not self.layout.homed_on(c, Tier.DEVICE)]
+        owned = device_homable(self.layout, owned)
         unit = self.home_numel
         chunk_need = mb.chunk(unit)
-        host_budget = max(0, host_budget - frozen_need)
+        host_budget = max(0, host_budget - mb.host_bytes(self.layout, host_only, self.home_numel))
         self.min_device_homes = host_shortfall_chunks(num_chunks=len(owned), chunk_bytes=chunk_need,
                                                       host_budget=host_budget)
         self.device_homes = frozenset(owned[:self.min_device_homes])
