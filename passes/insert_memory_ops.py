@@ -45,6 +45,7 @@ import torch
 from torch import fx
 
 from pscompile.graph import meta as gmeta
+from pscompile.memory import nf4
 from pscompile.memory.layout import ChunkLayout
 from pscompile.kinds import MemKind
 from pscompile.graph.ops import MemOp
@@ -123,7 +124,10 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
         return node
 
     slots = [buffer_placeholder("slot", "slot", k) for k in range(plan.num_slots)]
-    hosts = [buffer_placeholder("host", "host_chunk", c, numel=home) for c in range(layout.num_chunks)]
+    # (a chunk kept in NF4 has a home of packed bytes: ``memory/nf4.py``)
+    hosts = [buffer_placeholder("host", "host_chunk", c, torch.uint8, numel=nf4.packed_bytes(home))
+             if layout.kind(c).format == "nf4" else buffer_placeholder("host", "host_chunk", c, numel=home)
+             for c in range(layout.num_chunks)]
     accs = ([buffer_placeholder("acc", "acc_chunk", c, torch.float32, numel=home) for c in range(layout.num_chunks)]
             if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in plan.actions) else [])
     for n in placeholders:

@@ -180,7 +180,8 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
                    describe_node=lambda i: f"node {i}",
                    windows: Sequence[int] | None = None, world: int = 1, rank: int = 0,
                    per_chunk: bool = False, start_in_flight: bool = False,
-                   policy: str = "belady", device_shards: frozenset[int] = frozenset()) -> ResidencyPlan:
+                   policy: str = "belady", device_shards: frozenset[int] = frozenset(),
+                   fetch_bytes: Sequence[int] | None = None) -> ResidencyPlan:
     """Plan residency for ``len(reads)`` nodes. ``stores[i]`` are the gradients stored right
     after node ``i`` (``accumulate``: added into host accumulation buffers instead, so no chunk
     becomes dirty). Raises ``ResidencyError`` naming the node when the budget is too small.
@@ -315,8 +316,9 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
             h2d += link
             gathered += comm
         else:
-            actions.append(Action(before, MemKind.FETCH, c, slot, slot_bytes, asynchronous=asynchronous))
-            h2d += slot_bytes
+            moved = slot_bytes if fetch_bytes is None else fetch_bytes[c]   # (NF4: the packed bytes)
+            actions.append(Action(before, MemKind.FETCH, c, slot, moved, asynchronous=asynchronous))
+            h2d += moved
         fetches += 1
         if asynchronous:
             arriving.add(c)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from pscompile.dims import DynamicShapes
-from pscompile.kinds import Activations, Backend, Collectives, HostKernel, Mode, Policy, StrEnum
+from pscompile.kinds import Activations, Backend, Collectives, FrozenFormat, HostKernel, Mode, Policy, StrEnum
 from pscompile.units import parse_rate, parse_size
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,6 +51,7 @@ PolicyName = Literal["belady", "angel"]
 ActivationsName = Literal["auto", "keep", "recompute", "offload"]
 CollectivesName = Literal["group", "per_chunk"]
 HostKernelName = Literal["auto", "native", "inductor", "eager"]
+FrozenFormatName = Literal["compute", "nf4"]
 
 
 def _choice(value, kind: type[StrEnum], field_name: str, what: str):
@@ -137,6 +138,11 @@ class Config:
     # dynamic_shapes: a pytree with the batch's structure whose leaves are None or {dim: pscompile.Dim}
     # (e.g. ({1: seq}, {1: seq})): ranged from the first batch, planned at each Dim's max (pscompile/dims.py)
     dynamic: bool | None | DynamicShapes | Any = None
+    # how frozen weights (requires_grad=False) are kept on the host and moved: "compute" in the
+    # compute dtype; "nf4" keeps the frozen weight of every nn.Linear in 4-bit NormalFloat,
+    # bitsandbytes' blocks of 64 with a float32 absmax each (QLoRA's base), dequantized on the
+    # device as its fetch lands (docs/memory-model.md, "Frozen weights in 4 bits"). One process
+    frozen_format: FrozenFormat | FrozenFormatName = FrozenFormat.COMPUTE
 
     def __post_init__(self):
         """Validation only: every field is checked as given, nothing is rewritten, measured or asked
@@ -188,6 +194,7 @@ class Config:
         _choice(self.collectives, Collectives, "collectives", "is not supported")
         activations = _choice(self.activations, Activations, "activations", "is not a policy")
         _choice(self.optimizer_kernel, HostKernel, "optimizer_kernel", "is not a kernel")
+        _choice(self.frozen_format, FrozenFormat, "frozen_format", "is not a format pscompile keeps frozen weights in")
         t = self.optimizer_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"optimizer_threads={t!r} must be a positive int (threads of the host optimizer "

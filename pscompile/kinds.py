@@ -121,6 +121,13 @@ class HostKernel(StrEnum):
     EAGER = "eager"          # torch._fused_adamw_ (16-bit gradients: upcast, step, cast back per block)
 
 
+class FrozenFormat(StrEnum):
+    """How frozen weights are kept at home and moved (``memory/chunk_kinds.py``)."""
+
+    COMPUTE = "compute"      # the compute dtype
+    NF4 = "nf4"              # frozen nn.Linear weights in NF4, bitsandbytes' layout (QLoRA's base)
+
+
 class Collectives(StrEnum):
     """ZeRO's collectives."""
 

@@ -25,7 +25,7 @@ import torch
 
 from pscompile.config import Config, is_link_preset
 from pscompile.dims import DynamicShapes
-from pscompile.kinds import Activations, Backend, Collectives, HostKernel, Mode, Policy
+from pscompile.kinds import Activations, Backend, Collectives, FrozenFormat, HostKernel, Mode, Policy
 from pscompile.memory.rates import calibrated_link
 from pscompile.units import parse_rate, parse_size
 
@@ -47,6 +47,7 @@ class ResolvedConfig(Config):
     collectives: Collectives = Collectives.GROUP
     activations: Activations = Activations.AUTO
     optimizer_kernel: HostKernel = HostKernel.AUTO
+    frozen_format: FrozenFormat = FrozenFormat.COMPUTE
     dynamic: bool | None | DynamicShapes = None
 
     def __post_init__(self):
@@ -54,7 +55,7 @@ class ResolvedConfig(Config):
         narrow = {"device": str, "device_memory": (int, type(None)), "host_memory": (int, type(None)),
                   "disk_dir": (str, type(None)), "mode": Mode, "backend": Backend, "planner": Policy,
                   "link_bandwidth": (float, type(None)), "collectives": Collectives,
-                  "activations": Activations, "optimizer_kernel": HostKernel,
+                  "activations": Activations, "optimizer_kernel": HostKernel, "frozen_format": FrozenFormat,
                   "dynamic": (bool, type(None), DynamicShapes)}
         for name, kinds in narrow.items():
             if not isinstance(getattr(self, name), kinds):
@@ -113,5 +114,6 @@ def resolve(config: Config) -> ResolvedConfig:
                   disk_dir=None if config.disk_dir is None else os.fspath(config.disk_dir),
                   mode=Mode(config.mode), backend=Backend(config.backend), planner=Policy(config.planner),
                   collectives=Collectives(config.collectives), activations=Activations(config.activations),
-                  optimizer_kernel=HostKernel(config.optimizer_kernel))
+                  optimizer_kernel=HostKernel(config.optimizer_kernel),
+                  frozen_format=FrozenFormat(config.frozen_format))
     return ResolvedConfig(**fields)

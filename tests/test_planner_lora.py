@@ -19,17 +19,36 @@ from tests.conftest import make_batches, make_model
 GiB = 2**30
 
 
-def test_the_planned_host_bytes_are_what_the_engine_holds():
+@pytest.mark.parametrize("frozen_format", ["compute", "nf4"])
+def test_the_planned_host_bytes_are_what_the_engine_holds(frozen_format):
+    """(``nf4``: the frozen linear weights at their packed bytes, issue 72.)"""
     batch = make_batches("gpt", 1)[0]
     lora = LoRA(4, ("c_attn", "c_fc"))
-    config = pscompile.Config(device="cpu", dtype=torch.bfloat16, chunk_size=2048, backend="eager")
+    config = pscompile.Config(device="cpu", dtype=torch.bfloat16, chunk_size=2048, backend="eager",
+                              frozen_format=frozen_format)
     engine = pscompile.compile(add_lora(make_model("gpt"), lora), batch, config=dataclasses.replace(
         config, device_memory=pscompile.min_device_memory(add_lora(make_model("gpt"), lora), batch, config)))
     hw = dataclasses.replace(hardware_preset("yard"), gpu_memory=engine.budget + 1 * GiB, gpus=1)
     report = plan(make_model("gpt"), batch, hardware=hw, config=config, lora=lora)
     assert engine.layout.frozen_chunks and report.num_chunks == engine.layout.num_chunks
+    assert bool(engine.layout.quantized_chunks) == (frozen_format == "nf4")
     assert report.host_model_bytes == engine.store.host_model_bytes()
     engine.close()
+
+
+def test_a_4_bit_base_moves_and_holds_less_and_its_plan_is_no_slower():
+    """The same LoRA run planned with its base in bf16 and in NF4, on a machine where the link binds:
+    NF4 holds the frozen linear weights at 0.5625 of a byte a weight and moves them so, and the
+    estimate is no slower (the dequantization costs the GPU's memory bandwidth)."""
+    hw = dataclasses.replace(hardware_preset("yard"), gpus=1, gpu_memory=GiB + 16 * 2**20)
+    cfg = GPTConfig(n_layer=4, n_head=8, d_model=512, vocab_size=256, seq_len=128)
+    reports = {f: plan(cfg, (2, 128), hardware=hw, lora=LoRA(8, ("c_attn",)), config=pscompile.Config(
+        device="cpu", dtype=torch.bfloat16, frozen_format=f)) for f in ("compute", "nf4")}
+    bf16, nf4 = reports["compute"], reports["nf4"]
+    assert bf16.fits and nf4.fits and "NF4" in nf4.model
+    assert nf4.host_model_bytes < 0.5 * bf16.host_model_bytes
+    assert nf4.h2d_bytes < 0.5 * bf16.h2d_bytes
+    assert nf4.iteration_s <= bf16.iteration_s
 
 
 def test_a_base_three_times_larger_fine_tunes_with_lora_than_trains_fully():

@@ -68,6 +68,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "on --lora-targets (default 0: every parameter trains)")
     p.add_argument("--lora-targets", metavar="NAMES", default="c_attn",
                    help="with --lora-rank: the projections to adapt, comma-separated (default c_attn: q, k and v)")
+    p.add_argument("--frozen-format", default="compute", choices=("compute", "nf4"),
+                   help="frozen weights at home and over PCIe: compute (the compute dtype; default) or nf4 (every "
+                        "frozen linear weight in 4 bits, QLoRA's base; Config(frozen_format=...))")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report(s) as JSON to PATH")
 
 
@@ -109,7 +112,8 @@ def plan_command(args: argparse.Namespace) -> int:
     hw = machine(args)
     print("\n".join(machine_lines(args, hw)), flush=True)
     chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)
-    config = Config(device="cpu", dtype=_DTYPES[args.dtype], activations=args.activations, chunk_size=chunk)
+    config = Config(device="cpu", dtype=_DTYPES[args.dtype], activations=args.activations, chunk_size=chunk,
+                    frozen_format=args.frozen_format)
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.hidden, vocab_size=args.vocab,
                     seq_len=args.seq)
     lora = LoRA(args.lora_rank, tuple(t for t in args.lora_targets.split(",") if t)) if args.lora_rank else None

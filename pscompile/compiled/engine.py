@@ -219,9 +219,10 @@ class CompiledEngine(CompiledPlanning, ScheduleLowering, CompiledState, ChunkEng
             if act is not None and act.kind == MemKind.RELOAD:   # (in flight, but its memory is taken)
                 if executor.split != "program":          # (there: one of Inductor's buffers, counted by them)
                     tracker.add_tensor(made)             # back on the device (the host copy is not)
-            elif not dispatching and act is None and not mem.decl.arrives:
+            elif not dispatching and act is None and not mem.decl.arrives and not self.store.landing_bytes:
                 return made       # no device memory was taken: the total cannot have risen here
             tracker.sample_now()
+            self.store.landed()   # (an NF4 chunk's landing: its workspace counted in that sample)
             return made
 
         def count(values) -> None:   # compiled code allocates outside Python dispatch

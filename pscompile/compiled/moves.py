@@ -51,6 +51,7 @@ class ChunkMoves:
         self.slot_bytes = 0                        # their bytes (the tracker reads it after every op)
         self._slot_chunk: dict[int, int] = {}      # slot index -> chunk held now
         self._in_flight: dict[int, Any] = {}       # slot -> its asynchronous fetch (a Copy, or a collective's work)
+        self._packed: dict[int, int] = {}          # slot -> the NF4 chunk whose fetch into it lands packed
         self._reading: dict[int, Copy] = {}        # slot -> the writeback reading it
         self._homing: dict[int, Copy] = {}         # chunk -> the writeback writing its home
         self._wb_seq: dict[int, int] = {}          # chunk -> when its last writeback was issued (a count)
@@ -140,6 +141,7 @@ class ChunkMoves:
 
     def _free(self, k: int, node: str | None = None) -> None:
         pending = self._in_flight.pop(k, None)      # a fetch for this step, issued by the last one
+        self._packed.pop(k, None)
         if pending is not None:                     # (``plan_lookahead``): no copy into freed memory
             pending.wait()
         storage = self.slots[k].untyped_storage()
@@ -168,7 +170,7 @@ class ChunkMoves:
     def model_bytes(self) -> int:
         """Model bytes the device holds now: the memory of every slot (allocated, whether or not
         a chunk sits in it yet) and the optimizer states kept there."""
-        return self.slot_bytes + self.store.dev_os_pool.bytes_in_use
+        return self.slot_bytes + self.store.dev_os_pool.bytes_in_use + self.store.landing_bytes
 
     def is_model_storage(self, ptr: int) -> bool:
         return ptr in self._slot_ptrs or self.store.is_model_storage(ptr)
@@ -202,16 +204,30 @@ class ChunkMoves:
         slot, _ = args                  # host_c: the chunk's home (store.fetch_source: which buffer)
         self._allocate(mem.slot)
         # (the other copy engine may still be writing the chunk's home: a writeback earlier this run)
-        fut = self.copies.submit(slot, store.fetch_source(mem.chunk), "h2d", after=self._homing.get(mem.chunk),
-                                 node=node)
+        fut = self.copies.submit(store.fetch_target(mem.chunk, slot), store.fetch_source(mem.chunk), "h2d",
+                                 after=self._homing.get(mem.chunk), node=node)
         store.close_home(mem.chunk, copy=fut)      # (a disk home's buffer is kept until the copy lands)
         self.link.traffic.num_fetches += 1
         store.attach(mem.chunk, slot)
         self._slot_chunk[mem.slot] = mem.chunk
-        if mem.asynchronous:
-            self._in_flight[mem.slot] = fut
-        else:
+        self._fetched(mem.slot, mem.chunk, fut, wait=not mem.asynchronous)
+
+    def _fetched(self, k: int, c: int, fut, *, wait: bool) -> None:
+        """Chunk ``c``'s fetch into slot ``k`` is submitted: waited for now (and landed), or kept in
+        flight until its ``wait`` node."""
+        if self.store.packed(c):
+            self._packed[k] = c
+        if wait:
             fut.wait()
+            self._land(k)
+        else:
+            self._in_flight[k] = fut
+
+    def _land(self, k: int) -> None:
+        """Slot ``k``'s fetch was waited for: an NF4 chunk's packed bytes become its values."""
+        c = self._packed.pop(k, None)
+        if c is not None:
+            self.store.land(c, self.slots[k])
 
     def _mem_gather(self, mem, args, at_end, node) -> None:
         """ZeRO: the chunk/group arrives (allgather, broadcast)."""
@@ -235,6 +251,7 @@ class ChunkMoves:
 
     def _mem_wait(self, mem, args, at_end, node) -> None:
         self._in_flight.pop(mem.slot).wait()          # a copy, or a collective's work
+        self._land(mem.slot)
 
     def _mem_grad_landed(self, mem, args, at_end, node) -> None:
         """A gradient's copy (overlap_grad_copies; none: added at once, on disk)."""
@@ -369,10 +386,11 @@ class ChunkMoves:
         if held is not None:                      # (another chunk's writeback still reads the slot)
             self.land(held[0])
         self._allocate(slot)
-        self.link.count(self.store.param_chunk_bytes, "h2d")
-        self._in_flight[slot] = self.copies.submit(self.slots[slot], self.store.fetch_source(c), "h2d",
-                                                   counted=True, node=f"(the next step's fetch of chunk {c})")
-        self.store.close_home(c, copy=self._in_flight[slot])
+        self.link.count(self.store.fetch_bytes(c), "h2d")
+        fut = self.copies.submit(self.store.fetch_target(c, self.slots[slot]), self.store.fetch_source(c), "h2d",
+                                 counted=True, node=f"(the next step's fetch of chunk {c})")
+        self._fetched(slot, c, fut, wait=False)
+        self.store.close_home(c, copy=fut)
         self.link.traffic.num_fetches += 1
         self.store.attach(c, self.slots[slot])
         self._slot_chunk[slot] = c
@@ -394,16 +412,13 @@ class ChunkMoves:
                     self._in_flight[k] = Landed()
                 continue
             self._allocate(k)
-            self.link.count(self.store.param_chunk_bytes, "h2d")     # (now: before the run, setup traffic)
-            fut = self.copies.submit(self.slots[k], self.store.fetch_source(c), "h2d", counted=True,
-                                     after=self._homing.get(c), node=f"(warm start: chunk {c})")
+            self.link.count(self.store.fetch_bytes(c), "h2d")     # (now: before the run, setup traffic)
+            fut = self.copies.submit(self.store.fetch_target(c, self.slots[k]), self.store.fetch_source(c), "h2d",
+                                     counted=True, after=self._homing.get(c), node=f"(warm start: chunk {c})")
             self.store.close_home(c, copy=fut)
             self.store.attach(c, self.slots[k])
             self._slot_chunk[k] = c
-            if first.get(k) == MemKind.WAIT:
-                self._in_flight[k] = fut
-            else:
-                fut.wait()
+            self._fetched(k, c, fut, wait=first.get(k) != MemKind.WAIT)
 
     def _abandon_in_flight(self) -> None:
         """After a failed run, collectives may still be running (a broken process group times out
@@ -416,3 +431,4 @@ class ChunkMoves:
                 self.slot_bytes -= storage.nbytes()
                 self.slots[k] = self._empty_slot()
         self._in_flight.clear()
+        self._packed.clear()

@@ -28,6 +28,7 @@ from pscompile.graph.pipeline import (AnalyzedGraph, DeviceMemory, Scheduled, ca
                                       plan_within, regather)
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
+from pscompile.memory.model_bytes import fetch_bytes
 from pscompile.memory.tiers import Tier
 from pscompile.optim.placement import first_state_chunks, update_overlaps_next_step
 from pscompile.runtime.params import ModelParams
@@ -314,7 +315,8 @@ class CompiledPlanning:
         return DeviceMemory(budget, self.store.param_chunk_bytes, on_dev if self.world == 1 else frozenset(),
                             self._fixed_device_bytes(), world=self.world, rank=self.rank,
                             per_chunk=self.per_chunk, device_shards=on_dev if self.world > 1 else frozenset(),
-                            param_disk=frozenset(self.param_disk_chunks))
+                            param_disk=frozenset(self.param_disk_chunks),
+                            fetch_bytes=fetch_bytes(self.layout, self.store.param_chunk_bytes))
 
     def _program_headroom(self, cap: CaptureKey | None = None) -> int:
         """Device bytes ``cap``'s schedules leave free for what Inductor's program holds beyond the

@@ -68,6 +68,13 @@ class DeviceMemory:
     device_shards: frozenset[int] = frozenset()
     # chunks whose parameters live on the disk tier: each fetch gets a disk_read ahead of it
     param_disk: frozenset[int] = frozenset()
+    # bytes one fetch of each chunk moves over the link (``model_bytes.fetch_bytes``: an NF4 chunk's
+    # are its packed bytes); empty: ``slot_bytes`` each
+    fetch_bytes: tuple[int, ...] = ()
+
+    def moved(self, c: int) -> int:
+        """Bytes a fetch of chunk ``c`` moves over the link."""
+        return self.fetch_bytes[c] if self.fetch_bytes else self.slot_bytes
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from pscompile.graph.analysis import (
 from pscompile.kinds import Activations, Backend, Collectives, Mode
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.rates import Rates
-from pscompile.memory.model_bytes import ModelBytes, device_homable, owned_chunks
+from pscompile.memory.model_bytes import ModelBytes, dequant_workspace, device_homable, owned_chunks
 from pscompile.memory.tiers import Tier
 from pscompile.passes.offload_activations import find_offloads, offload_activations
 from pscompile.passes.recompute_activations import (
@@ -74,6 +74,7 @@ def minimum_budget(analyzed: AnalyzedGraph, layout: ChunkLayout, *, nonmodel: Se
     # their states: over each one's state extent (ZeRO: whole shards, ``state_bytes`` each)
     states = device_homes * state_bytes if world > 1 else \
         sum(map(layout.state_extent, homes)) * state_bytes // layout.chunk_size
+    states += dequant_workspace(layout)     # (an NF4 chunk's landing: fixed bytes, as the engines count them)
     for i, (chunks, w) in enumerate(zip(reads, windows)):
         chunks = set(chunks) | homes
         need = len(chunks) * slot_bytes + w + states

@@ -62,7 +62,8 @@ from pscompile.graph.minimum import (
 )
 from pscompile.kinds import Activations, RunKind
 from pscompile.memory.layout import ChunkLayout
-from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, device_homable, state_chunks
+from pscompile.memory.model_bytes import (GRAD_BYTES, STATE_BYTES, ModelBytes, dequant_workspace, device_homable,
+                                          fetch_bytes, state_chunks)
 from pscompile.memory.rates import Rates, measure_rates
 from pscompile.optim.placement import device_state_chunks, first_state_chunks
 from pscompile.graph.schedule_passes import (
@@ -323,14 +324,17 @@ def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: 
     slot_bytes, state_bytes = mb.param_chunk(layout.chunk_size), mb.state_chunk(layout.chunk_size)
     if request.world > 1:         # ZeRO: the shards the host cannot hold are homed on the device
         homes, nbytes = _zero_homes(layout, request)
-        return DeviceMemory(request.budget, slot_bytes, frozenset(), nbytes, world=request.world, rank=request.rank,
-                            per_chunk=request.per_chunk, device_shards=homes)
+        return DeviceMemory(request.budget, slot_bytes, frozenset(), nbytes + dequant_workspace(layout),
+                            world=request.world, rank=request.rank, per_chunk=request.per_chunk, device_shards=homes,
+                            fetch_bytes=fetch_bytes(layout, slot_bytes))
     count = device_state_chunks(budget=request.budget, peak_nonmodel=peak_nonmodel, num_chunks=len(state_chunks(layout)),
                                 chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
                                 state_chunk_bytes=state_bytes) if request.device_states else 0
     count = max(count, request.device_homes)
     n = layout.num_chunks
     on_device = first_state_chunks(layout, count)
-    return DeviceMemory(request.budget, slot_bytes, on_device, STATE_BYTES * sum(map(layout.state_extent, on_device)),
+    return DeviceMemory(request.budget, slot_bytes, on_device,
+                        STATE_BYTES * sum(map(layout.state_extent, on_device)) + dequant_workspace(layout),
                         world=request.world, rank=request.rank, per_chunk=request.per_chunk,
-                        param_disk=frozenset(range(n - request.param_disk_chunks, n)))
+                        param_disk=frozenset(range(n - request.param_disk_chunks, n)),
+                        fetch_bytes=fetch_bytes(layout, slot_bytes))

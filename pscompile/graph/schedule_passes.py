@@ -193,7 +193,8 @@ def _residency(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]
             accumulate=r.kind is RunKind.ACCUM, start=r.start_slots, keep_at_end=warm,
             end=r.start_slots if warm else None, start_in_flight=r.ahead,
             describe_node=lambda i: describe_node(x.nodes[i]), windows=x.windows, world=m.world, rank=m.rank,
-            per_chunk=m.per_chunk, policy=r.planner, device_shards=m.device_shards)
+            per_chunk=m.per_chunk, policy=r.planner, device_shards=m.device_shards,
+            fetch_bytes=m.fetch_bytes or None)
     except ResidencyError as e:          # (not chained: the first node that failed names another figure)
         raise _budget_error(x, e) from None
     return replace(s, plan=plan), plan.summary(m.budget)
@@ -241,7 +242,7 @@ def _lookahead(x: ScheduleInputs, s: ScheduleState) -> tuple[ScheduleState, str]
     ahead = plan_lookahead(s.plan, x.windows, budget=m.budget, os_device_bytes=m.os_device_bytes,
                            os_device_chunks=m.os_device_chunks, fixed=fixed)
     # the step's bytes include the fetches it issues for the next step (after its update)
-    plan = replace(s.plan, h2d_bytes=s.plan.h2d_bytes + ahead.nbytes,
+    plan = replace(s.plan, h2d_bytes=s.plan.h2d_bytes + sum(m.moved(c) for c, _ in ahead.fetches),
                    num_fetches=s.plan.num_fetches + len(ahead.fetches))
     return replace(s, plan=plan, lookahead=ahead), ahead.summary()
 

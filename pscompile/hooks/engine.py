@@ -121,6 +121,7 @@ class HooksEngine(ParamHooks, ChunkEngine):
                         store.fetch(c)
         ps.tracker.start_window()
         ps.tracker.sample_now()
+        self.store.landed()          # (an NF4 chunk's landing: its workspace counted in that sample)
 
     def _make_room(self, plan: AccessPlan, i: int, need: tuple[int, ...]) -> None:
         if self.budget is None:

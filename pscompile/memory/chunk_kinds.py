@@ -15,18 +15,27 @@ chunks differently by kind asks the kind, not the layout's extents or a paramete
                 home on the host, the disk or (when the host cannot hold it) the device
     FROZEN      compute copy only; no gradient, never updated, never written back;
                 home on the host or the disk (the device holds it only while a step reads it)
+    FROZEN_NF4  a FROZEN chunk kept in NF4 (``Config(frozen_format="nf4")``, ``memory/nf4.py``): 4
+                bits a weight and a float32 absmax per block of 64 at home and over the link; on
+                the device dequantized to the compute dtype in its slot as its fetch lands; home on
+                the host only
 
-A new kind (issue 72's 4-bit frozen base) is a new declaration here, and ``ChunkLayout.kind``
-saying which chunks have it.
+    kind.format                   how its compute copy is kept at home and moved: "compute" (the
+                                  compute dtype) or "nf4"; ``home_bytes`` gives its bytes
+
+A new kind is a new declaration here, and ``ChunkLayout.kind`` saying which chunks have it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pscompile.memory import nf4
 from pscompile.memory.tiers import Tier
 
-__all__ = ["ChunkKind", "TRAINABLE", "FROZEN", "KINDS"]
+__all__ = ["ChunkKind", "TRAINABLE", "FROZEN", "FROZEN_NF4", "KINDS", "FORMATS"]
+
+FORMATS = ("nf4",)          # the formats a frozen base may be kept in besides the compute dtype
 
 _FP32 = 4
 
@@ -40,6 +49,12 @@ class ChunkKind:
     moments: bool              # Adam's exp_avg and exp_avg_sq, fp32
     grad: bool                 # the backward writes it a gradient
     tiers: frozenset[Tier]     # where its home may be
+    format: str = "compute"    # its compute copy at home and over the link: "compute" or "nf4"
+
+    def home_bytes(self, numel: int, elsize: int) -> int:
+        """Bytes of ``numel`` elements of its compute copy at home and over the link (``elsize``:
+        the compute dtype's)."""
+        return nf4.packed_bytes(numel) if self.format == "nf4" else numel * elsize
 
     @property
     def updated(self) -> bool:
@@ -67,4 +82,7 @@ TRAINABLE = ChunkKind("trainable", master=True, moments=True, grad=True,
                       tiers=frozenset({Tier.HOST, Tier.DISK, Tier.DEVICE}))
 FROZEN = ChunkKind("frozen", master=False, moments=False, grad=False, tiers=frozenset({Tier.HOST, Tier.DISK}))
 
-KINDS = (TRAINABLE, FROZEN)
+FROZEN_NF4 = ChunkKind("frozen-nf4", master=False, moments=False, grad=False, tiers=frozenset({Tier.HOST}),
+                       format="nf4")
+
+KINDS = (TRAINABLE, FROZEN, FROZEN_NF4)

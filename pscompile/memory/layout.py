@@ -11,7 +11,9 @@ Frozen parameters (``requires_grad=False``: a LoRA run's base weights) are packe
 their own, in the same first-use order: two packing streams, the chunk ids handed out as either
 stream opens a chunk. A frozen chunk holds its compute-dtype copy and nothing else; a trainable
 chunk's optimizer states cover its **state extent**, the elements up to the end of its last
-trainable piece (the last trainable chunk is often mostly padding: its states are not).
+trainable piece (the last trainable chunk is often mostly padding: its states are not). Frozen
+weights kept in NF4 (``Config(frozen_format="nf4")``) are a third stream, each tensor starting on a
+block boundary (``NF4_ALIGN``): their chunks are ``FROZEN_NF4`` (``memory/chunk_kinds.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
 
-from pscompile.memory.chunk_kinds import FROZEN, TRAINABLE, ChunkKind
+from pscompile.memory.chunk_kinds import FROZEN, FROZEN_NF4, TRAINABLE, ChunkKind
+
+NF4_ALIGN = 64      # an NF4 tensor starts on a block boundary: its blocks are its own (``memory/nf4.py``)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class TensorEntry:
     numel: int
     pieces: tuple[Piece, ...]
     trainable: bool = True                # False: requires_grad=False, in a frozen chunk
+    quantized: bool = False               # frozen and kept in NF4 (``Config.frozen_format``)
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -50,7 +55,7 @@ class TensorEntry:
     @property
     def kind(self) -> ChunkKind:
         """The kind of the chunks it lies in (``memory/chunk_kinds.py``)."""
-        return TRAINABLE if self.trainable else FROZEN
+        return TRAINABLE if self.trainable else FROZEN_NF4 if self.quantized else FROZEN
 
     @property
     def spans(self) -> bool:
@@ -112,14 +117,19 @@ class ChunkLayout:
         end of its last trainable piece; 0 for a frozen chunk."""
         return self._extents[chunk]
 
+    @cached_property
+    def _kinds(self) -> tuple[ChunkKind, ...]:
+        return tuple(TRAINABLE if self._extents[c] else members[0][0].kind if members else FROZEN
+                     for c, members in enumerate(self._by_chunk))
+
     def kind(self, chunk: int) -> ChunkKind:
-        """``chunk``'s kind (``memory/chunk_kinds.py``): ``FROZEN`` when it holds frozen parameters
-        only, else ``TRAINABLE`` (the two are packed apart)."""
-        return TRAINABLE if self._extents[chunk] else FROZEN
+        """``chunk``'s kind (``memory/chunk_kinds.py``): ``TRAINABLE`` when it holds trainable
+        parameters, else ``FROZEN`` or (kept in NF4) ``FROZEN_NF4``: the kinds are packed apart."""
+        return self._kinds[chunk]
 
     def is_frozen(self, chunk: int) -> bool:
-        """``chunk`` holds frozen parameters only: its compute-dtype copy is all it has."""
-        return self.kind(chunk) is FROZEN
+        """``chunk`` holds frozen parameters only: its compute copy (or NF4 codes) is all it has."""
+        return not self.kind(chunk).grad
 
     def homed_on(self, chunk: int, tier) -> bool:
         """Whether ``chunk``'s kind may have its home on ``tier`` (``memory.tiers.Tier``)."""
@@ -127,7 +137,12 @@ class ChunkLayout:
 
     @cached_property
     def frozen_chunks(self) -> frozenset[int]:
-        return frozenset(c for c in range(self.num_chunks) if self.kind(c) is FROZEN)
+        return frozenset(c for c in range(self.num_chunks) if self.is_frozen(c))
+
+    @cached_property
+    def quantized_chunks(self) -> frozenset[int]:
+        """The chunks kept in NF4 (``FROZEN_NF4``)."""
+        return frozenset(c for c in range(self.num_chunks) if self.kind(c) is FROZEN_NF4)
 
     @property
     def state_numel(self) -> int:
@@ -197,12 +212,20 @@ def _pack(numels: Sequence[int], chunk_size: int,
     return pieces_per_tensor, count
 
 
+def _trim(pieces: tuple[Piece, ...], numel: int) -> tuple[Piece, ...]:
+    """Pieces packed for a footprint rounded up (``NF4_ALIGN``), cut back to the tensor's ``numel``."""
+    last = pieces[-1]
+    return pieces[:-1] + (Piece(last.chunk, last.chunk_offset, last.tensor_offset, numel - last.tensor_offset),)
+
+
 def build_layout(tensors: Iterable[tuple[str, tuple[int, ...]]], chunk_size: int,
-                 aliases: Mapping[str, str] | None = None, frozen: Iterable[str] = ()) -> ChunkLayout:
+                 aliases: Mapping[str, str] | None = None, frozen: Iterable[str] = (),
+                 quantized: Iterable[str] = ()) -> ChunkLayout:
     """Pack ``(fqn, shape)`` pairs in the given order into chunks of ``chunk_size`` elements.
 
     ``aliases`` maps tied parameter names to the canonical name that is packed; ``frozen`` names
-    the parameters that do not train (packed into chunks of their own).
+    the parameters that do not train (packed into chunks of their own); ``quantized`` (frozen
+    too) those kept in NF4: a third stream, each tensor starting on a block boundary.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be a positive number of elements")
@@ -213,10 +236,15 @@ def build_layout(tensors: Iterable[tuple[str, tuple[int, ...]]], chunk_size: int
         for s in shape:
             n *= int(s)
         numels.append(n)
-    frozen = frozenset(frozen)
-    streams = [int(fqn in frozen) for fqn, _ in tensors]
-    pieces, num_chunks = _pack(numels, chunk_size, streams if frozen else None)
-    entries = tuple(TensorEntry(fqn, tuple(int(s) for s in shape), n, p, fqn not in frozen)
+    quantized = frozenset(quantized)
+    frozen = frozenset(frozen) | quantized
+    if quantized and chunk_size % NF4_ALIGN:
+        raise ValueError(f"chunk_size={chunk_size}: chunks kept in NF4 hold a multiple of {NF4_ALIGN} elements")
+    streams = [2 if fqn in quantized else int(fqn in frozen) for fqn, _ in tensors]
+    footprints = [-(-n // NF4_ALIGN) * NF4_ALIGN if fqn in quantized else n for (fqn, _), n in zip(tensors, numels)]
+    pieces, num_chunks = _pack(footprints, chunk_size, streams if frozen else None)
+    pieces = [_trim(p, n) if fqn in quantized else p for (fqn, _), n, p in zip(tensors, numels, pieces)]
+    entries = tuple(TensorEntry(fqn, tuple(int(s) for s in shape), n, p, fqn not in frozen, fqn in quantized)
                     for (fqn, shape), n, p in zip(tensors, numels, pieces))
     return ChunkLayout(chunk_size, entries, num_chunks, tuple(sorted((aliases or {}).items())))
 

@@ -10,7 +10,10 @@ the host a second compute-dtype copy (the next parameters, written by the update
 What a chunk holds besides its compute-dtype copy is its kind's (``ChunkLayout.kind``,
 ``memory/chunk_kinds.py``): a frozen chunk is its compute-dtype copy alone, and a trainable chunk's
 states (``ChunkKind.state_bytes`` per element) cover its state extent (``ChunkLayout.state_extent``):
-``host_bytes`` counts both.
+``host_bytes`` counts both. A chunk kept in NF4 (``FROZEN_NF4``) is its packed bytes at home and over
+the link (``fetch_bytes``); its slot on the device is a compute-dtype chunk like any other, and
+landing a fetch takes a workspace beside it (``dequant_workspace``), counted with the device's fixed
+bytes by every caller.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from pscompile.memory import nf4
 from pscompile.memory.chunk_kinds import TRAINABLE
 from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.tiers import Tier
@@ -73,10 +77,22 @@ class ModelBytes:
         for c in chunks:
             kind = layout.kind(c)
             states = 0 if not kind.has_states else layout.state_extent(c) if home == layout.chunk_size else home
-            total += home * self.param_bytes + states * kind.state_bytes
+            total += kind.home_bytes(home, self.param_bytes) + states * kind.state_bytes
             if lock_free and kind.updated:
                 total += home * (self.param_bytes + GRAD_BYTES * (staleness + 1))
         return total
+
+
+def fetch_bytes(layout: ChunkLayout, slot_bytes: int) -> tuple[int, ...]:
+    """Bytes one fetch of each chunk moves over the link: its slot's, or (NF4) its packed bytes."""
+    elsize = slot_bytes // layout.chunk_size
+    return tuple(layout.kind(c).home_bytes(layout.chunk_size, elsize) for c in range(layout.num_chunks))
+
+
+def dequant_workspace(layout: ChunkLayout) -> int:
+    """Device bytes a fetch of an NF4 chunk takes beside its slot while it lands (one lands at a
+    time: ``nf4.workspace_bytes``); 0 without NF4 chunks."""
+    return nf4.workspace_bytes(layout.chunk_size) if layout.quantized_chunks else 0
 
 
 def owned_chunks(num_chunks: int, *, rank: int = 0, world: int = 1, per_chunk: bool = False) -> list[int]:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LEVELS", "Quantized", "quantize", "dequantize"]
+__all__ = ["LEVELS", "Quantized", "quantize", "dequantize", "packed_bytes", "write_piece", "read_piece",
+           "dequantize_chunk", "workspace_bytes"]
 
 # the 16 NF4 levels (QLoRA, appendix E; bitsandbytes' table), in code order
 LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -95,3 +96,68 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     pairs = torch.index_select(_pair_levels(q.codes.device), 0, q.codes.to(torch.int32)).view(-1)
     values = _blocks(pairs, q.block).mul_(q.absmax[:, None])
     return values.view(-1)[:q.numel].to(dtype).view(q.shape)
+
+
+# ---- a chunk in NF4: its home on the host, its bytes over the link -----------------------------
+# A chunk of ``n`` elements (a multiple of ``block``, as every chunk size is) keeps, in one uint8
+# buffer, its codes (n / 2 bytes) and then its blocks' absmax (4 bytes each): the buffer a fetch
+# copies. The tensors in it start at multiples of ``block`` (the layout aligns them), so its blocks
+# are each tensor's own blocks, the same statistics bitsandbytes keeps per tensor.
+
+_TABLE_BYTES = 4096   # the (256, 2) float32 level table and the 16 levels it is made from
+PIECES = 16        # a chunk dequantizes in this many pieces: the temporaries are a piece's, not a chunk's
+
+
+def packed_bytes(numel: int, block: int = 64) -> int:
+    """Bytes of ``numel`` elements in NF4: the codes and one float32 absmax per block."""
+    return (numel + 1) // 2 + 4 * (-(-numel // block))
+
+
+def chunk_views(buf: torch.Tensor, numel: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes (uint8) and absmax (float32) inside a chunk's packed buffer ``buf``."""
+    if numel % block or (numel // 2) % 4:
+        raise ValueError(f"an NF4 chunk holds a multiple of {block} elements (and of 8), not {numel}")
+    codes = buf[:numel // 2]
+    absmax = buf[numel // 2:numel // 2 + 4 * (numel // block)].view(torch.float32)
+    return codes, absmax
+
+
+def write_piece(buf: torch.Tensor, numel: int, offset: int, values: torch.Tensor, block: int = 64) -> None:
+    """Quantize ``values`` (flat) into the chunk ``buf`` at element ``offset`` (a multiple of ``block``)."""
+    if offset % block:
+        raise ValueError(f"an NF4 piece starts on a block boundary ({block} elements), not at {offset}")
+    q = quantize(values.reshape(-1), block)
+    codes, absmax = chunk_views(buf, numel, block)
+    codes[offset // 2:offset // 2 + q.codes.numel()].copy_(q.codes)
+    absmax[offset // block:offset // block + q.absmax.numel()].copy_(q.absmax.to(absmax.device))
+
+
+def read_piece(buf: torch.Tensor, numel: int, offset: int, count: int, dtype: torch.dtype,
+               block: int = 64) -> torch.Tensor:
+    """Elements ``[offset, offset + count)`` of the chunk ``buf``, dequantized to ``dtype``."""
+    codes, absmax = chunk_views(buf, numel, block)
+    q = Quantized(codes[offset // 2:offset // 2 + (count + 1) // 2],
+                  absmax[offset // block:offset // block + -(-count // block)], torch.Size([count]), block)
+    return dequantize(q, dtype)
+
+
+def workspace_bytes(numel: int, block: int = 64) -> int:
+    """Device bytes ``dequantize_chunk`` takes besides the chunk: a copy of its packed bytes, and one
+    piece's int32 codes (2 B per element) and float32 values (4 B per element), and the level table."""
+    return packed_bytes(numel, block) + 6 * -(-numel // PIECES) + _TABLE_BYTES
+
+
+def dequantize_chunk(slot: torch.Tensor, block: int = 64) -> None:
+    """``slot`` (a chunk of compute-dtype elements) holds its packed bytes at its start, as a fetch
+    left them: write the values over them, in place. The packed bytes are copied aside first, and
+    the values made ``PIECES`` pieces at a time (``workspace_bytes``)."""
+    n = slot.numel()
+    packed = slot.view(torch.uint8)[:packed_bytes(n, block)].clone()
+    codes, absmax = chunk_views(packed, n, block)
+    table = _pair_levels(slot.device)
+    step = -(-n // PIECES // block) * block
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        pairs = torch.index_select(table, 0, codes[a // 2:b // 2].to(torch.int32)).view(-1, block)
+        slot[a:b].copy_(pairs.mul_(absmax[a // block:b // block, None]).view(-1))
+        del pairs                      # (before the next piece's: one piece's temporaries at a time)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from pscompile.memory import nf4
 from pscompile.memory.disk import DiskQueue
 from pscompile.memory.disk_homes import ACC_BUFFERS, DiskHomes
 from pscompile.memory.disk_states import DiskStates
@@ -80,8 +81,12 @@ class ChunkStore(StoreValues):
         self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, hs, pin=pin, meter=self.host_meter)
         n = layout.num_chunks
         self.homes = frozenset(range(n)) if homes is None else homes
+        # NF4 chunks (``FROZEN_NF4``): a home of packed bytes each (``memory/nf4.py``), host only
+        self.host_packed_pool = SlotPool(Tier.HOST, _HOST, torch.uint8, nf4.packed_bytes(cs), pin=pin,
+                                         meter=self.host_meter)
         none = torch.empty(0, dtype=dtype)
-        self.host_param = [self.host_param_pool.acquire(zero=True)
+        self.host_param = [(self.host_packed_pool if layout.kind(c).format == "nf4" else self.host_param_pool)
+                           .acquire(zero=True)
                            if c in self.homes and c not in os_on_device and c not in params_on_disk
                            else none for c in range(n)]
         self.dev_param: list[torch.Tensor | None] = [None] * n
@@ -107,6 +112,7 @@ class ChunkStore(StoreValues):
             for lst in (self.master, self.exp_avg, self.exp_avg_sq):
                 lst.append(pool.acquire(zero=True, numel=numel) if numel else torch.empty(0))
         self._slot_chunk: dict[int, int] = {}   # device buffer storage ptr -> chunk id
+        self.landing_bytes = 0                  # the workspace of an NF4 chunk's landing, until sampled
         self._attached: set[int] = set()        # chunks whose device buffer belongs to the caller
         self.master_is_param = master_is_param
         self._grad_home: dict[int, torch.Tensor] = {}   # shared chunks: where their gradients go home
@@ -277,9 +283,36 @@ class ChunkStore(StoreValues):
         if self.device_homed(c):
             self.cast_master_into(c, buf)
             return False
-        self.copies.move(buf, self.fetch_source(c), "h2d")
+        self.copies.move(self.fetch_target(c, buf), self.fetch_source(c), "h2d")
         self.close_home(c)
+        self.land(c, buf)
         return True
+
+    # ---- a chunk's format over the link (its kind's) ----------------------------------------
+    def packed(self, c: int) -> bool:
+        """Chunk ``c`` is kept in NF4: a fetch moves its packed bytes, ``land`` dequantizes them."""
+        return self.kind(c).format == "nf4"
+
+    def fetch_bytes(self, c: int) -> int:
+        """Bytes a fetch of chunk ``c`` moves over the link."""
+        return self.host_packed_pool.slot_bytes if self.packed(c) else self.param_chunk_bytes
+
+    def fetch_target(self, c: int, slot: torch.Tensor) -> torch.Tensor:
+        """Where in device ``slot`` a fetch of chunk ``c`` copies ``fetch_source(c)``: the slot, or
+        (NF4) its first bytes, which ``land`` turns into the compute-dtype chunk."""
+        return slot.view(torch.uint8)[:self.host_packed_pool.slot_bytes] if self.packed(c) else slot
+
+    def land(self, c: int, slot: torch.Tensor) -> None:
+        """A fetch of chunk ``c`` into ``slot`` has landed (the compute side waited for it): an NF4
+        chunk is dequantized in place (``nf4.dequantize_chunk``; its workspace is the device's
+        fixed bytes, ``model_bytes.dequant_workspace``). Others: nothing to do."""
+        if self.packed(c):
+            self.landing_bytes = nf4.workspace_bytes(slot.numel())    # (until the engine sampled it: ``landed``)
+            nf4.dequantize_chunk(slot)
+
+    def landed(self) -> None:
+        """The engine sampled the device after a landing: its workspace is given back."""
+        self.landing_bytes = 0
 
     def cast_master_into(self, c: int, buf: torch.Tensor) -> None:
         """A device-homed chunk's param chunk: the cast of its master (over its state extent; the
@@ -345,7 +378,8 @@ class ChunkStore(StoreValues):
     def is_model_storage(self, storage_ptr: int) -> bool:
         # (called for every tensor the tracker sees: four set lookups, no generator)
         return (self.dev_param_pool.owns(storage_ptr) or self.host_param_pool.owns(storage_ptr)
-                or self.dev_os_pool.owns(storage_ptr) or self.host_os_pool.owns(storage_ptr))
+                or self.dev_os_pool.owns(storage_ptr) or self.host_os_pool.owns(storage_ptr)
+                or self.host_packed_pool.owns(storage_ptr))
 
     @property
     def param_chunk_bytes(self) -> int:
@@ -357,10 +391,10 @@ class ChunkStore(StoreValues):
 
     def device_model_bytes(self) -> int:
         attached = len(self._attached) * self.dev_param_pool.slot_bytes
-        return self.dev_param_pool.bytes_in_use + attached + self.dev_os_pool.bytes_in_use
+        return self.dev_param_pool.bytes_in_use + attached + self.dev_os_pool.bytes_in_use + self.landing_bytes
 
     def host_model_bytes(self) -> int:
-        return self.host_param_pool.bytes_in_use + self.host_os_pool.bytes_in_use
+        return self.host_param_pool.bytes_in_use + self.host_os_pool.bytes_in_use + self.host_packed_pool.bytes_in_use
 
     # ---- reading and writing parameters ----------------------------------------------------
     def current(self, c: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Literal, Mapping
 
 import torch
 
+from pscompile.memory import nf4
 from pscompile.memory.disk_states import LISTS
 from pscompile.memory.tiers import Tier
 
@@ -58,6 +59,8 @@ class StoreValues:
         if self.disk_homed(c):
             self.param_disk.open(c)[offset:offset + src.numel()].copy_(src)
             self.param_disk.close(c, dirty=True)
+        elif self.packed(c):
+            nf4.write_piece(self.host_param[c], self.layout.chunk_size, offset, src)
         else:
             self.host_param[c][offset:offset + src.numel()].copy_(src)
 
@@ -88,6 +91,10 @@ class StoreValues:
         home is its truth and no device copy in flight is touched)."""
         out = torch.empty(e.numel, dtype=dtype)
         for p in e.pieces:
+            if self.packed(p.chunk):
+                out[p.tensor_offset:p.tensor_offset + p.numel].copy_(
+                    nf4.read_piece(self.host_param[p.chunk], self.layout.chunk_size, p.chunk_offset, p.numel, dtype))
+                continue
             src = self.param_disk.open(p.chunk) if self.disk_homed(p.chunk) else self.host_param[p.chunk]
             out[p.tensor_offset:p.tensor_offset + p.numel].copy_(src[p.chunk_offset:p.chunk_offset + p.numel])
             self.close_home(p.chunk)

@@ -36,6 +36,7 @@ from torch import fx
 from pscompile.graph.meta import get
 from pscompile.graph.ops import decl_for, is_activation_node, is_offload
 from pscompile.kinds import MemKind
+from pscompile.memory import nf4
 from pscompile.planner.hardware import ADAM_BYTES_PER_PARAM, Hardware
 
 __all__ = ["Cost", "graph_flops", "node_flops", "estimate"]
@@ -102,12 +103,14 @@ def graph_flops(gm: fx.GraphModule) -> int:
 
 
 def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, device_params: int,
-             disk_s: float = 0.0) -> Cost:
+             disk_s: float = 0.0, dequantized: frozenset[int] = frozenset()) -> Cost:
     """The cost of one iteration of ``scheduled`` (a ``pipeline.Scheduled``) on one GPU of ``hw``.
     ``host_params`` / ``device_params``: parameters this GPU updates with optimizer states on the
     host / on the device; ``disk_s``: the disk tier's reads and writes of one update, which run
     behind the host's updates (the next disk chunk is read while one updates), so the host
-    optimizer takes the longer of the two.
+    optimizer takes the longer of the two. ``dequantized``: the chunks kept in NF4, whose fetch
+    moves its packed bytes (the plan's) and, once landed, costs the GPU reading them and writing
+    the compute-dtype chunk at ``memory_bandwidth``.
 
     Long on purpose: one replay of the schedule's timeline (compute per node, each copy engine, the
     collectives, the optimizer), whose running clocks every part of it advances.
@@ -136,6 +139,12 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
     ahead = scheduled.lookahead.chunks if scheduled.lookahead is not None else ()
     elsize = torch.empty((), dtype=captured.param_dtype or torch.float32).element_size()
     update_s = plan.slot_bytes / elsize * ADAM_BYTES_PER_PARAM * shared / hw.cpu_bandwidth
+    moved = {a.chunk: a.nbytes for a in plan.actions if a.grad is None and a.kind == MemKind.FETCH}
+    dequant_s = (nf4.packed_bytes(plan.slot_bytes // elsize) + plan.slot_bytes) / hw.memory_bandwidth  # read, write
+
+    def landing(c: int) -> float:
+        """What an arrived chunk costs the GPU: dequantizing an NF4 chunk."""
+        return dequant_s if c in dequantized else 0.0
     arriving: list[int] = []               # chunks the step waits for without fetching them
     fetched: set[int] = set()
     for a in sorted(plan.actions, key=lambda a: a.before):
@@ -170,14 +179,14 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
             return comm
 
         for c, at in lands.items():
-            pending[(c, False)] = on_link("h2d", 0.0, plan.slot_bytes) if at is None else at
+            pending[(c, False)] = on_link("h2d", 0.0, moved.get(c, plan.slot_bytes)) if at is None else at
 
         for i in range(len(nodes) + 1):
             for a in by_node.get(i, ()):
                 key = (a.chunk, a.grad is not None)
                 decl = decl_for(a.kind, slot=a.slot)
                 if decl.waits:
-                    t = max(t, pending.pop(key, t))
+                    t = max(t, pending.pop(key, t)) + (landing(a.chunk) if a.grad is None else 0.0)
                     continue
                 if decl.link not in ("h2d", "d2h"):      # no bytes, or a disk read (the optimizer's term)
                     continue
@@ -188,7 +197,7 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
                 if a.asynchronous:
                     pending[key] = max(pending.get(key, 0.0), end)
                 else:
-                    t = end
+                    t = end + (landing(a.chunk) if a.kind == MemKind.FETCH else 0.0)
                 if a.kind == MemKind.STORE_GRAD and a.chunk in ahead:
                     grads[a.chunk] = max(grads.get(a.chunk, 0.0), end)
             if i == len(nodes):
@@ -208,7 +217,7 @@ def estimate(scheduled, hw: Hardware, *, model_flops: int, host_params: int, dev
         landed, updated = {}, t               # updates start when compute ends, each once its gradient landed
         for c in ahead:
             updated = max(updated, grads.get(c, t)) + update_s
-            landed[c] = on_link("h2d", updated, plan.slot_bytes)
+            landed[c] = on_link("h2d", updated, moved.get(c, plan.slot_bytes))
         return end, landed, busy
 
     end, landed, busy = walk({c: 0.0 if c in ahead else None for c in arriving}, 0.0)

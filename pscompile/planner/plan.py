@@ -34,7 +34,7 @@ from pscompile.planner.hardware import Hardware, hardware_preset
 from pscompile.planner.lora import LoRA, add_lora
 from pscompile.planner.report import Baseline, PlanReport
 from pscompile.units import format_bytes
-from pscompile.kinds import Activations, Collectives, MemKind
+from pscompile.kinds import Activations, Collectives, FrozenFormat, MemKind
 
 __all__ = ["plan", "gpt_on_meta", "token_batch", "BASELINE_HOST_BYTES_PER_PARAM"]
 
@@ -85,7 +85,8 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     or a ``GPTConfig`` with the batch shape ``(batch, seq)``. Never raises for a model that does
     not fit: the report says where it overflows. ``lora``: plan a LoRA run (``planner/lora.py``:
     the base frozen, adapters on the named projections); frozen parameters count at their
-    compute-dtype bytes.
+    compute-dtype bytes, or with ``Config(frozen_format="nf4")`` (QLoRA) the frozen linear weights
+    at their NF4 bytes at home and over PCIe, dequantized on the GPU as each fetch lands.
 
     Long on purpose: it is the planner's one sequence (layout, host and disk tiers, schedule, cost,
     report) and reads top to bottom as the report does.
@@ -96,6 +97,8 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     if lora is not None:
         module, name = add_lora(module, lora), f"{name}, LoRA r={lora.rank} on {', '.join(lora.targets)}"
     cfg = _config(config, hw)
+    if cfg.frozen_format == FrozenFormat.NF4:
+        name = f"{name}, frozen linear weights in NF4"
     world = hw.gpus
     per_chunk = cfg.collectives == Collectives.PER_CHUNK and world > 1
     mb = ModelBytes.of(cfg.dtype)
@@ -170,11 +173,12 @@ def plan(model: nn.Module | GPTConfig, batch: Any, *, hardware: Hardware | str =
     # the update's disk I/O runs behind the host optimizer, the parameters' reads and writes
     # behind the forward and backward (each part takes at least its disk time)
     update_s = tier.update_io_bytes * hw.gpus / hw.disk_bandwidth
+    nf4 = layout.quantized_chunks
     first = _behind_disk(estimate(scheduled, hw, model_flops=model_flops, host_params=trained - device_states,
-                                  device_params=device_states, disk_s=update_s), disk_s - update_s)
+                                  device_params=device_states, disk_s=update_s, dequantized=nf4), disk_s - update_s)
     cost = first if steady is None else _behind_disk(estimate(
         steady, hw, model_flops=model_flops, disk_s=update_s, host_params=trained - device_states,
-        device_params=device_states), disk_s - update_s)
+        device_params=device_states, dequantized=nf4), disk_s - update_s)
     acts = scheduled.activations.describe() if scheduled.activations is not None else "activations kept"
     return PlanReport(fits=not overflow, overflow="; ".join(overflow),
                       device_model_bytes=p.num_slots * p.slot_bytes + device_states * (

@@ -8,7 +8,9 @@ of the frozen chunks' bytes as this rank holds them (its shards under ZeRO). ``l
 record with the engine's and refuses a different base, naming what differs. With
 ``pscompile.save(..., frozen_weights=True)`` the file holds the frozen chunks too (``frozen.{c}``,
 compute dtype), and ``load`` writes them into the engine's frozen chunks instead of comparing the
-digest. The digest is computed once per engine (the chunks never change) and again after frozen
+digest. A base kept in NF4 (``Config(frozen_format="nf4")``) is recorded with the names kept so
+(``quantized``); its digest is over its packed bytes, and ``frozen_weights=True`` saves those bytes
+(the 4-bit base, uint8), so a checkpoint of the other format is refused by name. The digest is computed once per engine (the chunks never change) and again after frozen
 weights are loaded.
 """
 
@@ -20,7 +22,6 @@ from functools import partial
 import torch
 
 from pscompile.checkpoint.file_format import CheckpointReader, TensorSource
-from pscompile.memory.chunk_kinds import FROZEN
 
 PREFIX = "frozen."
 
@@ -52,16 +53,19 @@ def digest(engine) -> str:
 
 def record(engine) -> dict | None:
     """What a checkpoint keeps of the frozen base (None: nothing is frozen)."""
-    frozen = {e.fqn: list(e.shape) for e in engine.layout.entries if e.kind is FROZEN}
+    frozen = {e.fqn: list(e.shape) for e in engine.layout.entries if not e.trainable}
     if not frozen:
         return None
-    return {"params": frozen, "dtype": str(engine.dtype).replace("torch.", ""), "digest": digest(engine)}
+    out = {"params": frozen, "dtype": str(engine.dtype).replace("torch.", ""), "digest": digest(engine)}
+    quantized = sorted(e.fqn for e in engine.layout.entries if e.quantized)
+    return {**out, "quantized": quantized} if quantized else out
 
 
 def tensors(engine) -> list[TensorSource]:
     """The frozen chunks as checkpoint tensors (``save(..., frozen_weights=True)``)."""
-    n = engine.store.home_numel
-    return [(f"{PREFIX}{c}", engine.dtype, n, partial(_read, engine, c)) for c in _owned_frozen(engine)]
+    store = engine.store
+    return [(f"{PREFIX}{c}", *((torch.uint8, store.fetch_bytes(c)) if store.packed(c) else (engine.dtype, store.home_numel)),
+             partial(_read, engine, c)) for c in _owned_frozen(engine)]
 
 
 def _read(engine, c: int) -> torch.Tensor:
@@ -87,6 +91,13 @@ def problems(saved: dict | None, engine, *, weights: bool, same_place: bool) -> 
         what += [f"frozen in the checkpoint, trained here: {unfrozen[:4]}"] if unfrozen else []
         return ["the checkpoint's run froze other parameters (requires_grad=False) than this engine's model ("
                 + "; ".join(what or ["other shapes"]) + "): freeze the same parameters as the run that saved it"]
+    theirs_nf4, ours_nf4 = (saved or {}).get("quantized", []), (ours or {}).get("quantized", [])
+    if theirs_nf4 != ours_nf4:
+        def said(names):
+            return f"{len(names)} kept in NF4 ({names[:2]}...)" if names else "none kept in NF4"
+        return [f"the checkpoint's frozen base is in another format: {said(theirs_nf4)} there, {said(ours_nf4)} "
+                f"here; build the engine with Config(frozen_format={'nf4' if theirs_nf4 else 'compute'!r}) as the "
+                "run that saved it"]
     if ours is None or weights or not same_place:
         return []
     if saved.get("dtype") != ours["dtype"] or saved.get("digest") != ours["digest"]:

@@ -15,7 +15,8 @@ from torch import nn
 
 from pscompile.config import Config
 from pscompile.memory.disk_homes import disk_staging_bytes
-from pscompile.memory.layout import ChunkLayout, build_layout, search_chunk_size
+from pscompile.kinds import FrozenFormat
+from pscompile.memory.layout import NF4_ALIGN, ChunkLayout, build_layout, search_chunk_size
 from pscompile.runtime.order import first_use_order
 
 
@@ -62,6 +63,7 @@ class ModelParams:
     params: dict[str, nn.Parameter]      # canonical fqn -> parameter
     aliases: dict[str, str]              # other names of tied parameters -> canonical fqn
     order_source: str                    # how the order was found
+    linear: frozenset[str] = frozenset()  # canonical fqns that are nn.Linear weights under every name
 
     def fqn_of(self) -> dict[int, str]:
         """id(parameter) -> canonical fqn."""
@@ -90,7 +92,22 @@ def collect_params(model: nn.Module, run: Callable[[nn.Module, Any], Any], batch
         aliases.update({o: canonical for o in others})
     if not params:
         raise ValueError("the model has no parameters; pscompile manages parameters in chunks")
-    return ModelParams(params, aliases, how)
+    return ModelParams(params, aliases, how, _linear_weights(model, names, params))
+
+
+def _linear_weights(model: nn.Module, names: dict[int, list[str]], params: dict[str, nn.Parameter]) -> frozenset[str]:
+    """The parameters that are the ``weight`` of an ``nn.Linear`` wherever they appear, except the
+    output head (``get_output_embeddings()``, where the model has it) and a weight tied to an
+    embedding: those ``Config(frozen_format="nf4")`` keeps in NF4, the modules transformers'
+    ``BitsAndBytesConfig(load_in_4bit=True)`` makes ``Linear4bit``."""
+    linear = {f"{m_name}.weight" if m_name else "weight" for m_name, m in model.named_modules(remove_duplicate=False)
+              if isinstance(m, nn.Linear)}
+    try:
+        head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    except (NotImplementedError, AttributeError):
+        head = None
+    skip = id(head.weight) if isinstance(head, nn.Linear) else None
+    return frozenset(f for f, p in params.items() if id(p) != skip and all(n in linear for n in names[id(p)]))
 
 
 def _not_floating(model: nn.Module, fqn: str, p: nn.Parameter) -> str:
@@ -130,9 +147,15 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
     rank; an explicit ``chunk_size`` is per chunk (the group has ``world`` times as many elements),
     and "auto" searches the group size (what the device holds at once) and rounds it up to a
     multiple of ``world``."""
-    numels = [p.numel() for p in mp.params.values()]
     frozen = [f for f, p in mp.params.items() if not p.requires_grad]
-    streams = [int(not p.requires_grad) for p in mp.params.values()] if frozen else None
+    quantized = frozenset(quantized_params(mp, config))
+    if quantized and world > 1:
+        raise ValueError("frozen_format='nf4' runs in one process for now: ZeRO's collectives move compute-dtype "
+                         "chunks; use frozen_format='compute' with a process group, or one process")
+    # (an NF4 tensor's footprint: whole blocks, ``layout.NF4_ALIGN``)
+    numels = [-(-p.numel() // NF4_ALIGN) * NF4_ALIGN if f in quantized else p.numel() for f, p in mp.params.items()]
+    streams = ([2 if f in quantized else int(not p.requires_grad) for f, p in mp.params.items()]
+               if frozen else None)
     cs = config.chunk_size
     elsize = torch.empty((), dtype=config.dtype).element_size()
     if cs == "auto":
@@ -143,4 +166,12 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
         cs = -(-cs // world) * world
     else:
         cs = cs * world
-    return build_layout(((f, tuple(p.shape)) for f, p in mp.params.items()), cs, mp.aliases, frozen)
+    return build_layout(((f, tuple(p.shape)) for f, p in mp.params.items()), cs, mp.aliases, frozen, quantized)
+
+
+def quantized_params(mp: ModelParams, config: Config) -> list[str]:
+    """The frozen parameters ``config.frozen_format`` keeps in NF4: every frozen ``nn.Linear``
+    weight ("nf4"), none ("compute")."""
+    if config.frozen_format != FrozenFormat.NF4:
+        return []
+    return [f for f, p in mp.params.items() if not p.requires_grad and f in mp.linear]

@@ -16,7 +16,8 @@ from pscompile.config import Config, available_host_bytes
 from pscompile.errors import BudgetError
 from pscompile.memory.disk_homes import ACC_BUFFERS, HOME_BUFFERS, disk_staging_bytes
 from pscompile.memory.disk_states import STAGED_SETS
-from pscompile.memory.model_bytes import GRAD_BYTES, STATE_BYTES, ModelBytes, device_homable, owned_chunks, state_chunks
+from pscompile.memory.model_bytes import (GRAD_BYTES, STATE_BYTES, ModelBytes, dequant_workspace, device_homable,
+                                          owned_chunks, state_chunks)
 from pscompile.memory.tiers import Tier
 from pscompile.optim.placement import device_state_chunks, host_shortfall_chunks, host_state_chunks
 from pscompile.units import format_bytes
@@ -111,7 +112,7 @@ class HostTiers:
     def _fixed_device_bytes(self) -> int:
         """Device bytes the chunk moves must leave alone: the optimizer states (and, under ZeRO,
         gradient buffers) homed there; under ZeRO the most any rank has, so every rank decides alike."""
-        return max(self.store.dev_os_pool.bytes_in_use, self._zero_home_bytes)
+        return max(self.store.dev_os_pool.bytes_in_use, self._zero_home_bytes) + dequant_workspace(self.layout)
 
     @property
     def home_numel(self) -> int:
@@ -150,17 +151,19 @@ class HostTiers:
         so do the parameters of the last chunks the host cannot hold besides the staging buffers
         (``HOME_BUFFERS`` compute-dtype chunks, ``ACC_BUFFERS`` fp32 gradient accumulation buffers,
         ``STAGED_SETS`` chunks of states). Sets ``param_disk_chunks`` and ``host_room``; returns the
-        chunks whose states are on disk."""
+        chunks whose states are on disk. A chunk whose kind is not homed on disk (NF4) stays on the host."""
         cs = self.home_numel
-        staging = disk_staging_bytes(cs, elsize)
-        on_host = min(len(owned), max(0, host_budget - staging) // (elsize * cs))
+        movable = [c for c in owned if self.layout.homed_on(c, Tier.DISK)]
+        staging = disk_staging_bytes(cs, elsize) + sum(self.layout.kind(c).home_bytes(cs, elsize)
+                                                       for c in owned if c not in set(movable))
+        on_host = min(len(movable), max(0, host_budget - staging) // (elsize * cs))
         if host_budget < staging:
             raise ValueError(
-                f"host_memory={format_bytes(host_budget)} cannot hold the disk tier's staging buffers "
-                f"({format_bytes(staging)}: {HOME_BUFFERS} compute-dtype chunks, {ACC_BUFFERS} fp32 gradient "
-                f"accumulation buffers and {STAGED_SETS} chunks of optimizer states, {cs} elements each); give "
-                f"host_memory >= {staging}, or a smaller chunk_size")
-        self.param_disk_chunks = frozenset(owned[on_host:])
+                f"host_memory={format_bytes(host_budget)} cannot hold the disk tier's staging buffers and "
+                f"the chunks that stay on the host ({format_bytes(staging)}: {HOME_BUFFERS} compute-dtype chunks, "
+                f"{ACC_BUFFERS} fp32 gradient accumulation buffers and {STAGED_SETS} chunks of optimizer states, "
+                f"{cs} elements each, and any NF4 chunks); give host_memory >= {staging}, or a smaller chunk_size")
+        self.param_disk_chunks = frozenset(movable[on_host:])
         self.host_room = host_budget - staging - on_host * elsize * cs
         return frozenset(owned)
 
