@@ -122,8 +122,9 @@ def _not_floating(model: nn.Module, fqn: str, p: nn.Parameter) -> str:
             f"{where}, self.register_buffer({name!r}, tensor) instead of nn.Parameter(tensor); if it "
             "is a weight to keep fixed, give it a floating-point dtype with requires_grad=False (frozen "
             "parameters get chunks of their own, without optimizer states). A quantized base (bitsandbytes "
-            "4-bit or 8-bit, as QLoRA loads it) is not supported yet (planned): load the base in bfloat16 or "
-            "float16 and freeze it instead")
+            "4-bit or 8-bit, as QLoRA loads it) is not taken as loaded: load the base in bfloat16, freeze it, "
+            "and give Config(frozen_format='nf4'), which keeps its frozen linear weights in bitsandbytes' NF4 "
+            "(4 bits a weight on the host and over the link)")
 
 
 def _host_cap(config: Config, elsize: int) -> int | None:
