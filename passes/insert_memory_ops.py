@@ -126,7 +126,7 @@ def insert_memory_ops(gm: fx.GraphModule, plan: ResidencyPlan, layout: ChunkLayo
     slots = [buffer_placeholder("slot", "slot", k) for k in range(plan.num_slots)]
     # (a chunk kept in NF4 has a home of packed bytes: ``memory/nf4.py``)
     hosts = [buffer_placeholder("host", "host_chunk", c, torch.uint8, numel=nf4.packed_bytes(home))
-             if layout.kind(c).format == "nf4" else buffer_placeholder("host", "host_chunk", c, numel=home)
+             if layout.kind(c).packed else buffer_placeholder("host", "host_chunk", c, numel=home)
              for c in range(layout.num_chunks)]
     accs = ([buffer_placeholder("acc", "acc_chunk", c, torch.float32, numel=home) for c in range(layout.num_chunks)]
             if any(a.kind == MemKind.ACCUMULATE_GRAD or a.to_acc for a in plan.actions) else [])

@@ -51,10 +51,15 @@ class ChunkKind:
     tiers: frozenset[Tier]     # where its home may be
     format: str = "compute"    # its compute copy at home and over the link: "compute" or "nf4"
 
+    @property
+    def packed(self) -> bool:
+        """Kept in NF4: its home and its fetches are packed bytes (``uint8``), not compute-dtype elements."""
+        return self.format == "nf4"
+
     def home_bytes(self, numel: int, elsize: int) -> int:
         """Bytes of ``numel`` elements of its compute copy at home and over the link (``elsize``:
         the compute dtype's)."""
-        return nf4.packed_bytes(numel) if self.format == "nf4" else numel * elsize
+        return nf4.packed_bytes(numel) if self.packed else numel * elsize
 
     @property
     def updated(self) -> bool:

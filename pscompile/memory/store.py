@@ -85,7 +85,7 @@ class ChunkStore(StoreValues):
         self.host_packed_pool = SlotPool(Tier.HOST, _HOST, torch.uint8, nf4.packed_bytes(cs), pin=pin,
                                          meter=self.host_meter)
         none = torch.empty(0, dtype=dtype)
-        self.host_param = [(self.host_packed_pool if layout.kind(c).format == "nf4" else self.host_param_pool)
+        self.host_param = [(self.host_packed_pool if layout.kind(c).packed else self.host_param_pool)
                            .acquire(zero=True)
                            if c in self.homes and c not in os_on_device and c not in params_on_disk
                            else none for c in range(n)]
@@ -291,11 +291,11 @@ class ChunkStore(StoreValues):
     # ---- a chunk's format over the link (its kind's) ----------------------------------------
     def packed(self, c: int) -> bool:
         """Chunk ``c`` is kept in NF4: a fetch moves its packed bytes, ``land`` dequantizes them."""
-        return self.kind(c).format == "nf4"
+        return self.kind(c).packed
 
     def fetch_bytes(self, c: int) -> int:
         """Bytes a fetch of chunk ``c`` moves over the link."""
-        return self.host_packed_pool.slot_bytes if self.packed(c) else self.param_chunk_bytes
+        return self.kind(c).home_bytes(self.layout.chunk_size, self.dev_param_pool.slot_bytes // self.layout.chunk_size)
 
     def fetch_target(self, c: int, slot: torch.Tensor) -> torch.Tensor:
         """Where in device ``slot`` a fetch of chunk ``c`` copies ``fetch_source(c)``: the slot, or
