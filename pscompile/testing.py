@@ -35,7 +35,8 @@ class ReferenceTrainer:
         self.loss_fn = loss_fn
         self.model = copy.deepcopy(model) if copy_model else model
         self.model.to(self.device)
-        self.params = list(self.model.parameters())
+        # (integer parameters, a base bitsandbytes loaded in 4 bits, are frozen codes the model reads)
+        self.params = [p for p in self.model.parameters() if p.dtype.is_floating_point]
         if dtype == torch.float32:       # fp32 compute: the parameters are their own master copy
             self.master = self.params
         else:
@@ -53,10 +54,12 @@ class ReferenceTrainer:
 
     def _torch_groups(self, hp: AdamW) -> list[dict]:
         """``hp.param_groups`` as torch.optim.AdamW's parameter groups of the master weights."""
-        named = dict(self.model.named_parameters())
+        named = {n: p for n, p in self.model.named_parameters() if p.dtype.is_floating_point}
         master_of = {n: m for n, m in zip(named, self.master)}
         aliases = {}
         for n, p in self.model.named_parameters(remove_duplicate=False):
+            if not p.dtype.is_floating_point:
+                continue
             first = next(f for f, q in named.items() if q is p)
             if n != first:
                 aliases[n] = first

@@ -280,7 +280,7 @@ TABLE = [   # (input, what raises it, exception, words of its message)
     ("a model an open engine holds", lambda tmp: _held_twice(), ValueError, "model is held by an open pscompile engine"),
     ("a step after `close()`", lambda tmp: _closed(), RuntimeError,
      "this engine was closed: close() gave the model its trained weights back"),
-    ("an integer parameter (uint8; a bitsandbytes 4-bit base)", lambda tmp: _integer_parameter(torch.uint8),
+    ("an integer parameter (uint8; a bitsandbytes 8-bit base)", lambda tmp: _integer_parameter(torch.uint8),
      ValueError, "self.register_buffer('q', tensor) instead of nn.Parameter(tensor)"),
     ("inf/NaN gradients in fp32 or bf16", lambda tmp: _nan_weights(), FloatingPointError,
      "the update was not applied"),
@@ -367,7 +367,7 @@ def test_an_integer_parameter_is_refused_naming_it_and_what_works(dtype):
     for words in (f"parameter '0.q' has dtype {dtype}, shape (8, 8)", "in _Quantized.__init__ (module '0'), "
                   "self.register_buffer('q', tensor) instead of nn.Parameter(tensor)",
                   "a floating-point dtype with requires_grad=False",
-                  "bitsandbytes 4-bit or 8-bit, as QLoRA loads it) is not taken as loaded",
+                  "A base bitsandbytes loaded in 8 bits is not taken: load it in 4 bits",
                   "Config(frozen_format='nf4')"):
         assert words in message, message
 

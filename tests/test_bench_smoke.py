@@ -90,13 +90,18 @@ def _run(script: str, *args: str, timeout: int = 600, fresh: bool = False):
 
 def test_dequant_quick(tmp_path):
     """bench/dequant.py --quick: the copy bound, eager and Inductor dequantization (and bitsandbytes'
-    where installed) each timed in both compute dtypes."""
+    where installed) each timed in both compute dtypes; and engine steps with the base in NF4 and in
+    the compute dtype, each within its budget, NF4's moving fewer bytes."""
     out = tmp_path / "dequant.json"
-    _run("dequant.py", "--quick", "--repeats", "2", "--out", str(out))
-    rows = json.loads(out.read_text())["rows"]
+    _run("dequant.py", "--quick", "--repeats", "2", "--steps", "2", "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = res["rows"]
     ways = {r["way"] for r in rows}
     assert {"copy (the bound)", "eager", "inductor"} <= ways and len(rows) == 2 * len(ways)
     assert all(r["seconds"] > 0 and r["out_gb_per_s"] > 0 for r in rows)
+    steps = {r["format"]: r for r in res["steps"]}
+    assert set(steps) == {"compute", "nf4"} and all(r["within_budget"] and r["step_ms"] > 0 for r in steps.values())
+    assert steps["nf4"]["h2d_mb"] < steps["compute"]["h2d_mb"]
 
 
 def test_loops_quick(tmp_path):

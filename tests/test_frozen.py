@@ -308,3 +308,33 @@ def test_lora_over_a_range_of_lengths_runs_one_inductor_program():
     weights = engine.full_state_dict()
     assert all(torch.equal(weights[n], w) for n, w in before.items())
     engine.close()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "compiled"])
+def test_a_frozen_weight_paged_over_many_chunks_fits_every_budget_from_the_minimum_up(mode):
+    """A LoRA Llama whose frozen embedding and head span 16 chunks each, read whole at one node:
+    optimizer states go on the device only where every parameter chunk fits beside them (at these
+    budgets the states of the first adapter chunk were placed there and the head's node did not
+    fit: a BudgetError at the minimum and above), and where the budget has room for all, they do."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+    def lora():
+        torch.manual_seed(0)
+        base = transformers.LlamaForCausalLM(cfg)
+        torch.manual_seed(1)
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids}
+    minimum = pscompile.min_device_memory(lora(), batch, config(mode, torch.float32))
+    roomy = minimum + 2 * sum(p.numel() * 4 for p in lora().parameters()) + (1 << 20)
+    for budget in (minimum, int(1.15 * minimum), int(1.3 * minimum), roomy):
+        engine = pscompile.compile(lora(), batch, optimizer=HP, config=config(mode, torch.float32, budget))
+        for _ in range(2):
+            engine.step(batch)
+            assert engine.stats.peak_device_bytes <= budget, (budget, engine.stats.peak_device_bytes)
+        on_device = sum(t.name == "DEVICE" for t in engine.store.os_tier)
+        assert (on_device > 0) == (budget == roomy), (budget, on_device)
+        engine.close()

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 import pscompile
+from pscompile.graph.pipeline import _placed_memory
+from pscompile.graph.schedule_passes import PlanRequest
 from pscompile.kinds import MemKind
 from pscompile.memory import nf4
 from pscompile.memory.chunk_kinds import FROZEN_NF4
@@ -258,8 +260,8 @@ def test_landing_in_place_takes_no_more_than_the_counted_workspace(dtype):
 @pytest.mark.parametrize("mode", ["hooks", "compiled"])
 def test_with_the_disk_tier_nf4_chunks_stay_on_the_host_and_the_run_is_the_same(mode, tmp_path):
     """A host too small for the compute-dtype chunks: the disk takes the frozen and trainable
-    chunks' parameters it may (their kinds'), never an NF4 chunk's, and the losses are the run's
-    without a disk, to the bit."""
+    chunks' parameters it may (their kinds'), never an NF4 chunk's, the engine-free pipeline's rule
+    picks the same chunks, and the losses are the run's without a disk, to the bit."""
     batches = make_batches("gpt", 3)
 
     def run(**kw):
@@ -267,6 +269,9 @@ def test_with_the_disk_tier_nf4_chunks_stay_on_the_host_and_the_run_is_the_same(
         losses = [engine.step(b) for b in batches]
         on_disk = set(engine.param_disk_chunks)
         nf4_chunks = engine.layout.quantized_chunks
+        # (the engine-free pipeline, which the planner runs, picks the same chunks for as many)
+        request = PlanRequest(None, torch.float32, param_disk_chunks=len(on_disk))
+        assert _placed_memory(engine.layout, request, peak_nonmodel=0).param_disk == on_disk
         engine.close()
         return losses, on_disk, nf4_chunks
     plain, _, _ = run()

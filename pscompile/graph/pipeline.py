@@ -65,6 +65,7 @@ from pscompile.memory.layout import ChunkLayout
 from pscompile.memory.model_bytes import (GRAD_BYTES, STATE_BYTES, ModelBytes, dequant_workspace, device_homable,
                                           fetch_bytes, state_chunks)
 from pscompile.memory.rates import Rates, measure_rates
+from pscompile.memory.tiers import Tier
 from pscompile.optim.placement import device_state_chunks, first_state_chunks
 from pscompile.graph.schedule_passes import (
     SCHEDULE_PASSES,
@@ -317,6 +318,13 @@ def _zero_homes(layout: ChunkLayout, request: PlanRequest) -> tuple[frozenset[in
     return homes, len(homes) * unit * (STATE_BYTES + GRAD_BYTES)
 
 
+def _param_disk(layout: ChunkLayout, count: int) -> frozenset[int]:
+    """The last ``count`` chunks whose kind may be homed on disk (an NF4 chunk stays on the host),
+    the engine's rule (``runtime.tiers``)."""
+    movable = [c for c in range(layout.num_chunks) if layout.homed_on(c, Tier.DISK)]
+    return frozenset(movable[len(movable) - count:]) if count else frozenset()
+
+
 def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: int) -> DeviceMemory:
     """The device with optimizer states placed by ``optim.placement`` for ``peak_nonmodel`` (on the
     host with ZeRO)."""
@@ -328,13 +336,12 @@ def _placed_memory(layout: ChunkLayout, request: PlanRequest, *, peak_nonmodel: 
                             world=request.world, rank=request.rank, per_chunk=request.per_chunk, device_shards=homes,
                             fetch_bytes=fetch_bytes(layout, slot_bytes))
     count = device_state_chunks(budget=request.budget, peak_nonmodel=peak_nonmodel, num_chunks=len(state_chunks(layout)),
-                                chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
+                                param_chunks=layout.num_chunks, chunk_size=layout.chunk_size, param_chunk_bytes=slot_bytes,
                                 state_chunk_bytes=state_bytes) if request.device_states else 0
     count = max(count, request.device_homes)
-    n = layout.num_chunks
     on_device = first_state_chunks(layout, count)
     return DeviceMemory(request.budget, slot_bytes, on_device,
                         STATE_BYTES * sum(map(layout.state_extent, on_device)) + dequant_workspace(layout),
                         world=request.world, rank=request.rank, per_chunk=request.per_chunk,
-                        param_disk=frozenset(range(n - request.param_disk_chunks, n)),
+                        param_disk=_param_disk(layout, request.param_disk_chunks),
                         fetch_bytes=fetch_bytes(layout, slot_bytes))

@@ -104,6 +104,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
 # copies. The tensors in it start at multiples of ``block`` (the layout aligns them), so its blocks
 # are each tensor's own blocks, the same statistics bitsandbytes keeps per tensor.
 
+BLOCK = 64           # elements a float32 absmax covers: bitsandbytes' default, the only block pscompile keeps
 _TABLE_BYTES = 4096   # the (256, 2) float32 level table and the 16 levels it is made from
 PIECES = 16        # a chunk dequantizes in this many pieces: the temporaries are a piece's, not a chunk's
 
@@ -130,6 +131,17 @@ def write_piece(buf: torch.Tensor, numel: int, offset: int, values: torch.Tensor
     codes, absmax = chunk_views(buf, numel, block)
     codes[offset // 2:offset // 2 + q.codes.numel()].copy_(q.codes)
     absmax[offset // block:offset // block + q.absmax.numel()].copy_(q.absmax.to(absmax.device))
+
+
+def copy_piece(buf: torch.Tensor, numel: int, offset: int, q: Quantized, start: int, count: int) -> None:
+    """Elements ``[start, start + count)`` of the NF4 tensor ``q`` into the chunk ``buf`` at element
+    ``offset``, codes and absmax as they are (both starts on a block boundary)."""
+    if offset % q.block or start % q.block:
+        raise ValueError(f"an NF4 piece starts on a block boundary ({q.block} elements), not at {offset} / {start}")
+    codes, absmax = chunk_views(buf, numel, q.block)
+    n_codes, n_blocks = (count + 1) // 2, -(-count // q.block)
+    codes[offset // 2:offset // 2 + n_codes].copy_(q.codes[start // 2:start // 2 + n_codes])
+    absmax[offset // q.block:offset // q.block + n_blocks].copy_(q.absmax[start // q.block:start // q.block + n_blocks])
 
 
 def read_piece(buf: torch.Tensor, numel: int, offset: int, count: int, dtype: torch.dtype,

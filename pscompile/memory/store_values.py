@@ -1,7 +1,7 @@
 """Parameter and optimizer-state values in and out of a ``ChunkStore``, by parameter name: a mixin.
 
 ``load_params`` fills the chunks from tensors (a frozen parameter's straight into its compute-dtype
-home: it has no master), ``gather`` reads one tensor back from a chunk list (a frozen one's weight
+home: it has no master; a weight loaded in 4 bits, an ``nf4.Quantized``, byte for byte into its NF4 home), ``gather`` reads one tensor back from a chunk list (a frozen one's weight
 from its home, which is never written after loading) and ``scatter`` writes one into an optimizer
 list (``load_state_dict``).
 """
@@ -31,6 +31,9 @@ class StoreValues:
         touched = set()
         for fqn, value in params.items():
             e = self.layout.entry(fqn)
+            if isinstance(value, nf4.Quantized):
+                touched.update(self._write_codes(e, value))
+                continue
             flat = value.detach().reshape(-1)
             for p in e.pieces:
                 src = flat[p.tensor_offset:p.tensor_offset + p.numel]
@@ -53,6 +56,16 @@ class StoreValues:
             self.drop(c)
         if flush:
             self.flush_disk()
+
+    def _write_codes(self, e, q: nf4.Quantized) -> list[int]:
+        """An NF4 tensor's codes and absmax (a base loaded in 4 bits) copied as they are into its
+        pieces' packed chunks; the chunks written."""
+        if not e.quantized or q.shape != e.shape or q.block != nf4.BLOCK:
+            raise ValueError(f"{e.fqn!r}: 4-bit codes of shape {tuple(q.shape)} (block {q.block}) for an entry "
+                             f"of shape {tuple(e.shape)} kept {'in NF4' if e.quantized else 'in the compute dtype'}")
+        for p in e.pieces:
+            nf4.copy_piece(self.host_param[p.chunk], self.layout.chunk_size, p.chunk_offset, q, p.tensor_offset, p.numel)
+        return [p.chunk for p in e.pieces]
 
     def _write_frozen(self, c: int, offset: int, src: torch.Tensor) -> None:
         """Frozen chunk ``c``'s weights at ``offset``, cast to the compute dtype, in its home."""
@@ -99,6 +112,21 @@ class StoreValues:
             out[p.tensor_offset:p.tensor_offset + p.numel].copy_(src[p.chunk_offset:p.chunk_offset + p.numel])
             self.close_home(p.chunk)
         return out.view(e.shape)
+
+    def codes(self, fqn: str) -> nf4.Quantized:
+        """An NF4 parameter's codes and absmax, copied out of its home (what ``_write_codes`` wrote)."""
+        e = self.layout.entry(fqn)
+        if not e.quantized:
+            raise KeyError(f"{fqn!r} is not kept in NF4: it has no codes")
+        codes = torch.empty((e.numel + 1) // 2, dtype=torch.uint8)
+        absmax = torch.empty(-(-e.numel // nf4.BLOCK), dtype=torch.float32)
+        for p in e.pieces:
+            c, a = nf4.chunk_views(self.host_param[p.chunk], self.layout.chunk_size)
+            n_codes, n_blocks = (p.numel + 1) // 2, -(-p.numel // nf4.BLOCK)
+            codes[p.tensor_offset // 2:p.tensor_offset // 2 + n_codes] = c[p.chunk_offset // 2:p.chunk_offset // 2 + n_codes]
+            absmax[p.tensor_offset // nf4.BLOCK:p.tensor_offset // nf4.BLOCK + n_blocks] = \
+                a[p.chunk_offset // nf4.BLOCK:p.chunk_offset // nf4.BLOCK + n_blocks]
+        return nf4.Quantized(codes, absmax, torch.Size(e.shape), nf4.BLOCK)
 
     def _on_device(self, which: BufferKind, c: int) -> bool:
         return self.resident(c) if which == "param" else self.os_tier[c] is Tier.DEVICE

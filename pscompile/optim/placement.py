@@ -19,13 +19,15 @@ from pscompile.memory.model_bytes import STATE_BYTES, state_chunks
 UPDATE_TEMP_BYTES_PER_ELEMENT = 8
 
 
-def device_state_chunks(*, budget: int | None, peak_nonmodel: int, num_chunks: int, chunk_size: int,
-                        param_chunk_bytes: int, state_chunk_bytes: int) -> int:
-    """How many chunks (the first ones) keep their optimizer states on the device."""
+def device_state_chunks(*, budget: int | None, peak_nonmodel: int, num_chunks: int, param_chunks: int,
+                        chunk_size: int, param_chunk_bytes: int, state_chunk_bytes: int) -> int:
+    """How many chunks (the first ``num_chunks`` that have optimizer states) keep their states on
+    the device; ``param_chunks``: every parameter chunk, frozen ones too (all may be resident at
+    once: a frozen weight paged over many chunks is read whole)."""
     if budget is None:
         return num_chunks
     temp = UPDATE_TEMP_BYTES_PER_ELEMENT * chunk_size
-    margin = budget - max(peak_nonmodel, temp) - num_chunks * param_chunk_bytes
+    margin = budget - max(peak_nonmodel, temp) - param_chunks * param_chunk_bytes
     return max(0, min(num_chunks, margin // state_chunk_bytes))
 
 

@@ -45,6 +45,7 @@ from pscompile.resolved import resolve
 from pscompile.optim.lock_free import LockFreeUpdater
 from pscompile.runtime.batching import (LossFn, as_batch, call_model, micro_batches, check_ranks_agree, structure,
                                         check_form, to_device)
+from pscompile.runtime import bnb4bit
 from pscompile.runtime.materialize import check_meta, materialize_module
 from pscompile.runtime.notices import SetupNotices
 from pscompile.runtime.rng import rng_state, set_rng_state
@@ -215,17 +216,18 @@ class ChunkEngine(ChunkUpdate, EngineState, CheckpointState, HostTiers, GroupCon
         return call_model(model, batch)
 
     def _load_into_chunks(self) -> None:
-        """Copy every parameter's value into the chunks (fp32 master and compute-dtype copy) and
-        free the model's own copy, one module at a time (a meta module materialized first)."""
+        """Each module's parameter values into the chunks, its own copies freed (meta: materialized first)."""
         loaded: set[str] = set()
         init_weights = getattr(self.model, "_init_weights", None)     # (the model's own initialisation)
         for mod in self.model.modules():
-            materialize_module(mod, init_weights)
+            packed = bnb4bit.take_packed(mod)     # (a layer loaded in 4 bits: its codes, not its meta weight)
+            if not packed:
+                materialize_module(mod, init_weights)
             values = {}
-            for _, p in mod.named_parameters(recurse=False):
+            for name, p in mod.named_parameters(recurse=False):
                 fqn = self._fqn_of[id(p)]
                 if fqn not in loaded:
-                    values[fqn] = p.detach()
+                    values[fqn] = packed.get(name, p.detach())
                     loaded.add(fqn)
             if values:
                 self.store.load_params(values, flush=False)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pscompile.dist import checkpoint as shard_ckpt
+from pscompile.runtime import bnb4bit
 
 
 class ModelAccess:
@@ -99,13 +100,16 @@ class ModelAccess:
     def _give_back(self) -> None:
         """Each parameter gets its fp32 master in its original dtype and device; one built on the
         meta device goes back there (it held no values before either, and such a model may not fit
-        in host memory: ``pscompile.save`` or ``engine.export`` keep the weights)."""
+        in host memory: ``pscompile.save`` or ``engine.export`` keep the weights); a layer loaded in
+        4 bits gets its codes back from the chunks."""
         with torch.no_grad():
             meta = {fqn for fqn, (device, _) in self._orig.items() if device.type == "meta"}
             for fqn in meta:
                 p = self.params[fqn]
                 torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=self._orig[fqn][1], device="meta"),
                                                          p.requires_grad))
+            names = {id(p): fqn for fqn, p in self.params.items()}
+            bnb4bit.give_back(self.model, lambda w: self.store.codes(names[id(w)]))
             if self.comm is not None:      # a collective: every rank closes its engine
                 full = self._full_masters()
                 for fqn, p in self.params.items():

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pscompile.config import Config
+from pscompile.runtime import bnb4bit
 from pscompile.memory.disk_homes import disk_staging_bytes
 from pscompile.kinds import FrozenFormat
 from pscompile.memory.layout import NF4_ALIGN, ChunkLayout, build_layout, search_chunk_size
@@ -64,6 +65,7 @@ class ModelParams:
     aliases: dict[str, str]              # other names of tied parameters -> canonical fqn
     order_source: str                    # how the order was found
     linear: frozenset[str] = frozenset()  # canonical fqns that are nn.Linear weights under every name
+    loaded_4bit: frozenset[str] = frozenset()  # canonical fqns of weights bitsandbytes loaded in 4 bits
 
     def fqn_of(self) -> dict[int, str]:
         """id(parameter) -> canonical fqn."""
@@ -77,6 +79,7 @@ def collect_params(model: nn.Module, run: Callable[[nn.Module, Any], Any], batch
     that is not callable is refused here, not taken as a failed forward (construction order)."""
     if not callable(run):
         raise TypeError(f"collect_params(model, run, batch): run must be callable, got {type(run).__name__}")
+    bnb4bit.adopt(model)
     for fqn, p in model.named_parameters():       # (before the forward, which such a parameter may break)
         if not p.dtype.is_floating_point:
             raise ValueError(_not_floating(model, fqn, p))
@@ -92,7 +95,9 @@ def collect_params(model: nn.Module, run: Callable[[nn.Module, Any], Any], batch
         aliases.update({o: canonical for o in others})
     if not params:
         raise ValueError("the model has no parameters; pscompile manages parameters in chunks")
-    return ModelParams(params, aliases, how, _linear_weights(model, names, params))
+    loaded = {id(m.weight) for m in model.modules() if isinstance(m, bnb4bit.Loaded4bitLinear)}
+    return ModelParams(params, aliases, how, _linear_weights(model, names, params),
+                       frozenset(f for f, p in params.items() if id(p) in loaded))
 
 
 def _linear_weights(model: nn.Module, names: dict[int, list[str]], params: dict[str, nn.Parameter]) -> frozenset[str]:
@@ -121,10 +126,10 @@ def _not_floating(model: nn.Module, fqn: str, p: nn.Parameter) -> str:
             "only. If the model only reads it (an index table, a mask, a count), make it a buffer: in "
             f"{where}, self.register_buffer({name!r}, tensor) instead of nn.Parameter(tensor); if it "
             "is a weight to keep fixed, give it a floating-point dtype with requires_grad=False (frozen "
-            "parameters get chunks of their own, without optimizer states). A quantized base (bitsandbytes "
-            "4-bit or 8-bit, as QLoRA loads it) is not taken as loaded: load the base in bfloat16, freeze it, "
-            "and give Config(frozen_format='nf4'), which keeps its frozen linear weights in bitsandbytes' NF4 "
-            "(4 bits a weight on the host and over the link)")
+            "parameters get chunks of their own, without optimizer states). A base bitsandbytes loaded in 8 "
+            "bits is not taken: load it in 4 bits, BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type='nf4') as QLoRA does, which pscompile keeps as loaded, or in bfloat16 and "
+            "frozen with Config(frozen_format='nf4'), which quantizes it to the same NF4")
 
 
 def _host_cap(config: Config, elsize: int) -> int | None:
@@ -171,8 +176,13 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
 
 
 def quantized_params(mp: ModelParams, config: Config) -> list[str]:
-    """The frozen parameters ``config.frozen_format`` keeps in NF4: every frozen ``nn.Linear``
-    weight ("nf4"), none ("compute")."""
-    if config.frozen_format != FrozenFormat.NF4:
-        return []
-    return [f for f, p in mp.params.items() if not p.requires_grad and f in mp.linear]
+    """The frozen parameters kept in NF4: those bitsandbytes loaded in 4 bits (kept as loaded,
+    whatever the format), and with ``config.frozen_format`` "nf4" every other frozen ``nn.Linear``
+    weight."""
+    for f in mp.loaded_4bit:
+        if mp.params[f].requires_grad:
+            raise ValueError(f"parameter {f!r} was loaded in 4 bits by bitsandbytes and has requires_grad=True; "
+                             "a 4-bit weight stays frozen (train adapters on it: peft's LoRA)")
+    nf4 = config.frozen_format == FrozenFormat.NF4
+    return [f for f, p in mp.params.items()
+            if f in mp.loaded_4bit or (nf4 and not p.requires_grad and f in mp.linear)]

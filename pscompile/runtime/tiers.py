@@ -33,7 +33,7 @@ class HostTiers:
         cannot hold."""
         count = 0 if self.states_on_host_only else device_state_chunks(
             budget=self.budget, peak_nonmodel=peak_nonmodel, num_chunks=len(state_chunks(self.layout)),
-            chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
+            param_chunks=self.layout.num_chunks, chunk_size=self.layout.chunk_size, param_chunk_bytes=self.store.param_chunk_bytes,
             state_chunk_bytes=self.store.os_chunk_bytes)
         return max(count, self.min_device_homes)
 
