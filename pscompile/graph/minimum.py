@@ -226,7 +226,7 @@ def choose_activations(analyzed: AnalyzedGraph, layout: ChunkLayout, *, policy: 
         # (the host's room and the rates count only through whether it holds every offload and ``mixed``:
         # both are measured, a little differently in each process)
         facts = (policy, budget, slot_bytes, world, device_homes, state_bytes, host_fits_all, tuple(mixed),
-                 _layout_digest(layout), hash_ints(analyzed.nonmodel), sorted((analyzed.gathers or {}).items()))
+                 _layout_digest(layout), _hash_ints(analyzed.nonmodel), sorted((analyzed.gathers or {}).items()))
         choice = kept.recall_activations(analyzed.captured.gm, facts, choosing.check)
         if choice is None:
             choice = choosing.choose(mixed, host_fits_all)
@@ -241,11 +241,10 @@ class _Choosing:
     def __init__(self, variants: _Variants, layout: ChunkLayout, budget: int | None, sizes: dict):
         self.variants, self.layout, self.budget, self.sizes = variants, layout, budget, sizes
         self.n = len(variants.by_size)
-        policy = variants.policy
+        self.policy = variants.policy
         self.every = {Activations.RECOMPUTE: [Activations.RECOMPUTE] * self.n,
                       Activations.OFFLOAD: [Activations.OFFLOAD if s.index in variants.offloads else Activations.KEEP
                                             for s in variants.by_size]}
-        self.policy = policy
 
     def least(self, a: AnalyzedGraph) -> int:
         return minimum_budget(a, self.layout, nonmodel=a.nonmodel, **self.sizes).nbytes
@@ -303,7 +302,7 @@ class _Choosing:
         return self.with_first(lo if fits(lo, how) else n, how)
 
 
-def hash_ints(values: Sequence[int]) -> str:
+def _hash_ints(values: Sequence[int]) -> str:
     """A short digest of a sequence of ints (a non-model curve)."""
     return hashlib.sha256(repr(tuple(values)).encode()).hexdigest()
 

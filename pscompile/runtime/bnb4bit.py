@@ -141,4 +141,5 @@ def _source(name: str, layer: nn.Module, bnb) -> nf4.Quantized:
     if state.nested:                  # double quantization: the absmax are themselves 8-bit blocks
         absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
     shape = torch.Size(state.shape)
-    return nf4.Quantized(layer.weight.detach().reshape(-1), absmax.float().reshape(-1), shape, nf4.BLOCK)
+    # (on the host, where the chunks' homes are: a layer loaded on a GPU frees its memory there)
+    return nf4.Quantized(layer.weight.detach().reshape(-1).cpu(), absmax.float().reshape(-1).cpu(), shape, nf4.BLOCK)

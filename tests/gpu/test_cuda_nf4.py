@@ -51,3 +51,38 @@ def test_cuda_nf4_base_tracks_plain_pytorch_within_the_allocator_budget(mode):
         packed = nf4.packed_bytes(engine.layout.chunk_size)
         assert any(a.nbytes == packed for a in engine.last_plan.actions if a.kind == "fetch")
     engine.close()
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+def test_cuda_a_base_bitsandbytes_loaded_in_4_bits_tracks_plain_pytorch_within_the_allocator_budget(mode, tmp_path):
+    """QLoRA as users load it on a GPU (bitsandbytes' CUDA kernels in the reference): a tiny Llama
+    loaded with ``BitsAndBytesConfig(load_in_4bit=True)`` and double quantization, peft's LoRA, bf16."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+
+    def qlora():
+        q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=q, device_map="cuda",
+                                                              dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                          lora_dropout=0.0, init_lora_weights=False))
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    batch = {"input_ids": ids, "labels": ids}
+    config = dict(mode=mode, device="cuda", dtype=torch.bfloat16)
+    budget = int(1.15 * pscompile.min_device_memory(qlora(), batch, pscompile.Config(**config)))
+    hp = pscompile.AdamW(lr=1e-3)
+    ref = ReferenceTrainer(qlora(), optimizer=hp, dtype=torch.bfloat16, device="cuda")
+    engine = pscompile.compile(qlora(), batch, optimizer=hp, config=pscompile.Config(**config, device_memory=budget))
+    assert len(engine.layout.quantized_chunks) > 0
+    runs = [(engine.step(batch), ref.step(batch), engine.stats) for _ in range(5)]
+    assert all(abs(ours - plain) <= 2e-2 * abs(plain) for ours, plain, _ in runs), runs
+    peaks = [s.allocator_peak_bytes for _, _, s in runs]
+    assert None not in peaks and max(peaks) <= budget, (peaks, budget)
+    assert all(s.num_fetches > 0 for _, _, s in runs)
+    engine.close()
