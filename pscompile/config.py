@@ -141,7 +141,8 @@ class Config:
     # how frozen weights (requires_grad=False) are kept on the host and moved: "compute" in the
     # compute dtype; "nf4" keeps the frozen weight of every nn.Linear in 4-bit NormalFloat,
     # bitsandbytes' blocks of 64 with a float32 absmax each (QLoRA's base), dequantized on the
-    # device as its fetch lands (docs/memory-model.md, "Frozen weights in 4 bits"). One process
+    # device as its fetch lands (docs/hugging-face.md, "A 4-bit frozen base"); one process only. Weights
+    # bitsandbytes loaded in 4 bits (Linear4bit, NF4) stay in NF4 whatever this says (runtime/bnb4bit.py)
     frozen_format: FrozenFormat | FrozenFormatName = FrozenFormat.COMPUTE
 
     def __post_init__(self):
