@@ -39,16 +39,11 @@ def saved(tmp_path_factory):
     return out
 
 
-def qlora(folder, dtype: torch.dtype, *, nested: bool = False, quant_type: str = "nf4", lora: bool = True,
-          prepare: bool = False):
-    """The model loaded in 4 bits on the CPU, LoRA (r=4, adapters not zero) on q_proj and v_proj;
-    ``prepare``: after peft's ``prepare_model_for_kbit_training`` (the QLoRA recipe's step: norms in
-    float32, activation checkpointing on, the embedding's output requiring grad)."""
+def qlora(folder, dtype: torch.dtype, *, nested: bool = False, quant_type: str = "nf4", lora: bool = True):
+    """The model loaded in 4 bits on the CPU, LoRA (r=4, adapters not zero) on q_proj and v_proj."""
     q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=dtype,
                                         bnb_4bit_use_double_quant=nested)
     model = transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=q, device_map="cpu", dtype=dtype)
-    if prepare:
-        model = peft.prepare_model_for_kbit_training(model)
     if not lora:
         return model
     torch.manual_seed(1)
@@ -153,8 +148,7 @@ def test_an_8_bit_base_is_refused_with_what_works(saved):
 
 @pytest.mark.parametrize("mode", ["hooks", "compiled"])
 def test_the_trainer_trains_a_qlora_model_as_the_plain_trainer_does(saved, mode, tmp_path):
-    """``PscompileTrainer`` against transformers' own ``Trainer`` on the same loaded model, prepared
-    as the QLoRA recipe prepares it (activation checkpointing on)."""
+    """``PscompileTrainer`` against transformers' own ``Trainer`` on the same loaded model."""
     from pscompile.integrations.transformers import PscompileTrainer
     data = [{"input_ids": x, "labels": x} for x in
             torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(2))]
@@ -164,15 +158,15 @@ def test_the_trainer_trains_a_qlora_model_as_the_plain_trainer_does(saved, mode,
                                               max_steps=4, logging_steps=1, report_to=[], use_cpu=True, seed=0,
                                               disable_tqdm=True, save_strategy="no")
 
-    plain = transformers.Trainer(model=qlora(saved[torch.float32], torch.float32, prepare=True), args=args(tmp_path / "plain"),
+    plain = transformers.Trainer(model=qlora(saved[torch.float32], torch.float32), args=args(tmp_path / "plain"),
                                  train_dataset=data)
     plain.train()
     want = [h["loss"] for h in plain.state.log_history if "loss" in h]
-    budget = int(1.15 * pscompile.min_device_memory(qlora(saved[torch.float32], torch.float32, prepare=True),
+    budget = int(1.15 * pscompile.min_device_memory(qlora(saved[torch.float32], torch.float32),
                                                     {k: torch.stack([data[0][k], data[1][k]]) for k in data[0]},
                                                     pscompile.Config(mode=mode, device="cpu", dtype=torch.float32,
                                                                      backend="eager", chunk_size=2048)))
-    trainer = PscompileTrainer(model=qlora(saved[torch.float32], torch.float32, prepare=True), args=args(tmp_path / "ours"),
+    trainer = PscompileTrainer(model=qlora(saved[torch.float32], torch.float32), args=args(tmp_path / "ours"),
                                train_dataset=data,
                                pscompile_config=pscompile.Config(mode=mode, device="cpu", dtype=torch.float32,
                                                                  backend="eager", chunk_size=2048, device_memory=budget))
