@@ -200,8 +200,11 @@ def worst_tracking(engine, ref, initial: dict[str, torch.Tensor]) -> tuple[float
 
 
 def tracking_of(ours: dict[str, torch.Tensor], ref, initial: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """``worst_tracking`` of fp32 masters given as a dict (e.g. consolidated from ZeRO shards)."""
+    """``worst_tracking`` of fp32 masters given as a dict (e.g. consolidated from ZeRO shards);
+    ``initial`` names the trained tensors (plain PyTorch's frozen ones have no pscompile master)."""
     theirs = ref.master_state()
+    assert not any(ref.model.get_parameter(k).requires_grad for k in set(theirs) - set(initial))
+    theirs = {k: v for k, v in theirs.items() if k in initial}
     assert set(ours) == set(theirs) == set(initial)
     worst = (0.0, "")
     for k in theirs:

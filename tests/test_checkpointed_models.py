@@ -80,6 +80,82 @@ def test_a_gpt_that_checkpoints_its_blocks_tracks_plain_pytorch(mode, reentrant)
         assert engine.schedule.scheduled.activations is not None
 
 
+def _freeze_block_weights(model):
+    """Every weight inside a block frozen (layer norms' and projections'); embeddings, head and
+    biases trained: what a frozen base under an adapter looks like to a replay."""
+    for name, p in model.named_parameters():
+        if ".h." in f".{name}" and name.endswith("weight"):
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["compiled", "hooks"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_gpt_with_frozen_weights_tracks_plain_pytorch(mode, reentrant):
+    """The replay re-reads frozen weights: non-reentrant checkpointing keeps a frozen parameter
+    itself for the region's backward (a trainable one as a view), so hooks mode must keep what
+    the replay read until that backward is over (it gave NaN gradients once)."""
+    batches = make_batches("gpt", 4)
+    initial = {k: v for k, v in fresh_masters("gpt", torch.float32, dropout=0.1).items()
+               if not (k.startswith("h.") and k.endswith("weight"))}
+    _train_against_plain(lambda: _freeze_block_weights(CheckpointedGPT(make_model("gpt", dropout=0.1), reentrant)),
+                         lambda: _freeze_block_weights(make_model("gpt", dropout=0.1)), batches, mode,
+                         initial, strip="gpt.")
+
+
+class _RegionBackwardEnds(torch.autograd.Function):
+    """Identity whose backward, the last of its region's (it is the region's first operation),
+    calls ``probe()``."""
+
+    @staticmethod
+    def forward(ctx, x, probe):
+        ctx.probe = probe
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.probe()
+        return grad, None
+
+
+def test_hooks_mode_keeps_what_a_replay_read_on_the_device_until_its_region_backward_ends():
+    """Non-reentrant checkpointing hands the region's backward nodes what the replay saved: views
+    of chunks (a trainable parameter) and the parameters themselves (a frozen one), behind hooks
+    mode's back. Their chunks must stay on the device, holding those values, until the region's
+    last backward node has run; the trace, which evicts every chunk nothing pins, included."""
+    model = _freeze_block_weights(CheckpointedGPT(make_model("gpt")))
+    seen, live = [], {}
+
+    def probe(block):
+        def check():
+            if "engine" not in live:        # (min_device_memory's own engine)
+                return
+            engine = live["engine"]
+            chunks = {c for n, _ in block.named_parameters() for c in engine.layout.entry(f"{prefix[block]}.{n}").chunks}
+            seen.append(all(engine.store.resident(c) for c in chunks))
+        return check
+
+    prefix = {b: f"gpt.h.{i}" for i, b in enumerate(model.gpt.h)}
+    checks = {b: probe(b) for b in model.gpt.h}
+
+    def forward(idx, targets):
+        g = model.gpt
+        x = g.drop(g.wte(idx) + g.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        for block in g.h:
+            x = checkpoint(lambda y, b=block: b(_RegionBackwardEnds.apply(y, checks[b])), x, use_reentrant=False)
+        logits = g.lm_head(g.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    model.forward = forward
+    batch = make_batches("gpt", 1)[0]
+    least = pscompile.min_device_memory(model, batch, _config("hooks"))
+    engine = live["engine"] = pscompile.compile(model, batch, optimizer=HP, config=_config("hooks", least))
+    for _ in range(2):
+        engine.step(batch)
+        assert engine.stats.peak_device_bytes <= least
+    assert seen and all(seen), seen
+
+
 def test_the_replayed_regions_are_folded_into_the_forward():
     """The capture of the checkpointed GPT draws its dropout masks exactly as often as the plain
     GPT's: once per dropout, not again in the backward."""

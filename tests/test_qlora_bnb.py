@@ -39,16 +39,24 @@ def saved(tmp_path_factory):
     return out
 
 
-def qlora(folder, dtype: torch.dtype, *, nested: bool = False, quant_type: str = "nf4", lora: bool = True):
-    """The model loaded in 4 bits on the CPU, LoRA (r=4, adapters not zero) on q_proj and v_proj."""
+def qlora(folder, dtype: torch.dtype, *, nested: bool = False, quant_type: str = "nf4", lora: bool = True,
+          prepare: bool = False):
+    """The model loaded in 4 bits on the CPU, LoRA (r=4, adapters not zero) on q_proj and v_proj, in
+    training mode as a trainer puts it (in eval mode, a CPU with AVX512-BF16 makes bitsandbytes
+    repack a layer at its first forward without gradients, its absmax rounded to bfloat16: a model
+    that then computes differently on different machines); ``prepare``: after peft's
+    ``prepare_model_for_kbit_training`` (the QLoRA recipe's step: norms in float32, activation
+    checkpointing on, the embedding's output requiring grad)."""
     q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=dtype,
                                         bnb_4bit_use_double_quant=nested)
     model = transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=q, device_map="cpu", dtype=dtype)
+    if prepare:
+        model = peft.prepare_model_for_kbit_training(model)
     if not lora:
-        return model
+        return model.train()
     torch.manual_seed(1)
     return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                      lora_dropout=0.0, init_lora_weights=False))
+                                                      lora_dropout=0.0, init_lora_weights=False)).train()
 
 
 def batches() -> list[dict]:
@@ -148,7 +156,8 @@ def test_an_8_bit_base_is_refused_with_what_works(saved):
 
 @pytest.mark.parametrize("mode", ["hooks", "compiled"])
 def test_the_trainer_trains_a_qlora_model_as_the_plain_trainer_does(saved, mode, tmp_path):
-    """``PscompileTrainer`` against transformers' own ``Trainer`` on the same loaded model."""
+    """``PscompileTrainer`` against transformers' own ``Trainer`` on the same loaded model, prepared
+    as the QLoRA recipe prepares it (activation checkpointing on)."""
     from pscompile.integrations.transformers import PscompileTrainer
     data = [{"input_ids": x, "labels": x} for x in
             torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(2))]
@@ -158,15 +167,15 @@ def test_the_trainer_trains_a_qlora_model_as_the_plain_trainer_does(saved, mode,
                                               max_steps=4, logging_steps=1, report_to=[], use_cpu=True, seed=0,
                                               disable_tqdm=True, save_strategy="no")
 
-    plain = transformers.Trainer(model=qlora(saved[torch.float32], torch.float32), args=args(tmp_path / "plain"),
+    plain = transformers.Trainer(model=qlora(saved[torch.float32], torch.float32, prepare=True), args=args(tmp_path / "plain"),
                                  train_dataset=data)
     plain.train()
     want = [h["loss"] for h in plain.state.log_history if "loss" in h]
-    budget = int(1.15 * pscompile.min_device_memory(qlora(saved[torch.float32], torch.float32),
+    budget = int(1.15 * pscompile.min_device_memory(qlora(saved[torch.float32], torch.float32, prepare=True),
                                                     {k: torch.stack([data[0][k], data[1][k]]) for k in data[0]},
                                                     pscompile.Config(mode=mode, device="cpu", dtype=torch.float32,
                                                                      backend="eager", chunk_size=2048)))
-    trainer = PscompileTrainer(model=qlora(saved[torch.float32], torch.float32), args=args(tmp_path / "ours"),
+    trainer = PscompileTrainer(model=qlora(saved[torch.float32], torch.float32, prepare=True), args=args(tmp_path / "ours"),
                                train_dataset=data,
                                pscompile_config=pscompile.Config(mode=mode, device="cpu", dtype=torch.float32,
                                                                  backend="eager", chunk_size=2048, device_memory=budget))
@@ -180,6 +189,30 @@ def test_the_trainer_trains_a_qlora_model_as_the_plain_trainer_does(saved, mode,
     for n, w in theirs.items():
         torch.testing.assert_close(ours[n], w, rtol=1e-5, atol=1e-6, msg=n)
     trainer.engine.close()
+
+
+def test_a_layer_bitsandbytes_repacked_for_its_cpu_kernel_is_taken_as_it_computes(saved):
+    """In eval mode on a CPU with AVX512-BF16, bitsandbytes repacks a layer at its first forward
+    without gradients (tiles for its kernel, the absmax in bfloat16, a nested one dequantized).
+    ``adopt`` takes such a layer as it now computes: the codes exactly as loaded, the absmax the
+    bfloat16 values it holds (never quantized again). Repacked here by bitsandbytes' own
+    conversion, whatever this CPU has."""
+    convert = getattr(bnb.functional, "_convert_weight_packed_for_cpu", None)
+    if convert is None:
+        pytest.skip("this bitsandbytes has no CPU repacking")
+    model = qlora(saved[torch.float32], torch.float32, nested=True, lora=False)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    codes = {n: m.weight.detach().reshape(-1).clone() for n, m in layers.items()}
+    absmax = {n: bnb.functional.dequantize_blockwise(m.weight.quant_state.absmax, m.weight.quant_state.state2)
+              + m.weight.quant_state.offset for n, m in layers.items()}
+    for m in layers.values():
+        m.weight.data, m.weight.quant_state = convert(m.weight.data, m.weight.quant_state)
+        assert m.weight.shape != m.weight.quant_state.shape and m.weight.quant_state.absmax.dtype == torch.bfloat16
+    assert adopt(model) == len(layers) == 14
+    for n in layers:
+        source = model.get_submodule(n).source
+        assert torch.equal(source.codes, codes[n]), n
+        assert torch.equal(source.absmax, absmax[n].to(torch.bfloat16).float()), n
 
 
 def test_dequantized_as_bitsandbytes_dequantizes(saved):

@@ -96,6 +96,8 @@ class PassState:
     grads_left: dict[int, int] = field(default_factory=dict)     # ZeRO: group -> gradients still to come
     bwd_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # re-gathered for this backward node
     saved: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # the _Saved the graph still holds
+    replay_node: Any = None          # the backward node whose unpacking replays a checkpointed forward
+    replayed: list[tuple[tuple[int, ...], list[str]]] = field(default_factory=list)  # its (chunks, params) held
 
 
 
@@ -134,10 +136,16 @@ class ParamHooks:
         ps = self._pass
         if ps is None:
             return
+        replay = torch._C._current_autograd_node()     # (set: activation checkpointing replays a forward)
+        if replay is not None and replay is not ps.replay_node:
+            self._release_replayed()
+            ps.replay_node = replay
         need = self._chunks_of(fqns)
         self._moment(MomentKind.FWD, name, need)
         for c in need:
             ps.pins[c] += 1
+        if replay is not None:
+            ps.replayed.append((need, fqns))
         for f in fqns:
             self.states[f] = TensorState.COMPUTE
             value = self._materialize(f)
@@ -148,6 +156,11 @@ class ParamHooks:
     def _post_forward(self, name: str, fqns: list[str]) -> None:
         ps = self._pass
         if ps is None:
+            return
+        if torch._C._current_autograd_node() is not None:     # a replay: held (``_release_replayed``)
+            for f in fqns:
+                self.states[f] = TensorState.HOLD_AFTER_FWD
+            self._moment(MomentKind.FWD_RELEASE, name, ())
             return
         for f in fqns:
             if self.layout.entry(f).spans:
@@ -215,8 +228,31 @@ class ParamHooks:
             buf = ps.bwd_spans[ref.fqn] = self._materialize(ref.fqn).reshape(-1)
         return buf.as_strided(ref.shape, ref.stride, ref.offset)
 
+    def _release_replayed(self) -> None:
+        """Let go of the parameters a replayed forward used. Non-reentrant activation checkpointing
+        (``torch.utils.checkpoint``) keeps what the replay saved for the region's backward nodes in
+        its own hooks, not in ``_pack``'s references: a trainable parameter as a view of its chunk,
+        a frozen one as the parameter itself, whatever its data is when the node runs. So a replay's
+        parameters keep their data and their chunks stay pinned until the region's backward is
+        over: the next event that is not the region's (a node unpacking through ``_unpack``, the
+        replay of another region, the end of the backward). Nodes run one at a time in decreasing
+        sequence number, so a node outside the region, created before it, runs after all of it."""
+        ps = self._pass
+        for need, fqns in ps.replayed:
+            for c in need:
+                ps.pins[c] -= 1
+            for f in fqns:
+                if self.layout.entry(f).spans:
+                    ps.span_bufs.pop(self.params[f].untyped_storage().data_ptr(), None)
+                self.params[f].data = self._released(self.params[f].shape)
+                if self.states[f] is TensorState.COMPUTE:     # (a replay stopped early: no post-hook)
+                    self.states[f] = TensorState.HOLD_AFTER_FWD
+        ps.replayed = []
+        ps.replay_node = None
+
     def _end_bwd_node(self) -> None:
         ps = self._pass
+        self._release_replayed()
         ps.bwd_spans.clear()
         for c in ps.bwd_chunks:
             ps.pins[c] -= 1

@@ -134,12 +134,30 @@ def _source(name: str, layer: nn.Module, bnb) -> nf4.Quantized:
     if state.blocksize != nf4.BLOCK:
         raise ValueError(f"{where} has blocks of {state.blocksize} elements; pscompile's NF4 has blocks of "
                          f"{nf4.BLOCK} (bitsandbytes' default): load it with the default block size")
-    if getattr(state, "packing_format_for_cpu", False):
-        layer.state_dict()            # (saving restores bitsandbytes' standard layout; inference repacks it)
-        state = _state(layer)
-    absmax = state.absmax
-    if state.nested:                  # double quantization: the absmax are themselves 8-bit blocks
-        absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
     shape = torch.Size(state.shape)
+    if getattr(state, "packing_format_for_cpu", False):
+        codes, absmax = _from_cpu_packing(layer.weight.detach(), state.absmax, shape)
+    else:
+        codes, absmax = layer.weight.detach().reshape(-1), state.absmax
+        if state.nested:              # double quantization: the absmax are themselves 8-bit blocks
+            absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
     # (on the host, where the chunks' homes are: a layer loaded on a GPU frees its memory there)
-    return nf4.Quantized(layer.weight.detach().reshape(-1).cpu(), absmax.float().reshape(-1).cpu(), shape, nf4.BLOCK)
+    return nf4.Quantized(codes.cpu(), absmax.float().reshape(-1).cpu(), shape, nf4.BLOCK)
+
+
+_TILE = 32       # rows of a tile in bitsandbytes' CPU inference layout
+
+
+def _from_cpu_packing(packed: torch.Tensor, absmax: torch.Tensor, shape: torch.Size):
+    """The standard codes and absmax of a layer bitsandbytes has repacked for its AVX512-BF16 CPU
+    kernel (its first forward in eval mode, without gradients, does that): ``packed`` [N, K/2] holds
+    each tile of 32 rows by 2 columns (64 codes, row by row) as 32 bytes, the tile's first 32 codes
+    in the low nibbles and its last 32 in the high ones; the absmax is [K/64, N] in bfloat16 (a
+    nested one dequantized first). The codes come back exactly; the absmax are the bfloat16 values
+    the layer computes with from then on (re-quantizing them, as saving the layer does, would
+    change them again)."""
+    n, k = shape
+    tiles = packed.reshape(-1, _TILE)
+    tiles = torch.cat([tiles & 0xF, tiles >> 4], dim=-1)                   # [tiles, 64]: (row, column)
+    codes = tiles.reshape(n // _TILE, k // 2, _TILE, 2).transpose(1, 2).reshape(-1)     # row-major [N, K]
+    return (codes[0::2] << 4) | codes[1::2], absmax.T.reshape(-1)
