@@ -180,9 +180,14 @@ def test_unfreezing_after_compile_is_refused_and_loses_nothing():
     engine.close()
 
 
-def test_a_checkpoint_keeps_the_4_bit_base_and_refuses_the_other_format(tmp_path):
+@pytest.mark.parametrize("home", ["host", "disk"])
+def test_a_checkpoint_keeps_the_4_bit_base_and_refuses_the_other_format(home, tmp_path):
+    """``frozen_weights=True`` saves the packed base and loads it into another engine's NF4
+    chunks, on the host or in disk homes (the saving and the loading engine alike)."""
     batches = make_batches("gpt", 3)
-    engine = pscompile.compile(build("lora"), batches[0], optimizer=HP, config=config("hooks", torch.float32))
+    kw = {"disk_dir": str(tmp_path), "host_memory": "130KB"} if home == "disk" else {}
+    engine = pscompile.compile(build("lora"), batches[0], optimizer=HP, config=config("hooks", torch.float32, **kw))
+    assert home == "host" or engine.param_disk_chunks & engine.layout.quantized_chunks
     engine.step(batches[0])
     path = pscompile.save(engine, tmp_path / "ckpt", frozen_weights=True)
     saved = {n: t for n, t in engine.full_state_dict().items()}
@@ -193,7 +198,7 @@ def test_a_checkpoint_keeps_the_4_bit_base_and_refuses_the_other_format(tmp_path
         for p in other.parameters():
             if not p.requires_grad:
                 p.mul_(1.5)
-    fresh = pscompile.compile(other, batches[0], optimizer=HP, config=config("hooks", torch.float32))
+    fresh = pscompile.compile(other, batches[0], optimizer=HP, config=config("hooks", torch.float32, **kw))
     pscompile.load(fresh, path)
     assert all(torch.equal(fresh.full_state_dict()[n], saved[n]) for n in saved)
     assert fresh.step(batches[1]) == want
@@ -258,23 +263,33 @@ def test_landing_in_place_takes_no_more_than_the_counted_workspace(dtype):
 
 
 @pytest.mark.parametrize("mode", ["hooks", "compiled"])
-def test_with_the_disk_tier_nf4_chunks_stay_on_the_host_and_the_run_is_the_same(mode, tmp_path):
-    """A host too small for the compute-dtype chunks: the disk takes the frozen and trainable
-    chunks' parameters it may (their kinds'), never an NF4 chunk's, the engine-free pipeline's rule
-    picks the same chunks, and the losses are the run's without a disk, to the bit."""
+@pytest.mark.parametrize("host", ["180KB", "130KB"])
+def test_with_the_disk_tier_nf4_chunks_live_on_disk_in_4_bits_and_the_run_is_the_same(mode, host, tmp_path):
+    """A host too small for the chunks' homes: the disk takes the last chunks' (NF4 ones among
+    them: their packed bytes), the engine-free pipeline's rule picks the same chunks, the disk holds
+    and reads an NF4 chunk's packed bytes only, and the losses and the frozen weights are the run's
+    without a disk, to the bit."""
     batches = make_batches("gpt", 3)
 
     def run(**kw):
         engine = pscompile.compile(build("lora"), batches[0], optimizer=HP, config=config(mode, torch.float32, **kw))
         losses = [engine.step(b) for b in batches]
         on_disk = set(engine.param_disk_chunks)
-        nf4_chunks = engine.layout.quantized_chunks
         # (the engine-free pipeline, which the planner runs, picks the same chunks for as many)
         request = PlanRequest(None, torch.float32, param_disk_chunks=len(on_disk))
         assert _placed_memory(engine.layout, request, peak_nonmodel=0).param_disk == on_disk
-        engine.close()
-        return losses, on_disk, nf4_chunks
-    plain, _, _ = run()
-    losses, on_disk, nf4_chunks = run(disk_dir=str(tmp_path), host_memory="180KB")
-    assert on_disk and not on_disk & nf4_chunks
+        frozen = {n: engine.store.gather("param", n) for n in nf4_names(build("lora"))}
+        return engine, losses, on_disk, frozen
+    _, plain, _, weights = run()
+    engine, losses, on_disk, frozen = run(disk_dir=str(tmp_path), host_memory=host)
     assert losses == plain
+    assert all(torch.equal(frozen[n], weights[n]) for n in weights)
+    packed = on_disk & engine.layout.quantized_chunks
+    assert packed and on_disk - packed           # both kinds' homes on disk
+    store, cs = engine.store, engine.layout.chunk_size
+    assert store.disk_model_bytes() == (len(on_disk - packed) * cs * 4 + len(packed) * nf4.packed_bytes(cs)
+                                        + len(store.disk.slot_of) * store.os_chunk_bytes)
+    for c in packed:
+        assert store.open_home(c).numel() == nf4.packed_bytes(cs)
+        store.close_home(c)
+    engine.close()

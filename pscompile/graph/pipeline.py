@@ -319,8 +319,7 @@ def _zero_homes(layout: ChunkLayout, request: PlanRequest) -> tuple[frozenset[in
 
 
 def _param_disk(layout: ChunkLayout, count: int) -> frozenset[int]:
-    """The last ``count`` chunks whose kind may be homed on disk (an NF4 chunk stays on the host),
-    the engine's rule (``runtime.tiers``)."""
+    """The last ``count`` chunks whose kind may be homed on disk, the engine's rule (``runtime.tiers``)."""
     movable = [c for c in range(layout.num_chunks) if layout.homed_on(c, Tier.DISK)]
     return frozenset(movable[len(movable) - count:]) if count else frozenset()
 

@@ -18,7 +18,7 @@ chunks differently by kind asks the kind, not the layout's extents or a paramete
     FROZEN_NF4  a FROZEN chunk kept in NF4 (``Config(frozen_format="nf4")``, ``memory/nf4.py``): 4
                 bits a weight and a float32 absmax per block of 64 at home and over the link; on
                 the device dequantized to the compute dtype in its slot as its fetch lands; home on
-                the host only
+                the host or the disk (its packed bytes there too)
 
     kind.format                   how its compute copy is kept at home and moved: "compute" (the
                                   compute dtype) or "nf4"; ``home_bytes`` gives its bytes
@@ -87,7 +87,7 @@ TRAINABLE = ChunkKind("trainable", master=True, moments=True, grad=True,
                       tiers=frozenset({Tier.HOST, Tier.DISK, Tier.DEVICE}))
 FROZEN = ChunkKind("frozen", master=False, moments=False, grad=False, tiers=frozenset({Tier.HOST, Tier.DISK}))
 
-FROZEN_NF4 = ChunkKind("frozen-nf4", master=False, moments=False, grad=False, tiers=frozenset({Tier.HOST}),
+FROZEN_NF4 = ChunkKind("frozen-nf4", master=False, moments=False, grad=False, tiers=frozenset({Tier.HOST, Tier.DISK}),
                        format="nf4")
 
 KINDS = (TRAINABLE, FROZEN, FROZEN_NF4)

@@ -1,8 +1,9 @@
-"""Compute-dtype chunks whose home is the disk tier: a write-back cache of a few host buffers.
+"""Chunks whose home is the disk tier: a write-back cache of a few host buffers.
 
 When the host cannot hold even the compute-dtype chunks, the last chunks keep their parameters
 (and, after a backward, their gradients: PatrickStar's grad-over-param trick) in one slot each of
-the disk tier's file, next to their optimizer states (``memory/disk_states.py``). The store
+the disk tier's file, next to their optimizer states (``memory/disk_states.py``); an NF4 chunk's
+home (``packed``) is its packed bytes, the first bytes of a buffer and of its slot. The store
 reaches such a chunk's home through this cache instead of a host buffer of its own:
 
 - ``open(c)`` gives a host buffer holding chunk ``c``'s home (read from disk unless it is cached,
@@ -57,11 +58,13 @@ class _Entry:
 
 
 class DiskHomes:
-    def __init__(self, queue: DiskQueue, slot_of: dict[int, int], pool: SlotPool, *, capacity: int = HOME_BUFFERS):
+    def __init__(self, queue: DiskQueue, slot_of: dict[int, int], pool: SlotPool, *, capacity: int = HOME_BUFFERS,
+                 packed: dict[int, int] | None = None):
         if capacity < 2:
             raise ValueError(f"the disk homes need at least 2 host buffers, not {capacity}")
         self.queue = queue
         self.slot_of = dict(slot_of)
+        self.packed = dict(packed or {})      # chunk -> its bytes, for a home of packed bytes (NF4)
         self.pool = pool
         self.capacity = capacity
         self._entries: OrderedDict[int, _Entry] = OrderedDict()     # least recently used first
@@ -72,6 +75,12 @@ class DiskHomes:
 
     def __contains__(self, c: int) -> bool:
         return c in self.slot_of
+
+    def _home(self, c: int, buf: torch.Tensor) -> torch.Tensor:
+        """Chunk ``c``'s home in a buffer of the pool: all of it, or (packed) its first bytes;
+        what is read from and written to disk."""
+        n = self.packed.get(c)
+        return buf if n is None else buf.view(torch.uint8)[:n]
 
     # ---- the cache --------------------------------------------------------------------------
     def open(self, c: int, *, read: bool = True) -> torch.Tensor:
@@ -89,7 +98,7 @@ class DiskHomes:
             for _ in range(head.index(c) + 1):
                 self._upcoming.popleft()
         self._read_ahead()
-        return e.buf
+        return self._home(c, e.buf)
 
     def close(self, c: int, *, dirty: bool = False, copy=None) -> None:
         """Hand chunk ``c``'s buffer back (``dirty``: it was written; ``copy``: a device copy still
@@ -133,7 +142,7 @@ class DiskHomes:
         fresh = c in self._fresh
         e = self._entries[c] = _Entry(self.pool.acquire(zero=read and fresh), ahead=ahead)
         if read and not fresh:
-            e.reading = self.queue.read(self.slot_of[c], e.buf)
+            e.reading = self.queue.read(self.slot_of[c], self._home(c, e.buf))
         return e
 
     def _room_without_waiting(self) -> bool:
@@ -168,7 +177,7 @@ class DiskHomes:
         self._wait(e)
         if e.dirty:
             self._fresh.discard(c)
-            self._writing.append((e.buf, self.queue.write(self.slot_of[c], e.buf)))
+            self._writing.append((e.buf, self.queue.write(self.slot_of[c], self._home(c, e.buf))))
         else:
             self.pool.release(e.buf)
 

@@ -81,7 +81,8 @@ class ChunkStore(StoreValues):
         self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, hs, pin=pin, meter=self.host_meter)
         n = layout.num_chunks
         self.homes = frozenset(range(n)) if homes is None else homes
-        # NF4 chunks (``FROZEN_NF4``): a home of packed bytes each (``memory/nf4.py``), host only
+        # NF4 chunks (``FROZEN_NF4``): a home of packed bytes each (``memory/nf4.py``); on disk, the
+        # first bytes of a slot and of a staging buffer
         self.host_packed_pool = SlotPool(Tier.HOST, _HOST, torch.uint8, nf4.packed_bytes(cs), pin=pin,
                                          meter=self.host_meter)
         none = torch.empty(0, dtype=dtype)
@@ -96,7 +97,9 @@ class ChunkStore(StoreValues):
         self.disk = DiskStates(disk, sorted(os_on_disk), self.host_os_pool) if os_on_disk else None
         # the disk homes' slots follow the three state slots of every disk chunk
         self.param_disk = (DiskHomes(disk, {c: 3 * len(os_on_disk) + i for i, c in enumerate(sorted(params_on_disk))},
-                                self.host_param_pool) if params_on_disk else None)
+                                     self.host_param_pool, packed={c: self.host_packed_pool.slot_bytes
+                                                                   for c in params_on_disk if layout.kind(c).packed})
+                           if params_on_disk else None)
         # ``acc_on_disk``: gradient accumulation's fp32 buffers too, one slot per chunk after those
         base = 3 * len(os_on_disk) + len(params_on_disk)
         self.acc_disk = (DiskHomes(disk, {c: base + c for c in range(n)}, self.host_os_pool, capacity=ACC_BUFFERS)
@@ -158,7 +161,7 @@ class ChunkStore(StoreValues):
         self.master[c].copy_(self.host_param[c][:numel])
 
     def disk_homed(self, c: int) -> bool:
-        """Chunk ``c``'s compute-dtype home is on disk: reached through ``open_home``."""
+        """Chunk ``c``'s home (compute-dtype or packed) is on disk: reached through ``open_home``."""
         return self.param_disk is not None and c in self.param_disk
 
     def grad_home(self, c: int) -> torch.Tensor:
@@ -475,7 +478,7 @@ class ChunkStore(StoreValues):
 
     def disk_model_bytes(self) -> int:
         states = 0 if self.disk is None else len(self.disk.slot_of) * self.os_chunk_bytes
-        return states + (0 if self.param_disk is None else len(self.param_disk.slot_of) * self.param_chunk_bytes)
+        return states + (0 if self.param_disk is None else sum(self.fetch_bytes(c) for c in self.param_disk.slot_of))
 
     def restore_from_master(self, c: int) -> None:
         """Rewrite param chunk ``c`` from its fp32 master (undoes gradients written into it)."""

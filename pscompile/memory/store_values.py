@@ -23,6 +23,11 @@ BufferKind = Literal["param", "master", "exp_avg", "exp_avg_sq"]
 class StoreValues:
     """Mixin of ``ChunkStore``: values by parameter name (the module docstring)."""
 
+    def open_home(self, c: int, *, read: bool = True) -> torch.Tensor:
+        """Chunk ``c``'s parameters at home (compute-dtype or packed): its host buffer, or its disk
+        home opened (``read=False``: to be overwritten whole); ``close_home`` after use."""
+        return self.param_disk.open(c, read=read) if self.disk_homed(c) else self.host_param[c]
+
     # ---- filling -------------------------------------------------------------------------
     def load_params(self, params: Mapping[str, torch.Tensor], *, flush: bool = True) -> None:
         """Copy parameter values (any float dtype) into the fp32 master chunks and the
@@ -64,18 +69,18 @@ class StoreValues:
             raise ValueError(f"{e.fqn!r}: 4-bit codes of shape {tuple(q.shape)} (block {q.block}) for an entry "
                              f"of shape {tuple(e.shape)} kept {'in NF4' if e.quantized else 'in the compute dtype'}")
         for p in e.pieces:
-            nf4.copy_piece(self.host_param[p.chunk], self.layout.chunk_size, p.chunk_offset, q, p.tensor_offset, p.numel)
+            nf4.copy_piece(self.open_home(p.chunk), self.layout.chunk_size, p.chunk_offset, q, p.tensor_offset, p.numel)
+            self.close_home(p.chunk, dirty=True)
         return [p.chunk for p in e.pieces]
 
     def _write_frozen(self, c: int, offset: int, src: torch.Tensor) -> None:
         """Frozen chunk ``c``'s weights at ``offset``, cast to the compute dtype, in its home."""
-        if self.disk_homed(c):
-            self.param_disk.open(c)[offset:offset + src.numel()].copy_(src)
-            self.param_disk.close(c, dirty=True)
-        elif self.packed(c):
-            nf4.write_piece(self.host_param[c], self.layout.chunk_size, offset, src)
+        home = self.open_home(c)
+        if self.packed(c):
+            nf4.write_piece(home, self.layout.chunk_size, offset, src)
         else:
-            self.host_param[c][offset:offset + src.numel()].copy_(src)
+            home[offset:offset + src.numel()].copy_(src)
+        self.close_home(c, dirty=True)
 
 
     def gather(self, which: BufferKind, fqn: str) -> torch.Tensor:
@@ -104,12 +109,10 @@ class StoreValues:
         home is its truth and no device copy in flight is touched)."""
         out = torch.empty(e.numel, dtype=dtype)
         for p in e.pieces:
-            if self.packed(p.chunk):
-                out[p.tensor_offset:p.tensor_offset + p.numel].copy_(
-                    nf4.read_piece(self.host_param[p.chunk], self.layout.chunk_size, p.chunk_offset, p.numel, dtype))
-                continue
-            src = self.param_disk.open(p.chunk) if self.disk_homed(p.chunk) else self.host_param[p.chunk]
-            out[p.tensor_offset:p.tensor_offset + p.numel].copy_(src[p.chunk_offset:p.chunk_offset + p.numel])
+            src = self.open_home(p.chunk)
+            piece = (nf4.read_piece(src, self.layout.chunk_size, p.chunk_offset, p.numel, dtype) if self.packed(p.chunk)
+                     else src[p.chunk_offset:p.chunk_offset + p.numel])
+            out[p.tensor_offset:p.tensor_offset + p.numel].copy_(piece)
             self.close_home(p.chunk)
         return out.view(e.shape)
 
@@ -121,11 +124,12 @@ class StoreValues:
         codes = torch.empty((e.numel + 1) // 2, dtype=torch.uint8)
         absmax = torch.empty(-(-e.numel // nf4.BLOCK), dtype=torch.float32)
         for p in e.pieces:
-            c, a = nf4.chunk_views(self.host_param[p.chunk], self.layout.chunk_size)
+            c, a = nf4.chunk_views(self.open_home(p.chunk), self.layout.chunk_size)
             n_codes, n_blocks = (p.numel + 1) // 2, -(-p.numel // nf4.BLOCK)
             codes[p.tensor_offset // 2:p.tensor_offset // 2 + n_codes] = c[p.chunk_offset // 2:p.chunk_offset // 2 + n_codes]
             absmax[p.tensor_offset // nf4.BLOCK:p.tensor_offset // nf4.BLOCK + n_blocks] = \
                 a[p.chunk_offset // nf4.BLOCK:p.chunk_offset // nf4.BLOCK + n_blocks]
+            self.close_home(p.chunk)
         return nf4.Quantized(codes, absmax, torch.Size(e.shape), nf4.BLOCK)
 
     def _on_device(self, which: BufferKind, c: int) -> bool:

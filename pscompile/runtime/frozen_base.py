@@ -32,9 +32,8 @@ def _owned_frozen(engine) -> list[int]:
 
 
 def _home(engine, c: int) -> torch.Tensor:
-    """Frozen chunk ``c``'s compute-dtype home (a disk home is opened: ``close_home`` after)."""
-    store = engine.store
-    return store.param_disk.open(c) if store.disk_homed(c) else store.host_param[c]
+    """Frozen chunk ``c``'s home, compute-dtype or packed (a disk home is opened: ``close_home`` after)."""
+    return engine.store.open_home(c)
 
 
 def digest(engine) -> str:
@@ -114,9 +113,6 @@ def load(engine, reader: CheckpointReader) -> None:
     store = engine.store
     for c in _owned_frozen(engine):
         store.drop(c)
-        if store.disk_homed(c):
-            reader.read_into(f"{PREFIX}{c}", store.param_disk.open(c, read=False))
-            store.close_home(c, dirty=True)
-        else:
-            reader.read_into(f"{PREFIX}{c}", store.host_param[c])
+        reader.read_into(f"{PREFIX}{c}", store.open_home(c, read=False))
+        store.close_home(c, dirty=True)
     engine._frozen_digest = None

@@ -6,7 +6,7 @@ The host keeps every chunk's compute-dtype copy and optimizer states when it can
 (``min_device_homes``, their optimizer states with them), or, with ``Config(disk_dir=...)``, the
 last chunks keep their optimizer states on disk (``disk_chunks``), and when the host cannot hold
 even the compute-dtype chunks, the last ones keep those there too (``param_disk_chunks``: their
-parameters and gradients live on disk, every optimizer state does). ``host_room`` is what the host
+parameters and gradients, or an NF4 chunk's packed bytes, live on disk, every optimizer state does). ``host_room`` is what the host
 has besides the chunks (offloaded activations use it).
 """
 
@@ -151,12 +151,19 @@ class HostTiers:
         so do the parameters of the last chunks the host cannot hold besides the staging buffers
         (``HOME_BUFFERS`` compute-dtype chunks, ``ACC_BUFFERS`` fp32 gradient accumulation buffers,
         ``STAGED_SETS`` chunks of states). Sets ``param_disk_chunks`` and ``host_room``; returns the
-        chunks whose states are on disk. A chunk whose kind is not homed on disk (NF4) stays on the host."""
+        chunks whose states are on disk. The host keeps the first chunks whose homes fit, at their
+        kinds' bytes (an NF4 chunk's packed bytes: ``ChunkKind.home_bytes``); a chunk whose kind is
+        not homed on disk stays on the host."""
         cs = self.home_numel
         movable = [c for c in owned if self.layout.homed_on(c, Tier.DISK)]
         staging = disk_staging_bytes(cs, elsize) + sum(self.layout.kind(c).home_bytes(cs, elsize)
                                                        for c in owned if c not in set(movable))
-        on_host = min(len(movable), max(0, host_budget - staging) // (elsize * cs))
+        on_host, kept = 0, 0
+        for c in movable:
+            nbytes = self.layout.kind(c).home_bytes(cs, elsize)
+            if staging + kept + nbytes > host_budget:
+                break
+            on_host, kept = on_host + 1, kept + nbytes
         if host_budget < staging:
             raise ValueError(
                 f"host_memory={format_bytes(host_budget)} cannot hold the disk tier's staging buffers and "
@@ -164,7 +171,7 @@ class HostTiers:
                 f"{ACC_BUFFERS} fp32 gradient accumulation buffers and {STAGED_SETS} chunks of optimizer states, "
                 f"{cs} elements each, and any NF4 chunks); give host_memory >= {staging}, or a smaller chunk_size")
         self.param_disk_chunks = frozenset(movable[on_host:])
-        self.host_room = host_budget - staging - on_host * elsize * cs
+        self.host_room = host_budget - staging - kept
         return frozenset(owned)
 
     def _disk_bytes(self) -> tuple[int, int]:
