@@ -256,14 +256,14 @@ def plan_residency(reads: Sequence[Sequence[int]], nonmodel: Sequence[int], *,
     h2d = d2h = fetches = evictions = gathered = scattered = 0
     peak, peak_node = 0, 0
     sharded = world > 1
-    shard_bytes = slot_bytes // world
-    remote_bytes = slot_bytes - shard_bytes
 
     def owner_bytes(c: int, *, to_host: bool = False) -> tuple[int, int]:
         """(bytes over this rank's link, bytes with other ranks) of one collective on chunk/group c
-        (``to_host``: its shard goes to the host even where its home is the device)."""
-        link, comm = (shard_bytes, remote_bytes) if not per_chunk else \
-            (slot_bytes, 0) if c % world == rank else (0, slot_bytes)
+        (``to_host``: its shard goes to the host even where its home is the device; an NF4 group
+        moves its packed bytes, ``fetch_bytes``)."""
+        moved = slot_bytes if fetch_bytes is None else fetch_bytes[c]
+        link, comm = (moved // world, moved - moved // world) if not per_chunk else \
+            (moved, 0) if c % world == rank else (0, moved)
         return (0 if c in device_shards and not to_host else link), comm
     grads_left = {}                                   # chunk/group -> gradients still to store
     for gs in stores.values():

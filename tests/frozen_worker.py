@@ -15,15 +15,15 @@ from tests.conftest import make_batches
 from tests.test_frozen import HP, build
 
 
-def frozen(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str]]) -> None:
-    """Each (mode, collectives): LoRA on the tiny GPT under a budget that evicts, STEPS steps on
-    this rank's half of each batch; save the losses, the weights, the collectives planned, the
-    host bytes, and a checkpoint round trip."""
+def frozen(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str, str]]) -> None:
+    """Each (mode, collectives, frozen_format): LoRA on the tiny GPT under a budget that evicts,
+    STEPS steps on this rank's half of each batch; save the losses, the weights, the collectives
+    planned, the host bytes, and a checkpoint round trip."""
     join(rank, world, port)
-    for mode, collectives in cases:
+    for mode, collectives, fmt in cases:
         batches = make_batches("gpt", STEPS)
         cfg = dict(mode=mode, backend="eager", device="cpu", dtype=torch.float32, chunk_size=2048,
-                   collectives=collectives)
+                   collectives=collectives, frozen_format=fmt)
         probe = pscompile.compile(build("lora"), split(batches[0], rank, world), optimizer=HP,
                                   config=pscompile.Config(**cfg))
         probe.step(split(batches[0], rank, world))
@@ -31,7 +31,10 @@ def frozen(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
         probe.close()
         engine = pscompile.compile(build("lora"), split(batches[0], rank, world), optimizer=HP,
                                    config=pscompile.Config(device_memory=budget, **cfg))
-        losses = [engine.step(split(b, rank, world)) for b in batches]
+        losses, peaks = [], []
+        for b in batches:
+            losses.append(engine.step(split(b, rank, world)))
+            peaks.append(engine.stats.peak_device_bytes)
         layout, store = engine.layout, engine.store
         reduced = []
         if mode == "compiled":
@@ -40,14 +43,15 @@ def frozen(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
         per_chunk = collectives == "per_chunk"
         owned = owned_chunks(layout.num_chunks, rank=rank, world=world, per_chunk=per_chunk)
         expected = ModelBytes.of(torch.float32).host_bytes(layout, owned, store.home_numel)
-        folder = os.path.join(out_dir, f"ckpt-{mode}-{collectives}")
+        folder = os.path.join(out_dir, f"ckpt-{mode}-{collectives}-{fmt}")
         pscompile.save(engine, folder)
         again = [engine.step(split(b, rank, world)) for b in batches[:1]]
         pscompile.load(engine, folder)
         torch.save({"losses": losses, "full": engine.full_state_dict(), "state": engine.state_dict(),
                     "reduced": reduced, "frozen": sorted(layout.frozen_chunks), "evictions": engine.stats.num_evictions,
                     "host": store.host_model_bytes() + store.dev_os_pool.bytes_in_use, "expected": expected,
-                    "again": again, "resumed": [engine.step(split(b, rank, world)) for b in batches[:1]]},
-                   os.path.join(out_dir, f"{mode}-{collectives}-rank{rank}.pt"))
+                    "again": again, "resumed": [engine.step(split(b, rank, world)) for b in batches[:1]],
+                    "quantized": sorted(layout.quantized_chunks), "peaks": peaks, "budget": budget, "gathered": engine.stats.allgather_bytes},
+                   os.path.join(out_dir, f"{mode}-{collectives}-{fmt}-rank{rank}.pt"))
         engine.close()
     leave()

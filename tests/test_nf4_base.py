@@ -157,13 +157,18 @@ def test_an_unknown_format_is_refused_by_name():
         pscompile.Config(frozen_format="int4")
 
 
-def test_zero_is_refused_with_what_works():
+def test_under_zero_a_shard_holds_whole_nf4_blocks():
+    """Each rank's shard of a group kept in NF4 is whole blocks: an explicit chunk_size that would
+    cut one is refused by name; "auto" rounds the group to ranks x blocks."""
     from pscompile.runtime.batching import call_model
     from pscompile.runtime.params import choose_layout, collect_params
     model, batch = build("lora"), make_batches("gpt", 1)[0]
     mp = collect_params(model, call_model, batch)
-    with pytest.raises(ValueError, match="frozen_format='nf4' runs in one process"):
-        choose_layout(mp, config("compiled", torch.float32), None, world=2)
+    with pytest.raises(ValueError, match=r"chunk_size=2016: .*multiple of 64"):
+        choose_layout(mp, config("compiled", torch.float32, chunk_size=2016), None, world=2)
+    assert choose_layout(mp, config("compiled", torch.float32), None, world=2).chunk_size == 2 * 2048
+    auto = choose_layout(mp, config("compiled", torch.float32, chunk_size="auto"), None, world=3)
+    assert auto.chunk_size % (3 * 64) == 0
 
 
 def test_unfreezing_after_compile_is_refused_and_loses_nothing():

@@ -154,6 +154,18 @@ def test_an_8_bit_base_is_refused_with_what_works(saved):
         pscompile.compile(model, batches()[0], config=config("hooks", torch.float32))
 
 
+def test_under_zero_a_base_loaded_in_4_bits_is_refused_naming_what_works(saved):
+    """Several processes take a bf16 base with ``frozen_format='nf4'`` (tests/test_frozen_zero.py);
+    a base bitsandbytes loaded is refused there by name, before anything is built."""
+    from pscompile.runtime.batching import call_model
+    from pscompile.runtime.params import choose_layout, collect_params
+    mp = collect_params(qlora(saved[torch.float32], torch.float32), call_model, batches()[0])
+    with pytest.raises(ValueError, match=r"loaded in 4 bits by bitsandbytes \(the first: 'base_model\.model\.model\."
+                                         r"layers\.0\..*frozen_format='nf4'"):
+        choose_layout(mp, config("hooks", torch.float32), None, world=2)
+    assert choose_layout(mp, config("hooks", torch.float32), None, world=1).quantized_chunks
+
+
 @pytest.mark.parametrize("mode", ["hooks", "compiled"])
 def test_the_trainer_trains_a_qlora_model_as_the_plain_trainer_does(saved, mode, tmp_path):
     """``PscompileTrainer`` against transformers' own ``Trainer`` on the same loaded model, prepared

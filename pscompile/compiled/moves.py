@@ -238,8 +238,12 @@ class ChunkMoves:
         self.link.traffic.num_fetches += 1
         self.store.attach(mem.chunk, slot)
         self._slot_chunk[mem.slot] = mem.chunk
+        if self.store.packed(mem.chunk):
+            self._packed[mem.slot] = mem.chunk
         if mem.asynchronous:
             self._in_flight[mem.slot] = handle
+        else:
+            self._land(mem.slot)
 
     def _mem_reduce(self, mem, args, at_end, node) -> None:
         """ZeRO: gradients to their owners (reduce_scatter, reduce)."""

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import torch
 
 from pscompile.dist.store import own_pieces
+from pscompile.memory import nf4
 from pscompile.memory.layout import ChunkLayout, Piece, TensorEntry
 from pscompile.kinds import Collectives
 
@@ -168,5 +169,7 @@ def full_groups(store, comm) -> list[torch.Tensor]:
 
 def _weights(store, c: int) -> torch.Tensor:
     """This rank's part of chunk ``c``'s weights in fp32: its master, or a frozen chunk's
-    compute-dtype home (it has no master)."""
+    compute-dtype or NF4 home (it has no master)."""
+    if store.packed(c):
+        return nf4.read_piece(store.host_param[c], store.home_numel, 0, store.home_numel, torch.float32)
     return store.host_param[c].float() if not store.kind(c).master else store._states(c)[0]

@@ -29,6 +29,7 @@ from typing import Iterator, Mapping
 import torch
 
 from pscompile.dist.comm import Comm
+from pscompile.memory import nf4
 from pscompile.memory.layout import ChunkLayout, TensorEntry
 from pscompile.memory.copies import CopyEngine
 from pscompile.memory.store import BufferKind, ChunkStore
@@ -128,10 +129,10 @@ class _ZeroStore(ChunkStore):
     # ---- filling -------------------------------------------------------------------------
     def load_params(self, params: Mapping[str, torch.Tensor], *, flush: bool = True) -> None:
         for fqn, value in params.items():
-            flat = value.detach().reshape(-1)
+            flat = value if isinstance(value, nf4.Quantized) else value.detach().reshape(-1)
             for c, off, to, n in self._pieces(self.layout.entry(fqn)):
                 if not self.kind(c).master:                     # (no master: the weight's home is its copy)
-                    self.host_param[c][off:off + n].copy_(flat[to:to + n])
+                    self._load_frozen(c, off, flat, to, n)
                     continue
                 master = self._states(c, write=True)[0]        # (a disk home's through the cache)
                 if self.shard_on_device(c):
@@ -142,9 +143,21 @@ class _ZeroStore(ChunkStore):
         if flush:
             self.flush_disk()
 
+    def _load_frozen(self, c: int, off: int, flat, to: int, n: int) -> None:
+        """Elements ``[to, to + n)`` of a frozen tensor into this rank's home of ``c`` at ``off``:
+        4-bit codes as they are (``nf4.Quantized``: loaded in 4 bits), quantized into an NF4 home,
+        or copied into a compute-dtype one."""
+        if isinstance(flat, nf4.Quantized):
+            nf4.copy_piece(self.host_param[c], self.home_numel, off, flat, to, n)
+        elif self.packed(c):
+            nf4.write_piece(self.host_param[c], self.home_numel, off, flat[to:to + n])
+        else:
+            self.host_param[c][off:off + n].copy_(flat[to:to + n])
+
     # ---- residency (hooks mode drives these) ---------------------------------------------
     def _fill(self, c: int, buf: torch.Tensor) -> bool:
         self.gather_into(c, buf)
+        self.land(c, buf)
         return True
 
     def evict(self, c: int) -> None:
@@ -219,9 +232,21 @@ class ShardedStore(_ZeroStore):
         return out
 
     def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
-        """All-gather group ``c`` in place into ``buf``: this rank's shard crosses its link first."""
+        """All-gather group ``c`` in place into ``buf``: this rank's shard crosses its link first.
+        An NF4 group's shards are packed bytes, gathered one after another at the start of ``buf``
+        (``land`` dequantizes them)."""
+        if self.packed(c):
+            each = self.host_packed_pool.slot_bytes
+            out = buf.view(torch.uint8)[:self.world * each]
+            self._copy("h2d", copy)(out[self.rank * each:(self.rank + 1) * each], self.host_param[c])
+            return self.comm.all_gather(out, async_op=async_op)
         self._own_shard(c, self._mine(buf), copy)
         return self.comm.all_gather(buf, async_op=async_op)
+
+    def land(self, c: int, slot: torch.Tensor) -> None:
+        if self.packed(c):            # (the shards' packed bytes, one after another)
+            self.landing_bytes = nf4.workspace_bytes(slot.numel())
+            nf4.dequantize_chunk(slot, shards=self.world)
 
     def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
         """Reduce-scatter group ``c`` in place (the sum of this rank's shard lands on its part of
@@ -256,10 +281,12 @@ class OwnedChunkStore(_ZeroStore):
         return own_pieces(entry, 0, self.rank, per_chunk_world=self.world)
 
     def gather_into(self, c: int, buf: torch.Tensor, *, async_op: bool = False, copy=None):
-        """Broadcast chunk ``c`` from its owner, which fills ``buf`` from its home first."""
+        """Broadcast chunk ``c`` from its owner, which fills ``buf`` from its home first (an NF4
+        chunk: its packed bytes, at the start of ``buf``)."""
+        target = self.fetch_target(c, buf)
         if self.owner(c) == self.rank:
-            self._own_shard(c, buf, copy)
-        return self.comm.broadcast(buf, self.owner(c), async_op=async_op)
+            self._own_shard(c, target, copy)
+        return self.comm.broadcast(target, self.owner(c), async_op=async_op)
 
     def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
         """Reduce chunk ``c`` to its owner, which sends the sum home."""

@@ -159,17 +159,22 @@ def workspace_bytes(numel: int, block: int = 64) -> int:
     return packed_bytes(numel, block) + 6 * -(-numel // PIECES) + _TABLE_BYTES
 
 
-def dequantize_chunk(slot: torch.Tensor, block: int = 64) -> None:
+def dequantize_chunk(slot: torch.Tensor, block: int = 64, shards: int = 1) -> None:
     """``slot`` (a chunk of compute-dtype elements) holds its packed bytes at its start, as a fetch
     left them: write the values over them, in place. The packed bytes are copied aside first, and
-    the values made ``PIECES`` pieces at a time (``workspace_bytes``)."""
+    the values made ``PIECES`` pieces at a time (``workspace_bytes``). ``shards``: the packed bytes
+    are that many equal shards' one after another (a ZeRO group all-gathered from its owners)."""
     n = slot.numel()
-    packed = slot.view(torch.uint8)[:packed_bytes(n, block)].clone()
-    codes, absmax = chunk_views(packed, n, block)
+    s = n // shards
+    each = packed_bytes(s, block)
+    packed = slot.view(torch.uint8)[:shards * each].clone()
     table = _pair_levels(slot.device)
     step = -(-n // PIECES // block) * block
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        pairs = torch.index_select(table, 0, codes[a // 2:b // 2].to(torch.int32)).view(-1, block)
-        slot[a:b].copy_(pairs.mul_(absmax[a // block:b // block, None]).view(-1))
-        del pairs                      # (before the next piece's: one piece's temporaries at a time)
+    for r in range(shards):
+        codes, absmax = chunk_views(packed[r * each:(r + 1) * each], s, block)
+        out = slot[r * s:(r + 1) * s]
+        for a in range(0, s, step):
+            b = min(s, a + step)
+            pairs = torch.index_select(table, 0, codes[a // 2:b // 2].to(torch.int32)).view(-1, block)
+            out[a:b].copy_(pairs.mul_(absmax[a // block:b // block, None]).view(-1))
+            del pairs                  # (before the next piece's: one piece's temporaries at a time)

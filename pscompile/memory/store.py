@@ -83,7 +83,7 @@ class ChunkStore(StoreValues):
         self.homes = frozenset(range(n)) if homes is None else homes
         # NF4 chunks (``FROZEN_NF4``): a home of packed bytes each (``memory/nf4.py``); on disk, the
         # first bytes of a slot and of a staging buffer
-        self.host_packed_pool = SlotPool(Tier.HOST, _HOST, torch.uint8, nf4.packed_bytes(cs), pin=pin,
+        self.host_packed_pool = SlotPool(Tier.HOST, _HOST, torch.uint8, nf4.packed_bytes(hs), pin=pin,
                                          meter=self.host_meter)
         none = torch.empty(0, dtype=dtype)
         self.host_param = [(self.host_packed_pool if layout.kind(c).packed else self.host_param_pool)

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from pscompile.checkpoint.file_format import CheckpointReader, TensorSource
+from pscompile.memory import nf4
 
 PREFIX = "frozen."
 
@@ -63,7 +64,7 @@ def record(engine) -> dict | None:
 def tensors(engine) -> list[TensorSource]:
     """The frozen chunks as checkpoint tensors (``save(..., frozen_weights=True)``)."""
     store = engine.store
-    return [(f"{PREFIX}{c}", *((torch.uint8, store.fetch_bytes(c)) if store.packed(c) else (engine.dtype, store.home_numel)),
+    return [(f"{PREFIX}{c}", *((torch.uint8, nf4.packed_bytes(store.home_numel)) if store.packed(c) else (engine.dtype, store.home_numel)),
              partial(_read, engine, c)) for c in _owned_frozen(engine)]
 
 

@@ -155,9 +155,11 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
     multiple of ``world``."""
     frozen = [f for f, p in mp.params.items() if not p.requires_grad]
     quantized = frozenset(quantized_params(mp, config))
-    if quantized and world > 1:
-        raise ValueError("frozen_format='nf4' runs in one process for now: ZeRO's collectives move compute-dtype "
-                         "chunks; use frozen_format='compute' with a process group, or one process")
+    if mp.loaded_4bit and world > 1:
+        raise ValueError(f"{len(mp.loaded_4bit)} weights were loaded in 4 bits by bitsandbytes (the first: "
+                         f"{sorted(mp.loaded_4bit)[0]!r}); such a model trains in one process for now (its codes go "
+                         "back to the model from one rank's chunks at close). With a process group, load the base "
+                         "in bf16 and give Config(frozen_format='nf4'): pscompile keeps it in the same NF4")
     # (an NF4 tensor's footprint: whole blocks, ``layout.NF4_ALIGN``)
     numels = [-(-p.numel() // NF4_ALIGN) * NF4_ALIGN if f in quantized else p.numel() for f, p in mp.params.items()]
     streams = ([2 if f in quantized else int(not p.requires_grad) for f, p in mp.params.items()]
@@ -169,8 +171,12 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
         host = _host_cap(config, elsize) if host_staging else None
         cap = host if cap is None else cap if host is None else min(cap, host)
         cs = search_chunk_size(numels, max_chunk_size=cap, keep_tensors_whole=not pages, streams=streams).chunk_size
-        cs = -(-cs // world) * world
+        unit = world * (NF4_ALIGN if quantized and world > 1 else 1)     # (each rank's shard whole NF4 blocks)
+        cs = -(-cs // unit) * unit
     else:
+        if quantized and world > 1 and cs % NF4_ALIGN:
+            raise ValueError(f"chunk_size={cs}: under ZeRO each rank's shard of a group kept in NF4 holds whole "
+                             f"blocks of {NF4_ALIGN} elements; give a chunk_size that is a multiple of {NF4_ALIGN}")
         cs = cs * world
     return build_layout(((f, tuple(p.shape)) for f, p in mp.params.items()), cs, mp.aliases, frozen, quantized)
 
