@@ -55,3 +55,41 @@ def frozen(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
                    os.path.join(out_dir, f"{mode}-{collectives}-{fmt}-rank{rank}.pt"))
         engine.close()
     leave()
+
+
+def loaded(rank: int, world: int, port: int, out_dir: str, folder: str, cases: list[tuple[str, str]]) -> None:
+    """Each (mode, collectives): the tiny Llama bitsandbytes loads in 4 bits (double quantization)
+    with peft's LoRA, STEPS steps on this rank's half of each batch under a budget that evicts;
+    save the losses, the adapters, the peaks and the codes each layer holds after ``close``."""
+    import bitsandbytes as bnb
+    from pscompile.runtime.bnb4bit import Loaded4bitLinear
+    from tests.test_qlora_bnb import batches, qlora
+
+    join(rank, world, port)
+    data = [batches()[1]] * STEPS          # (one length: the ranks' halves have the same shape)
+    for mode, collectives in cases:
+        cfg = dict(mode=mode, backend="eager", device="cpu", dtype=torch.float32, chunk_size=2048,
+                   collectives=collectives)
+        probe = pscompile.compile(qlora(folder, torch.float32, nested=True), split(data[0], rank, world),
+                                  optimizer=HP, config=pscompile.Config(**cfg))
+        probe.step(split(data[0], rank, world))
+        budget = probe.min_device_memory + probe.store.param_chunk_bytes
+        probe.close()
+        model = qlora(folder, torch.float32, nested=True)
+        codes = {n: m.weight.detach().reshape(-1).clone() for n, m in model.named_modules()
+                 if isinstance(m, bnb.nn.Linear4bit)}
+        engine = pscompile.compile(model, split(data[0], rank, world), optimizer=HP,
+                                   config=pscompile.Config(device_memory=budget, **cfg))
+        losses, peaks = [], []
+        for b in data:
+            losses.append(engine.step(split(b, rank, world)))
+            peaks.append(engine.stats.peak_device_bytes)
+        full = {n: t for n, t in engine.full_state_dict().items() if "lora_" in n}
+        evictions = engine.stats.num_evictions
+        engine.close()
+        back = {n: model.get_submodule(n).source.codes for n in codes}
+        torch.save({"losses": losses, "peaks": peaks, "budget": budget, "full": full, "evictions": evictions,
+                    "codes_back": all(torch.equal(back[n], codes[n]) for n in codes),
+                    "adopted": all(isinstance(model.get_submodule(n), Loaded4bitLinear) for n in codes)},
+                   os.path.join(out_dir, f"loaded-{mode}-{collectives}-rank{rank}.pt"))
+    leave()

@@ -154,16 +154,30 @@ def test_an_8_bit_base_is_refused_with_what_works(saved):
         pscompile.compile(model, batches()[0], config=config("hooks", torch.float32))
 
 
-def test_under_zero_a_base_loaded_in_4_bits_is_refused_naming_what_works(saved):
-    """Several processes take a bf16 base with ``frozen_format='nf4'`` (tests/test_frozen_zero.py);
-    a base bitsandbytes loaded is refused there by name, before anything is built."""
-    from pscompile.runtime.batching import call_model
-    from pscompile.runtime.params import choose_layout, collect_params
-    mp = collect_params(qlora(saved[torch.float32], torch.float32), call_model, batches()[0])
-    with pytest.raises(ValueError, match=r"loaded in 4 bits by bitsandbytes \(the first: 'base_model\.model\.model\."
-                                         r"layers\.0\..*frozen_format='nf4'"):
-        choose_layout(mp, config("hooks", torch.float32), None, world=2)
-    assert choose_layout(mp, config("hooks", torch.float32), None, world=1).quantized_chunks
+ZERO_CASES = [("hooks", "group"), ("compiled", "per_chunk")]
+
+
+def test_under_zero_two_ranks_train_the_loaded_base_and_give_its_codes_back(saved, tmp_path):
+    """Two gloo ranks, each keeping its shards of the loaded codes: losses and adapters track plain
+    PyTorch + bitsandbytes accumulating the ranks' halves, every step within the budget, and at
+    ``close`` every layer gets bitsandbytes' codes back, byte for byte, from both ranks' shards."""
+    import frozen_worker
+    from test_dist import WORLD, spawn
+    spawn(frozen_worker.loaded, str(tmp_path), str(saved[torch.float32]), ZERO_CASES)
+    data = [batches()[1]] * frozen_worker.STEPS
+    ref = ReferenceTrainer(qlora(saved[torch.float32], torch.float32, nested=True), optimizer=frozen_worker.HP,
+                           dtype=torch.float32)
+    want = [ref.step([frozen_worker.split(b, r, WORLD) for r in range(WORLD)]) for b in data]
+    theirs = ref.master_state()
+    for mode, collectives in ZERO_CASES:
+        for r in range(WORLD):
+            run = torch.load(tmp_path / f"loaded-{mode}-{collectives}-rank{r}.pt", weights_only=False)
+            assert run["losses"] == pytest.approx(want, rel=1e-5), (mode, collectives)
+            assert max(run["peaks"]) <= run["budget"] and run["evictions"] > 0
+            assert run["adopted"] and run["codes_back"], (mode, collectives)
+            assert run["full"] and all("lora_" in n for n in run["full"])
+            for n, w in run["full"].items():
+                torch.testing.assert_close(w, theirs[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "compiled"])

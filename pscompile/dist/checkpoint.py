@@ -167,6 +167,33 @@ def full_groups(store, comm) -> list[torch.Tensor]:
     return [parts[:, g].reshape(-1) for g in range(n)]
 
 
+def full_packed(store, comm) -> dict[int, torch.Tensor]:
+    """Every NF4 group's (per chunk: chunk's) packed bytes, whole and in one chunk's layout
+    (``nf4.chunk_views``), on every rank: one all-gather of the concatenated shards, whose codes and
+    absmax are then put end to end, or one broadcast per chunk from its owner."""
+    chunks = sorted(store.layout.quantized_chunks)
+    each = nf4.packed_bytes(store.home_numel)
+    if _per_chunk(store):
+        out = {}
+        for c in chunks:
+            buf = store.host_param[c].clone() if store.owns(c) else torch.empty(each, dtype=torch.uint8)
+            comm.broadcast_plain(buf, store.owner(c))
+            out[c] = buf
+        return out
+    mine = torch.cat([store.host_param[c] for c in chunks]) if chunks else torch.empty(0, dtype=torch.uint8)
+    everyone = torch.empty(comm.world * mine.numel(), dtype=torch.uint8)
+    comm.all_gather_flat(everyone, mine)
+    parts = everyone.view(comm.world, len(chunks), each)
+    out = {}
+    for i, c in enumerate(chunks):
+        whole = torch.empty(nf4.packed_bytes(store.layout.chunk_size), dtype=torch.uint8)
+        shards = [nf4.chunk_views(parts[r, i], store.home_numel) for r in range(comm.world)]
+        for dst, k in zip(nf4.chunk_views(whole, store.layout.chunk_size), (0, 1)):
+            dst.copy_(torch.cat([s[k] for s in shards]))
+        out[c] = whole
+    return out
+
+
 def _weights(store, c: int) -> torch.Tensor:
     """This rank's part of chunk ``c``'s weights in fp32: its master, or a frozen chunk's
     compute-dtype or NF4 home (it has no master)."""

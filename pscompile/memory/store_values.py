@@ -116,20 +116,23 @@ class StoreValues:
             self.close_home(p.chunk)
         return out.view(e.shape)
 
-    def codes(self, fqn: str) -> nf4.Quantized:
-        """An NF4 parameter's codes and absmax, copied out of its home (what ``_write_codes`` wrote)."""
+    def codes(self, fqn: str, homes: Mapping[int, torch.Tensor] | None = None) -> nf4.Quantized:
+        """An NF4 parameter's codes and absmax, copied out of its home (what ``_write_codes`` wrote),
+        or out of ``homes`` (chunk -> its packed bytes whole: ZeRO's, gathered from the ranks)."""
         e = self.layout.entry(fqn)
         if not e.quantized:
             raise KeyError(f"{fqn!r} is not kept in NF4: it has no codes")
         codes = torch.empty((e.numel + 1) // 2, dtype=torch.uint8)
         absmax = torch.empty(-(-e.numel // nf4.BLOCK), dtype=torch.float32)
         for p in e.pieces:
-            c, a = nf4.chunk_views(self.open_home(p.chunk), self.layout.chunk_size)
+            home = self.open_home(p.chunk) if homes is None else homes[p.chunk]
+            c, a = nf4.chunk_views(home, self.layout.chunk_size)
             n_codes, n_blocks = (p.numel + 1) // 2, -(-p.numel // nf4.BLOCK)
             codes[p.tensor_offset // 2:p.tensor_offset // 2 + n_codes] = c[p.chunk_offset // 2:p.chunk_offset // 2 + n_codes]
             absmax[p.tensor_offset // nf4.BLOCK:p.tensor_offset // nf4.BLOCK + n_blocks] = \
                 a[p.chunk_offset // nf4.BLOCK:p.chunk_offset // nf4.BLOCK + n_blocks]
-            self.close_home(p.chunk)
+            if homes is None:
+                self.close_home(p.chunk)
         return nf4.Quantized(codes, absmax, torch.Size(e.shape), nf4.BLOCK)
 
     def _on_device(self, which: BufferKind, c: int) -> bool:

@@ -108,6 +108,11 @@ def take_packed(module: nn.Module) -> dict[str, nf4.Quantized]:
     return {"weight": source}
 
 
+def taken(model: nn.Module) -> bool:
+    """Some ``Loaded4bitLinear`` of ``model`` has had its codes taken by an engine."""
+    return any(isinstance(m, Loaded4bitLinear) and m.source is None for m in model.modules())
+
+
 def give_back(model: nn.Module, codes_of: Callable[[nn.Parameter], nf4.Quantized]) -> None:
     """Each ``Loaded4bitLinear`` whose codes an engine took gets them back (``codes_of(weight)``,
     read from the engine's chunks), so the model is again as it was loaded."""

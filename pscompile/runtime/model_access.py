@@ -109,7 +109,10 @@ class ModelAccess:
                 torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=self._orig[fqn][1], device="meta"),
                                                          p.requires_grad))
             names = {id(p): fqn for fqn, p in self.params.items()}
-            bnb4bit.give_back(self.model, lambda w: self.store.codes(names[id(w)]))
+            homes = None       # (ZeRO: a layer loaded in 4 bits takes its codes from every rank's shards)
+            if self.comm is not None and bnb4bit.taken(self.model):
+                homes = shard_ckpt.full_packed(self.store, self.comm)
+            bnb4bit.give_back(self.model, lambda w: self.store.codes(names[id(w)], homes))
             if self.comm is not None:      # a collective: every rank closes its engine
                 full = self._full_masters()
                 for fqn, p in self.params.items():

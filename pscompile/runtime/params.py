@@ -155,11 +155,6 @@ def choose_layout(mp: ModelParams, config: Config, budget: int | None, *, world:
     multiple of ``world``."""
     frozen = [f for f, p in mp.params.items() if not p.requires_grad]
     quantized = frozenset(quantized_params(mp, config))
-    if mp.loaded_4bit and world > 1:
-        raise ValueError(f"{len(mp.loaded_4bit)} weights were loaded in 4 bits by bitsandbytes (the first: "
-                         f"{sorted(mp.loaded_4bit)[0]!r}); such a model trains in one process for now (its codes go "
-                         "back to the model from one rank's chunks at close). With a process group, load the base "
-                         "in bf16 and give Config(frozen_format='nf4'): pscompile keeps it in the same NF4")
     # (an NF4 tensor's footprint: whole blocks, ``layout.NF4_ALIGN``)
     numels = [-(-p.numel() // NF4_ALIGN) * NF4_ALIGN if f in quantized else p.numel() for f, p in mp.params.items()]
     streams = ([2 if f in quantized else int(not p.requires_grad) for f, p in mp.params.items()]
