@@ -60,10 +60,13 @@ def test_a_second_process_loads_the_program_and_trains_bit_for_bit(tmp_path):
     assert first["shares"] == rerun["shares"] == [0.0, 1.0, 1.0, 1.0]
     assert resume["shares"] == [1.0, 1.0]
     # the layout weighed and the activations chosen once: the later processes take the first's
-    # choices (compiled/choice_store.py)
+    # choices (compiled/choice_store.py). How many activation choices a process makes (at compile,
+    # after its measuring step or a checkpoint's measurements) and so how many it finds kept varies:
+    # their facts hold the measured rates' verdicts (``minimum.choose_activations``), which a loaded
+    # machine can tip (a CI run found 2 in the resume); each process finds at least one
     assert len(first["layout"][1]) > 1 and first["choice_hits"] == {"layout": 0, "activations": 0}
-    assert rerun["choice_hits"] == resume["choice_hits"] == {"layout": 1, "activations": 1}, \
-        (rerun["choice_hits"], resume["choice_hits"])
+    for run in (rerun, resume):
+        assert run["choice_hits"]["layout"] == 1 and run["choice_hits"]["activations"] >= 1, run["choice_hits"]
     assert rerun["layout"] == resume["layout"] == first["layout"]
     assert rerun["losses"] == first["losses"] and _same_state(rerun["state"], first["state"])
     assert resume["losses"] == first["losses"][2:] and _same_state(resume["state"], first["state"])
