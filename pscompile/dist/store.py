@@ -212,6 +212,7 @@ class ShardedStore(_ZeroStore):
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.shard = layout.chunk_size // comm.world
+        self.packed_shards = comm.world       # (an NF4 group lands as its ranks' packed shards)
         super().__init__(layout, device=device, dtype=dtype, link=link, home_numel=self.shard, copies=copies,
                          **tiers)
         self._make_device_grads()
@@ -242,11 +243,6 @@ class ShardedStore(_ZeroStore):
             return self.comm.all_gather(out, async_op=async_op)
         self._own_shard(c, self._mine(buf), copy)
         return self.comm.all_gather(buf, async_op=async_op)
-
-    def land(self, c: int, slot: torch.Tensor) -> None:
-        if self.packed(c):            # (the shards' packed bytes, one after another)
-            self.landing_bytes = nf4.workspace_bytes(slot.numel())
-            nf4.dequantize_chunk(slot, shards=self.world)
 
     def reduce_into_home(self, c: int, buf: torch.Tensor, acc: torch.Tensor | None = None, copy=None) -> None:
         """Reduce-scatter group ``c`` in place (the sum of this rank's shard lands on its part of

@@ -48,6 +48,7 @@ _HOST = torch.device("cpu")
 
 
 class ChunkStore(StoreValues):
+    packed_shards = 1      # the shards a landing NF4 slot's packed bytes come in (ZeRO by group: its ranks)
     def __init__(self, layout: ChunkLayout, *, device: torch.device, dtype: torch.dtype, link: Link,
                  os_on_device: frozenset[int] = frozenset(), home_numel: int | None = None,
                  homes: frozenset[int] | None = None, os_on_disk: frozenset[int] = frozenset(),
@@ -81,8 +82,7 @@ class ChunkStore(StoreValues):
         self.host_os_pool = SlotPool(Tier.HOST, _HOST, torch.float32, hs, pin=pin, meter=self.host_meter)
         n = layout.num_chunks
         self.homes = frozenset(range(n)) if homes is None else homes
-        # NF4 chunks (``FROZEN_NF4``): a home of packed bytes each (``memory/nf4.py``); on disk, the
-        # first bytes of a slot and of a staging buffer
+        # NF4 chunks (``FROZEN_NF4``): packed bytes at home (``memory/nf4.py``; on disk too)
         self.host_packed_pool = SlotPool(Tier.HOST, _HOST, torch.uint8, nf4.packed_bytes(hs), pin=pin,
                                          meter=self.host_meter)
         none = torch.empty(0, dtype=dtype)
@@ -311,7 +311,7 @@ class ChunkStore(StoreValues):
         fixed bytes, ``model_bytes.dequant_workspace``). Others: nothing to do."""
         if self.packed(c):
             self.landing_bytes = nf4.workspace_bytes(slot.numel())    # (until the engine sampled it: ``landed``)
-            nf4.dequantize_chunk(slot)
+            nf4.dequantize_chunk(slot, shards=self.packed_shards)
 
     def landed(self) -> None:
         """The engine sampled the device after a landing: its workspace is given back."""
